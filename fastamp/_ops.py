@@ -1,0 +1,62 @@
+"""Loading of the native extension and fake (meta) impls of its ops.
+
+The schemas are defined in C++ (``csrc/ops.cpp``, ``TORCH_LIBRARY(fastamp, m)``). Importing
+this module never fails: if ``fastamp._C`` is missing or does not load against the
+installed torch, ``NATIVE_ERROR`` says why and the native backend is unavailable.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+NATIVE_LOADED = False
+NATIVE_ERROR: Optional[str] = None
+
+try:
+    from fastamp import _C  # noqa: F401  (loading it runs the TORCH_LIBRARY registrations)
+
+    NATIVE_LOADED = True
+except Exception as e:  # ImportError, or OSError / undefined symbol against another torch
+    NATIVE_ERROR = f"{type(e).__name__}: {e}"
+
+NATIVE_OPS = ("unscale_check_", "update_scale_", "adamw_")
+
+
+def native_has_kernel(op: str, device_type: str) -> bool:
+    """Whether ``fastamp::op`` has a kernel registered for ``device_type`` ('cpu'/'cuda')."""
+    if not NATIVE_LOADED:
+        return False
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+    if key is None:
+        return False
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"fastamp::{op}", key))
+    except RuntimeError:
+        return False
+
+
+def build_info() -> Optional[str]:
+    return torch.ops.fastamp.build_info() if NATIVE_LOADED else None
+
+
+if NATIVE_LOADED:
+
+    @torch.library.register_fake("fastamp::unscale_check_")
+    def _unscale_check_fake(grads, found_inf, inv_scale, write_back, compute_sumsq):
+        return found_inf.new_empty((), dtype=torch.float32)
+
+    @torch.library.register_fake("fastamp::update_scale_")
+    def _update_scale_fake(
+        scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
+        hysteresis, min_scale, max_scale,
+    ):
+        return None
+
+    @torch.library.register_fake("fastamp::adamw_")
+    def _adamw_fake(
+        params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, beta1, beta2, eps,
+        amsgrad, maximize,
+    ):
+        return None

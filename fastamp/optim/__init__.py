@@ -1,0 +1,1 @@
+"""Fused, amp-aware optimizers with fp32 master weights for fp16/bf16 params."""
