@@ -1,0 +1,187 @@
+// CUDA kernels of fastamp::unscale_check_ and fastamp::update_scale_ (semantics:
+// fastamp/reference.py; per-element maths: csrc/fastamp_math.h). No torch header: the
+// binding is csrc/cuda/bindings.cpp.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "../fastamp_math.h"
+#include "launchers.h"
+#include "multi_tensor.cuh"
+
+namespace fastamp {
+namespace cuda {
+namespace {
+
+using detail::kBlockSize;
+
+constexpr int kUnscaleIlp = 4;  // vectors in flight per thread
+
+// One block per chunk (grid-stride over the launch's chunks). Each thread walks groups of
+// VEC consecutive elements: group j = base + threadIdx.x + k * kBlockSize. A full group of
+// an aligned tensor is one 16-byte access, anything else is element by element, but the
+// groups, and the order a thread accumulates their squares in, do not depend on the path,
+// so the per-chunk sum of squares has the same bits whatever the tensor's alignment.
+template <typename E, typename Table>
+__global__ void __launch_bounds__(kBlockSize)
+    unscale_check_kernel(const __grid_constant__ Table table, float* __restrict__ found_inf,
+                         const float* __restrict__ inv_scale_ptr, double* __restrict__ partials,
+                         int64_t first_chunk, bool write_back, bool compute_sumsq) {
+  using S = typename E::storage_t;
+  constexpr int VEC = 16 / static_cast<int>(sizeof(S));
+  using P = detail::Pack<S, VEC>;
+  __shared__ double smem[kBlockSize / 32];
+
+  const float inv_scale = *inv_scale_ptr;
+  for (int64_t chunk = blockIdx.x; chunk < table.num_chunks; chunk += gridDim.x) {
+    const detail::ChunkLocation loc = detail::locate_chunk(table, chunk);
+    S* base_ptr = static_cast<S*>(table.ptrs[0][loc.tensor]);
+    const bool vec_ok = detail::is_aligned_for_pack<S, VEC>(base_ptr);
+    S* data = base_ptr + loc.offset;
+    const int64_t n = loc.n;
+    const int64_t groups = (n + VEC - 1) / VEC;
+
+    bool bad = false;
+    float acc = 0.0f;
+    for (int64_t g0 = 0; g0 < groups; g0 += static_cast<int64_t>(kUnscaleIlp) * kBlockSize) {
+      S vals[kUnscaleIlp][VEC];
+#pragma unroll
+      for (int k = 0; k < kUnscaleIlp; ++k) {
+        const int64_t j = g0 + threadIdx.x + static_cast<int64_t>(k) * kBlockSize;
+        const int64_t e0 = j * VEC;
+        if (j < groups) {
+          if (vec_ok && e0 + VEC <= n) {
+            const P p = *reinterpret_cast<const P*>(data + e0);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) vals[k][e] = p.v[e];
+          } else {
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) vals[k][e] = (e0 + e < n) ? data[e0 + e] : S(0);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < kUnscaleIlp; ++k) {
+        const int64_t j = g0 + threadIdx.x + static_cast<int64_t>(k) * kBlockSize;
+        const int64_t e0 = j * VEC;
+        if (j < groups) {
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            if (e0 + e < n) {
+              const float y = math::unscale_element(E::load(vals[k][e]), inv_scale, &bad);
+              if (compute_sumsq) acc = acc + y * y;
+              if (write_back) {
+                const S stored = E::store(y);
+                if (!E::stored_finite(stored)) bad = true;
+                vals[k][e] = stored;
+              }
+            }
+          }
+          if (write_back) {
+            if (vec_ok && e0 + VEC <= n) {
+              P p;
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) p.v[e] = vals[k][e];
+              *reinterpret_cast<P*>(data + e0) = p;
+            } else {
+#pragma unroll
+              for (int e = 0; e < VEC; ++e) {
+                if (e0 + e < n) data[e0 + e] = vals[k][e];
+              }
+            }
+          }
+        }
+      }
+    }
+
+    // Every writer stores the same 1.0f, so the race between blocks is benign.
+    if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
+    if (compute_sumsq) {
+      const double chunk_sum = detail::block_sum_fixed_order(static_cast<double>(acc), smem);
+      if (threadIdx.x == 0) partials[first_chunk + chunk] = chunk_sum;
+    }
+  }
+}
+
+// Second pass: one block sums the per-chunk partials in a fixed order.
+__global__ void __launch_bounds__(kBlockSize)
+    sumsq_finalize_kernel(const double* __restrict__ partials, int64_t count, float* __restrict__ out) {
+  __shared__ double smem[kBlockSize / 32];
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kBlockSize) acc += partials[i];
+  const double total = detail::block_sum_fixed_order(acc, smem);
+  if (threadIdx.x == 0) *out = static_cast<float>(total);
+}
+
+__global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
+                                    const float* found_inf, double growth_factor, double backoff_factor,
+                                    int64_t growth_interval, int64_t hysteresis, double min_scale, double max_scale) {
+  math::update_scale(scale, growth_tracker, hysteresis_tracker, *found_inf, growth_factor, backoff_factor,
+                     growth_interval, hysteresis, min_scale, max_scale);
+}
+
+template <typename E>
+cudaError_t unscale_check_dtype(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
+                                bool write_back, bool compute_sumsq, double* partials, int64_t* chunks_done,
+                                cudaStream_t stream) {
+  const int64_t first = *chunks_done;
+  using Table = detail::TableFor<1>;
+  auto builder = detail::make_builder<1>([&](const Table& table, int64_t chunks_before) -> cudaError_t {
+    unscale_check_kernel<E, Table><<<detail::grid_for_chunks(table.num_chunks), kBlockSize, 0, stream>>>(
+        table, found_inf, inv_scale, partials, first + chunks_before, write_back, compute_sumsq);
+    return cudaGetLastError();
+  });
+  for (int64_t i = 0; i < num_grads; ++i) {
+    if (grads[i].dtype != E::kDType || grads[i].numel <= 0) continue;
+    void* ptrs[1] = {grads[i].data};
+    const cudaError_t err = builder.add(ptrs, grads[i].numel);
+    if (err != cudaSuccess) return err;
+    *chunks_done += num_chunks(grads[i].numel);
+  }
+  return builder.flush();
+}
+
+}  // namespace
+
+int64_t unscale_check_num_partials(const GradRef* grads, int64_t num_grads) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < num_grads; ++i) {
+    if (grads[i].numel > 0) total += num_chunks(grads[i].numel);
+  }
+  return total;
+}
+
+cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
+                          bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
+                          cudaStream_t stream) {
+  // Chunk ordinals (and so the partials' order) follow dtype, then list order: fixed for a
+  // given list, whatever the launch boundaries.
+  int64_t chunks = 0;
+  cudaError_t err = unscale_check_dtype<detail::F32>(grads, num_grads, found_inf, inv_scale, write_back,
+                                                     compute_sumsq, partials, &chunks, stream);
+  if (err == cudaSuccess) {
+    err = unscale_check_dtype<detail::F16>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq,
+                                           partials, &chunks, stream);
+  }
+  if (err == cudaSuccess) {
+    err = unscale_check_dtype<detail::BF16>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq,
+                                            partials, &chunks, stream);
+  }
+  if (err != cudaSuccess) return err;
+  if (compute_sumsq) {
+    sumsq_finalize_kernel<<<1, kBlockSize, 0, stream>>>(partials, chunks, sumsq_out);
+    return cudaGetLastError();
+  }
+  return cudaMemsetAsync(sumsq_out, 0, sizeof(float), stream);
+}
+
+cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, const float* found_inf,
+                         double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                         double min_scale, double max_scale, cudaStream_t stream) {
+  update_scale_kernel<<<1, 1, 0, stream>>>(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+                                           backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
+  return cudaGetLastError();
+}
+
+}  // namespace cuda
+}  // namespace fastamp

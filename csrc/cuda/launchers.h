@@ -1,0 +1,74 @@
+// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, csrc/cuda/adamw.cu).
+//
+// Raw device pointers, 64-bit sizes, a dtype enum and a stream: no torch, ATen or c10
+// header, so the kernels compile with bare nvcc (tests/test_cuda_compile.py) and the torch
+// binding (csrc/cuda/bindings.cpp) stays a thin validation layer. Every launcher only
+// enqueues work on `stream` (no host sync, no allocation) and returns the first CUDA error
+// it saw (cudaSuccess otherwise). Semantics are those of fastamp/reference.py.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace fastamp {
+namespace cuda {
+
+enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+
+// Elements handled by one block at a time. A multiple of every vector width, so each
+// chunk of an aligned tensor starts aligned. sum-of-squares partials are per chunk.
+constexpr int64_t kChunkSize = 65536;
+
+inline int64_t num_chunks(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
+
+// ---- fastamp::unscale_check_ ----
+
+struct GradRef {
+  void* data;     // contiguous, on the current device; written only when write_back
+  int64_t numel;  // may be 0
+  DType dtype;
+};
+
+// Number of fp64 per-chunk partials `unscale_check` needs in `partials` when
+// compute_sumsq is true (0 is valid: then `partials` may be null).
+int64_t unscale_check_num_partials(const GradRef* grads, int64_t num_grads);
+
+// found_inf: 1 fp32, set to 1.0 when any element is flagged, never reset.
+// inv_scale: 1 fp32. sumsq_out: 1 fp32, always written (0 unless compute_sumsq).
+// The sum of squares is reduced in a fixed order (per-thread fp32, then fp64 per chunk
+// and across chunks), so it is reproducible run to run and independent of alignment.
+cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
+                          bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
+                          cudaStream_t stream);
+
+// ---- fastamp::update_scale_ ----
+
+cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, const float* found_inf,
+                         double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis,
+                         double min_scale, double max_scale, cudaStream_t stream);
+
+// ---- fastamp::adamw_ ----
+
+struct AdamWTensorRef {
+  void* param;              // param_dtype, rewritten (rounded to nearest-even from fp32)
+  const void* grad;         // grad_dtype, read only
+  float* master;            // fp32 master or null (then the param itself is the fp32 value)
+  float* exp_avg;           // fp32
+  float* exp_avg_sq;        // fp32
+  float* max_exp_avg_sq;    // fp32, used only with amsgrad
+  int64_t numel;            // shared by all of the above
+  DType param_dtype;
+  DType grad_dtype;
+};
+
+// step_scalars: 4 fp32 on device, [step_size, bc2_sqrt, decay, grad_mul]
+// (reference.adamw_step_scalars). found_inf: null, or 1 fp32 read on device: non-zero
+// (NaN included) skips the whole update. Tensors may mix dtype combinations; the
+// launcher groups them, one multi-tensor launch sequence per combination.
+cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars,
+                  const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
+                  cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fastamp
