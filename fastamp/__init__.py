@@ -7,8 +7,9 @@ backends are available.
 """
 
 from fastamp import _ops, backends, functional, reference  # noqa: F401
+from fastamp.optim import AdamW
 from fastamp.scaler import OptState, Scaler
 
 __version__ = "0.1.0"
 
-__all__ = ["Scaler", "OptState", "backends", "functional", "reference", "__version__"]
+__all__ = ["Scaler", "AdamW", "OptState", "backends", "functional", "reference", "__version__"]
