@@ -1,0 +1,185 @@
+"""Shared pieces of the Triton kernels: dtype kinds, fp32 load/store helpers, launch tables.
+
+Every kernel reads its tensors through a table of raw ``data_ptr()`` values (multi-tensor
+apply): one launch covers every chunk of every tensor of a dtype group. The table is one
+int64 tensor on the device, laid out as::
+
+    [ptrs of kind 0 (n_tensors), ..., ptrs of kind K-1, numel (n_tensors),
+     chunk -> tensor index (n_chunks), chunk -> first element (n_chunks)]
+
+so a launch needs one host-to-device copy, from pinned memory with ``non_blocking`` on
+CUDA (no host sync), and tables are cached by their content.
+"""
+
+import math
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from fastamp.kernels import interpreted
+
+# dtype kinds, passed to kernels as constexprs. bf16 travels as raw uint16 bits so that the
+# rounding is done with integer operations (the interpreter's fp32->bf16 cast is not RNE).
+KIND_F32 = 0
+KIND_F16 = 1
+KIND_BF16 = 2
+KIND_F64 = 3
+DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: KIND_BF16, torch.float64: KIND_F64}
+
+# Triton >= 3.2 has correctly rounded sqrt/division; plain `tl.sqrt` and `/` lower to
+# approximate PTX instructions on NVIDIA GPUs. Older Triton falls back (documented drift).
+HAS_RN = hasattr(tl, "sqrt_rn") and hasattr(tl, "div_rn")
+
+# Compile option: no FMA contraction, so every fp32 operation rounds once, as in the reference.
+LAUNCH_OPTS = {} if interpreted() else {"enable_fp_fusion": False}
+
+
+def chunk_config() -> tuple:
+    """``(CHUNK, BLOCK)``: elements per program and per inner iteration.
+
+    The interpreter pays per program and per operation, not per element, so it gets large
+    blocks; a GPU gets chunks small enough to fill every SM on a few large tensors.
+    """
+    if interpreted():
+        return 4096, 1024
+    return 16384, 2048
+
+
+@triton.jit
+def sqrt_rn(x, HAS_RN: tl.constexpr):
+    if HAS_RN:
+        return tl.sqrt_rn(x)
+    else:
+        return tl.sqrt(x)
+
+
+@triton.jit
+def div_rn(x, y, HAS_RN: tl.constexpr):
+    if HAS_RN:
+        return tl.div_rn(x, y)
+    else:
+        return x / y
+
+
+@triton.jit
+def load_ptr(table_ptr, slot, KIND: tl.constexpr):
+    """The pointer stored at ``table_ptr[slot]``, typed for a tensor of dtype kind ``KIND``."""
+    raw = tl.load(table_ptr + slot)
+    if KIND == 0:
+        return raw.to(tl.pointer_type(tl.float32))
+    elif KIND == 1:
+        return raw.to(tl.pointer_type(tl.float16))
+    elif KIND == 2:
+        return raw.to(tl.pointer_type(tl.uint16))
+    else:
+        return raw.to(tl.pointer_type(tl.float64))
+
+
+@triton.jit
+def load_f32(ptr, idx, mask, KIND: tl.constexpr):
+    """Load elements and convert them to fp32 (exact for fp16/bf16; RNE for fp64)."""
+    if KIND == 2:
+        bits = tl.load(ptr + idx, mask=mask, other=0).to(tl.uint32)
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + idx, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
+def f32_to_bf16_bits(x):
+    """Round fp32 to bf16 to nearest even by integer ops; NaN stays a quiet NaN of the same sign."""
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16)
+    nan = ((u >> 16) | 0x0040).to(tl.uint16)
+    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, nan, rounded)
+
+
+@triton.jit
+def is_finite_f32(x):
+    return (x.to(tl.uint32, bitcast=True) & 0x7F800000) != 0x7F800000
+
+
+@triton.jit
+def store_from_f32(ptr, idx, x, mask, KIND: tl.constexpr):
+    """Round fp32 ``x`` once to the tensor's dtype and store it; returns the stored value's finiteness."""
+    if KIND == 0:
+        tl.store(ptr + idx, x, mask=mask)
+        return is_finite_f32(x)
+    elif KIND == 1:
+        h = x.to(tl.float16)
+        tl.store(ptr + idx, h, mask=mask)
+        return is_finite_f32(h.to(tl.float32))
+    elif KIND == 2:
+        b = f32_to_bf16_bits(x)
+        tl.store(ptr + idx, b, mask=mask)
+        return (b & 0x7F80) != 0x7F80
+    else:
+        tl.store(ptr + idx, x.to(tl.float64), mask=mask)
+        return is_finite_f32(x)
+
+
+def to_f32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 (inf on overflow), as ``torch.tensor(x, dtype=float32)``."""
+    if math.isnan(x) or math.isinf(x):
+        return x
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:
+        # struct refuses values that round past FLT_MAX; torch rounds them to inf.
+        return math.copysign(math.inf, x)
+
+
+def f64_bits(x: float) -> int:
+    """The IEEE bits of the double ``x`` as a signed int64 (kernels bitcast them back to fp64)."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+_TABLE_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
+_TABLE_CACHE_SIZE = 64
+
+
+def build_table(ptr_columns: Sequence[Sequence[int]], numels: Sequence[int], chunk: int, device: torch.device):
+    """The launch table for ``n`` tensors and its chunk count: ``(table, n_chunks)``.
+
+    ``ptr_columns`` holds one list of ``data_ptr()`` per pointer kind (each of length n),
+    ``numels`` the element counts (all > 0). Cached by content: a table depends only on the
+    pointers, sizes and chunk length, so reusing one for other tensors at the same
+    addresses is still correct.
+    """
+    key = (device, chunk, tuple(numels), *(tuple(c) for c in ptr_columns))
+    hit = _TABLE_CACHE.get(key)
+    if hit is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return hit
+    chunk_tensor = []
+    chunk_start = []
+    for t, n in enumerate(numels):
+        starts = range(0, n, chunk)
+        chunk_tensor.extend([t] * len(starts))
+        chunk_start.extend(starts)
+    values = [p for col in ptr_columns for p in col]
+    values.extend(numels)
+    values.extend(chunk_tensor)
+    values.extend(chunk_start)
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type == "cpu":
+        table = host
+    else:
+        # A pinned source lets the copy run asynchronously; the caching host allocator keeps
+        # the buffer alive until the copy has finished.
+        table = host.pin_memory().to(device, non_blocking=True)
+    result = (table, len(chunk_tensor))
+    _TABLE_CACHE[key] = result
+    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return result
+
+
+def check_runnable(op: str, device: torch.device) -> None:
+    if device.type == "cpu" and not interpreted():
+        raise RuntimeError(f"fastamp_triton::{op}: Triton runs on CPU tensors only under TRITON_INTERPRET=1")
+    if device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"fastamp_triton::{op}: no Triton support for device {device}")

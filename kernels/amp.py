@@ -1,0 +1,287 @@
+"""Triton kernels for the loss-scaler ops: ``unscale_check_`` and ``update_scale_``.
+
+Semantics are :func:`fastamp.reference.unscale_check_` and
+:func:`fastamp.reference.update_scale_`; both are registered as ``torch.library`` custom
+ops in the ``fastamp_triton`` namespace (fake impls included, ``opcheck`` clean).
+
+Agreement with the reference:
+
+* ``unscale_check_``: ``found_inf`` and the written grads are bit-exact, under the
+  interpreter and on a GPU (one fp32 multiply per element, one RNE rounding on store; bf16
+  rounding by integer ops). The sum of squares adds fp32 squares per ``BLOCK`` (a tree in
+  fp32), blocks and chunks in fp64, in a fixed order (no atomics): deterministic, within
+  ``tolerances.SUMSQ_RTOL`` of the reference's fp64 sum. Squares below fp32's normal range
+  (|y| < ~1e-19) flush towards 0 there; they cannot move a norm that has any ordinary
+  element.
+* ``update_scale_``: bit-exact everywhere (the scale times the factor is an fp64 multiply
+  rounded to fp32, as torch does; the factors travel as their fp64 bits).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from fastamp.kernels import _common as C
+from torch import Tensor
+
+__all__ = ["unscale_check_", "update_scale_"]
+
+_GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _unscale_check_kernel(
+    table_ptr,
+    n_tensors,
+    n_chunks,
+    found_inf_ptr,
+    inv_scale_ptr,
+    partial_ptr,
+    KIND: tl.constexpr,
+    WRITE_BACK: tl.constexpr,
+    SUMSQ: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    t = tl.load(table_ptr + 2 * n_tensors + pid)
+    start = tl.load(table_ptr + 2 * n_tensors + n_chunks + pid)
+    numel = tl.load(table_ptr + n_tensors + t)
+    ptr = C.load_ptr(table_ptr, t, KIND)
+    inv_scale = tl.load(inv_scale_ptr)
+    end = tl.minimum(start + CHUNK, numel)
+    n_bad = tl.full([], 0, tl.int32)
+    acc = tl.full([], 0.0, tl.float64)
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = idx < end
+        x = C.load_f32(ptr, idx, mask, KIND)
+        y = x * inv_scale
+        # x non-finite (torch's rule) or overflow created by the unscale itself
+        bad = ~(C.is_finite_f32(x) & C.is_finite_f32(y))
+        if WRITE_BACK:
+            bad = bad | ~C.store_from_f32(ptr, idx, y, mask, KIND)
+        n_bad += tl.sum((bad & mask).to(tl.int32), axis=0)
+        if SUMSQ:
+            acc += tl.sum(tl.where(mask, y * y, 0.0), axis=0).to(tl.float64)
+    # Every flagging program stores the same 1.0: a benign race, no atomics, never a reset.
+    tl.store(found_inf_ptr, 1.0, mask=n_bad > 0)
+    if SUMSQ:
+        tl.store(partial_ptr + pid, acc)
+
+
+def _check_scalar(op: str, name: str, t: Tensor, dtype: torch.dtype) -> None:
+    if t.numel() != 1:
+        raise ValueError(f"fastamp_triton::{op}: {name} must be a 1-element tensor, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"fastamp_triton::{op}: {name} must be a {dtype} tensor, got {t.dtype}")
+
+
+# Explicit schemas (the same as csrc/ops.cpp's) so no torch version has to infer them from hints.
+@torch.library.custom_op(
+    "fastamp_triton::unscale_check_",
+    mutates_args=("grads", "found_inf"),
+    schema="(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq) -> Tensor",
+)
+def _unscale_check_op(
+    grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, write_back: bool, compute_sumsq: bool
+) -> Tensor:
+    op = "unscale_check_"
+    _check_scalar(op, "found_inf", found_inf, torch.float32)
+    _check_scalar(op, "inv_scale", inv_scale, torch.float32)
+    dev = found_inf.device
+    if inv_scale.device != dev:
+        raise ValueError(f"fastamp_triton::{op}: inv_scale is on {inv_scale.device} but found_inf is on {dev}")
+    C.check_runnable(op, dev)
+    groups = {}
+    copies = []
+    for i, g in enumerate(grads):
+        if g.device != dev:
+            raise ValueError(f"fastamp_triton::{op}: grads[{i}] is on {g.device} but found_inf is on {dev}")
+        if g.dtype not in _GRAD_DTYPES:
+            raise TypeError(f"fastamp_triton::{op}: grads[{i}] must be float32, float16 or bfloat16, got {g.dtype}")
+        if g.layout != torch.strided:
+            raise TypeError(f"fastamp_triton::{op}: grads[{i}] must be a strided (dense) tensor, got {g.layout}")
+        if g.numel() == 0:
+            continue
+        if not g.is_contiguous():
+            tmp = g.contiguous()
+            copies.append((g, tmp))
+            g = tmp
+        groups.setdefault(g.dtype, []).append(g)
+    chunk, block = C.chunk_config()
+    launches = []
+    total_chunks = 0
+    for dtype, ts in groups.items():
+        table, n_chunks = C.build_table([[t.data_ptr() for t in ts]], [t.numel() for t in ts], chunk, dev)
+        launches.append((C.DTYPE_KIND[dtype], len(ts), table, n_chunks, total_chunks))
+        total_chunks += n_chunks
+    partials = torch.empty(total_chunks if compute_sumsq else 1, dtype=torch.float64, device=dev)
+    for kind, n_tensors, table, n_chunks, first in launches:
+        _unscale_check_kernel[(n_chunks,)](
+            table,
+            n_tensors,
+            n_chunks,
+            found_inf,
+            inv_scale,
+            partials[first:] if compute_sumsq else partials,
+            KIND=kind,
+            WRITE_BACK=write_back,
+            SUMSQ=compute_sumsq,
+            CHUNK=chunk,
+            BLOCK=block,
+            **C.LAUNCH_OPTS,
+        )
+    if write_back:
+        for orig, tmp in copies:
+            orig.copy_(tmp)
+    if compute_sumsq and total_chunks > 0:
+        # a fixed-order fp64 reduction of the per-chunk partials: deterministic
+        return partials.sum().to(torch.float32)
+    return torch.zeros((), dtype=torch.float32, device=dev)
+
+
+@_unscale_check_op.register_fake
+def _(grads, found_inf, inv_scale, write_back, compute_sumsq):
+    return found_inf.new_empty((), dtype=torch.float32)
+
+
+def unscale_check_(grads, found_inf: Tensor, inv_scale: Tensor, write_back: bool = True, compute_sumsq: bool = False):
+    """Triton :func:`fastamp.reference.unscale_check_`: one launch per grad dtype, no host sync.
+
+    Sparse grads are handled through their values. Returns the fp32 0-dim sum of squares
+    of the unscaled values (0 when ``compute_sumsq`` is False) on ``found_inf``'s device.
+    """
+    dense = [g._values() if g.is_sparse else g for g in grads]
+    return _unscale_check_op(dense, found_inf, inv_scale, bool(write_back), bool(compute_sumsq))
+
+
+@triton.jit
+def _update_scale_kernel(
+    scale_ptr,
+    growth_tracker_ptr,
+    hysteresis_tracker_ptr,
+    found_inf_ptr,
+    growth_factor_bits,
+    backoff_factor_bits,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
+    scale = tl.load(scale_ptr)
+    tracker = tl.load(growth_tracker_ptr)
+    h_dec = tl.load(hysteresis_tracker_ptr) - 1
+    found = tl.load(found_inf_ptr)
+    overflow = found != 0  # NaN too
+    clean = found == 0
+    growth_factor = tl.cast(growth_factor_bits, tl.int64).to(tl.float64, bitcast=True)
+    backoff_factor = tl.cast(backoff_factor_bits, tl.int64).to(tl.float64, bitcast=True)
+
+    do_backoff = overflow & (h_dec <= 0)
+    backed = (scale.to(tl.float64) * backoff_factor).to(tl.float32)
+    backed = tl.where(backed < min_scale, min_scale, backed)
+    successful = tracker + 1
+    grow_step = clean & (successful.to(tl.int64) == tl.cast(growth_interval, tl.int64))
+    grown = (scale.to(tl.float64) * growth_factor).to(tl.float32)
+    grown = tl.where(grown > max_scale, max_scale, grown)
+    grow_ok = grow_step & C.is_finite_f32(grown)
+    new_scale = tl.where(do_backoff, backed, tl.where(grow_ok, grown, scale))
+    new_tracker = tl.where(overflow | grow_step, 0, successful)
+    new_h = tl.where(overflow, tl.where(h_dec <= 0, 0, h_dec), tl.cast(hysteresis, tl.int32))
+    tl.store(scale_ptr, new_scale)
+    tl.store(growth_tracker_ptr, new_tracker)
+    tl.store(hysteresis_tracker_ptr, new_h)
+
+
+@torch.library.custom_op(
+    "fastamp_triton::update_scale_",
+    mutates_args=("scale", "growth_tracker", "hysteresis_tracker"),
+    schema="(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, Tensor found_inf, "
+    "float growth_factor, float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
+    "float max_scale) -> ()",
+)
+def _update_scale_op(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    max_scale: float,
+) -> None:
+    op = "update_scale_"
+    _check_scalar(op, "scale", scale, torch.float32)
+    _check_scalar(op, "growth_tracker", growth_tracker, torch.int32)
+    _check_scalar(op, "hysteresis_tracker", hysteresis_tracker, torch.int32)
+    _check_scalar(op, "found_inf", found_inf, torch.float32)
+    dev = scale.device
+    for name, t in (
+        ("growth_tracker", growth_tracker),
+        ("hysteresis_tracker", hysteresis_tracker),
+        ("found_inf", found_inf),
+    ):
+        if t.device != dev:
+            raise ValueError(f"fastamp_triton::{op}: {name} is on {t.device} but scale is on {dev}")
+    for name, t in (("scale", scale), ("growth_tracker", growth_tracker), ("hysteresis_tracker", hysteresis_tracker)):
+        if not t.is_contiguous():
+            raise ValueError(f"fastamp_triton::{op}: {name} must be contiguous")
+    C.check_runnable(op, dev)
+    _update_scale_kernel[(1,)](
+        scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        C.f64_bits(growth_factor),
+        C.f64_bits(backoff_factor),
+        growth_interval,
+        hysteresis,
+        C.to_f32(min_scale),
+        C.to_f32(max_scale),
+        **C.LAUNCH_OPTS,
+    )
+
+
+@_update_scale_op.register_fake
+def _(
+    scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
+    return None
+
+
+def update_scale_(
+    scale: Tensor,
+    growth_tracker: Tensor,
+    hysteresis_tracker: Tensor,
+    found_inf: Tensor,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int = 1,
+    min_scale: float = 0.0,
+    max_scale: float = float("inf"),
+) -> None:
+    """Triton :func:`fastamp.reference.update_scale_`: one single-program launch, no host sync."""
+    _update_scale_op(
+        scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        float(growth_factor),
+        float(backoff_factor),
+        int(growth_interval),
+        int(hysteresis),
+        float(min_scale),
+        float(max_scale),
+    )
