@@ -1,0 +1,46 @@
+# fastamp developer entry points. Every target sets itself up from nothing: a local
+# virtualenv (.venv) with pinned dependencies, then the C++ extension built in place.
+#   make test      - the whole test suite (what CI runs, via .ci/run)
+#   make compare   - the main job: end-to-end mixed-precision comparison (table + CSV + PNG)
+#   make bench     - the microbenchmarks (CSV + PNG under benchmarks/results/)
+#   make lint      - ruff
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+STAMP   = $(VENV)/.deps-stamp
+BUILD   = $(VENV)/.build-stamp
+SOURCES = $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null) setup.py
+
+.PHONY: env build test compare bench lint clean
+
+$(STAMP): requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+env: $(STAMP)
+
+$(BUILD): $(STAMP) $(SOURCES)
+	$(PY) -m pip install --quiet --no-build-isolation --no-deps -e .
+	$(PY) -m fastamp.env
+	touch $@
+
+build: $(BUILD)
+
+test: $(BUILD)
+	$(PY) -m pytest -q tests
+
+compare: $(BUILD)
+	$(PY) -m fastamp.compare
+
+bench: $(BUILD)
+	$(PY) -m benchmarks.run_all
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fastamp kernels tests benchmarks
+	$(VENV)/bin/ruff format --check fastamp kernels tests benchmarks
+
+clean:
+	rm -rf build $(VENV) fastamp/_C*.so *.egg-info
