@@ -1,0 +1,211 @@
+// CPU kernels of fastamp::unscale_check_ and fastamp::update_scale_ (semantics:
+// fastamp/reference.py; per-element maths: csrc/fastamp_math.h).
+//
+// unscale_check_: one pass over all grads of the call (fp32/fp16/bf16 mixed), cut into
+// fixed-size chunks (csrc/cpu/multi_tensor.h) and spread over threads; each chunk runs
+// the widest vector kernel the CPU supports (AVX-512, AVX2, or the scalar twin of the
+// reference). found_inf and the written grads are bit-exact with the reference for every
+// instruction set. The sum of squares adds exact fp64 squares in 16 fixed lanes per
+// chunk, then the chunk sums in chunk order in fp64: it does not depend on the number of
+// threads or on the instruction set, and differs from the reference's fp64 sum only by
+// fp64 reassociation.
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cpu/isa.h"
+#include "cpu/multi_tensor.h"
+#include "cpu/scalar_ops.h"
+#include "fastamp_math.h"
+
+namespace fastamp {
+namespace cpu {
+namespace {
+
+namespace scalar {
+
+// Reference per-element rule; element i adds to lanes[i % 16].
+template <class T, bool WRITE, bool SUMSQ>
+bool unscale_range(T* x, int64_t begin, int64_t end, float inv_scale, double* lanes) {
+  bool bad = false;
+  for (int64_t i = begin; i < end; ++i) {
+    const float y = math::unscale_element(load_float(x + i), inv_scale, &bad);
+    if constexpr (WRITE) {
+      store_float(x + i, y);
+      if (!stored_is_finite(x + i)) bad = true;
+    }
+    if constexpr (SUMSQ) {
+      const double d = static_cast<double>(y);
+      lanes[i & 15] += d * d;
+    }
+  }
+  return bad;
+}
+
+template <class T, bool WRITE, bool SUMSQ>
+bool unscale_chunk(void* data, int64_t n, float inv_scale, float /*limit*/, double* lanes) {
+  return unscale_range<T, WRITE, SUMSQ>(static_cast<T*>(data), 0, n, inv_scale, lanes);
+}
+
+}  // namespace scalar
+
+#if FASTAMP_X86_SIMD
+FASTAMP_ISA_BEGIN_AVX512
+namespace avx512 {
+#define FASTAMP_VEC_AVX512
+#include "cpu/vec_isa.inc"
+#undef FASTAMP_VEC_AVX512
+#include "cpu/amp_kernels.inc"
+}  // namespace avx512
+FASTAMP_ISA_END
+
+FASTAMP_ISA_BEGIN_AVX2
+namespace avx2 {
+#define FASTAMP_VEC_AVX2
+#include "cpu/vec_isa.inc"
+#undef FASTAMP_VEC_AVX2
+#include "cpu/amp_kernels.inc"
+}  // namespace avx2
+FASTAMP_ISA_END
+#endif
+
+using UnscaleChunkFn = bool (*)(void*, int64_t, float, float, double*);
+
+template <class T, bool WRITE, bool SUMSQ>
+UnscaleChunkFn pick_unscale(Isa isa) {
+#if FASTAMP_X86_SIMD
+  if (isa == Isa::Avx512) return &avx512::unscale_chunk<T, WRITE, SUMSQ>;
+  if (isa == Isa::Avx2) return &avx2::unscale_chunk<T, WRITE, SUMSQ>;
+#endif
+  (void)isa;
+  return &scalar::unscale_chunk<T, WRITE, SUMSQ>;
+}
+
+template <class T>
+UnscaleChunkFn pick_unscale(Isa isa, bool write_back, bool compute_sumsq) {
+  if (write_back) {
+    return compute_sumsq ? pick_unscale<T, true, true>(isa) : pick_unscale<T, true, false>(isa);
+  }
+  return compute_sumsq ? pick_unscale<T, false, true>(isa) : pick_unscale<T, false, false>(isa);
+}
+
+int dtype_slot(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return 0;
+    case at::kHalf:
+      return 1;
+    case at::kBFloat16:
+      return 2;
+    default:
+      return -1;
+  }
+}
+
+void check_flag_tensor(const char* op, const char* name, const at::Tensor& t, at::ScalarType dtype) {
+  TORCH_CHECK(t.device().is_cpu(), "fastamp::", op, ": ", name, " must be a CPU tensor for the CPU kernel, got device ",
+              t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, "fastamp::", op, ": ", name, " must have dtype ", dtype, ", got ",
+              t.scalar_type());
+  TORCH_CHECK(t.numel() == 1, "fastamp::", op, ": ", name, " must have exactly one element, got shape ", t.sizes());
+}
+
+at::Tensor unscale_check_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                             bool write_back, bool compute_sumsq) {
+  constexpr const char* op = "unscale_check_";
+  check_flag_tensor(op, "found_inf", found_inf, at::kFloat);
+  check_flag_tensor(op, "inv_scale", inv_scale, at::kFloat);
+  const size_t ntensors = grads.size();
+  std::vector<int64_t> numels(ntensors);
+  std::vector<void*> ptrs(ntensors);
+  std::vector<int8_t> slots(ntensors);
+  for (size_t i = 0; i < ntensors; ++i) {
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK(g.defined(), "fastamp::unscale_check_: grads[", i, "] is undefined");
+    TORCH_CHECK(g.device().is_cpu(), "fastamp::unscale_check_: grads[", i, "] must be a CPU tensor, got device ",
+                g.device());
+    TORCH_CHECK(g.layout() == at::kStrided, "fastamp::unscale_check_: grads[", i,
+                "] must be a dense (strided) tensor, got layout ", g.layout());
+    const int slot = dtype_slot(g.scalar_type());
+    TORCH_CHECK(slot >= 0, "fastamp::unscale_check_: grads[", i, "] must be float32, float16 or bfloat16, got ",
+                g.scalar_type());
+    TORCH_CHECK(g.is_contiguous(), "fastamp::unscale_check_: grads[", i,
+                "] must be contiguous (fastamp.functional.unscale_check_ copies strided grads), got strides ",
+                g.strides());
+    numels[i] = g.numel();
+    ptrs[i] = numels[i] > 0 ? g.data_ptr() : nullptr;
+    slots[i] = static_cast<int8_t>(slot);
+  }
+
+  const Isa isa = active_isa();
+  const UnscaleChunkFn fns[3] = {
+      pick_unscale<float>(isa, write_back, compute_sumsq),
+      pick_unscale<c10::Half>(isa, write_back, compute_sumsq),
+      pick_unscale<c10::BFloat16>(isa, write_back, compute_sumsq),
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  const float limits[3] = {
+      inf,
+      write_back ? 65520.0f : inf,
+      write_back ? math::bits_float(0x7f7f8000u) : inf,
+  };
+  const float inv = *inv_scale.data_ptr<float>();
+
+  const std::vector<Chunk> chunks = split_into_chunks(numels);
+  std::vector<double> partial(compute_sumsq ? chunks.size() : 0);
+  std::atomic<bool> any_bad{false};
+  parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
+    bool bad = false;
+    for (int64_t c = cb; c < ce; ++c) {
+      const Chunk& ch = chunks[static_cast<size_t>(c)];
+      const int slot = slots[static_cast<size_t>(ch.tensor)];
+      const size_t elem = slot == 0 ? sizeof(float) : sizeof(uint16_t);
+      char* base = static_cast<char*>(ptrs[static_cast<size_t>(ch.tensor)]) + ch.begin * static_cast<int64_t>(elem);
+      double lanes[16] = {};
+      bad |= fns[slot](base, ch.len, inv, limits[slot], lanes);
+      if (compute_sumsq) partial[static_cast<size_t>(c)] = reduce_lanes16(lanes);
+    }
+    if (bad) any_bad.store(true, std::memory_order_relaxed);
+  });
+
+  if (any_bad.load()) *found_inf.data_ptr<float>() = 1.0f;
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return at::scalar_tensor(static_cast<float>(total), found_inf.options());
+}
+
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& hysteresis_tracker,
+                      const at::Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
+                      int64_t hysteresis, double min_scale, double max_scale) {
+  constexpr const char* op = "update_scale_";
+  check_flag_tensor(op, "scale", scale, at::kFloat);
+  check_flag_tensor(op, "growth_tracker", growth_tracker, at::kInt);
+  check_flag_tensor(op, "hysteresis_tracker", hysteresis_tracker, at::kInt);
+  check_flag_tensor(op, "found_inf", found_inf, at::kFloat);
+  math::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(), hysteresis_tracker.data_ptr<int32_t>(),
+                     *found_inf.data_ptr<float>(), growth_factor, backoff_factor, growth_interval, hysteresis,
+                     min_scale, max_scale);
+}
+
+std::string cpu_isa() { return isa_name(active_isa()); }
+
+}  // namespace
+}  // namespace cpu
+}  // namespace fastamp
+
+TORCH_LIBRARY_FRAGMENT(fastamp, m) {
+  // Which instruction set the CPU kernels use now (FASTAMP_CPU_ISA can lower it).
+  m.def("cpu_isa() -> str", &fastamp::cpu::cpu_isa);
+}
+
+TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
+  m.impl("unscale_check_", TORCH_FN(fastamp::cpu::unscale_check_cpu));
+  m.impl("update_scale_", TORCH_FN(fastamp::cpu::update_scale_cpu));
+}
