@@ -849,6 +849,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             base = SmallCNN(c["width"])
         n_params = sum(p.numel() for p in base.parameters())
         info[f"{model_name}_params"] = f"{n_params:,}"
+        # Untimed warm-up so that one-time costs of the process (thread pools, allocator,
+        # lazy imports) do not land on whichever regime runs first.
+        train_regime(model_name, "fp32", base, data, device, 4, args.lr, args.clip, measure_memory=False)
         for regime in regimes:
             pstate["label"] = f"{model_name}/{regime}"
             try:

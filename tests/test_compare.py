@@ -1,0 +1,163 @@
+"""Tests of ``fastamp.compare`` (the fastamp-compare main job): data, models, measurement, a tiny run."""
+
+import csv
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import fastamp
+from fastamp import compare
+from fastamp.optim import AdamW as FastAdamW
+
+
+def test_synthetic_text_is_deterministic_and_structured():
+    a, b = compare.synthetic_text(5000, seed=1), compare.synthetic_text(5000, seed=1)
+    assert a == b and len(a) == 5000
+    assert a != compare.synthetic_text(5000, seed=2)
+    # agreement and arithmetic the model can learn
+    assert " plus " in a and " is " in a
+    for sent in a.split(". ")[:-1]:
+        words = sent.split()
+        if "plus" in words:
+            x, y = compare._NUMBERS.index(words[0]), compare._NUMBERS.index(words[2])
+            assert words[4].rstrip(".") == str(x + y)
+
+
+def test_text_and_image_batches_are_deterministic_per_step():
+    td = compare.TextData(16, 4, torch.device("cpu"))
+    x1, y1 = td.train_batch(3)
+    x2, y2 = td.train_batch(3)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    assert torch.equal(x1[:, 1:], y1[:, :-1])  # next-token targets
+    assert not torch.equal(td.train_batch(4)[0], x1)
+    imd = compare.ImageData(12, 5, torch.device("cpu"))
+    xi, yi = imd.train_batch(0)
+    assert xi.shape == (5, 3, 12, 12) and yi.shape == (5,)
+    assert torch.equal(xi, imd.train_batch(0)[0])
+
+
+def test_cast_except_norms_keeps_normalisation_fp32():
+    m = compare.cast_except_norms(compare.SmallCNN(4), torch.bfloat16)
+    for mod in m.modules():
+        for p in mod.parameters(recurse=False):
+            want = torch.float32 if isinstance(mod, (nn.BatchNorm2d, nn.LayerNorm)) else torch.bfloat16
+            assert p.dtype == want, (type(mod).__name__, p.dtype)
+    g = compare.cast_except_norms(compare.TinyGPT(10, 8, 1, 16, 2), torch.float16)
+    assert g.ln_f.weight.dtype == torch.float32 and g.head.weight.dtype == torch.float16
+
+
+def test_live_bytes_counts_each_storage_once():
+    t = torch.zeros(1000)
+    view = t[10:20]
+    assert compare.live_bytes(t, view, [t]) == 4000
+    p = nn.Parameter(torch.zeros(100))
+    p.grad = torch.zeros(100)
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.ones(100)
+    opt.step()
+    # param + grad + exp_avg + exp_avg_sq (+ the 0-dim step counter)
+    assert compare.live_bytes(p, opt) == 4 * 400 + opt.state[p]["step"].untyped_storage().nbytes()
+
+
+def test_cpu_peak_meter_sees_temporaries():
+    keep = torch.zeros(1000)
+    meter = compare.CpuPeakMeter()
+
+    def step():
+        tmp = torch.ones(250_000)  # 1 MB, freed before the step returns
+        return float(tmp.sum())
+
+    meter.measure(step, keep)
+    assert 4000 + 1_000_000 <= meter.peak < 4000 + 1_000_000 + 200_000
+
+
+@pytest.mark.parametrize("kind", ["torch", "fastamp"])
+def test_skipped_steps_are_counted_from_the_optimizer_step(kind):
+    if kind == "torch":
+        p = nn.Parameter(torch.ones(8))
+        opt = torch.optim.AdamW([p], fused=True)
+        scaler = torch.amp.GradScaler("cpu")
+    else:
+        p = nn.Parameter(torch.ones(8, dtype=torch.float16))
+        opt = FastAdamW([p])
+        scaler = fastamp.Scaler("cpu")
+    scaler.scale(torch.ones(()))
+    before = p.detach().clone()
+    for i in range(3):
+        p.grad = torch.full_like(p, float("inf") if i == 1 else 1.0)
+        scaler.step(opt)
+        scaler.update()
+    assert 3 - compare._step_count(opt) == 1
+    assert scaler.get_scale() == 2.0**15
+    assert not torch.equal(p.detach(), before)
+
+
+def test_lr_schedule_warms_up_and_decays():
+    lrs = [compare._lr_at(s, 100, 1.0) for s in range(100)]
+    assert lrs[0] < lrs[4] == pytest.approx(1.0)
+    assert lrs[-1] == pytest.approx(0.1, abs=0.01)
+    assert all(a >= b for a, b in zip(lrs[5:], lrs[6:]))
+
+
+def test_same_regime_twice_is_bit_identical():
+    data = compare.TextData(16, 4, torch.device("cpu"))
+    torch.manual_seed(0)
+    base = compare.TinyGPT(len(data.vocab), 16, 1, 16, 2)
+    r1 = compare.train_regime(
+        "gpt", "fastamp-bf16", base, data, torch.device("cpu"), 5, 3e-3, 1.0, measure_memory=False
+    )
+    r2 = compare.train_regime(
+        "gpt", "fastamp-bf16", base, data, torch.device("cpu"), 5, 3e-3, 1.0, measure_memory=False
+    )
+    assert r1.losses == r2.losses and len(r1.losses) == 5
+    assert r1.losses[-1] < r1.losses[0]
+
+
+def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
+    regimes = "fp32,torch-amp-fp16,fastamp-fp16,pure-bf16"
+    rows = compare.main(
+        [
+            "--device",
+            "cpu",
+            "--size",
+            "tiny",
+            "--steps",
+            "5",
+            "--regimes",
+            regimes,
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "## gpt" in out and "## cnn" in out and "CPU note" in out and "peak memory" in out
+    assert len(rows) == 2 * 4
+    for r in rows:
+        assert not r["error"], r
+        assert r["peak_mem_bytes"] > 0 and math.isfinite(r["peak_mem_bytes"])
+        if r["regime"] == "fp32":
+            assert r["convergence_pct"] == "100.0%" and r["speed_vs_fp32"] == "1.00x"
+        if r["regime"].endswith("fp16") and not r["regime"].startswith("pure"):
+            assert isinstance(r["skipped_steps"], int) and r["final_scale"] != "-"
+        else:
+            assert r["skipped_steps"] == "-"
+    # fastamp keeps fp16 params + fp32 masters; measured, so it can be compared with fp32.
+    gpt = {r["regime"]: r for r in rows if r["model"] == "gpt"}
+    assert gpt["pure-bf16"]["peak_mem_bytes"] < gpt["fp32"]["peak_mem_bytes"]
+    with open(tmp_path / "compare-cpu-curves.csv", newline="") as f:
+        curves = list(csv.DictReader(f))
+    assert len(curves) == 2 * 4 * 5
+    png = tmp_path / "compare-cpu.png"
+    assert png.exists() and png.stat().st_size > 20_000
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(SystemExit, match="unknown regime 'fp8'"):
+        compare.main(["--regimes", "fp8", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="unknown --model"):
+        compare.main(["--model", "resnet", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="at least 4"):
+        compare.main(["--steps", "2", "--device", "cpu"])
