@@ -456,7 +456,11 @@ def test_adamw_bad_input_changes_nothing():
         (ValueError, "grads has 1 tensors", lambda s: s[1].pop()),
         (TypeError, r"exp_avgs\[1\] must be float32", lambda s: s[3].__setitem__(1, s[3][1].double())),
         (ValueError, r"exp_avg_sqs\[0\] has 3 elements", lambda s: s[4].__setitem__(0, s[4][0][:3])),
-        (ValueError, r"params\[1\] must be contiguous", lambda s: s[0].__setitem__(1, torch.zeros(5, 2)[:, 0])),
+        (
+            ValueError,
+            r"params\[1\] must be contiguous",
+            lambda s: s[0].__setitem__(1, torch.zeros(5, 2, device=dev)[:, 0]),
+        ),
     ]
     for exc, msg, mutate in bad_cases:
         s = [list(x) for x in state]
@@ -523,3 +527,14 @@ def test_reachable_through_functional():
     s, g, h = _trackers(dev, 8.0)
     functional.update_scale_(s, g, h, torch.ones(1, device=dev), 2.0, 0.5, 10, backend="triton")
     assert s.item() == 4.0
+    state = _adamw_state(dev, torch.float16, torch.bfloat16, True, False, [7, BLOCK + 2], seed=17)
+    ref = _clone_state(state)
+    scalars = R.adamw_step_scalars(1e-2, torch.tensor(1.0, device=dev), 0.9, 0.999, 0.01)
+    found = torch.zeros(1, device=dev)
+    params, grads, masters, m, v, vmax = state
+    functional.adamw_(
+        params, grads, masters, m, v, vmax, scalars, found, beta1=0.9, beta2=0.999, eps=1e-8, backend="triton"
+    )
+    with _ieee_sqrt():
+        R.adamw_(*ref, scalars, found, 0.9, 0.999, 1e-8, False, False)
+    _compare_adamw(state, ref, dev)
