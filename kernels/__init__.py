@@ -8,7 +8,7 @@ Each op module (``amp.py``, ``adamw.py``) exposes functions with the same signat
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 _OP_MODULES = {
     "unscale_check_": "amp",
@@ -49,7 +49,7 @@ def available(device_type: str) -> tuple[bool, str]:
     return False, f"no Triton support for device type {device_type!r}"
 
 
-def get_op(name: str) -> Optional[Callable]:
+def get_op(name: str) -> Callable | None:
     """The Triton implementation of ``name`` (signature as in ``fastamp.reference``), or None."""
     mod_name = _OP_MODULES.get(name)
     if mod_name is None or not _triton_status()[0]:
