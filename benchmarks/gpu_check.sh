@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# One command for a GPU machine without network, with its own torch/triton preinstalled:
+#
+#   OUT=/some/dir bash benchmarks/gpu_check.sh
+#
+# Stages (each under `timeout`, failures do not stop the run, exit codes recorded):
+#   env        nvidia-smi, python/torch/triton versions
+#   build      pip install --no-build-isolation --no-deps -e . (CUDA extension, TORCH_CUDA_ARCH_LIST)
+#              falling back to `setup.py build_ext --inplace`
+#   fastamp_env  python -m fastamp.env (what was built, what AUTO picks)
+#   sync       benchmarks/sync_check.py: host syncs per fastamp step (set_sync_debug_mode)
+#   pytest     pytest -x -q tests (the whole suite, on CUDA)
+#   bench_step, bench_unscale, bench_adamw   microbenchmarks at GPU size (native + triton)
+#   compare    python -m fastamp.compare --device cuda (large preset)
+# Everything is written under $OUT: logs/<stage>.log, results/, stages.tsv, summary.md.
+# The whole script stays under GPU_CHECK_BUDGET_S seconds (default 465, i.e. < 8 minutes):
+# each stage's timeout is cut to what is left.
+
+set -u
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+OUT=${OUT:-$ROOT/gpu_check_out}
+mkdir -p "$OUT/logs" "$OUT/results"
+BUDGET=${GPU_CHECK_BUDGET_S:-465}
+START=$(date +%s)
+PY=${PYTHON:-$(command -v python3 || command -v python)}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+export PYTHONUNBUFFERED=1
+# Triton must run on the GPU here, never in the interpreter.
+unset TRITON_INTERPRET
+STAGES="$OUT/stages.tsv"
+printf "stage\texit_code\tseconds\ttimeout_s\n" > "$STAGES"
+
+# run_stage NAME MAX_SECONDS COMMAND...
+run_stage() {
+    local name=$1 max=$2
+    shift 2
+    local now left limit t0 rc
+    now=$(date +%s)
+    left=$((BUDGET - (now - START) - 5))
+    limit=$max
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    if [ "$limit" -lt 10 ]; then
+        printf "%s\tskipped(no time left)\t0\t0\n" "$name" >> "$STAGES"
+        echo "[gpu_check] $name: skipped, no time left" >&2
+        return 0
+    fi
+    echo "[gpu_check] $name (timeout ${limit}s): $*" >&2
+    t0=$(date +%s)
+    timeout --kill-after=5 "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+    rc=$?
+    printf "%s\t%s\t%s\t%s\n" "$name" "$rc" "$(( $(date +%s) - t0 ))" "$limit" >> "$STAGES"
+    echo "[gpu_check] $name: exit $rc after $(( $(date +%s) - t0 ))s" >&2
+    return $rc
+}
+
+run_stage env 30 bash -c "nvidia-smi; $PY -c 'import sys, torch; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name()); import triton; print(\"triton\", triton.__version__)'; $PY -m pip list 2>/dev/null | grep -i -E 'torch|triton|pytest|hypothesis|numpy|matplotlib|expecttest'; git -C $ROOT rev-parse HEAD; git -C $ROOT status --short | head -20"
+
+if ! run_stage build 200 "$PY" -m pip install --no-build-isolation --no-deps -v -e .; then
+    run_stage build_inplace 200 "$PY" setup.py build_ext --inplace
+    export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+run_stage fastamp_env 30 "$PY" -m fastamp.env
+run_stage sync 45 "$PY" benchmarks/sync_check.py --out "$OUT/results"
+run_stage pytest 130 "$PY" -m pytest -x -q tests -p no:cacheprovider --durations=15 --junitxml="$OUT/results/pytest.xml"
+run_stage bench_step 45 "$PY" benchmarks/bench_step.py --device cuda --backends native,triton --dtypes bf16,fp32 \
+    --out "$OUT/results" --tag cuda
+run_stage compare 110 "$PY" -m fastamp.compare --device cuda --size large --steps 200 --no-progress \
+    --out "$OUT/results" --tag cuda
+run_stage bench_unscale 40 "$PY" benchmarks/bench_unscale.py --device cuda --backends native,triton \
+    --out "$OUT/results" --tag cuda
+run_stage bench_adamw 40 "$PY" benchmarks/bench_adamw.py --device cuda --backends native,triton \
+    --out "$OUT/results" --tag cuda
+
+{
+    echo "# gpu_check summary"
+    echo
+    echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "- commit: $(git -C "$ROOT" rev-parse --short=12 HEAD 2>/dev/null)"
+    echo "- gpu: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+    echo "- total: $(( $(date +%s) - START ))s of a ${BUDGET}s budget"
+    echo
+    echo '```'
+    column -t -s $'\t' "$STAGES" 2>/dev/null || cat "$STAGES"
+    echo '```'
+    echo
+    echo "## pytest (tail)"
+    echo '```'
+    tail -n 25 "$OUT/logs/pytest.log" 2>/dev/null
+    echo '```'
+    echo "## sync check"
+    echo '```'
+    cat "$OUT/logs/sync.log" 2>/dev/null | tail -n 20
+    echo '```'
+} > "$OUT/summary.md"
+cat "$OUT/summary.md"
+# Non-zero when any stage failed, so a caller sees it; every stage still ran.
+if awk -F'\t' 'NR > 1 && $2 != "0" && $2 !~ /^skipped/ {bad=1} END {exit !bad}' "$STAGES"; then exit 1; fi
+exit 0
