@@ -187,5 +187,87 @@ FASTAMP_HD void adamw_element(float* p, float* m, float* v, float* vmax, float g
   *v = vv;
 }
 
+// ---- low-bit master state (fastamp::adamw_bf16_, fastamp::sgd_) ----
+//
+// Mirrors of fastamp/reference.py: split_master / join_master / sr_random16 /
+// round_bf16_stochastic. All integer maths is uint32 with wrap-around.
+
+FASTAMP_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+// Per-tensor part of the counter-based hash: everything but the element index.
+FASTAMP_HD uint32_t sr_stream_key(uint64_t seed, uint64_t counter, uint32_t stream) {
+  uint32_t h = mix32(static_cast<uint32_t>(seed) ^ 0x9E3779B9u);
+  h = mix32(h ^ static_cast<uint32_t>(counter));
+  return mix32(h ^ stream);
+}
+
+// 16 random bits for element `index` of the stream keyed by sr_stream_key(...).
+FASTAMP_HD uint32_t sr_random16(uint32_t key, uint64_t index) {
+  const uint32_t h = mix32(key ^ static_cast<uint32_t>(index >> 32));
+  return mix32(h ^ static_cast<uint32_t>(index)) & 0xffffu;
+}
+
+// fp32 -> bf16 by stochastic rounding (unbiased); NaN rounds as float_to_bf16_bits.
+FASTAMP_HD uint16_t float_to_bf16_bits_sr(float f, uint32_t rand16) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return float_to_bf16_bits(f);
+  return static_cast<uint16_t>((u + rand16) >> 16);
+}
+
+// fp32 master -> bf16 param (nearest, ties away from zero) + exact int16 remainder.
+// (No 16-bit remainder can be exact under ties-to-even: see reference.split_master.)
+FASTAMP_HD void split_master(float master, uint16_t* param_bits, int16_t* remainder) {
+  const uint32_t u = float_bits(master);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *param_bits = static_cast<uint16_t>((u >> 16) | 0x0040u);
+    *remainder = 0;
+    return;
+  }
+  const uint32_t hi = (u + 0x8000u) >> 16;
+  *param_bits = static_cast<uint16_t>(hi);
+  *remainder = static_cast<int16_t>(static_cast<uint16_t>(u - (hi << 16)));
+}
+
+FASTAMP_HD float join_master(uint16_t param_bits, int16_t remainder) {
+  return bits_float((static_cast<uint32_t>(param_bits) << 16) + static_cast<uint32_t>(static_cast<int32_t>(remainder)));
+}
+
+// ---- SGD element update (fastamp::sgd_) ----
+struct SgdStepScalars {
+  float lr;        // learning rate (fp32)
+  float grad_mul;  // 1/scale * clip_coef, or 1
+  float first;     // 1.0 on the first applied step (momentum buffer := grad), else 0.0
+};
+struct SgdHyper {
+  float momentum, one_minus_dampening, weight_decay;
+  bool has_momentum, has_weight_decay, nesterov, maximize;
+};
+
+// p: fp32 master (or param); buf: fp32 momentum buffer (ignored without momentum).
+FASTAMP_HD void sgd_element(float* p, float* buf, float g, const SgdStepScalars& s, const SgdHyper& h) {
+  g = g * s.grad_mul;
+  if (h.maximize) g = -g;
+  if (h.has_weight_decay) g = g + h.weight_decay * *p;
+  if (h.has_momentum) {
+    const float nb = (s.first != 0.0f) ? g : (*buf * h.momentum + h.one_minus_dampening * g);
+    *buf = nb;
+    g = h.nesterov ? (g + h.momentum * nb) : nb;
+  }
+  *p = *p - s.lr * g;
+}
+
+// ---- gradient health (fastamp::unscale_check_stats_) ----
+// Per element, with y = x * inv_scale (fp32): zero if x finite and y == 0; fp16 underflow if
+// 0 < |y| < 2^-14; absmax over finite y. Non-finite counting uses unscale_element's flag
+// (plus the store check when writing back).
+constexpr float kFp16MinNormal = 6.103515625e-05f;  // 2^-14
+
 }  // namespace math
 }  // namespace fastamp

@@ -42,5 +42,16 @@ TORCH_LIBRARY(fastamp, m) {
       "adamw_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avgs, "
       "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor step_scalars, Tensor? found_inf, "
       "float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()");
+  m.def(
+      "adamw_bf16_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] remainders, Tensor(c!)[] exp_avgs, "
+      "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor step_scalars, Tensor? found_inf, Tensor? rng, "
+      "int rng_base, float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()");
+  m.def(
+      "sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] momentum_buffers, "
+      "Tensor step_scalars, Tensor? found_inf, Tensor? rng, int rng_base, float momentum, float dampening, "
+      "float weight_decay, bool nesterov, bool maximize) -> ()");
+  m.def(
+      "unscale_check_stats_(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, "
+      "bool compute_sumsq, Tensor(c!) counts, Tensor(d!) absmax) -> Tensor");
   m.def("build_info() -> str", &build_info);
 }

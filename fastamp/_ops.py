@@ -21,7 +21,7 @@ try:
 except Exception as e:  # ImportError, or OSError / undefined symbol against another torch
     NATIVE_ERROR = f"{type(e).__name__}: {e}"
 
-NATIVE_OPS = ("unscale_check_", "update_scale_", "adamw_")
+NATIVE_OPS = ("unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_", "unscale_check_stats_")
 
 
 def native_has_kernel(op: str, device_type: str) -> bool:
@@ -60,3 +60,21 @@ if NATIVE_LOADED:
         amsgrad, maximize,
     ):
         return None
+
+    @torch.library.register_fake("fastamp::adamw_bf16_")
+    def _adamw_bf16_fake(
+        params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, rng_base,
+        beta1, beta2, eps, amsgrad, maximize,
+    ):
+        return None
+
+    @torch.library.register_fake("fastamp::sgd_")
+    def _sgd_fake(
+        params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base, momentum, dampening,
+        weight_decay, nesterov, maximize,
+    ):
+        return None
+
+    @torch.library.register_fake("fastamp::unscale_check_stats_")
+    def _unscale_check_stats_fake(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
+        return found_inf.new_empty((), dtype=torch.float32)

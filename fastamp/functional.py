@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fastamp import backends
 
-__all__ = ["unscale_check_", "update_scale_", "adamw_"]
+__all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -36,6 +36,8 @@ def unscale_check_(
     *,
     write_back: bool = True,
     compute_sumsq: bool = False,
+    counts: Optional[Tensor] = None,
+    absmax: Optional[Tensor] = None,
     backend: Optional[str] = None,
 ) -> Tensor:
     """Unscale ``grads`` in place by ``inv_scale``, flag non-finite values in ``found_inf``.
@@ -51,6 +53,9 @@ def unscale_check_(
         inv_scale: 1-element fp32 tensor on the same device.
         write_back: False leaves the grads untouched (check only, for fused optimizers).
         compute_sumsq: also return the sum of squares of the unscaled values.
+        counts, absmax: when given (int64 ``[len(grads), 3]`` and fp32 ``[len(grads)]`` on the
+            device), per-tensor health statistics are written in the same pass: see
+            :func:`fastamp.reference.unscale_check_stats_`.
         backend: force a backend (see :mod:`fastamp.backends`).
 
     Returns:
@@ -64,9 +69,22 @@ def unscale_check_(
     dev = found_inf.device
     if inv_scale.device != dev:
         raise ValueError(f"{op}: inv_scale is on {inv_scale.device} but found_inf is on {dev}")
+    want_stats = counts is not None or absmax is not None
+    if want_stats:
+        if counts is None or absmax is None:
+            raise ValueError(f"{op}: counts and absmax must be given together")
+        n = len(grads)
+        if counts.dtype != torch.int64 or tuple(counts.shape) != (n, 3) or counts.device != dev:
+            raise ValueError(f"{op}: counts must be an int64 [{n}, 3] tensor on {dev}, got {counts.dtype} "
+                             f"{tuple(counts.shape)} on {counts.device}")
+        if absmax.dtype != torch.float32 or tuple(absmax.shape) != (n,) or absmax.device != dev:
+            raise ValueError(f"{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
+                             f"{tuple(absmax.shape)} on {absmax.device}")
     dense: List[Tensor] = []
+    dense_idx: List[int] = []
     strided_copies = []
     other: List[Tensor] = []
+    other_idx: List[int] = []
     for i, g in enumerate(grads):
         if not isinstance(g, Tensor):
             raise TypeError(f"{op}: grads[{i}] must be a Tensor, got {type(g).__name__}")
@@ -79,22 +97,53 @@ def unscale_check_(
             raise TypeError(f"{op}: grads[{i}] has unsupported layout {g.layout}")
         if vals.dtype not in _KERNEL_DTYPES:
             other.append(vals)
+            other_idx.append(i)
         elif vals.is_contiguous():
             dense.append(vals)
+            dense_idx.append(i)
         else:
             tmp = vals.contiguous()
             dense.append(tmp)
+            dense_idx.append(i)
             strided_copies.append((vals, tmp))
-    impl = backends.get_impl(op, backends.resolve(op, dev, backend))
-    total = impl(dense, found_inf, inv_scale, write_back, compute_sumsq)
+    if want_stats:
+        stats_op = "unscale_check_stats_"
+        impl = backends.get_impl(stats_op, backends.resolve(stats_op, dev, backend))
+        c_d = torch.empty((len(dense), 3), dtype=torch.int64, device=dev)
+        a_d = torch.empty((len(dense),), dtype=torch.float32, device=dev)
+        total = impl(dense, found_inf, inv_scale, write_back, compute_sumsq, c_d, a_d)
+        _scatter_rows(counts, absmax, dense_idx, c_d, a_d)
+    else:
+        impl = backends.get_impl(op, backends.resolve(op, dev, backend))
+        total = impl(dense, found_inf, inv_scale, write_back, compute_sumsq)
     if write_back:
         for orig, tmp in strided_copies:
             orig.copy_(tmp)
     if other:
         from fastamp import reference
 
-        total = total + reference.unscale_check_(other, found_inf, inv_scale, write_back, compute_sumsq)
+        if want_stats:
+            c_o = torch.empty((len(other), 3), dtype=torch.int64, device=dev)
+            a_o = torch.empty((len(other),), dtype=torch.float32, device=dev)
+            total = total + reference.unscale_check_stats_(
+                other, found_inf, inv_scale, write_back, compute_sumsq, c_o, a_o
+            )
+            _scatter_rows(counts, absmax, other_idx, c_o, a_o)
+        else:
+            total = total + reference.unscale_check_(other, found_inf, inv_scale, write_back, compute_sumsq)
     return total
+
+
+def _scatter_rows(counts: Tensor, absmax: Tensor, idx: List[int], c: Tensor, a: Tensor) -> None:
+    if not idx:
+        return
+    if len(idx) == counts.shape[0]:
+        counts.copy_(c)
+        absmax.copy_(a)
+        return
+    where = torch.tensor(idx, dtype=torch.int64).to(counts.device, non_blocking=True)
+    counts.index_copy_(0, where, c)
+    absmax.index_copy_(0, where, a)
 
 
 def update_scale_(
@@ -163,4 +212,71 @@ def adamw_(
     impl(
         list(params), list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
         step_scalars, found_inf, float(beta1), float(beta2), float(eps), bool(amsgrad), bool(maximize),
+    )
+
+
+def adamw_bf16_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    remainders: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],
+    rng: Optional[Tensor] = None,
+    rng_base: int = 0,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    backend: Optional[str] = None,
+) -> None:
+    """AdamW for bf16 params with int16 master remainders and/or stochastic rounding.
+
+    See :func:`fastamp.reference.adamw_bf16_`. No host sync.
+    """
+    op = "adamw_bf16_"
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    impl = backends.get_impl(op, backends.resolve(op, dev, backend))
+    impl(
+        list(params), list(grads), list(remainders), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
+        step_scalars, found_inf, rng, int(rng_base), float(beta1), float(beta2), float(eps), bool(amsgrad),
+        bool(maximize),
+    )
+
+
+def sgd_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],
+    rng: Optional[Tensor] = None,
+    rng_base: int = 0,
+    *,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool = False,
+    maximize: bool = False,
+    backend: Optional[str] = None,
+) -> None:
+    """Fused SGD (torch.optim.SGD's update) with fp32 / remainder / no masters.
+
+    See :func:`fastamp.reference.sgd_`. No host sync.
+    """
+    op = "sgd_"
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    impl = backends.get_impl(op, backends.resolve(op, dev, backend))
+    impl(
+        list(params), list(grads), list(masters), list(momentum_buffers), step_scalars, found_inf, rng,
+        int(rng_base), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize),
     )

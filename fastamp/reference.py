@@ -17,7 +17,20 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_step_scalars"]
+__all__ = [
+    "unscale_check_",
+    "update_scale_",
+    "adamw_",
+    "adamw_step_scalars",
+    "adamw_bf16_",
+    "sgd_",
+    "sgd_step_scalars",
+    "unscale_check_stats_",
+    "split_master",
+    "join_master",
+    "sr_random16",
+    "round_bf16_stochastic",
+]
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
@@ -143,6 +156,11 @@ def adamw_step_scalars(
     return torch.stack([step_size, bc2_sqrt, decay, gm]).float()
 
 
+def _lerp_low(beta1: float) -> bool:
+    # torch.lerp's branch (weight < 0.5), decided on the fp32 weight as the kernels do.
+    return float(torch.tensor(1.0 - beta1, dtype=torch.float32)) < 0.5
+
+
 def _f32(x: float, dev) -> Tensor:
     return torch.tensor(x, dtype=torch.float32, device=dev)
 
@@ -200,7 +218,7 @@ def adamw_(
             g = -g
         pv = p32 * decay
         diff = g - m
-        mv = m + omb1 * diff if (1.0 - beta1) < 0.5 else g - diff * b1
+        mv = m + omb1 * diff if _lerp_low(beta1) else g - diff * b1
         vv = v * b2 + (omb2 * g) * g
         if amsgrad:
             vmax = torch.maximum(max_exp_avg_sqs[i], vv)
@@ -227,3 +245,336 @@ def adamw_(
         if use_master:
             masters[i].copy_(pv)
         p.copy_(new_p)
+
+
+# ---------------------------------------------------------------------------------------
+# Low-bit master state (issue: bf16 master remainders, stochastic rounding, fused SGD)
+# ---------------------------------------------------------------------------------------
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(a: Tensor, b: int) -> Tensor:
+    """(a * b) mod 2^32 for int64 tensors holding uint32 values, without int64 overflow."""
+    lo = (a * (b & 0xFFFF)) & _M32
+    hi = ((a * (b >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    # A 32-bit integer finaliser (xorshift-multiply); identical in C++, CUDA and Triton.
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def sr_random16(seed, counter: Tensor, stream: int, n: int, device) -> Tensor:
+    """16 random bits per element for stochastic rounding, counter-based (no RNG state).
+
+    ``h = mix(seed ^ 0x9E3779B9); h = mix(h ^ counter); h = mix(h ^ stream);
+    h = mix(h ^ (index >> 32)); r = mix(h ^ (index & 0xFFFFFFFF)) & 0xFFFF``, all uint32,
+    where ``index`` is the element's flat index, ``counter`` the optimizer's step (a device
+    tensor, low 32 bits), and ``stream = 4 * tensor_id + k`` (k: 0 param, 1 exp_avg,
+    2 exp_avg_sq, 3 max_exp_avg_sq). Every data-parallel rank with the same seed and param
+    order draws the same bits.
+    """
+    seed_t = seed.reshape(()).to(device=device, dtype=torch.int64) if isinstance(seed, Tensor) else torch.tensor(
+        seed, dtype=torch.int64, device=device
+    )
+    h = _mix32((seed_t & _M32) ^ 0x9E3779B9)
+    h = _mix32(h ^ (counter.reshape(()).to(device=device, dtype=torch.int64) & _M32))
+    h = _mix32(h ^ (stream & _M32))
+    idx = torch.arange(n, dtype=torch.int64, device=device)
+    h = _mix32(h ^ (idx >> 32))
+    return _mix32(h ^ (idx & _M32)) & 0xFFFF
+
+
+def _f32_bits(x: Tensor) -> Tensor:
+    return x.contiguous().view(torch.int32).to(torch.int64) & _M32
+
+
+def _bits_f32(b: Tensor) -> Tensor:
+    b = b & _M32
+    return torch.where(b >= 2**31, b - 2**32, b).to(torch.int32).view(torch.float32)
+
+
+def round_bf16_stochastic(x: Tensor, rand16: Tensor) -> Tensor:
+    """fp32 -> bf16 by stochastic rounding: add 16 random bits below the bf16 mantissa, truncate.
+
+    Unbiased: rounds up with probability equal to the discarded fraction. NaN stays NaN
+    (rounded as torch does); inf stays inf.
+    """
+    x = x.float().reshape(-1)
+    bits = _f32_bits(x)
+    up = ((bits + rand16) & _M32) >> 16
+    out = _u16_to_bf16(up)
+    return torch.where(torch.isnan(x), x.bfloat16(), out)
+
+
+def _u16_to_bf16(u: Tensor) -> Tensor:
+    u = u & 0xFFFF
+    return torch.where(u >= 2**15, u - 2**16, u).to(torch.int16).view(torch.bfloat16)
+
+
+def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
+    """fp32 master -> (bf16 param, int16 remainder) with ``join_master`` its exact inverse.
+
+    ``param = (bits(master) + 0x8000) >> 16`` (round to nearest, ties away from zero) and
+    ``remainder = bits(master) - (bits(param) << 16)``, which lies in [-0x8000, 0x7fff].
+
+    Why not ties-to-even: the fp32 values that round to nearest-even onto an *even* bf16
+    value number 65,537 (both exact ties belong to it), one more than an int16 can tell
+    apart, so no 16-bit remainder can be exact under round-to-nearest-even. Away from an
+    exact tie (low 16 bits of the master == 0x8000, about 1 element in 65,536) the param is
+    identical to ``master.bfloat16()``; at a tie it is the neighbour away from zero, one
+    bf16 ulp from it. The master itself is always exact. A NaN master gives a quiet NaN
+    param and remainder 0 (its payload is not kept).
+    """
+    m = master.float()
+    bits = _f32_bits(m.reshape(-1)).reshape(m.shape)
+    nan = torch.isnan(m)
+    hi = (((bits + 0x8000) & _M32) >> 16)
+    hi = torch.where(nan, (bits >> 16) | 0x40, hi)
+    diff = (bits - (hi << 16)) & _M32
+    diff = torch.where(nan, torch.zeros_like(diff), diff)
+    rem16 = diff & 0xFFFF
+    rem = torch.where(rem16 >= 2**15, rem16 - 2**16, rem16).to(torch.int16)
+    return _u16_to_bf16(hi), rem
+
+
+def join_master(param_bf16: Tensor, remainder: Tensor) -> Tensor:
+    """(bf16 param, int16 remainder) -> the exact fp32 master."""
+    pbits = param_bf16.view(torch.int16).to(torch.int64) & 0xFFFF
+    bits = ((pbits << 16) + remainder.to(torch.int64)) & _M32
+    return _bits_f32(bits.reshape(-1)).reshape(param_bf16.shape)
+
+
+def _store_lowp(value: Tensor, dtype: torch.dtype, rand16: Optional[Tensor]) -> Tensor:
+    """Round an fp32 result to ``dtype``: stochastic for bf16 when random bits are given."""
+    if dtype == torch.bfloat16 and rand16 is not None:
+        return round_bf16_stochastic(value, rand16).reshape(value.shape)
+    return value.to(dtype)
+
+
+def adamw_bf16_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    remainders: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    exp_avg_sqs: Sequence[Tensor],
+    max_exp_avg_sqs: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],
+    rng: Optional[Tensor],
+    rng_base: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    amsgrad: bool,
+    maximize: bool,
+) -> None:
+    """AdamW for bf16 params with a low-bit master: remainders and/or stochastic rounding.
+
+    ``params`` are bf16. ``remainders`` (int16, same shapes) hold the exact fp32 master as
+    ``join_master(param, remainder)``; after the update the master is split again, so the
+    trajectory is bit-identical to :func:`adamw_` with fp32 masters. With ``remainders``
+    empty there is no master: the fp32 result is rounded to bf16, stochastically when
+    ``rng`` is given. Moments are fp32, or bf16 (rounded stochastically when ``rng`` is
+    given, to nearest-even otherwise). ``rng`` is an int64 tensor ``[seed, counter]`` on the
+    device; the random bits of tensor ``i`` use ``tensor_id = rng_base + i`` (see
+    :func:`sr_random16`). ``found_inf`` non-zero: nothing is written.
+    """
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    step_size, bc2_sqrt, decay, grad_mul = step_scalars.to(torch.float32).unbind(0)
+    b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
+    b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
+    eps_t = _f32(eps, dev)
+    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
+    use_rem = len(remainders) > 0
+    seed = counter = None
+    if rng is not None:
+        seed, counter = rng.reshape(-1)[0], rng.reshape(-1)[1]
+    for i, p in enumerate(params):
+        n = p.numel()
+
+        def rand(k: int) -> Optional[Tensor]:
+            if rng is None:
+                return None
+            return sr_random16(seed, counter, 4 * (rng_base + i) + k, n, dev)
+
+        p32 = join_master(p, remainders[i]) if use_rem else p.float()
+        m, v = exp_avgs[i].float(), exp_avg_sqs[i].float()
+        g = grads[i].float() * grad_mul
+        if maximize:
+            g = -g
+        pv = p32 * decay
+        diff = g - m
+        mv = m + omb1 * diff if _lerp_low(beta1) else g - diff * b1
+        vv = v * b2 + (omb2 * g) * g
+        if amsgrad:
+            vmax = torch.maximum(max_exp_avg_sqs[i].float(), vv)
+            d = vmax
+        else:
+            d = vv
+        denom = d.double().sqrt().float() / bc2_sqrt + eps_t
+        pv = pv - (step_size * mv) / denom
+        if use_rem:
+            new_p, new_rem = split_master(pv)
+        else:
+            new_p, new_rem = _store_lowp(pv, p.dtype, rand(0)), None
+        new_m = _store_lowp(mv, exp_avgs[i].dtype, rand(1))
+        new_v = _store_lowp(vv, exp_avg_sqs[i].dtype, rand(2))
+        new_vmax = _store_lowp(vmax, max_exp_avg_sqs[i].dtype, rand(3)) if amsgrad else None
+        if keep is not None:
+            new_p = torch.where(keep, p, new_p)
+            new_m = torch.where(keep, exp_avgs[i], new_m)
+            new_v = torch.where(keep, exp_avg_sqs[i], new_v)
+            if use_rem:
+                new_rem = torch.where(keep, remainders[i], new_rem)
+            if amsgrad:
+                new_vmax = torch.where(keep, max_exp_avg_sqs[i], new_vmax)
+        p.copy_(new_p)
+        exp_avgs[i].copy_(new_m)
+        exp_avg_sqs[i].copy_(new_v)
+        if use_rem:
+            remainders[i].copy_(new_rem)
+        if amsgrad:
+            max_exp_avg_sqs[i].copy_(new_vmax)
+
+
+def sgd_step_scalars(lr, step: Tensor, grad_mul: Optional[Tensor] = None) -> Tensor:
+    """``[lr, grad_mul, is_first]`` (fp32, on ``step``'s device) for :func:`sgd_`.
+
+    ``step`` is the number of steps applied *before* this one (a device tensor), so
+    ``is_first = (step == 0)``: a first step skipped on overflow stays the first. No sync.
+    """
+    dev = step.device
+    lr_t = lr.reshape(()).to(device=dev, dtype=torch.float32) if isinstance(lr, Tensor) else _f32(lr, dev)
+    gm = grad_mul.reshape(()).to(device=dev, dtype=torch.float32) if grad_mul is not None else _f32(1.0, dev)
+    first = (step.reshape(()) == 0).to(torch.float32)
+    return torch.stack([lr_t, gm, first])
+
+
+def sgd_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    momentum_buffers: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],
+    rng: Optional[Tensor],
+    rng_base: int,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> None:
+    """Fused SGD (torch.optim.SGD's update) with optional masters, on device skip.
+
+    ``masters``: fp32 tensors (fp32 master weights, params of any float dtype), int16
+    remainders (bf16 params, see :func:`split_master`), or empty (params updated directly;
+    bf16 params rounded stochastically when ``rng`` is given). ``momentum_buffers``: fp32,
+    empty when ``momentum == 0``. ``step_scalars`` = :func:`sgd_step_scalars`. Maths (fp32,
+    one rounding per operation)::
+
+        g = grad * grad_mul;  g = -g if maximize
+        g = g + weight_decay * p                       (if weight_decay != 0)
+        buf = g  if is_first else  buf * momentum + (1 - dampening) * g     (if momentum != 0)
+        g = g + momentum * buf  if nesterov else  buf                       (if momentum != 0)
+        p = p - lr * g
+    """
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    lr, grad_mul, first = step_scalars.to(torch.float32).unbind(0)
+    mom, omd, wd = _f32(momentum, dev), _f32(1.0 - dampening, dev), _f32(weight_decay, dev)
+    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
+    masters_kind = "none" if len(masters) == 0 else ("remainder" if masters[0].dtype == torch.int16 else "fp32")
+    for i, p in enumerate(params):
+        if masters_kind == "fp32":
+            p32 = masters[i]
+        elif masters_kind == "remainder":
+            p32 = join_master(p, masters[i])
+        else:
+            p32 = p.float()
+        g = grads[i].float() * grad_mul
+        if maximize:
+            g = -g
+        if weight_decay != 0:
+            g = g + wd * p32
+        new_buf = None
+        if momentum != 0:
+            buf = momentum_buffers[i]
+            new_buf = torch.where(first != 0, g, buf * mom + omd * g)
+            g = g + mom * new_buf if nesterov else new_buf
+        pv = p32 - lr * g
+        new_master = None
+        if masters_kind == "fp32":
+            new_p, new_master = pv.to(p.dtype), pv
+        elif masters_kind == "remainder":
+            new_p, new_master = split_master(pv)
+        else:
+            rand = None
+            if rng is not None and p.dtype == torch.bfloat16:
+                r = rng.reshape(-1)
+                rand = sr_random16(r[0], r[1], 4 * (rng_base + i), p.numel(), dev)
+            new_p = _store_lowp(pv, p.dtype, rand)
+        if keep is not None:
+            new_p = torch.where(keep, p, new_p)
+            if new_master is not None:
+                new_master = torch.where(keep, masters[i], new_master)
+            if new_buf is not None:
+                new_buf = torch.where(keep, momentum_buffers[i], new_buf)
+        p.copy_(new_p)
+        if new_master is not None:
+            masters[i].copy_(new_master)
+        if new_buf is not None:
+            momentum_buffers[i].copy_(new_buf)
+
+
+# ---------------------------------------------------------------------------------------
+# Gradient health statistics (issue: gradient health in the fused pass)
+# ---------------------------------------------------------------------------------------
+
+FP16_MIN_NORMAL = 2.0**-14
+
+
+def unscale_check_stats_(
+    grads: Sequence[Tensor],
+    found_inf: Tensor,
+    inv_scale: Tensor,
+    write_back: bool,
+    compute_sumsq: bool,
+    counts: Tensor,
+    absmax: Tensor,
+) -> Tensor:
+    """:func:`unscale_check_` that also writes per-tensor health statistics, same pass.
+
+    ``counts`` (int64 ``[len(grads), 3]``) and ``absmax`` (fp32 ``[len(grads)]``) are
+    overwritten. With ``y = x * inv_scale`` in fp32, per tensor:
+      counts[:, 0] non-finite: elements that raise found_inf (same rule as unscale_check_);
+      counts[:, 1] zeros: finite x with y == 0 (either sign);
+      counts[:, 2] fp16 underflow: 0 < |y| < 2^-14 (what an fp16 grad would lose to subnormals);
+      absmax: max |y| over elements whose y is finite (0 when there are none).
+    """
+    dev = found_inf.device
+    for i, g in enumerate(grads):
+        vals = g._values() if g.is_sparse else g
+        cdt = _compute_dtype(vals)
+        x = vals.to(cdt)
+        y = x * inv_scale.reshape(()).to(device=vals.device, dtype=cdt)
+        bad = ~torch.isfinite(x) | ~torch.isfinite(y)
+        if write_back:
+            bad = bad | ~torch.isfinite(y.to(vals.dtype))
+        ay = y.abs()
+        counts[i, 0] = bad.sum().to(dev)
+        counts[i, 1] = (torch.isfinite(x) & (y == 0)).sum().to(dev)
+        counts[i, 2] = ((ay > 0) & (ay < FP16_MIN_NORMAL)).sum().to(dev)
+        fin = torch.isfinite(y)
+        absmax[i] = torch.where(fin, ay, torch.zeros_like(ay)).amax().float().to(dev) if y.numel() else 0.0
+    return unscale_check_(grads, found_inf, inv_scale, write_back, compute_sumsq)

@@ -14,6 +14,9 @@ _OP_MODULES = {
     "unscale_check_": "amp",
     "update_scale_": "amp",
     "adamw_": "adamw",
+    "adamw_bf16_": "adamw",
+    "sgd_": "sgd",
+    "unscale_check_stats_": "amp",
 }
 
 
