@@ -41,40 +41,55 @@ def build_info() -> Optional[str]:
     return torch.ops.fastamp.build_info() if NATIVE_LOADED else None
 
 
-if NATIVE_LOADED:
+def _register_fakes() -> None:
+    """Fake impls for the native ops this build of _C defines (a stale build may lack new ones)."""
+    if not NATIVE_LOADED:
+        return
 
-    @torch.library.register_fake("fastamp::unscale_check_")
+    @_fake("unscale_check_")
     def _unscale_check_fake(grads, found_inf, inv_scale, write_back, compute_sumsq):
         return found_inf.new_empty((), dtype=torch.float32)
 
-    @torch.library.register_fake("fastamp::update_scale_")
+    @_fake("update_scale_")
     def _update_scale_fake(
         scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
         hysteresis, min_scale, max_scale,
     ):
         return None
 
-    @torch.library.register_fake("fastamp::adamw_")
+    @_fake("adamw_")
     def _adamw_fake(
         params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, beta1, beta2, eps,
         amsgrad, maximize,
     ):
         return None
 
-    @torch.library.register_fake("fastamp::adamw_bf16_")
+    @_fake("adamw_bf16_")
     def _adamw_bf16_fake(
         params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, rng_base,
         beta1, beta2, eps, amsgrad, maximize,
     ):
         return None
 
-    @torch.library.register_fake("fastamp::sgd_")
+    @_fake("sgd_")
     def _sgd_fake(
         params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base, momentum, dampening,
         weight_decay, nesterov, maximize,
     ):
         return None
 
-    @torch.library.register_fake("fastamp::unscale_check_stats_")
+    @_fake("unscale_check_stats_")
     def _unscale_check_stats_fake(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
         return found_inf.new_empty((), dtype=torch.float32)
+
+
+def _fake(op: str):
+    def deco(fn):
+        if hasattr(torch.ops.fastamp, op):
+            torch.library.register_fake(f"fastamp::{op}")(fn)
+        return fn
+
+    return deco
+
+
+_register_fakes()

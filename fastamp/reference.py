@@ -112,12 +112,12 @@ def update_scale_(
     h_dec = hysteresis_tracker.reshape(()) - 1
     do_backoff = overflow & (h_dec <= 0)
     backed = (s.double() * backoff_factor).float()
-    backed = torch.where(backed < torch.tensor(min_scale, dtype=torch.float32, device=s.device),
-                         torch.tensor(min_scale, dtype=torch.float32, device=s.device), backed)
+    lo = torch.full((), min_scale, dtype=torch.float32, device=s.device)
+    backed = torch.where(backed < lo, lo, backed)
     successful = growth_tracker.reshape(()) + 1
     grow_step = (~overflow) & (successful.long() == growth_interval)
     grown = (s.double() * growth_factor).float()
-    hi = torch.tensor(max_scale, dtype=torch.float32, device=s.device)
+    hi = torch.full((), max_scale, dtype=torch.float32, device=s.device)
     grown = torch.where(grown > hi, hi, grown)
     grow_ok = grow_step & torch.isfinite(grown)
     new_scale = torch.where(do_backoff, backed, torch.where(grow_ok, grown, s))
@@ -146,9 +146,9 @@ def adamw_step_scalars(
     dev = step.device
     wide = torch.float32 if dev.type == "mps" else torch.float64
     st = step.reshape(()).to(wide)
-    lr_t = lr.reshape(()).to(device=dev, dtype=wide) if isinstance(lr, Tensor) else torch.tensor(lr, dtype=wide, device=dev)
-    bc1 = 1 - torch.pow(torch.tensor(beta1, dtype=wide, device=dev), st)
-    bc2 = 1 - torch.pow(torch.tensor(beta2, dtype=wide, device=dev), st)
+    lr_t = lr.reshape(()).to(device=dev, dtype=wide) if isinstance(lr, Tensor) else torch.full((), lr, dtype=wide, device=dev)
+    bc1 = 1 - torch.pow(torch.full((), beta1, dtype=wide, device=dev), st)
+    bc2 = 1 - torch.pow(torch.full((), beta2, dtype=wide, device=dev), st)
     step_size = lr_t / bc1
     bc2_sqrt = bc2.sqrt()
     decay = 1 - lr_t * weight_decay
@@ -162,7 +162,8 @@ def _lerp_low(beta1: float) -> bool:
 
 
 def _f32(x: float, dev) -> Tensor:
-    return torch.tensor(x, dtype=torch.float32, device=dev)
+    # torch.full, not torch.tensor: the latter copies from host memory (a sync on CUDA)
+    return torch.full((), x, dtype=torch.float32, device=dev)
 
 
 def adamw_(
@@ -280,8 +281,8 @@ def sr_random16(seed, counter: Tensor, stream: int, n: int, device) -> Tensor:
     2 exp_avg_sq, 3 max_exp_avg_sq). Every data-parallel rank with the same seed and param
     order draws the same bits.
     """
-    seed_t = seed.reshape(()).to(device=device, dtype=torch.int64) if isinstance(seed, Tensor) else torch.tensor(
-        seed, dtype=torch.int64, device=device
+    seed_t = seed.reshape(()).to(device=device, dtype=torch.int64) if isinstance(seed, Tensor) else torch.full(
+        (), seed, dtype=torch.int64, device=device
     )
     h = _mix32((seed_t & _M32) ^ 0x9E3779B9)
     h = _mix32(h ^ (counter.reshape(()).to(device=device, dtype=torch.int64) & _M32))
