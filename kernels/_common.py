@@ -27,6 +27,8 @@ KIND_F32 = 0
 KIND_F16 = 1
 KIND_BF16 = 2
 KIND_F64 = 3
+# int16 master remainders (bf16 params, see fastamp.reference.split_master); never converted to fp32
+KIND_I16 = 4
 DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: KIND_BF16, torch.float64: KIND_F64}
 
 # Triton >= 3.2 has correctly rounded sqrt/division; plain `tl.sqrt` and `/` lower to
@@ -74,8 +76,10 @@ def load_ptr(table_ptr, slot, KIND: tl.constexpr):
         return raw.to(tl.pointer_type(tl.float16))
     elif KIND == 2:
         return raw.to(tl.pointer_type(tl.uint16))
-    else:
+    elif KIND == 3:
         return raw.to(tl.pointer_type(tl.float64))
+    else:
+        return raw.to(tl.pointer_type(tl.int16))
 
 
 @triton.jit
@@ -119,6 +123,100 @@ def store_from_f32(ptr, idx, x, mask, KIND: tl.constexpr):
     else:
         tl.store(ptr + idx, x.to(tl.float64), mask=mask)
         return is_finite_f32(x)
+
+
+# ---- low-bit master state: the twins of reference.sr_random16 / split_master / join_master ----
+# All integer maths is uint32 with wrap-around. Measured under TRITON_INTERPRET=1 (numpy
+# uint32 arrays) and by definition on a GPU, uint32 multiplication wraps mod 2^32 exactly as
+# the reference's _mul32, so no emulation is needed (tests compare the bits).
+
+
+@triton.jit
+def mix32(x):
+    """The reference's 32-bit finaliser; ``x`` is uint32."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def sr_base_key(rng_ptr):
+    """``mix(mix(seed ^ 0x9E3779B9) ^ counter)`` from the device ``rng = [seed, counter]`` (low 32 bits each)."""
+    seed = tl.load(rng_ptr).to(tl.uint32)
+    counter = tl.load(rng_ptr + 1).to(tl.uint32)
+    return mix32(mix32(seed ^ 0x9E3779B9) ^ counter)
+
+
+@triton.jit
+def sr_stream_key(base_key, tensor_id, K: tl.constexpr):
+    """The per-tensor key of stream ``4 * tensor_id + K`` (tensor_id is int64, taken mod 2^32)."""
+    stream = (tensor_id * 4 + K).to(tl.uint32)
+    return mix32(base_key ^ stream)
+
+
+@triton.jit
+def sr_random16(key, idx):
+    """16 random bits (uint32) for the int64 flat element indices ``idx`` of the stream ``key``."""
+    # the loop index may be int32 (the interpreter) or int64 (compiled from int64 bounds)
+    wide = idx.to(tl.int64)
+    hi = (wide >> 32).to(tl.uint32)
+    lo = (wide & 0xFFFFFFFF).to(tl.uint32)
+    return mix32(mix32(key ^ hi) ^ lo) & 0xFFFF
+
+
+@triton.jit
+def f32_to_bf16_bits_sr(x, rand16):
+    """fp32 -> bf16 bits by stochastic rounding (add 16 random bits, truncate); NaN as in f32_to_bf16_bits."""
+    u = x.to(tl.uint32, bitcast=True)
+    rounded = ((u + rand16) >> 16).to(tl.uint16)
+    nan = ((u >> 16) | 0x0040).to(tl.uint16)
+    return tl.where((u & 0x7FFFFFFF) > 0x7F800000, nan, rounded)
+
+
+@triton.jit
+def store_bf16_bits(ptr, idx, x, mask, key, SR: tl.constexpr):
+    """Store fp32 ``x`` as bf16 bits: stochastically with stream ``key`` when SR, else nearest-even."""
+    if SR:
+        tl.store(ptr + idx, f32_to_bf16_bits_sr(x, sr_random16(key, idx)), mask=mask)
+    else:
+        tl.store(ptr + idx, f32_to_bf16_bits(x), mask=mask)
+
+
+@triton.jit
+def store_state(ptr, idx, x, mask, KIND: tl.constexpr, key, SR: tl.constexpr):
+    """Store an fp32 optimizer-state value in its dtype (fp32, or bf16 rounded as store_bf16_bits)."""
+    if KIND == 2:
+        store_bf16_bits(ptr, idx, x, mask, key, SR)
+    else:
+        tl.store(ptr + idx, x, mask=mask)
+
+
+@triton.jit
+def join_master(pbits, rem):
+    """bf16 param bits (uint16) + int16 remainder -> the exact fp32 master."""
+    u = (pbits.to(tl.uint32) << 16) + rem.to(tl.int32).to(tl.uint32, bitcast=True)
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def split_master(x):
+    """fp32 master -> (bf16 param bits uint16, int16 remainder): nearest, ties away from zero.
+
+    NaN gives a quiet NaN param of the same sign and remainder 0, as reference.split_master.
+    """
+    u = x.to(tl.uint32, bitcast=True)
+    hi = (u + 0x8000) >> 16
+    rem = (u - (hi << 16)).to(tl.uint16).to(tl.int16, bitcast=True)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    pbits = tl.where(nan, (u >> 16) | 0x0040, hi).to(tl.uint16)
+    return pbits, tl.where(nan, 0, rem).to(tl.int16)
+
+
+def lerp_small(beta1: float) -> bool:
+    """torch.lerp's branch for weight ``1 - beta1`` (< 0.5), decided on the fp32 weight like the reference."""
+    return to_f32(1.0 - beta1) < 0.5
 
 
 def to_f32(x: float) -> float:

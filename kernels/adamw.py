@@ -1,7 +1,9 @@
-"""Triton kernel for the fused AdamW step with optional fp32 master weights: ``adamw_``.
+"""Triton kernels for the fused AdamW step: ``adamw_`` (optional fp32 master weights) and
+``adamw_bf16_`` (bf16 params with int16 master remainders and/or stochastic rounding).
 
-Semantics are :func:`fastamp.reference.adamw_`; registered as the ``torch.library``
-custom op ``fastamp_triton::adamw_`` (fake impl included, ``opcheck`` clean).
+Semantics are :func:`fastamp.reference.adamw_` and :func:`fastamp.reference.adamw_bf16_`;
+registered as the ``torch.library`` custom ops ``fastamp_triton::adamw_`` and
+``fastamp_triton::adamw_bf16_`` (fake impls included, ``opcheck`` clean).
 
 One launch per (param dtype, grad dtype) group covers every chunk of every tensor. Each
 program reads ``found_inf`` and, when it is non-zero (NaN included), runs zero iterations:
@@ -15,6 +17,12 @@ integer ops). On a GPU the kernel is compiled without FMA contraction and with c
 rounded ``tl.sqrt_rn`` / ``tl.div_rn`` (Triton >= 3.2), so it is expected to be bit-exact
 there too; with older Triton (approximate sqrt/division) it stays within
 ``tolerances.ADAMW_GPU_RTOL`` per step.
+
+``adamw_bf16_`` shares the element maths; the master is rebuilt from (param, remainder) and
+split again with integer operations, and the stochastic-rounding bits come from the same
+counter-based hash as the reference (uint32 wrap-around), so params, remainders and bf16
+moments are bit-exact under the interpreter and, given exact sqrt/division, on a GPU: the
+integer parts are exact on every target.
 """
 
 from typing import Optional
@@ -25,7 +33,7 @@ import triton.language as tl
 from fastamp.kernels import _common as C
 from torch import Tensor
 
-__all__ = ["adamw_"]
+__all__ = ["adamw_", "adamw_bf16_"]
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -244,7 +252,7 @@ def _adamw_op(
             HAS_MASTER=has_master,
             AMSGRAD=amsgrad,
             MAXIMIZE=maximize,
-            LERP_SMALL=(1.0 - beta1) < 0.5,
+            LERP_SMALL=C.lerp_small(beta1),
             HAS_FOUND_INF=found_inf is not None,
             HAS_RN=C.HAS_RN,
             CHUNK=chunk,
@@ -297,6 +305,347 @@ def adamw_(
         list(max_exp_avg_sqs),
         step_scalars,
         found_inf,
+        float(beta1),
+        float(beta2),
+        float(eps),
+        bool(amsgrad),
+        bool(maximize),
+    )
+
+
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit
+def _adamw_bf16_kernel(
+    table_ptr,
+    n_tensors,
+    n_chunks,
+    step_scalars_ptr,
+    found_inf_ptr,
+    rng_ptr,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
+    eps,
+    G_KIND: tl.constexpr,
+    M_KIND: tl.constexpr,
+    V_KIND: tl.constexpr,
+    VMAX_KIND: tl.constexpr,
+    N_PTR: tl.constexpr,
+    HAS_REM: tl.constexpr,
+    HAS_RNG: tl.constexpr,
+    AMSGRAD: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_RN: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # table columns: param (bf16 bits), grad, exp_avg, exp_avg_sq, [remainder], [max_exp_avg_sq], [tensor id]
+    pid = tl.program_id(0)
+    t = tl.load(table_ptr + (N_PTR + 1) * n_tensors + pid)
+    start = tl.load(table_ptr + (N_PTR + 1) * n_tensors + n_chunks + pid)
+    numel = tl.load(table_ptr + N_PTR * n_tensors + t)
+    p_ptr = C.load_ptr(table_ptr, t, 2)
+    g_ptr = C.load_ptr(table_ptr, n_tensors + t, G_KIND)
+    m_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, M_KIND)
+    v_ptr = C.load_ptr(table_ptr, 3 * n_tensors + t, V_KIND)
+    if HAS_REM:
+        r_ptr = C.load_ptr(table_ptr, 4 * n_tensors + t, 4)
+    else:
+        r_ptr = C.load_ptr(table_ptr, t, 4)
+    if AMSGRAD:
+        vmax_ptr = C.load_ptr(table_ptr, (4 + HAS_REM) * n_tensors + t, VMAX_KIND)
+    else:
+        vmax_ptr = C.load_ptr(table_ptr, t, VMAX_KIND)
+    # stochastic rounding: param (no remainder), and each bf16 moment, one stream each
+    SR_P: tl.constexpr = HAS_RNG and not HAS_REM
+    SR_M: tl.constexpr = HAS_RNG and M_KIND == 2
+    SR_V: tl.constexpr = HAS_RNG and V_KIND == 2
+    SR_VMAX: tl.constexpr = HAS_RNG and AMSGRAD and VMAX_KIND == 2
+    if HAS_RNG:
+        tensor_id = tl.load(table_ptr + (4 + HAS_REM + AMSGRAD) * n_tensors + t)
+        base = C.sr_base_key(rng_ptr)
+        key_p = C.sr_stream_key(base, tensor_id, 0)
+        key_m = C.sr_stream_key(base, tensor_id, 1)
+        key_v = C.sr_stream_key(base, tensor_id, 2)
+        key_vmax = C.sr_stream_key(base, tensor_id, 3)
+    else:
+        key_p = tl.full([], 0, tl.uint32)
+        key_m = key_p
+        key_v = key_p
+        key_vmax = key_p
+    step_size = tl.load(step_scalars_ptr)
+    bc2_sqrt = tl.load(step_scalars_ptr + 1)
+    decay = tl.load(step_scalars_ptr + 2)
+    grad_mul = tl.load(step_scalars_ptr + 3)
+    end = tl.minimum(start + CHUNK, numel)
+    if HAS_FOUND_INF:
+        # A non-zero (or NaN) found_inf makes the loop empty: no load, no store.
+        end = tl.where(tl.load(found_inf_ptr) == 0, end, start)
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = idx < end
+        pbits = tl.load(p_ptr + idx, mask=mask, other=0)
+        if HAS_REM:
+            p = C.join_master(pbits, tl.load(r_ptr + idx, mask=mask, other=0))
+        else:
+            p = (pbits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        g = C.load_f32(g_ptr, idx, mask, G_KIND) * grad_mul
+        if MAXIMIZE:
+            g = -g
+        m = C.load_f32(m_ptr, idx, mask, M_KIND)
+        v = C.load_f32(v_ptr, idx, mask, V_KIND)
+        pv = p * decay
+        diff = g - m
+        if LERP_SMALL:
+            mv = m + one_minus_beta1 * diff
+        else:
+            mv = g - diff * beta1
+        vv = v * beta2 + (one_minus_beta2 * g) * g
+        if AMSGRAD:
+            a = C.load_f32(vmax_ptr, idx, mask, VMAX_KIND)
+            vmax = tl.where((a != a) | (vv != vv), a + vv, tl.maximum(a, vv))
+            C.store_state(vmax_ptr, idx, vmax, mask, VMAX_KIND, key_vmax, SR_VMAX)
+            d = vmax
+        else:
+            d = vv
+        denom = C.div_rn(C.sqrt_rn(d, HAS_RN), bc2_sqrt, HAS_RN) + eps
+        pv = pv - C.div_rn(step_size * mv, denom, HAS_RN)
+        C.store_state(m_ptr, idx, mv, mask, M_KIND, key_m, SR_M)
+        C.store_state(v_ptr, idx, vv, mask, V_KIND, key_v, SR_V)
+        if HAS_REM:
+            new_bits, new_rem = C.split_master(pv)
+            tl.store(p_ptr + idx, new_bits, mask=mask)
+            tl.store(r_ptr + idx, new_rem, mask=mask)
+        else:
+            C.store_bf16_bits(p_ptr, idx, pv, mask, key_p, SR_P)
+
+
+def _check_list_entry(op, name, s, i, dev, dtypes, numel):
+    if s.device != dev:
+        raise ValueError(f"{op}: {name}[{i}] is on {s.device} but params are on {dev}")
+    if s.dtype not in dtypes:
+        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{op}: {name}[{i}] must be {allowed}, got {s.dtype}")
+    if s.numel() != numel:
+        raise ValueError(f"{op}: {name}[{i}] has {s.numel()} elements but params[{i}] has {numel}")
+    if not s.is_contiguous():
+        raise ValueError(f"{op}: {name}[{i}] must be contiguous")
+
+
+def _check_rng(op, rng, dev):
+    if rng is None:
+        return
+    if rng.dtype != torch.int64 or rng.numel() < 2:
+        raise ValueError(f"{op}: rng must be an int64 tensor [seed, counter], got {rng.dtype} {tuple(rng.shape)}")
+    if rng.device != dev:
+        raise ValueError(f"{op}: rng is on {rng.device} but params are on {dev}")
+
+
+def _check_found_inf(op, found_inf, dev):
+    if found_inf is None:
+        return
+    if found_inf.numel() != 1:
+        raise ValueError(f"{op}: found_inf must be a 1-element tensor, got shape {tuple(found_inf.shape)}")
+    if found_inf.device != dev:
+        raise ValueError(f"{op}: found_inf is on {found_inf.device} but params are on {dev}")
+
+
+def _validate_bf16(params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng,
+                   amsgrad):
+    op = "fastamp_triton::adamw_bf16_"
+    n = len(params)
+    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        if len(lst) != n:
+            raise ValueError(f"{op}: {name} has {len(lst)} tensors but params has {n}")
+    if len(remainders) not in (0, n):
+        raise ValueError(f"{op}: remainders must be empty or have one tensor per param ({n}), got {len(remainders)}")
+    if amsgrad and len(max_exp_avg_sqs) != n:
+        raise ValueError(f"{op}: amsgrad needs one max_exp_avg_sq per param ({n}), got {len(max_exp_avg_sqs)}")
+    if n == 0:
+        return
+    dev = params[0].device
+    if step_scalars.numel() != 4 or not step_scalars.is_floating_point():
+        raise ValueError(
+            f"{op}: step_scalars must be 4 floats [step_size, bc2_sqrt, decay, grad_mul], "
+            f"got shape {tuple(step_scalars.shape)} {step_scalars.dtype}"
+        )
+    if step_scalars.device != dev:
+        raise ValueError(f"{op}: step_scalars is on {step_scalars.device} but params are on {dev}")
+    _check_found_inf(op, found_inf, dev)
+    _check_rng(op, rng, dev)
+    lists = [("exp_avgs", exp_avgs, _STATE_DTYPES), ("exp_avg_sqs", exp_avg_sqs, _STATE_DTYPES)]
+    if remainders:
+        lists.append(("remainders", remainders, (torch.int16,)))
+    if amsgrad:
+        lists.append(("max_exp_avg_sqs", max_exp_avg_sqs, _STATE_DTYPES))
+    for i, p in enumerate(params):
+        g = grads[i]
+        if p.device != dev or g.device != dev:
+            raise ValueError(f"{op}: params[{i}] ({p.device}) and grads[{i}] ({g.device}) must be on {dev}")
+        if p.dtype != torch.bfloat16:
+            raise TypeError(f"{op}: params[{i}] must be bfloat16, got {p.dtype}")
+        if g.dtype not in _PARAM_DTYPES:
+            raise TypeError(f"{op}: grads[{i}] must be a floating point tensor, got {g.dtype}")
+        if g.layout != torch.strided or p.layout != torch.strided:
+            raise TypeError(f"{op}: params[{i}] and grads[{i}] must be dense, got {p.layout} and {g.layout}")
+        if g.numel() != p.numel():
+            raise ValueError(f"{op}: grads[{i}] has {g.numel()} elements but params[{i}] has {p.numel()}")
+        if not p.is_contiguous():
+            raise ValueError(f"{op}: params[{i}] must be contiguous")
+        for name, lst, dtypes in lists:
+            _check_list_entry(op, name, lst[i], i, dev, dtypes, p.numel())
+
+
+@torch.library.custom_op(
+    "fastamp_triton::adamw_bf16_",
+    mutates_args=("params", "remainders", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
+    schema="(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] remainders, Tensor(c!)[] exp_avgs, "
+    "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor step_scalars, Tensor? found_inf, Tensor? rng, "
+    "int rng_base, float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()",
+)
+def _adamw_bf16_op(
+    params: list[Tensor],
+    grads: list[Tensor],
+    remainders: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],  # noqa: UP045 (runtime annotation, Python 3.9)
+    rng: Optional[Tensor],  # noqa: UP045
+    rng_base: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    amsgrad: bool,
+    maximize: bool,
+) -> None:
+    _validate_bf16(
+        params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, amsgrad
+    )
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    C.check_runnable("adamw_bf16_", dev)
+    scalars = step_scalars.reshape(-1)
+    if scalars.dtype != torch.float32 or not scalars.is_contiguous():
+        scalars = scalars.to(torch.float32).contiguous()
+    if found_inf is not None and found_inf.dtype != torch.float32:
+        found_inf = found_inf.ne(0).to(torch.float32)
+    if rng is not None and not rng.is_contiguous():
+        rng = rng.contiguous()
+    has_rem = len(remainders) > 0
+    groups = {}
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
+        vmax_dtype = max_exp_avg_sqs[i].dtype if amsgrad else torch.float32
+        key = (g.dtype, exp_avgs[i].dtype, exp_avg_sqs[i].dtype, vmax_dtype)
+        groups.setdefault(key, []).append((i, g))
+    chunk, block = C.chunk_config()
+    n_ptr = 4 + int(has_rem) + int(amsgrad) + int(rng is not None)
+    for (g_dtype, m_dtype, v_dtype, vmax_dtype), members in groups.items():
+        idxs = [i for i, _ in members]
+        columns = [
+            [params[i].data_ptr() for i in idxs],
+            [g.data_ptr() for _, g in members],
+            [exp_avgs[i].data_ptr() for i in idxs],
+            [exp_avg_sqs[i].data_ptr() for i in idxs],
+        ]
+        if has_rem:
+            columns.append([remainders[i].data_ptr() for i in idxs])
+        if amsgrad:
+            columns.append([max_exp_avg_sqs[i].data_ptr() for i in idxs])
+        if rng is not None:
+            # the tensor id of the random stream is the index in the call, not in the group
+            columns.append([rng_base + i for i in idxs])
+        table, n_chunks = C.build_table(columns, [params[i].numel() for i in idxs], chunk, dev)
+        _adamw_bf16_kernel[(n_chunks,)](
+            table,
+            len(idxs),
+            n_chunks,
+            scalars,
+            found_inf if found_inf is not None else scalars,
+            rng if rng is not None else table,
+            C.to_f32(beta1),
+            C.to_f32(1.0 - beta1),
+            C.to_f32(beta2),
+            C.to_f32(1.0 - beta2),
+            C.to_f32(eps),
+            G_KIND=C.DTYPE_KIND[g_dtype],
+            M_KIND=C.DTYPE_KIND[m_dtype],
+            V_KIND=C.DTYPE_KIND[v_dtype],
+            VMAX_KIND=C.DTYPE_KIND[vmax_dtype],
+            N_PTR=n_ptr,
+            HAS_REM=has_rem,
+            HAS_RNG=rng is not None,
+            AMSGRAD=amsgrad,
+            MAXIMIZE=maximize,
+            LERP_SMALL=C.lerp_small(beta1),
+            HAS_FOUND_INF=found_inf is not None,
+            HAS_RN=C.HAS_RN,
+            CHUNK=chunk,
+            BLOCK=block,
+            **C.LAUNCH_OPTS,
+        )
+
+
+@_adamw_bf16_op.register_fake
+def _(
+    params,
+    grads,
+    remainders,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    step_scalars,
+    found_inf,
+    rng,
+    rng_base,
+    beta1,
+    beta2,
+    eps,
+    amsgrad,
+    maximize,
+):
+    return None
+
+
+def adamw_bf16_(
+    params,
+    grads,
+    remainders,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],  # noqa: UP045 (runtime annotation, Python 3.9)
+    rng: Optional[Tensor],  # noqa: UP045
+    rng_base: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    amsgrad: bool,
+    maximize: bool,
+) -> None:
+    """Triton :func:`fastamp.reference.adamw_bf16_`: one launch per (grad, moment dtypes) group, no host sync."""
+    _adamw_bf16_op(
+        list(params),
+        list(grads),
+        list(remainders),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(max_exp_avg_sqs),
+        step_scalars,
+        found_inf,
+        rng,
+        int(rng_base),
         float(beta1),
         float(beta2),
         float(eps),
