@@ -455,8 +455,9 @@ def _check_found_inf(op, found_inf, dev):
         raise ValueError(f"{op}: found_inf is on {found_inf.device} but params are on {dev}")
 
 
-def _validate_bf16(params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng,
-                   amsgrad):
+def _validate_bf16(
+    params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, amsgrad
+):
     op = "fastamp_triton::adamw_bf16_"
     n = len(params)
     for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):

@@ -1,0 +1,331 @@
+"""Triton kernel for the fused SGD step: ``sgd_``.
+
+Semantics are :func:`fastamp.reference.sgd_` (``torch.optim.SGD``'s update: momentum,
+dampening, nesterov, weight decay, maximize) with fp32 master weights, int16 master
+remainders for bf16 params, or no master (bf16 params then rounded stochastically when
+``rng`` is given). Registered as the ``torch.library`` custom op ``fastamp_triton::sgd_``
+(fake impl included, ``opcheck`` clean).
+
+One launch per (param dtype, grad dtype) group covers every chunk of every tensor. Each
+program reads ``found_inf`` and, when it is non-zero (NaN included), runs zero iterations,
+so a skipped step writes nothing and leaves the first-step flag to the caller's step count
+(``step_scalars = [lr, grad_mul, is_first]``, all read on the device).
+
+Agreement with the reference: bit-exact under ``TRITON_INTERPRET=1`` and, since the update
+is only fp32 multiplies and adds compiled without FMA contraction plus integer bit
+operations, on a GPU too.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from fastamp.kernels import _common as C
+from torch import Tensor
+
+__all__ = ["sgd_"]
+
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+# master kinds (constexpr MASTER)
+_NO_MASTER = 0
+_FP32_MASTER = 1
+_REMAINDER = 2
+
+
+@triton.jit
+def _sgd_kernel(
+    table_ptr,
+    n_tensors,
+    n_chunks,
+    step_scalars_ptr,
+    found_inf_ptr,
+    rng_ptr,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    P_KIND: tl.constexpr,
+    G_KIND: tl.constexpr,
+    N_PTR: tl.constexpr,
+    MASTER: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MAXIMIZE: tl.constexpr,
+    SR: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # table columns: param, grad, [master or remainder], [momentum buffer], [tensor id]
+    pid = tl.program_id(0)
+    t = tl.load(table_ptr + (N_PTR + 1) * n_tensors + pid)
+    start = tl.load(table_ptr + (N_PTR + 1) * n_tensors + n_chunks + pid)
+    numel = tl.load(table_ptr + N_PTR * n_tensors + t)
+    p_ptr = C.load_ptr(table_ptr, t, P_KIND)
+    g_ptr = C.load_ptr(table_ptr, n_tensors + t, G_KIND)
+    HAS_MASTER: tl.constexpr = MASTER != 0
+    if MASTER == 1:
+        w_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 0)
+    else:
+        w_ptr = C.load_ptr(table_ptr, t, 0)
+    if MASTER == 2:
+        r_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 4)
+    else:
+        r_ptr = C.load_ptr(table_ptr, t, 4)
+    if HAS_MOMENTUM:
+        buf_ptr = C.load_ptr(table_ptr, (2 + HAS_MASTER) * n_tensors + t, 0)
+    else:
+        buf_ptr = w_ptr
+    if SR:
+        tensor_id = tl.load(table_ptr + (2 + HAS_MASTER + HAS_MOMENTUM) * n_tensors + t)
+        key = C.sr_stream_key(C.sr_base_key(rng_ptr), tensor_id, 0)
+    else:
+        key = tl.full([], 0, tl.uint32)
+    lr = tl.load(step_scalars_ptr)
+    grad_mul = tl.load(step_scalars_ptr + 1)
+    first = tl.load(step_scalars_ptr + 2) != 0
+    end = tl.minimum(start + CHUNK, numel)
+    if HAS_FOUND_INF:
+        # A non-zero (or NaN) found_inf makes the loop empty: no load, no store.
+        end = tl.where(tl.load(found_inf_ptr) == 0, end, start)
+    for off in range(start, end, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        mask = idx < end
+        if MASTER == 1:
+            p = tl.load(w_ptr + idx, mask=mask, other=0.0)
+        elif MASTER == 2:
+            pbits = tl.load(p_ptr + idx, mask=mask, other=0)
+            p = C.join_master(pbits, tl.load(r_ptr + idx, mask=mask, other=0))
+        else:
+            p = C.load_f32(p_ptr, idx, mask, P_KIND)
+        g = C.load_f32(g_ptr, idx, mask, G_KIND) * grad_mul
+        if MAXIMIZE:
+            g = -g
+        if HAS_WEIGHT_DECAY:
+            g = g + weight_decay * p
+        if HAS_MOMENTUM:
+            buf = tl.load(buf_ptr + idx, mask=mask, other=0.0)
+            # on the first step the old buffer is never used (it may hold anything)
+            nb = tl.where(first, g, buf * momentum + one_minus_dampening * g)
+            tl.store(buf_ptr + idx, nb, mask=mask)
+            if NESTEROV:
+                g = g + momentum * nb
+            else:
+                g = nb
+        pv = p - lr * g
+        if MASTER == 1:
+            tl.store(w_ptr + idx, pv, mask=mask)
+            C.store_from_f32(p_ptr, idx, pv, mask, P_KIND)
+        elif MASTER == 2:
+            new_bits, new_rem = C.split_master(pv)
+            tl.store(p_ptr + idx, new_bits, mask=mask)
+            tl.store(r_ptr + idx, new_rem, mask=mask)
+        elif SR:
+            C.store_bf16_bits(p_ptr, idx, pv, mask, key, True)
+        else:
+            C.store_from_f32(p_ptr, idx, pv, mask, P_KIND)
+
+
+def _validate(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, momentum):
+    op = "fastamp_triton::sgd_"
+    n = len(params)
+    if len(grads) != n:
+        raise ValueError(f"{op}: grads has {len(grads)} tensors but params has {n}")
+    if len(masters) not in (0, n):
+        raise ValueError(f"{op}: masters must be empty or have one tensor per param ({n}), got {len(masters)}")
+    if momentum != 0 and len(momentum_buffers) != n:
+        raise ValueError(f"{op}: momentum needs one momentum buffer per param ({n}), got {len(momentum_buffers)}")
+    if n == 0:
+        return
+    dev = params[0].device
+    if step_scalars.numel() != 3 or not step_scalars.is_floating_point():
+        raise ValueError(
+            f"{op}: step_scalars must be 3 floats [lr, grad_mul, is_first], "
+            f"got shape {tuple(step_scalars.shape)} {step_scalars.dtype}"
+        )
+    if step_scalars.device != dev:
+        raise ValueError(f"{op}: step_scalars is on {step_scalars.device} but params are on {dev}")
+    if found_inf is not None:
+        if found_inf.numel() != 1:
+            raise ValueError(f"{op}: found_inf must be a 1-element tensor, got shape {tuple(found_inf.shape)}")
+        if found_inf.device != dev:
+            raise ValueError(f"{op}: found_inf is on {found_inf.device} but params are on {dev}")
+    if rng is not None:
+        if rng.dtype != torch.int64 or rng.numel() < 2:
+            raise ValueError(f"{op}: rng must be an int64 tensor [seed, counter], got {rng.dtype} {tuple(rng.shape)}")
+        if rng.device != dev:
+            raise ValueError(f"{op}: rng is on {rng.device} but params are on {dev}")
+    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
+    master_dtype = torch.int16 if remainder else torch.float32
+    lists = []
+    if masters:
+        lists.append(("masters", masters, master_dtype))
+    if momentum != 0:
+        lists.append(("momentum_buffers", momentum_buffers, torch.float32))
+    for i, p in enumerate(params):
+        g = grads[i]
+        if p.device != dev or g.device != dev:
+            raise ValueError(f"{op}: params[{i}] ({p.device}) and grads[{i}] ({g.device}) must be on {dev}")
+        if p.dtype not in _PARAM_DTYPES:
+            raise TypeError(f"{op}: params[{i}] must be a floating point tensor, got {p.dtype}")
+        if remainder and p.dtype != torch.bfloat16:
+            raise TypeError(f"{op}: int16 remainders need bfloat16 params, but params[{i}] is {p.dtype}")
+        if g.dtype not in _PARAM_DTYPES:
+            raise TypeError(f"{op}: grads[{i}] must be a floating point tensor, got {g.dtype}")
+        if g.layout != torch.strided or p.layout != torch.strided:
+            raise TypeError(f"{op}: params[{i}] and grads[{i}] must be dense, got {p.layout} and {g.layout}")
+        if g.numel() != p.numel():
+            raise ValueError(f"{op}: grads[{i}] has {g.numel()} elements but params[{i}] has {p.numel()}")
+        if not p.is_contiguous():
+            raise ValueError(f"{op}: params[{i}] must be contiguous")
+        for name, lst, dtype in lists:
+            s = lst[i]
+            if s.device != dev:
+                raise ValueError(f"{op}: {name}[{i}] is on {s.device} but params are on {dev}")
+            if s.dtype != dtype:
+                what = "int16 (remainders, as masters[0])" if dtype == torch.int16 else "float32"
+                raise TypeError(f"{op}: {name}[{i}] must be {what}, got {s.dtype}")
+            if s.numel() != p.numel():
+                raise ValueError(f"{op}: {name}[{i}] has {s.numel()} elements but params[{i}] has {p.numel()}")
+            if not s.is_contiguous():
+                raise ValueError(f"{op}: {name}[{i}] must be contiguous")
+
+
+@torch.library.custom_op(
+    "fastamp_triton::sgd_",
+    mutates_args=("params", "masters", "momentum_buffers"),
+    schema="(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] momentum_buffers, "
+    "Tensor step_scalars, Tensor? found_inf, Tensor? rng, int rng_base, float momentum, float dampening, "
+    "float weight_decay, bool nesterov, bool maximize) -> ()",
+)
+def _sgd_op(
+    params: list[Tensor],
+    grads: list[Tensor],
+    masters: list[Tensor],
+    momentum_buffers: list[Tensor],
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],  # noqa: UP045 (runtime annotation, Python 3.9)
+    rng: Optional[Tensor],  # noqa: UP045
+    rng_base: int,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> None:
+    _validate(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, momentum)
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    C.check_runnable("sgd_", dev)
+    scalars = step_scalars.reshape(-1)
+    if scalars.dtype != torch.float32 or not scalars.is_contiguous():
+        scalars = scalars.to(torch.float32).contiguous()
+    if found_inf is not None and found_inf.dtype != torch.float32:
+        # any non-zero value (NaN included) must stay non-zero: a tiny fp64 could round to 0
+        found_inf = found_inf.ne(0).to(torch.float32)
+    if rng is not None and not rng.is_contiguous():
+        rng = rng.contiguous()
+    if not masters:
+        master_kind = _NO_MASTER
+    else:
+        master_kind = _REMAINDER if masters[0].dtype == torch.int16 else _FP32_MASTER
+    has_momentum = momentum != 0
+    groups = {}
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
+        groups.setdefault((p.dtype, g.dtype), []).append((i, g))
+    chunk, block = C.chunk_config()
+    for (p_dtype, g_dtype), members in groups.items():
+        idxs = [i for i, _ in members]
+        # stochastic rounding only where the reference does it: bf16 params without a master
+        sr = rng is not None and master_kind == _NO_MASTER and p_dtype == torch.bfloat16
+        columns = [[params[i].data_ptr() for i in idxs], [g.data_ptr() for _, g in members]]
+        if master_kind != _NO_MASTER:
+            columns.append([masters[i].data_ptr() for i in idxs])
+        if has_momentum:
+            columns.append([momentum_buffers[i].data_ptr() for i in idxs])
+        if sr:
+            # the tensor id of the random stream is the index in the call, not in the group
+            columns.append([rng_base + i for i in idxs])
+        table, n_chunks = C.build_table(columns, [params[i].numel() for i in idxs], chunk, dev)
+        _sgd_kernel[(n_chunks,)](
+            table,
+            len(idxs),
+            n_chunks,
+            scalars,
+            found_inf if found_inf is not None else scalars,
+            rng if sr else table,
+            C.to_f32(momentum),
+            C.to_f32(1.0 - dampening),
+            C.to_f32(weight_decay),
+            P_KIND=C.DTYPE_KIND[p_dtype],
+            G_KIND=C.DTYPE_KIND[g_dtype],
+            N_PTR=len(columns),
+            MASTER=master_kind,
+            HAS_MOMENTUM=has_momentum,
+            HAS_WEIGHT_DECAY=weight_decay != 0,
+            NESTEROV=nesterov,
+            MAXIMIZE=maximize,
+            SR=sr,
+            HAS_FOUND_INF=found_inf is not None,
+            CHUNK=chunk,
+            BLOCK=block,
+            **C.LAUNCH_OPTS,
+        )
+
+
+@_sgd_op.register_fake
+def _(
+    params,
+    grads,
+    masters,
+    momentum_buffers,
+    step_scalars,
+    found_inf,
+    rng,
+    rng_base,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    maximize,
+):
+    return None
+
+
+def sgd_(
+    params,
+    grads,
+    masters,
+    momentum_buffers,
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],  # noqa: UP045 (runtime annotation, Python 3.9)
+    rng: Optional[Tensor],  # noqa: UP045
+    rng_base: int,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool,
+    maximize: bool,
+) -> None:
+    """Triton :func:`fastamp.reference.sgd_`: one launch per (param, grad) dtype group, no host sync."""
+    _sgd_op(
+        list(params),
+        list(grads),
+        list(masters),
+        list(momentum_buffers),
+        step_scalars,
+        found_inf,
+        rng,
+        int(rng_base),
+        float(momentum),
+        float(dampening),
+        float(weight_decay),
+        bool(nesterov),
+        bool(maximize),
+    )
