@@ -107,11 +107,11 @@ def compiled(tmp_path_factory):
 
 def test_expected_cuda_sources_exist():
     names = {p.name for p in CU_FILES}
-    assert {"amp.cu", "adamw.cu"} <= names, names
+    assert {"amp.cu", "adamw.cu", "sgd.cu"} <= names, names
     assert (CUDA_DIR / "bindings.cpp").exists()
 
 
-@pytest.mark.parametrize("name", ["amp.cu", "adamw.cu"])
+@pytest.mark.parametrize("name", ["amp.cu", "adamw.cu", "sgd.cu"])
 @requires_nvcc
 def test_cu_compiles_for_sm80_and_sm90(compiled, name):
     rc, out, obj = compiled[name]
@@ -123,11 +123,14 @@ def test_cu_compiles_for_sm80_and_sm90(compiled, name):
 def test_objects_hold_both_archs_and_every_kernel(compiled):
     # Read the object bytes (cuobjdump is not always installed): nvcc records each cubin's
     # ptxas command line, and the mangled kernel names show the template instantiations.
-    expected = {
-        "amp.cu": (rb"unscale_check_kernelI(\w*?)EEv", 3, [b"sumsq_finalize_kernel", b"update_scale_kernel"]),
-        "adamw.cu": (rb"adamw_kernelI(\w*?)EEv", 9, []),  # 3 param x 3 grad dtypes
-    }
-    for name, (pattern, count, others) in expected.items():
+    expected = [
+        # 3 grad dtypes x (plain, with health statistics)
+        ("amp.cu", rb"unscale_check_kernelI(\w*?)EEv", 6, [b"sumsq_finalize_kernel", b"update_scale_kernel"]),
+        ("adamw.cu", rb"adamw_kernelI(\w*?)EEv", 9, []),  # 3 param x 3 grad dtypes
+        ("adamw.cu", rb"adamw_bf16_kernelI(\w*?)EEv", 6, []),  # 3 grad x 2 moment dtypes
+        ("sgd.cu", rb"sgd_kernelI(\w*?)EEv", 9, []),  # 3 param x 3 grad dtypes
+    ]
+    for name, pattern, count, others in expected:
         rc, out, obj = compiled[name]
         assert rc == 0, out
         data = obj.read_bytes()

@@ -1,4 +1,4 @@
-// CUDA kernels of fastamp::unscale_check_ and fastamp::update_scale_ (semantics:
+// CUDA kernels of fastamp::unscale_check_, unscale_check_stats_ and update_scale_ (semantics:
 // fastamp/reference.py; per-element maths: csrc/fastamp_math.h). No torch header: the
 // binding is csrc/cuda/bindings.cpp.
 #include <cuda_runtime_api.h>
@@ -22,7 +22,9 @@ constexpr int kUnscaleIlp = 4;  // vectors in flight per thread
 // an aligned tensor is one 16-byte access, anything else is element by element, but the
 // groups, and the order a thread accumulates their squares in, do not depend on the path,
 // so the per-chunk sum of squares has the same bits whatever the tensor's alignment.
-template <typename E, typename Table>
+// STATS: table rows 1 and 2 point at the tensor's counts row (int64 x 3) and absmax (fp32);
+// each block adds its chunk's totals there with integer atomics (exact in any order).
+template <typename E, bool STATS, typename Table>
 __global__ void __launch_bounds__(kBlockSize)
     unscale_check_kernel(const __grid_constant__ Table table, float* __restrict__ found_inf,
                          const float* __restrict__ inv_scale_ptr, double* __restrict__ partials,
@@ -31,6 +33,7 @@ __global__ void __launch_bounds__(kBlockSize)
   constexpr int VEC = 16 / static_cast<int>(sizeof(S));
   using P = detail::Pack<S, VEC>;
   __shared__ double smem[kBlockSize / 32];
+  __shared__ detail::HealthCounts stats_smem[STATS ? kBlockSize / 32 : 1];
 
   const float inv_scale = *inv_scale_ptr;
   for (int64_t chunk = blockIdx.x; chunk < table.num_chunks; chunk += gridDim.x) {
@@ -43,6 +46,7 @@ __global__ void __launch_bounds__(kBlockSize)
 
     bool bad = false;
     float acc = 0.0f;
+    detail::HealthCounts stats{0u, 0u, 0u, 0u};
     for (int64_t g0 = 0; g0 < groups; g0 += static_cast<int64_t>(kUnscaleIlp) * kBlockSize) {
       S vals[kUnscaleIlp][VEC];
 #pragma unroll
@@ -68,12 +72,23 @@ __global__ void __launch_bounds__(kBlockSize)
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             if (e0 + e < n) {
-              const float y = math::unscale_element(E::load(vals[k][e]), inv_scale, &bad);
+              const float x = E::load(vals[k][e]);
+              bool element_bad = false;
+              const float y = math::unscale_element(x, inv_scale, &element_bad);
               if (compute_sumsq) acc = acc + y * y;
               if (write_back) {
                 const S stored = E::store(y);
-                if (!E::stored_finite(stored)) bad = true;
+                if (!E::stored_finite(stored)) element_bad = true;
                 vals[k][e] = stored;
+              }
+              bad = bad || element_bad;
+              if constexpr (STATS) {
+                const uint32_t abs_bits = math::float_bits(y) & 0x7fffffffu;
+                const float abs_y = math::bits_float(abs_bits);
+                stats.nonfinite += element_bad ? 1u : 0u;
+                stats.zeros += (math::is_finite(x) && abs_bits == 0u) ? 1u : 0u;
+                stats.underflow += (abs_y > 0.0f && abs_y < math::kFp16MinNormal) ? 1u : 0u;
+                if (math::is_finite(y) && abs_bits > stats.absmax_bits) stats.absmax_bits = abs_bits;
               }
             }
           }
@@ -100,6 +115,18 @@ __global__ void __launch_bounds__(kBlockSize)
       const double chunk_sum = detail::block_sum_fixed_order(static_cast<double>(acc), smem);
       if (threadIdx.x == 0) partials[first_chunk + chunk] = chunk_sum;
     }
+    if constexpr (STATS) {
+      const detail::HealthCounts total = detail::block_reduce_health(stats, stats_smem);
+      if (threadIdx.x == 0) {
+        auto* counts = static_cast<unsigned long long*>(table.ptrs[1][loc.tensor]);
+        if (total.nonfinite) atomicAdd(counts + 0, static_cast<unsigned long long>(total.nonfinite));
+        if (total.zeros) atomicAdd(counts + 1, static_cast<unsigned long long>(total.zeros));
+        if (total.underflow) atomicAdd(counts + 2, static_cast<unsigned long long>(total.underflow));
+        // absmax starts at +0.0 and only ever holds non-negative finite floats, whose bits
+        // order as the values do.
+        if (total.absmax_bits) atomicMax(static_cast<unsigned int*>(table.ptrs[2][loc.tensor]), total.absmax_bits);
+      }
+    }
   }
 }
 
@@ -120,25 +147,52 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32
                      growth_interval, hysteresis, min_scale, max_scale);
 }
 
-template <typename E>
+// STATS false: plain unscale_check (table depth 1); true: rows for counts and absmax too.
+template <typename E, bool STATS>
 cudaError_t unscale_check_dtype(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
-                                bool write_back, bool compute_sumsq, double* partials, int64_t* chunks_done,
-                                cudaStream_t stream) {
+                                bool write_back, bool compute_sumsq, double* partials, int64_t* counts,
+                                float* absmax, int64_t* chunks_done, cudaStream_t stream) {
+  constexpr int kDepth = STATS ? 3 : 1;
   const int64_t first = *chunks_done;
-  using Table = detail::TableFor<1>;
-  auto builder = detail::make_builder<1>([&](const Table& table, int64_t chunks_before) -> cudaError_t {
-    unscale_check_kernel<E, Table><<<detail::grid_for_chunks(table.num_chunks), kBlockSize, 0, stream>>>(
+  using Table = detail::TableFor<kDepth>;
+  auto builder = detail::make_builder<kDepth>([&](const Table& table, int64_t chunks_before) -> cudaError_t {
+    unscale_check_kernel<E, STATS, Table><<<detail::grid_for_chunks(table.num_chunks), kBlockSize, 0, stream>>>(
         table, found_inf, inv_scale, partials, first + chunks_before, write_back, compute_sumsq);
     return cudaGetLastError();
   });
   for (int64_t i = 0; i < num_grads; ++i) {
     if (grads[i].dtype != E::kDType || grads[i].numel <= 0) continue;
-    void* ptrs[1] = {grads[i].data};
+    void* ptrs[3] = {grads[i].data, STATS ? counts + 3 * i : nullptr, STATS ? absmax + i : nullptr};
     const cudaError_t err = builder.add(ptrs, grads[i].numel);
     if (err != cudaSuccess) return err;
     *chunks_done += num_chunks(grads[i].numel);
   }
   return builder.flush();
+}
+
+template <bool STATS>
+cudaError_t unscale_check_all(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
+                              bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
+                              int64_t* counts, float* absmax, cudaStream_t stream) {
+  // Chunk ordinals (and so the partials' order) follow dtype, then list order: fixed for a
+  // given list, whatever the launch boundaries.
+  int64_t chunks = 0;
+  cudaError_t err = unscale_check_dtype<detail::F32, STATS>(grads, num_grads, found_inf, inv_scale, write_back,
+                                                            compute_sumsq, partials, counts, absmax, &chunks, stream);
+  if (err == cudaSuccess) {
+    err = unscale_check_dtype<detail::F16, STATS>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq,
+                                                  partials, counts, absmax, &chunks, stream);
+  }
+  if (err == cudaSuccess) {
+    err = unscale_check_dtype<detail::BF16, STATS>(grads, num_grads, found_inf, inv_scale, write_back,
+                                                   compute_sumsq, partials, counts, absmax, &chunks, stream);
+  }
+  if (err != cudaSuccess) return err;
+  if (compute_sumsq) {
+    sumsq_finalize_kernel<<<1, kBlockSize, 0, stream>>>(partials, chunks, sumsq_out);
+    return cudaGetLastError();
+  }
+  return cudaMemsetAsync(sumsq_out, 0, sizeof(float), stream);
 }
 
 }  // namespace
@@ -154,25 +208,21 @@ int64_t unscale_check_num_partials(const GradRef* grads, int64_t num_grads) {
 cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
                           bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
                           cudaStream_t stream) {
-  // Chunk ordinals (and so the partials' order) follow dtype, then list order: fixed for a
-  // given list, whatever the launch boundaries.
-  int64_t chunks = 0;
-  cudaError_t err = unscale_check_dtype<detail::F32>(grads, num_grads, found_inf, inv_scale, write_back,
-                                                     compute_sumsq, partials, &chunks, stream);
-  if (err == cudaSuccess) {
-    err = unscale_check_dtype<detail::F16>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq,
-                                           partials, &chunks, stream);
+  return unscale_check_all<false>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq, partials,
+                                  sumsq_out, nullptr, nullptr, stream);
+}
+
+cudaError_t unscale_check_stats(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
+                                bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
+                                int64_t* counts, float* absmax, cudaStream_t stream) {
+  if (num_grads > 0) {
+    // Overwrite semantics: the kernel only accumulates; all-zero bits are 0 and +0.0f.
+    cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * 3 * static_cast<size_t>(num_grads), stream);
+    if (err == cudaSuccess) err = cudaMemsetAsync(absmax, 0, sizeof(float) * static_cast<size_t>(num_grads), stream);
+    if (err != cudaSuccess) return err;
   }
-  if (err == cudaSuccess) {
-    err = unscale_check_dtype<detail::BF16>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq,
-                                            partials, &chunks, stream);
-  }
-  if (err != cudaSuccess) return err;
-  if (compute_sumsq) {
-    sumsq_finalize_kernel<<<1, kBlockSize, 0, stream>>>(partials, chunks, sumsq_out);
-    return cudaGetLastError();
-  }
-  return cudaMemsetAsync(sumsq_out, 0, sizeof(float), stream);
+  return unscale_check_all<true>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq, partials,
+                                 sumsq_out, counts, absmax, stream);
 }
 
 cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, const float* found_inf,

@@ -1,5 +1,5 @@
 // CUDA registrations of fastamp's native ops: validation and the current stream here, the
-// kernels behind the torch-free interface of launchers.h (amp.cu, adamw.cu). Built only
+// kernels behind the torch-free interface of launchers.h (amp.cu, adamw.cu, sgd.cu). Built only
 // when setup.py finds nvcc and a CUDA-enabled torch. Nothing here reads a device value on
 // the host; temporaries come from torch's caching allocator on the current stream.
 #include <ATen/core/Tensor.h>
@@ -58,9 +58,10 @@ void check_launch(const char* op, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, "fastamp::", op, ": CUDA error: ", cudaGetErrorString(err));
 }
 
-at::Tensor unscale_check_cuda(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
-                              bool write_back, bool compute_sumsq) {
-  constexpr const char* op = "unscale_check_";
+// unscale_check_ and, with counts/absmax, unscale_check_stats_.
+at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Tensor& found_inf,
+                              const at::Tensor& inv_scale, bool write_back, bool compute_sumsq, at::Tensor* counts,
+                              at::Tensor* absmax) {
   TORCH_CHECK(found_inf.is_cuda(), "fastamp::", op, ": found_inf must be a CUDA tensor, got device ",
               found_inf.device());
   const at::Device device = found_inf.device();
@@ -73,6 +74,23 @@ at::Tensor unscale_check_cuda(at::TensorList grads, const at::Tensor& found_inf,
     check_list_tensor(op, "grads", static_cast<int64_t>(i), g, device, -1);
     const DType dt = kernel_dtype(op, "grads", static_cast<int64_t>(i), g);
     refs.push_back(GradRef{g.numel() > 0 ? g.data_ptr() : nullptr, g.numel(), dt});
+  }
+  const auto num_grads = static_cast<int64_t>(grads.size());
+  if (counts != nullptr) {
+    TORCH_CHECK(counts->device() == device, "fastamp::", op, ": counts is on ", counts->device(), " but expected ",
+                device);
+    TORCH_CHECK(counts->scalar_type() == at::kLong, "fastamp::", op, ": counts must be int64, got ",
+                counts->scalar_type());
+    TORCH_CHECK(counts->dim() == 2 && counts->size(0) == num_grads && counts->size(1) == 3, "fastamp::", op,
+                ": counts must have shape [", num_grads, ", 3], got ", counts->sizes());
+    TORCH_CHECK(counts->is_contiguous(), "fastamp::", op, ": counts must be contiguous");
+    TORCH_CHECK(absmax->device() == device, "fastamp::", op, ": absmax is on ", absmax->device(), " but expected ",
+                device);
+    TORCH_CHECK(absmax->scalar_type() == at::kFloat, "fastamp::", op, ": absmax must be float32, got ",
+                absmax->scalar_type());
+    TORCH_CHECK(absmax->dim() == 1 && absmax->size(0) == num_grads, "fastamp::", op, ": absmax must have shape [",
+                num_grads, "], got ", absmax->sizes());
+    TORCH_CHECK(absmax->is_contiguous(), "fastamp::", op, ": absmax must be contiguous");
   }
 
   const c10::cuda::CUDAGuard guard(device);
@@ -87,10 +105,28 @@ at::Tensor unscale_check_cuda(at::TensorList grads, const at::Tensor& found_inf,
       partials_ptr = partials.data_ptr<double>();
     }
   }
-  check_launch(op, unscale_check(refs.data(), static_cast<int64_t>(refs.size()), found_inf.data_ptr<float>(),
-                                 inv_scale.data_ptr<float>(), write_back, compute_sumsq, partials_ptr,
-                                 sumsq.data_ptr<float>(), stream));
+  if (counts != nullptr) {
+    check_launch(op, unscale_check_stats(refs.data(), num_grads, found_inf.data_ptr<float>(),
+                                         inv_scale.data_ptr<float>(), write_back, compute_sumsq, partials_ptr,
+                                         sumsq.data_ptr<float>(), num_grads > 0 ? counts->data_ptr<int64_t>() : nullptr,
+                                         num_grads > 0 ? absmax->data_ptr<float>() : nullptr, stream));
+  } else {
+    check_launch(op, unscale_check(refs.data(), num_grads, found_inf.data_ptr<float>(), inv_scale.data_ptr<float>(),
+                                   write_back, compute_sumsq, partials_ptr, sumsq.data_ptr<float>(), stream));
+  }
   return sumsq;
+}
+
+at::Tensor unscale_check_cuda(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                              bool write_back, bool compute_sumsq) {
+  return unscale_check_impl("unscale_check_", grads, found_inf, inv_scale, write_back, compute_sumsq, nullptr,
+                            nullptr);
+}
+
+at::Tensor unscale_check_stats_cuda(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                                    bool write_back, bool compute_sumsq, at::Tensor& counts, at::Tensor& absmax) {
+  return unscale_check_impl("unscale_check_stats_", grads, found_inf, inv_scale, write_back, compute_sumsq, &counts,
+                            &absmax);
 }
 
 void update_scale_cuda(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
@@ -176,6 +212,177 @@ void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
                          found_inf_ptr, beta1, beta2, eps, amsgrad, maximize, stream));
 }
 
+// Shared checks of the optimizer ops: list lengths, step_scalars, found_inf and rng.
+void check_step_scalars(const char* op, const at::Tensor& step_scalars, const at::Device& device, int64_t count) {
+  TORCH_CHECK(step_scalars.device() == device, "fastamp::", op, ": step_scalars is on ", step_scalars.device(),
+              " but params are on ", device);
+  TORCH_CHECK(step_scalars.scalar_type() == at::kFloat, "fastamp::", op, ": step_scalars must be float32, got ",
+              step_scalars.scalar_type());
+  TORCH_CHECK(step_scalars.numel() == count && step_scalars.is_contiguous(), "fastamp::", op,
+              ": step_scalars must be a contiguous ", count, "-element tensor, got shape ", step_scalars.sizes());
+}
+
+const float* optional_found_inf(const char* op, const std::optional<at::Tensor>& found_inf, const at::Device& device) {
+  if (!found_inf.has_value() || !found_inf->defined()) return nullptr;
+  check_cuda_scalar(op, "found_inf", *found_inf, at::kFloat, device);
+  return found_inf->data_ptr<float>();
+}
+
+const int64_t* optional_rng(const char* op, const std::optional<at::Tensor>& rng, const at::Device& device) {
+  if (!rng.has_value() || !rng->defined()) return nullptr;
+  TORCH_CHECK(rng->device() == device, "fastamp::", op, ": rng is on ", rng->device(), " but params are on ", device);
+  TORCH_CHECK(rng->scalar_type() == at::kLong, "fastamp::", op, ": rng must be int64 [seed, counter], got ",
+              rng->scalar_type());
+  TORCH_CHECK(rng->numel() == 2 && rng->is_contiguous(), "fastamp::", op,
+              ": rng must be a contiguous 2-element tensor [seed, counter], got shape ", rng->sizes());
+  return rng->data_ptr<int64_t>();
+}
+
+// The low 32 bits of 4 * (rng_base + i): reference.sr_random16 masks the stream to 32 bits.
+uint32_t rng_stream(int64_t rng_base, size_t i) {
+  const uint64_t id = static_cast<uint64_t>(rng_base) + static_cast<uint64_t>(i);
+  return static_cast<uint32_t>(id * 4u);
+}
+
+void adamw_bf16_cuda(at::TensorList params, at::TensorList grads, at::TensorList remainders, at::TensorList exp_avgs,
+                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, const at::Tensor& step_scalars,
+                     const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& rng, int64_t rng_base,
+                     double beta1, double beta2, double eps, bool amsgrad, bool maximize) {
+  constexpr const char* op = "adamw_bf16_";
+  const size_t n = params.size();
+  if (n == 0) return;
+  TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
+  TORCH_CHECK(exp_avgs.size() == n, "fastamp::", op, ": expected ", n, " exp_avgs, got ", exp_avgs.size());
+  TORCH_CHECK(exp_avg_sqs.size() == n, "fastamp::", op, ": expected ", n, " exp_avg_sqs, got ", exp_avg_sqs.size());
+  TORCH_CHECK(remainders.empty() || remainders.size() == n, "fastamp::", op, ": expected 0 or ", n,
+              " remainders, got ", remainders.size());
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "fastamp::", op, ": amsgrad needs ", n,
+              " max_exp_avg_sqs, got ", max_exp_avg_sqs.size());
+  TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
+              ": params[0] must be a CUDA tensor, got device ", params[0].device());
+  const at::Device device = params[0].device();
+  check_step_scalars(op, step_scalars, device, 4);
+  const float* found_inf_ptr = optional_found_inf(op, found_inf, device);
+  const int64_t* rng_ptr = optional_rng(op, rng, device);
+  TORCH_CHECK(exp_avgs[0].defined(), "fastamp::", op, ": exp_avgs[0] is undefined");
+  const at::ScalarType moment_type = exp_avgs[0].scalar_type();
+  TORCH_CHECK(moment_type == at::kFloat || moment_type == at::kBFloat16, "fastamp::", op,
+              ": moments must be float32 or bfloat16, got ", moment_type);
+
+  std::vector<AdamWBf16TensorRef> refs;
+  refs.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    const auto i = static_cast<int64_t>(k);
+    const at::Tensor& p = params[k];
+    check_list_tensor(op, "params", i, p, device, -1);
+    TORCH_CHECK(p.scalar_type() == at::kBFloat16, "fastamp::", op, ": params[", i, "] must be bfloat16, got ",
+                p.scalar_type());
+    const int64_t numel = p.numel();
+    check_list_tensor(op, "grads", i, grads[k], device, numel);
+    const DType gdt = kernel_dtype(op, "grads", i, grads[k]);
+    auto moment = [&](const char* what, const at::Tensor& t) -> void* {
+      check_list_tensor(op, what, i, t, device, numel);
+      TORCH_CHECK(t.scalar_type() == moment_type, "fastamp::", op, ": ", what, "[", i, "] must be ", moment_type,
+                  " like exp_avgs[0] (all moments share one dtype), got ", t.scalar_type());
+      return numel > 0 ? t.data_ptr() : nullptr;
+    };
+    AdamWBf16TensorRef r{};
+    r.param = numel > 0 ? static_cast<uint16_t*>(p.data_ptr()) : nullptr;
+    r.grad = numel > 0 ? grads[k].data_ptr() : nullptr;
+    if (!remainders.empty()) {
+      const at::Tensor& rem = remainders[k];
+      check_list_tensor(op, "remainders", i, rem, device, numel);
+      TORCH_CHECK(rem.scalar_type() == at::kShort, "fastamp::", op, ": remainders[", i, "] must be int16, got ",
+                  rem.scalar_type());
+      r.remainder = numel > 0 ? rem.data_ptr<int16_t>() : nullptr;
+    }
+    r.exp_avg = moment("exp_avgs", exp_avgs[k]);
+    r.exp_avg_sq = moment("exp_avg_sqs", exp_avg_sqs[k]);
+    r.max_exp_avg_sq = amsgrad ? moment("max_exp_avg_sqs", max_exp_avg_sqs[k]) : nullptr;
+    r.numel = numel;
+    r.grad_dtype = gdt;
+    r.rng_stream = rng_stream(rng_base, k);
+    refs.push_back(r);
+  }
+
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  const DType mdt = moment_type == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  check_launch(op, adamw_bf16(refs.data(), static_cast<int64_t>(refs.size()), mdt, step_scalars.data_ptr<float>(),
+                              found_inf_ptr, rng_ptr, beta1, beta2, eps, amsgrad, maximize, stream));
+}
+
+void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList momentum_buffers,
+              const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+              const std::optional<at::Tensor>& rng, int64_t rng_base, double momentum, double dampening,
+              double weight_decay, bool nesterov, bool maximize) {
+  constexpr const char* op = "sgd_";
+  const size_t n = params.size();
+  if (n == 0) return;
+  const bool has_momentum = momentum != 0.0;
+  TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
+  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " masters, got ",
+              masters.size());
+  TORCH_CHECK(!has_momentum || momentum_buffers.size() == n, "fastamp::", op, ": momentum=", momentum, " needs ", n,
+              " momentum_buffers, got ", momentum_buffers.size());
+  TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
+              ": params[0] must be a CUDA tensor, got device ", params[0].device());
+  const at::Device device = params[0].device();
+  check_step_scalars(op, step_scalars, device, 3);
+  const float* found_inf_ptr = optional_found_inf(op, found_inf, device);
+  const int64_t* rng_ptr = optional_rng(op, rng, device);
+  MasterKind kind = MasterKind::kNone;
+  at::ScalarType master_type = at::kFloat;
+  if (!masters.empty()) {
+    TORCH_CHECK(masters[0].defined(), "fastamp::", op, ": masters[0] is undefined");
+    master_type = masters[0].scalar_type();
+    TORCH_CHECK(master_type == at::kFloat || master_type == at::kShort, "fastamp::", op,
+                ": masters must be float32 (fp32 masters) or int16 (remainders of bf16 params), got ", master_type);
+    kind = master_type == at::kFloat ? MasterKind::kFloat32 : MasterKind::kRemainder;
+  }
+
+  std::vector<SgdTensorRef> refs;
+  refs.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    const auto i = static_cast<int64_t>(k);
+    const at::Tensor& p = params[k];
+    check_list_tensor(op, "params", i, p, device, -1);
+    const DType pdt = kernel_dtype(op, "params", i, p);
+    const int64_t numel = p.numel();
+    check_list_tensor(op, "grads", i, grads[k], device, numel);
+    const DType gdt = kernel_dtype(op, "grads", i, grads[k]);
+    SgdTensorRef r{};
+    r.param = numel > 0 ? p.data_ptr() : nullptr;
+    r.grad = numel > 0 ? grads[k].data_ptr() : nullptr;
+    if (kind != MasterKind::kNone) {
+      const at::Tensor& m = masters[k];
+      check_list_tensor(op, "masters", i, m, device, numel);
+      TORCH_CHECK(m.scalar_type() == master_type, "fastamp::", op, ": masters[", i, "] must be ", master_type,
+                  " like masters[0], got ", m.scalar_type());
+      TORCH_CHECK(kind != MasterKind::kRemainder || p.scalar_type() == at::kBFloat16, "fastamp::", op,
+                  ": int16 remainder masters need bfloat16 params, but params[", i, "] is ", p.scalar_type());
+      r.master = numel > 0 ? m.data_ptr() : nullptr;
+    }
+    if (has_momentum) {
+      const at::Tensor& b = momentum_buffers[k];
+      check_list_tensor(op, "momentum_buffers", i, b, device, numel);
+      TORCH_CHECK(b.scalar_type() == at::kFloat, "fastamp::", op, ": momentum_buffers[", i,
+                  "] must be float32, got ", b.scalar_type());
+      r.momentum_buffer = numel > 0 ? b.data_ptr<float>() : nullptr;
+    }
+    r.numel = numel;
+    r.param_dtype = pdt;
+    r.grad_dtype = gdt;
+    r.rng_stream = rng_stream(rng_base, k);
+    refs.push_back(r);
+  }
+
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  check_launch(op, sgd(refs.data(), static_cast<int64_t>(refs.size()), kind, step_scalars.data_ptr<float>(),
+                       found_inf_ptr, rng_ptr, momentum, dampening, weight_decay, nesterov, maximize, stream));
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace fastamp
@@ -184,4 +391,7 @@ TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
   m.impl("unscale_check_", &fastamp::cuda::unscale_check_cuda);
   m.impl("update_scale_", &fastamp::cuda::update_scale_cuda);
   m.impl("adamw_", &fastamp::cuda::adamw_cuda);
+  m.impl("adamw_bf16_", &fastamp::cuda::adamw_bf16_cuda);
+  m.impl("sgd_", &fastamp::cuda::sgd_cuda);
+  m.impl("unscale_check_stats_", &fastamp::cuda::unscale_check_stats_cuda);
 }

@@ -1,4 +1,4 @@
-// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, csrc/cuda/adamw.cu).
+// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, adamw.cu, sgd.cu).
 //
 // Raw device pointers, 64-bit sizes, a dtype enum and a stream: no torch, ATen or c10
 // header, so the kernels compile with bare nvcc (tests/test_cuda_compile.py) and the torch
@@ -42,6 +42,14 @@ cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_
                           bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
                           cudaStream_t stream);
 
+// fastamp::unscale_check_stats_: unscale_check plus per-tensor health statistics written in
+// the same pass. counts: int64 [num_grads, 3] (non-finite, zeros, fp16 underflow), absmax:
+// fp32 [num_grads], both contiguous and overwritten (zeroed on `stream`, then accumulated
+// per chunk with integer atomics: exact, so the result is the same every run).
+cudaError_t unscale_check_stats(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
+                                bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
+                                int64_t* counts, float* absmax, cudaStream_t stream);
+
 // ---- fastamp::update_scale_ ----
 
 cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, const float* found_inf,
@@ -69,6 +77,49 @@ struct AdamWTensorRef {
 cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars,
                   const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
                   cudaStream_t stream);
+
+// ---- fastamp::adamw_bf16_ ----
+
+struct AdamWBf16TensorRef {
+  uint16_t* param;        // bf16 bits, rewritten
+  const void* grad;       // grad_dtype, read only
+  int16_t* remainder;     // int16 master remainder, or null (no master)
+  void* exp_avg;          // moment dtype (fp32 or bf16, the launch's moment_dtype)
+  void* exp_avg_sq;       // moment dtype
+  void* max_exp_avg_sq;   // moment dtype, used only with amsgrad
+  int64_t numel;          // shared by all of the above
+  DType grad_dtype;
+  uint32_t rng_stream;    // low 32 bits of 4 * (rng_base + list index); see reference.sr_random16
+};
+
+// moment_dtype: kFloat32 or kBFloat16. rng: null, or int64 [seed, counter] read on device;
+// when given, bf16 values without an exact master (params without remainder, bf16 moments)
+// are rounded stochastically, otherwise to nearest-even. Other arguments as adamw.
+cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, DType moment_dtype,
+                       const float* step_scalars, const float* found_inf, const int64_t* rng, double beta1,
+                       double beta2, double eps, bool amsgrad, bool maximize, cudaStream_t stream);
+
+// ---- fastamp::sgd_ ----
+
+enum class MasterKind : int32_t { kNone = 0, kFloat32 = 1, kRemainder = 2 };
+
+struct SgdTensorRef {
+  void* param;              // param_dtype, rewritten
+  const void* grad;         // grad_dtype, read only
+  void* master;             // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params) or null
+  float* momentum_buffer;   // fp32, used only when momentum != 0
+  int64_t numel;            // shared by all of the above
+  DType param_dtype;
+  DType grad_dtype;
+  uint32_t rng_stream;      // low 32 bits of 4 * (rng_base + list index)
+};
+
+// step_scalars: 3 fp32 on device, [lr, grad_mul, is_first] (reference.sgd_step_scalars).
+// rng: null, or int64 [seed, counter] on device: bf16 params without a master are then
+// rounded stochastically. found_inf: null or 1 fp32; non-zero (NaN included) skips all.
+cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind master_kind, const float* step_scalars,
+                const float* found_inf, const int64_t* rng, double momentum, double dampening, double weight_decay,
+                bool nesterov, bool maximize, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fastamp

@@ -191,6 +191,78 @@ __device__ __forceinline__ double block_sum_fixed_order(double v, double* smem /
   return total;
 }
 
+// Integer block reduction of the gradient-health statistics: three sums and one max of
+// uint32 per-thread values (a max over the bits of non-negative floats orders them as the
+// floats). Integer maths is exact, so the result does not depend on the order. Every thread
+// of the block must call it; results valid in thread 0.
+struct HealthCounts {
+  uint32_t nonfinite, zeros, underflow, absmax_bits;
+};
+
+__device__ __forceinline__ HealthCounts block_reduce_health(HealthCounts c, HealthCounts* smem /* kBlockSize / 32 */) {
+  for (int off = 16; off > 0; off >>= 1) {
+    c.nonfinite += __shfl_down_sync(0xffffffffu, c.nonfinite, off);
+    c.zeros += __shfl_down_sync(0xffffffffu, c.zeros, off);
+    c.underflow += __shfl_down_sync(0xffffffffu, c.underflow, off);
+    const uint32_t m = __shfl_down_sync(0xffffffffu, c.absmax_bits, off);
+    c.absmax_bits = m > c.absmax_bits ? m : c.absmax_bits;
+  }
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  if (lane == 0) smem[warp] = c;
+  __syncthreads();
+  HealthCounts total{0u, 0u, 0u, 0u};
+  if (threadIdx.x == 0) {
+    for (int w = 0; w < kBlockSize / 32; ++w) {
+      total.nonfinite += smem[w].nonfinite;
+      total.zeros += smem[w].zeros;
+      total.underflow += smem[w].underflow;
+      total.absmax_bits = smem[w].absmax_bits > total.absmax_bits ? smem[w].absmax_bits : total.absmax_bits;
+    }
+  }
+  __syncthreads();
+  return total;
+}
+
+// A per-tensor 32-bit value (a tensor's RNG stream) carried in a pointer row of a chunk
+// table, so the generic table serves kernels that need one integer per tensor.
+inline void* tag_as_row(uint32_t v) { return reinterpret_cast<void*>(static_cast<uintptr_t>(v)); }
+__device__ __forceinline__ uint32_t row_as_tag(const void* p) {
+  return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p));
+}
+
+// Loads/stores `count` (1..N) elements at p + e0: one N-wide access when `vectorised` (the
+// caller checked alignment and count == N), element by element otherwise. Slots past
+// `count` are zero on load and never stored.
+template <typename S, int N>
+__device__ __forceinline__ void load_group(const S* __restrict__ p, int64_t e0, int count, bool vectorised,
+                                           S (&out)[N]) {
+  if (vectorised) {
+    const Pack<S, N> pk = *reinterpret_cast<const Pack<S, N>*>(p + e0);
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = pk.v[e];
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) out[e] = e < count ? p[e0 + e] : S(0);
+  }
+}
+
+template <typename S, int N>
+__device__ __forceinline__ void store_group(S* __restrict__ p, int64_t e0, int count, bool vectorised,
+                                            const S (&in)[N]) {
+  if (vectorised) {
+    Pack<S, N> pk;
+#pragma unroll
+    for (int e = 0; e < N; ++e) pk.v[e] = in[e];
+    *reinterpret_cast<Pack<S, N>*>(p + e0) = pk;
+  } else {
+#pragma unroll
+    for (int e = 0; e < N; ++e) {
+      if (e < count) p[e0 + e] = in[e];
+    }
+  }
+}
+
 }  // namespace detail
 }  // namespace cuda
 }  // namespace fastamp
