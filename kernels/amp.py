@@ -1,8 +1,10 @@
-"""Triton kernels for the loss-scaler ops: ``unscale_check_`` and ``update_scale_``.
+"""Triton kernels for the loss-scaler ops: ``unscale_check_``, ``unscale_check_stats_`` and
+``update_scale_``.
 
-Semantics are :func:`fastamp.reference.unscale_check_` and
-:func:`fastamp.reference.update_scale_`; both are registered as ``torch.library`` custom
-ops in the ``fastamp_triton`` namespace (fake impls included, ``opcheck`` clean).
+Semantics are :func:`fastamp.reference.unscale_check_`,
+:func:`fastamp.reference.unscale_check_stats_` and :func:`fastamp.reference.update_scale_`;
+all are registered as ``torch.library`` custom ops in the ``fastamp_triton`` namespace
+(fake impls included, ``opcheck`` clean).
 
 Agreement with the reference:
 
@@ -13,6 +15,8 @@ Agreement with the reference:
   ``tolerances.SUMSQ_RTOL`` of the reference's fp64 sum. Squares below fp32's normal range
   (|y| < ~1e-19) flush towards 0 there; they cannot move a norm that has any ordinary
   element.
+* ``unscale_check_stats_``: as ``unscale_check_``, plus per-tensor counts and absmax that
+  are exact (integer counts; the max of fp32 values) and so bit-exact everywhere.
 * ``update_scale_``: bit-exact everywhere (the scale times the factor is an fp64 multiply
   rounded to fp32, as torch does; the factors travel as their fp64 bits).
 """
@@ -23,9 +27,11 @@ import triton.language as tl
 from fastamp.kernels import _common as C
 from torch import Tensor
 
-__all__ = ["unscale_check_", "update_scale_"]
+__all__ = ["unscale_check_", "unscale_check_stats_", "update_scale_"]
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# chunks combined per iteration of the per-tensor statistics reduction
+_STATS_RBLOCK = 128
 
 
 @triton.jit
@@ -36,20 +42,27 @@ def _unscale_check_kernel(
     found_inf_ptr,
     inv_scale_ptr,
     partial_ptr,
+    chunk_counts_ptr,
+    chunk_absmax_ptr,
     KIND: tl.constexpr,
+    N_COL: tl.constexpr,
     WRITE_BACK: tl.constexpr,
     SUMSQ: tl.constexpr,
+    STATS: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    t = tl.load(table_ptr + 2 * n_tensors + pid)
-    start = tl.load(table_ptr + 2 * n_tensors + n_chunks + pid)
-    numel = tl.load(table_ptr + n_tensors + t)
+    t = tl.load(table_ptr + (N_COL + 1) * n_tensors + pid)
+    start = tl.load(table_ptr + (N_COL + 1) * n_tensors + n_chunks + pid)
+    numel = tl.load(table_ptr + N_COL * n_tensors + t)
     ptr = C.load_ptr(table_ptr, t, KIND)
     inv_scale = tl.load(inv_scale_ptr)
     end = tl.minimum(start + CHUNK, numel)
     n_bad = tl.full([], 0, tl.int32)
+    n_zero = tl.full([], 0, tl.int32)
+    n_under = tl.full([], 0, tl.int32)
+    amax = tl.full([], 0.0, tl.float32)
     acc = tl.full([], 0.0, tl.float64)
     for off in range(start, end, BLOCK):
         idx = off + tl.arange(0, BLOCK)
@@ -57,16 +70,64 @@ def _unscale_check_kernel(
         x = C.load_f32(ptr, idx, mask, KIND)
         y = x * inv_scale
         # x non-finite (torch's rule) or overflow created by the unscale itself
-        bad = ~(C.is_finite_f32(x) & C.is_finite_f32(y))
+        x_fin = C.is_finite_f32(x)
+        y_fin = C.is_finite_f32(y)
+        bad = ~(x_fin & y_fin)
         if WRITE_BACK:
             bad = bad | ~C.store_from_f32(ptr, idx, y, mask, KIND)
         n_bad += tl.sum((bad & mask).to(tl.int32), axis=0)
+        if STATS:
+            ay = tl.abs(y)
+            n_zero += tl.sum((mask & x_fin & (y == 0)).to(tl.int32), axis=0)
+            n_under += tl.sum((mask & (ay > 0) & (ay < 6.103515625e-05)).to(tl.int32), axis=0)
+            amax = tl.maximum(amax, tl.max(tl.where(mask & y_fin, ay, 0.0), axis=0))
         if SUMSQ:
             acc += tl.sum(tl.where(mask, y * y, 0.0), axis=0).to(tl.float64)
     # Every flagging program stores the same 1.0: a benign race, no atomics, never a reset.
     tl.store(found_inf_ptr, 1.0, mask=n_bad > 0)
     if SUMSQ:
         tl.store(partial_ptr + pid, acc)
+    if STATS:
+        # per-chunk statistics; _stats_reduce_kernel combines each tensor's chunks (no atomics)
+        tl.store(chunk_counts_ptr + 3 * pid, n_bad.to(tl.int64))
+        tl.store(chunk_counts_ptr + 3 * pid + 1, n_zero.to(tl.int64))
+        tl.store(chunk_counts_ptr + 3 * pid + 2, n_under.to(tl.int64))
+        tl.store(chunk_absmax_ptr + pid, amax)
+
+
+@triton.jit
+def _stats_reduce_kernel(
+    table_ptr,
+    n_tensors,
+    chunk_counts_ptr,
+    chunk_absmax_ptr,
+    counts_ptr,
+    absmax_ptr,
+    CHUNK: tl.constexpr,
+    RBLOCK: tl.constexpr,
+):
+    # table columns: grad ptr, index in the call, first chunk in the launch; then numel
+    t = tl.program_id(0)
+    gid = tl.load(table_ptr + n_tensors + t)
+    first = tl.load(table_ptr + 2 * n_tensors + t)
+    numel = tl.load(table_ptr + 3 * n_tensors + t)
+    last = first + (numel + CHUNK - 1) // CHUNK
+    c_bad = tl.full([], 0, tl.int64)
+    c_zero = tl.full([], 0, tl.int64)
+    c_under = tl.full([], 0, tl.int64)
+    amax = tl.full([], 0.0, tl.float32)
+    # integer sums and a max of non-negative values: the result does not depend on the order
+    for c0 in range(first, last, RBLOCK):
+        c = c0 + tl.arange(0, RBLOCK)
+        m = c < last
+        c_bad += tl.sum(tl.load(chunk_counts_ptr + 3 * c, mask=m, other=0), axis=0)
+        c_zero += tl.sum(tl.load(chunk_counts_ptr + 3 * c + 1, mask=m, other=0), axis=0)
+        c_under += tl.sum(tl.load(chunk_counts_ptr + 3 * c + 2, mask=m, other=0), axis=0)
+        amax = tl.maximum(amax, tl.max(tl.load(chunk_absmax_ptr + c, mask=m, other=0.0), axis=0))
+    tl.store(counts_ptr + 3 * gid, c_bad)
+    tl.store(counts_ptr + 3 * gid + 1, c_zero)
+    tl.store(counts_ptr + 3 * gid + 2, c_under)
+    tl.store(absmax_ptr + gid, amax)
 
 
 def _check_scalar(op: str, name: str, t: Tensor, dtype: torch.dtype) -> None:
@@ -76,21 +137,27 @@ def _check_scalar(op: str, name: str, t: Tensor, dtype: torch.dtype) -> None:
         raise TypeError(f"fastamp_triton::{op}: {name} must be a {dtype} tensor, got {t.dtype}")
 
 
-# Explicit schemas (the same as csrc/ops.cpp's) so no torch version has to infer them from hints.
-@torch.library.custom_op(
-    "fastamp_triton::unscale_check_",
-    mutates_args=("grads", "found_inf"),
-    schema="(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq) -> Tensor",
-)
-def _unscale_check_op(
-    grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, write_back: bool, compute_sumsq: bool
-) -> Tensor:
-    op = "unscale_check_"
+def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
     _check_scalar(op, "found_inf", found_inf, torch.float32)
     _check_scalar(op, "inv_scale", inv_scale, torch.float32)
     dev = found_inf.device
     if inv_scale.device != dev:
         raise ValueError(f"fastamp_triton::{op}: inv_scale is on {inv_scale.device} but found_inf is on {dev}")
+    stats = counts is not None
+    if stats:
+        n = len(grads)
+        if counts.dtype != torch.int64 or tuple(counts.shape) != (n, 3) or counts.device != dev:
+            raise ValueError(
+                f"fastamp_triton::{op}: counts must be an int64 [{n}, 3] tensor on {dev}, got {counts.dtype} "
+                f"{tuple(counts.shape)} on {counts.device}"
+            )
+        if absmax.dtype != torch.float32 or tuple(absmax.shape) != (n,) or absmax.device != dev:
+            raise ValueError(
+                f"fastamp_triton::{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
+                f"{tuple(absmax.shape)} on {absmax.device}"
+            )
+        if not (counts.is_contiguous() and absmax.is_contiguous()):
+            raise ValueError(f"fastamp_triton::{op}: counts and absmax must be contiguous")
     C.check_runnable(op, dev)
     groups = {}
     copies = []
@@ -107,15 +174,33 @@ def _unscale_check_op(
             tmp = g.contiguous()
             copies.append((g, tmp))
             g = tmp
-        groups.setdefault(g.dtype, []).append(g)
+        groups.setdefault(g.dtype, []).append((i, g))
     chunk, block = C.chunk_config()
     launches = []
     total_chunks = 0
-    for dtype, ts in groups.items():
-        table, n_chunks = C.build_table([[t.data_ptr() for t in ts]], [t.numel() for t in ts], chunk, dev)
+    for dtype, members in groups.items():
+        ts = [g for _, g in members]
+        columns = [[t.data_ptr() for t in ts]]
+        if stats:
+            # where each tensor's row is, and where its chunks start among this launch's chunks
+            columns.append([i for i, _ in members])
+            firsts, c = [], 0
+            for t in ts:
+                firsts.append(c)
+                c += -(-t.numel() // chunk)
+            columns.append(firsts)
+        table, n_chunks = C.build_table(columns, [t.numel() for t in ts], chunk, dev)
         launches.append((C.DTYPE_KIND[dtype], len(ts), table, n_chunks, total_chunks))
         total_chunks += n_chunks
     partials = torch.empty(total_chunks if compute_sumsq else 1, dtype=torch.float64, device=dev)
+    if stats:
+        # rows of empty tensors are never launched: they keep these zeros
+        counts.zero_()
+        absmax.zero_()
+        chunk_counts = torch.empty((max(total_chunks, 1), 3), dtype=torch.int64, device=dev)
+        chunk_absmax = torch.empty(max(total_chunks, 1), dtype=torch.float32, device=dev)
+    else:
+        chunk_counts = chunk_absmax = partials
     for kind, n_tensors, table, n_chunks, first in launches:
         _unscale_check_kernel[(n_chunks,)](
             table,
@@ -124,13 +209,29 @@ def _unscale_check_op(
             found_inf,
             inv_scale,
             partials[first:] if compute_sumsq else partials,
+            chunk_counts[first:] if stats else chunk_counts,
+            chunk_absmax[first:] if stats else chunk_absmax,
             KIND=kind,
+            N_COL=3 if stats else 1,
             WRITE_BACK=write_back,
             SUMSQ=compute_sumsq,
+            STATS=stats,
             CHUNK=chunk,
             BLOCK=block,
             **C.LAUNCH_OPTS,
         )
+        if stats:
+            _stats_reduce_kernel[(n_tensors,)](
+                table,
+                n_tensors,
+                chunk_counts[first:],
+                chunk_absmax[first:],
+                counts,
+                absmax,
+                CHUNK=chunk,
+                RBLOCK=_STATS_RBLOCK,
+                **C.LAUNCH_OPTS,
+            )
     if write_back:
         for orig, tmp in copies:
             orig.copy_(tmp)
@@ -138,6 +239,18 @@ def _unscale_check_op(
         # a fixed-order fp64 reduction of the per-chunk partials: deterministic
         return partials.sum().to(torch.float32)
     return torch.zeros((), dtype=torch.float32, device=dev)
+
+
+# Explicit schemas (the same as csrc/ops.cpp's) so no torch version has to infer them from hints.
+@torch.library.custom_op(
+    "fastamp_triton::unscale_check_",
+    mutates_args=("grads", "found_inf"),
+    schema="(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq) -> Tensor",
+)
+def _unscale_check_op(
+    grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, write_back: bool, compute_sumsq: bool
+) -> Tensor:
+    return _launch_unscale_check("unscale_check_", grads, found_inf, inv_scale, write_back, compute_sumsq, None, None)
 
 
 @_unscale_check_op.register_fake
@@ -153,6 +266,45 @@ def unscale_check_(grads, found_inf: Tensor, inv_scale: Tensor, write_back: bool
     """
     dense = [g._values() if g.is_sparse else g for g in grads]
     return _unscale_check_op(dense, found_inf, inv_scale, bool(write_back), bool(compute_sumsq))
+
+
+@torch.library.custom_op(
+    "fastamp_triton::unscale_check_stats_",
+    mutates_args=("grads", "found_inf", "counts", "absmax"),
+    schema="(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq, "
+    "Tensor(c!) counts, Tensor(d!) absmax) -> Tensor",
+)
+def _unscale_check_stats_op(
+    grads: list[Tensor],
+    found_inf: Tensor,
+    inv_scale: Tensor,
+    write_back: bool,
+    compute_sumsq: bool,
+    counts: Tensor,
+    absmax: Tensor,
+) -> Tensor:
+    return _launch_unscale_check(
+        "unscale_check_stats_", grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax
+    )
+
+
+@_unscale_check_stats_op.register_fake
+def _(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
+    return found_inf.new_empty((), dtype=torch.float32)
+
+
+def unscale_check_stats_(
+    grads, found_inf: Tensor, inv_scale: Tensor, write_back: bool, compute_sumsq: bool, counts: Tensor, absmax: Tensor
+):
+    """Triton :func:`fastamp.reference.unscale_check_stats_`: the unscale_check_ pass plus per-tensor statistics.
+
+    ``counts`` (int64 ``[len(grads), 3]``: non-finite, zeros, fp16 underflow) and ``absmax``
+    (fp32 ``[len(grads)]``) are overwritten. Each program counts its chunk; a second small
+    launch per dtype group combines each tensor's chunks (integer sums and a max, so the
+    result is exact and deterministic, without atomics). No host sync.
+    """
+    dense = [g._values() if g.is_sparse else g for g in grads]
+    return _unscale_check_stats_op(dense, found_inf, inv_scale, bool(write_back), bool(compute_sumsq), counts, absmax)
 
 
 @triton.jit
