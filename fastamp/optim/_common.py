@@ -1,15 +1,17 @@
-"""Helpers shared by fastamp's fused optimizers (AdamW now, SGD later).
+"""Helpers shared by fastamp's fused optimizers (AdamW, SGD).
 
 What lives here is independent of the update rule: which dtypes an optimizer accepts,
-when a param gets an fp32 master, how the ``grad_scale``/``found_inf`` handed over by a
-grad scaler reach each device without a host sync, which params may share one kernel
-launch, and a ``load_state_dict`` that keeps fp32 state fp32.
+which master a param gets (fp32, int16 remainder, none with stochastic rounding), how the
+``grad_scale``/``found_inf`` handed over by a grad scaler reach each device without a host
+sync, which params may share one kernel launch, the step loop that groups params into
+launches (:class:`FusedOptimizer`), and a ``load_state_dict`` that keeps fp32 state fp32.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from copy import deepcopy
@@ -59,18 +61,81 @@ def check_grad(opt_name: str, p: Tensor, g: Tensor, where: str) -> None:
 
 
 def check_master_weights_flag(opt_name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, bool):
-        raise TypeError(f"{opt_name}: master_weights must be None, True or False, got {value!r}")
+    if value is not None and not isinstance(value, bool) and not (isinstance(value, str) and value == "remainder"):
+        raise TypeError(f"{opt_name}: master_weights must be None, True, False or 'remainder', got {value!r}")
 
 
-def uses_master(master_weights: bool | None, dtype: torch.dtype) -> bool:
-    """Whether a param of ``dtype`` keeps an fp32 master under the group's ``master_weights``.
+def master_kind(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bool = False) -> str:
+    """How a param of ``dtype`` is stored under a group's ``master_weights`` / ``stochastic_rounding``.
 
-    ``None`` and ``True`` both mean: masters for fp16/bf16 params. An fp32 param is its own
-    master, so ``True`` adds nothing for it (it is not an error, so one group may mix
-    dtypes). ``False`` updates every param in place with fp32 maths, rounding once.
+    ``"fp32"``: an fp32 master in ``state["master_param"]``; ``"remainder"``: a bf16 param
+    whose exact fp32 master is ``join_master(param, state["master_remainder"])`` (int16);
+    ``"sr"``: a bf16 param without master, rounded stochastically; ``"none"``: updated in
+    place (fp32 maths, rounded to nearest-even once per step).
+
+    ``True``: fp32 masters for fp16/bf16 params. ``None``: the same, except that bf16 params
+    go without a master when ``stochastic_rounding`` is on. ``"remainder"``: int16
+    remainders for bf16 params, fp32 masters for fp16 params (an fp16 value is not the top
+    half of an fp32 one). ``False``: no masters. An fp32 param is its own master under
+    every setting (not an error, so one group may mix dtypes).
     """
-    return master_weights is not False and dtype in LOW_PRECISION_DTYPES
+    if dtype not in LOW_PRECISION_DTYPES:
+        return "none"
+    sr = bool(stochastic_rounding) and dtype == torch.bfloat16
+    if master_weights is True:
+        return "fp32"
+    if isinstance(master_weights, str):  # "remainder"
+        return "remainder" if dtype == torch.bfloat16 else "fp32"
+    if master_weights is None and not sr:
+        return "fp32"
+    return "sr" if sr else "none"
+
+
+def uses_master(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bool = False) -> bool:
+    """Whether a param of ``dtype`` keeps an exact fp32 master (fp32 copy or int16 remainder)."""
+    return master_kind(master_weights, dtype, stochastic_rounding) in ("fp32", "remainder")
+
+
+def check_lowbit_options(opt_name: str, group: dict[str, Any], where: str) -> None:
+    """Validate ``master_weights``, ``stochastic_rounding`` and ``seed`` of a group."""
+    check_master_weights_flag(opt_name, group["master_weights"])
+    sr = group["stochastic_rounding"]
+    if not isinstance(sr, bool):
+        raise TypeError(f"{opt_name}: stochastic_rounding must be a bool, got {sr!r} in {where}")
+    seed = group["seed"]
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not -(2**63) <= seed < 2**63:
+        raise TypeError(f"{opt_name}: seed must be an int in the int64 range, got {seed!r} in {where}")
+    if sr and group["master_weights"] is True:
+        raise ValueError(
+            f"{opt_name}: stochastic_rounding=True has no effect with master_weights=True (the param is "
+            f"rounded from an exact fp32 master); use master_weights=False or None for bf16 params without a "
+            f"master, or 'remainder' ({where})"
+        )
+
+
+def validate_lr(opt_name: str, lr: Any, check_value: bool) -> None:
+    """torch.optim's lr checks and messages; a tensor lr's value is checked only when asked (it syncs)."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        if not lr.is_floating_point():
+            raise TypeError(f"{opt_name}: a Tensor lr must be floating point, got {lr.dtype}")
+        if check_value and not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        return
+    check_real_number(opt_name, "lr", lr)
+    if not 0.0 <= lr:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_backend_arg(opt_name: str, backend: Any) -> Any:
+    from fastamp import backends
+
+    if backend is not None and backend != "auto" and backend not in backends.BACKENDS:
+        raise ValueError(
+            f"{opt_name}: unknown backend {backend!r}; expected one of {backends.BACKENDS}, 'auto' or None"
+        )
+    return None if backend == "auto" else backend
 
 
 def fp32_zeros_like(p: Tensor) -> Tensor:
@@ -189,6 +254,12 @@ class StepCohorts:
             self._token[id(p)] = by_value.setdefault(value, object())
 
 
+_INT_STATE: dict[str, tuple[torch.dtype, Callable[[Tensor], tuple[int, ...]]]] = {
+    "master_remainder": (torch.int16, lambda p: tuple(p.shape)),
+    "rng": (torch.int64, lambda p: (2,)),
+}
+
+
 def _fmt_shape(t: Any) -> str:
     return str(tuple(t.shape)) if isinstance(t, Tensor) else type(t).__name__
 
@@ -204,6 +275,7 @@ def load_state_dict(
     fp32_state_keys: Sequence[str],
     group_defaults: Callable[[dict[str, Any]], dict[str, Any]],
     drop_state_keys: Callable[[Tensor, dict[str, Any]], Sequence[str]],
+    state_dtype: Callable[[Tensor, dict[str, Any], str], torch.dtype] | None = None,
 ) -> dict[Tensor, float]:
     """``Optimizer.load_state_dict`` that keeps fp32 state fp32 and validates first.
 
@@ -211,7 +283,9 @@ def load_state_dict(
     round a bf16 param's fp32 master and moments to bf16. Here the tensors named in
     ``fp32_state_keys`` become fresh contiguous fp32 copies on the param's device, ``step``
     an fp32 0-dim tensor on the param's device; other state is copied to the param's
-    device as is. The whole dict is checked before anything changes. Load pre/post hooks
+    device as is. ``state_dtype(p, group, key)``, when given, names the dtype a key of
+    ``fp32_state_keys`` is stored in instead (bf16 moments). ``master_remainder`` must be an
+    int16 tensor of the param's shape, ``rng`` an int64 ``[seed, counter]`` pair. The whole dict is checked before anything changes. Load pre/post hooks
     run as in torch. Returns the loaded step value of each param with state.
     """
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
@@ -298,7 +372,17 @@ def load_state_dict(
                         f"{opt_name}.load_state_dict: {where}: {key!r} has shape {tuple(value.shape)} "
                         f"but the param has shape {tuple(p.shape)}"
                     )
-                entry[key] = torch.empty(p.shape, dtype=torch.float32, device=p.device).copy_(value)
+                dt = torch.float32 if state_dtype is None else state_dtype(p, group_of[k], key)
+                entry[key] = torch.empty(p.shape, dtype=dt, device=p.device).copy_(value)
+            elif key in _INT_STATE:
+                dt, shape_of = _INT_STATE[key]
+                if not isinstance(value, Tensor) or value.dtype != dt or tuple(value.shape) != shape_of(p):
+                    raise ValueError(
+                        f"{opt_name}.load_state_dict: {where}: {key!r} must be a {dt} tensor of shape "
+                        f"{shape_of(p)}, got {value.dtype if isinstance(value, Tensor) else type(value).__name__} "
+                        f"{_fmt_shape(value)}"
+                    )
+                entry[key] = value.to(device=p.device, copy=True).contiguous()
             elif isinstance(value, Tensor):
                 entry[key] = value.to(device=p.device, copy=True)
             else:
@@ -317,3 +401,391 @@ def load_state_dict(
 
 def params_with_state(opt: torch.optim.Optimizer) -> list[Tensor]:
     return [p for g in opt.param_groups for p in g["params"] if len(opt.state.get(p, {})) > 0]
+
+
+class _Run:
+    """The lists of one kernel call: params (contiguous), grads, their states, the masters."""
+
+    __slots__ = ("op", "kind", "params", "grads", "states", "masters", "ids", "copy_back", "rng", "rng_base")
+
+    def __init__(self, op: str, kind: str) -> None:
+        self.op, self.kind = op, kind
+        self.params: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.states: list[dict[str, Any]] = []
+        self.masters: list[Tensor] = []
+        self.ids: list[int] = []
+        self.copy_back: list[tuple[Tensor, Tensor]] = []
+        self.rng: Tensor | None = None
+        self.rng_base = 0
+
+    def add(self, p: Tensor, g: Tensor, st: dict[str, Any], sr_id: int | None) -> None:
+        if p.is_contiguous():
+            self.params.append(p)
+        else:
+            tmp = p.detach().contiguous()
+            self.copy_back.append((p, tmp))
+            self.params.append(tmp)
+        self.grads.append(g if g.is_contiguous() else g.contiguous())
+        self.states.append(st)
+        if self.kind == "fp32":
+            self.masters.append(st["master_param"])
+        elif self.kind == "remainder":
+            self.masters.append(st["master_remainder"])
+        if sr_id is not None:
+            self.ids.append(sr_id)
+
+    def split(self) -> list[_Run]:
+        """Runs whose stochastic-rounding tensor ids are consecutive (the kernel numbers them base + i)."""
+        if not self.ids:
+            return [self]
+        runs, start = [], 0
+        for i in range(1, len(self.ids) + 1):
+            if i == len(self.ids) or self.ids[i] != self.ids[i - 1] + 1:
+                r = _Run(self.op, self.kind)
+                for name in ("params", "grads", "states", "masters"):
+                    setattr(r, name, getattr(self, name)[start:i] if getattr(self, name) else [])
+                r.rng = self.states[start]["rng"]
+                r.rng_base = self.ids[start]
+                runs.append(r)
+                start = i
+        return runs
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """The step loop, master-weight bookkeeping and state_dict shared by fastamp's optimizers.
+
+    A subclass defines its update through a few hooks: ``_validate_group``, ``_kernel_op``,
+    ``_init_state`` (its own state: moments, buffers, ``step``), ``_extra_key``,
+    ``_uses_rng``, ``_scalars`` and ``_launch``; ``_COUNT_BEFORE`` says whether ``step`` is
+    incremented before the step scalars are computed (AdamW: bias corrections use the new
+    count) or after (SGD: ``is_first`` uses the count of applied steps before this one).
+
+    Master bookkeeping (see :func:`master_kind`): an fp32 master is created from the param;
+    a remainder starts at 0 (master == param). A loaded ``master_param`` for a param in
+    remainder mode is split at the next step (the param is set to the master's top half);
+    a loaded ``master_remainder`` for a param in fp32 mode is joined with the param.
+
+    Remainder masters and foreign writes: after each step the param's autograd version
+    counter (``p._version``) is recorded. If the param was written since (``param.copy_``,
+    ``model.load_state_dict``, an in-place op), the next step warns and re-syncs the master
+    to the param (remainder := 0), instead of joining the new top half with a stale
+    remainder. ``param.data.copy_(...)`` and other writes through ``.data`` bypass version
+    counters and cannot be detected: call :meth:`reset_master_weights` after them.
+    """
+
+    _NAME = "FusedOptimizer"
+    _COUNT_BEFORE = True
+    _step_supports_amp_scaling = True
+
+    # ---- hooks -------------------------------------------------------------------------
+    def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
+        raise NotImplementedError
+
+    def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
+        raise NotImplementedError
+
+    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> None:
+        raise NotImplementedError
+
+    def _extra_key(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> tuple:
+        return ()
+
+    def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
+        return kind == "sr"
+
+    def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
+        raise NotImplementedError
+
+    def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
+        raise NotImplementedError
+
+    # ---- construction / pickling ---------------------------------------------------------
+    def _setup(self, backend: Any) -> None:
+        self.backend = check_backend_arg(self._NAME, backend)
+        self._cohorts = StepCohorts()
+        self._param_versions: dict[int, int] = {}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        try:
+            self._prepare_group(group)
+            self._validate_group(group, f"param group {gi}", check_tensor_lr=True)
+            for i, p in enumerate(group["params"]):
+                check_param_dtype(self._NAME, p, f"param {i} of param group {gi}")
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _prepare_group(self, group: dict[str, Any]) -> None:
+        """Normalise a new group in place (e.g. tensor betas to floats) before validation."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["backend"] = self.backend
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("backend", None)
+        self._param_versions = {}
+        for group in self.param_groups:
+            for k, v in self._group_setdefaults().items():
+                group.setdefault(k, v)
+        self._rebuild_cohorts()
+
+    def _group_setdefaults(self) -> dict[str, Any]:
+        return {"maximize": False, "master_weights": None, "stochastic_rounding": False, "seed": 0}
+
+    def _rebuild_cohorts(self) -> None:
+        """Cohort tokens from the stored step counts (one read per device, off the hot path)."""
+        self._cohorts = StepCohorts()
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for p in params_with_state(self):
+            step = self.state[p].get("step")
+            if isinstance(step, Tensor):
+                by_device.setdefault(step.device, []).append(p)
+        pairs = []
+        for plist in by_device.values():
+            values = torch.stack([self.state[p]["step"].reshape(()).float() for p in plist]).cpu().tolist()
+            pairs.extend(zip(plist, values))
+        self._cohorts.rebuild(pairs)
+
+    # ---- masters -----------------------------------------------------------------------
+    def _kind(self, group: dict[str, Any], p: Tensor) -> str:
+        return master_kind(group["master_weights"], p.dtype, group["stochastic_rounding"])
+
+    @torch.no_grad()
+    def reset_master_weights(self) -> None:
+        """Re-sync every master to its param (call after changing params outside the optimizer).
+
+        fp32 masters become copies of the params; remainders become 0 (master == param).
+        Needed after writes that bypass autograd version counters (``param.data.copy_``);
+        other in-place writes are detected for remainder masters at the next step.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                if "master_param" in st:
+                    st["master_param"].copy_(p.detach())
+                if "master_remainder" in st:
+                    st["master_remainder"].zero_()
+                    self._param_versions[id(p)] = p._version
+
+    def _init_master(self, p: Tensor, st: dict[str, Any], kind: str) -> None:
+        from fastamp import reference
+
+        if kind == "fp32":
+            if "master_param" not in st:
+                rem = st.pop("master_remainder", None)
+                if rem is not None and p.dtype == torch.bfloat16:
+                    st["master_param"] = reference.join_master(p.detach(), rem).contiguous()
+                else:
+                    st["master_param"] = fp32_copy_of(p)
+            st.pop("master_remainder", None)
+        elif kind == "remainder":
+            if "master_remainder" not in st:
+                master = st.pop("master_param", None)
+                if master is not None:
+                    hi, rem = reference.split_master(master)
+                    p.copy_(hi)
+                    st["master_remainder"] = rem.contiguous()
+                else:
+                    st["master_remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+            st.pop("master_param", None)
+        else:
+            st.pop("master_param", None)
+            st.pop("master_remainder", None)
+
+    def _resync_if_written(self, p: Tensor, st: dict[str, Any], where: str) -> None:
+        seen = self._param_versions.get(id(p))
+        if seen is not None and p._version != seen:
+            warnings.warn(
+                f"{self._NAME}: {where} (bf16, master_weights='remainder') was written outside the optimizer "
+                "since its last step; its master is re-synced to the param (remainder := 0). Call "
+                "reset_master_weights() after such writes to silence this.",
+                stacklevel=3,
+            )
+            st["master_remainder"].zero_()
+
+    def _bf16_ids(self) -> dict[int, int]:
+        """Stochastic-rounding tensor id of each bf16 param: its index among the optimizer's bf16 params.
+
+        Stable across runs and data-parallel ranks (param order), and fp32/fp16 params in
+        between do not split a launch.
+        """
+        ids: dict[int, int] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype == torch.bfloat16 and id(p) not in ids:
+                    ids[id(p)] = len(ids)
+        return ids
+
+    # ---- the step ------------------------------------------------------------------------
+    def _collect(self) -> list[tuple[dict[str, Any], list[tuple[Tensor, Tensor]]]]:
+        """Every (group, [(param, grad)]) to update, fully validated; changes nothing."""
+        from fastamp import backends
+
+        work = []
+        needed: set[tuple[str, torch.device]] = set()
+        for gi, group in enumerate(self.param_groups):
+            self._validate_group(group, f"param group {gi}")
+            items = []
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if p.dtype not in PARAM_DTYPES:
+                    check_param_dtype(self._NAME, p, f"param {i} of param group {gi}")
+                check_grad(self._NAME, p, g, f"param {i} of param group {gi}")
+                items.append((p, g))
+                needed.add((self._kernel_op(group, p, self._kind(group, p)), p.device))
+            if items:
+                work.append((group, items))
+        for op, dev in sorted(needed, key=str):
+            backends.resolve(op, dev, self.backend)
+        return work
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Perform a single optimization step.
+
+        Args:
+            closure (Callable, optional): a closure that reevaluates the model and returns
+                the loss (not allowed when a grad scaler drives the step, as in torch).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        work = self._collect()
+        if not work:
+            return loss
+        amp = AmpInputs(self._NAME, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        cohorts = self._cohorts
+        cohorts.begin_step()
+        sr_ids: dict[int, int] | None = None
+        rng_inc: dict[torch.device, Tensor] = {}
+        for group, items in work:
+            # (device, cohort) -> (steps, rngs, {launch key: run})
+            buckets: dict[Any, tuple[list[Tensor], list[Tensor], dict[Any, _Run]]] = {}
+            remainder_params = []
+            for p, g in items:
+                st = self.state.get(p)
+                if st is None:
+                    st = {}
+                token = cohorts.get(p) if len(st) else cohorts.fresh
+                kind = self._kind(group, p)
+                self._init_state(p, st, group, kind)
+                self._init_master(p, st, kind)
+                if kind == "remainder":
+                    self._resync_if_written(p, st, "a param")
+                    remainder_params.append(p)
+                use_rng = self._uses_rng(group, p, st, kind)
+                if use_rng and "rng" not in st:
+                    rng = torch.zeros(2, dtype=torch.int64, device=p.device)
+                    rng[0] = int(group["seed"])
+                    st["rng"] = rng
+                if st:
+                    self.state[p] = st
+                cohorts.advance(p, token)
+                bucket = buckets.get((p.device, token))
+                if bucket is None:
+                    bucket = buckets[(p.device, token)] = ([], [], {})
+                if "step" in st:
+                    bucket[0].append(st["step"])
+                sr_id = None
+                if use_rng:
+                    bucket[1].append(st["rng"])
+                    if sr_ids is None:
+                        sr_ids = self._bf16_ids()
+                    sr_id = sr_ids[id(p)]
+                op = self._kernel_op(group, p, kind)
+                key = (op, p.dtype, g.dtype, kind, use_rng) + self._extra_key(group, p, st, kind)
+                run = bucket[2].get(key)
+                if run is None:
+                    run = bucket[2][key] = _Run(op, kind)
+                run.add(p, g, st, sr_id)
+
+            lr_per_device: dict[torch.device, Any] = {}
+            lr = group["lr"]
+            for (dev, _), (steps, rngs, runs) in buckets.items():
+                grad_mul, found_inf, inc = amp.on(dev)
+                if self._COUNT_BEFORE:
+                    _count(steps, inc)
+                if dev not in lr_per_device:
+                    lr_per_device[dev] = _to_device(lr, dev) if isinstance(lr, Tensor) else lr
+                # Every step in this bucket holds the same value (see StepCohorts).
+                scalars = self._scalars(group, lr_per_device[dev], steps, grad_mul, dev)
+                for run in runs.values():
+                    for part in run.split():
+                        self._launch(group, part, scalars, found_inf)
+                    for p, tmp in run.copy_back:
+                        p.copy_(tmp)
+                if not self._COUNT_BEFORE:
+                    _count(steps, inc)
+                if rngs:
+                    delta = rng_inc.get(dev)
+                    if delta is None:
+                        delta = rng_inc[dev] = torch.zeros(2, dtype=torch.int64, device=dev)
+                        if inc is None:
+                            delta[1] = 1
+                        else:
+                            delta[1].copy_(inc)
+                    torch._foreach_add_(rngs, [delta] * len(rngs))
+            for p in remainder_params:
+                self._param_versions[id(p)] = p._version
+        return loss
+
+    # ---- state_dict ----------------------------------------------------------------------
+    def state_dict(self, master_format: str = "native") -> dict[str, Any]:
+        """The optimizer state, as torch's ``state_dict()``.
+
+        Args:
+            master_format (str): ``"native"`` (default) keeps remainder masters as the int16
+                ``master_remainder`` they are stored as (exact only together with the bf16
+                params of the model's own state dict, saved at the same time). ``"fp32"``
+                exports them as an fp32 ``master_param`` (the exact master: for other tools,
+                or to load into an optimizer with ``master_weights=True``); both forms load.
+        """
+        if master_format not in ("native", "fp32"):
+            raise ValueError(
+                f"{self._NAME}.state_dict: master_format must be 'native' or 'fp32', got {master_format!r}"
+            )
+        sd = super().state_dict()
+        if master_format == "fp32":
+            from fastamp import reference
+
+            params = [p for g in self.param_groups for p in g["params"]]
+            for idx, st in list(sd["state"].items()):
+                if not (isinstance(idx, int) and isinstance(st, dict) and "master_remainder" in st):
+                    continue
+                p = params[idx].detach()
+                st = dict(st)
+                rem = st.pop("master_remainder")
+                seen = self._param_versions.get(id(params[idx]))
+                if seen is not None and params[idx]._version != seen:
+                    master = fp32_copy_of(p)  # what the next step would re-sync to
+                else:
+                    master = reference.join_master(p, rem)
+                st["master_param"] = master
+                sd["state"][idx] = st
+        return sd
+
+    def _after_load(self) -> None:
+        self._param_versions = {}
+        self._rebuild_cohorts()
+
+
+def _count(steps: list[Tensor], inc: Tensor | None) -> None:
+    if not steps:
+        return
+    if inc is None:
+        torch._foreach_add_(steps, 1.0)
+    else:
+        torch._foreach_add_(steps, [inc] * len(steps))
