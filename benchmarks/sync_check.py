@@ -36,10 +36,10 @@ from fastamp.optim import AdamW as FastAdamW
 CONFIGS = ("fastamp-fp16-clip", "fastamp-bf16", "torch-scaler+fastamp-adamw", "torch-reference")
 
 
-def _setup(config: str, backend: str | None, device, data):
+def _setup(config: str, backend: str | None, device, data, dim: int):
     dev = device.type
     torch.manual_seed(0)
-    model = TinyGPT(len(data.vocab), data.seq_len, 2, 128, 4).to(device)
+    model = TinyGPT(len(data.vocab), data.seq_len, 2, dim, 4).to(device)
     autocast_dtype = None
     clip = None
     if config == "fastamp-fp16-clip":
@@ -63,9 +63,9 @@ def _setup(config: str, backend: str | None, device, data):
     return model, opt, scaler, autocast_dtype, clip
 
 
-def _run(config, backend, device, data, steps: int, mode: str):
+def _run(config, backend, device, data, steps: int, mode: str, dim: int = 128):
     """Returns (syncs counted per step, error message or '')."""
-    model, opt, scaler, ac_dtype, clip = _setup(config, backend, device, data)
+    model, opt, scaler, ac_dtype, clip = _setup(config, backend, device, data, dim)
     params = list(model.parameters())
     counts, error = [], ""
 
@@ -130,22 +130,26 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--out", default=".")
     p.add_argument("--device", default="cuda", help="cuda; cpu only exercises the code (no sync counting there)")
+    p.add_argument("--dim", type=int, default=128, help="model width (multiple of 4)")
+    p.add_argument("--seq-len", type=int, default=64)
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("sync_check: needs a CUDA device (or --device cpu for a dry run)", file=sys.stderr)
         return 2
-    data = TextData(64, 8, device)
+    data = TextData(args.seq_len, 8, device, n_chars=20_000)
     report = []
     failed = False
-    cuda_backends = [b for b in ("native", "triton") if backends.available(b, "adamw_", device)[0]]
+    # On CPU (a dry run of this script) the Triton interpreter is skipped: it is a test tool.
+    candidates = ("native", "triton") if device.type == "cuda" else ("native",)
+    cuda_backends = [b for b in candidates if backends.available(b, "adamw_", device)[0]]
     if not cuda_backends:
         print("sync_check: no CUDA backend available; checking the torch reference backend", file=sys.stderr)
         cuda_backends = ["torch"]
     for config in CONFIGS:
         for b in cuda_backends if config != "torch-reference" else [None]:
-            warn_counts, warn_err = _run(config, b, device, data, args.steps, "warn")
-            _, err = _run(config, b, device, data, args.steps, "error")
+            warn_counts, warn_err = _run(config, b, device, data, args.steps, "warn", args.dim)
+            _, err = _run(config, b, device, data, args.steps, "error", args.dim)
             row = {
                 "config": config,
                 "backend": b or "torch",

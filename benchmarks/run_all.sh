@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The whole CPU benchmark suite and the main-job comparison, results under benchmarks/results/
+# (the `make bench` of this project). Run it on an otherwise idle machine: it warns when the
+# 1-minute load average is above 0.5 because the numbers would then measure the other work.
+#
+#   bash benchmarks/run_all.sh            # full sweep (tens of minutes on 2 cores)
+#   bash benchmarks/run_all.sh --quick    # smoke sizes, results under /tmp
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+load=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo 0)
+if awk -v l="$load" 'BEGIN {exit !(l > 0.5)}'; then
+    echo "run_all: warning: load average $load; timings will include other processes' work" >&2
+fi
+EXTRA=()
+OUTDIR=benchmarks/results
+if [ "${1:-}" = "--quick" ]; then
+    EXTRA=(--quick)
+    OUTDIR=${TMPDIR:-/tmp}/fastamp-bench-quick
+fi
+rc=0
+for b in bench_unscale bench_adamw bench_step; do
+    "$PY" "benchmarks/$b.py" "${EXTRA[@]}" --out "$OUTDIR" || rc=1
+done
+if [ "${1:-}" = "--quick" ]; then
+    "$PY" -m fastamp.compare --size tiny --out "$OUTDIR" || rc=1
+else
+    "$PY" -m fastamp.compare --out "$OUTDIR" || rc=1
+fi
+exit $rc
