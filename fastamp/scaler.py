@@ -80,6 +80,18 @@ class Scaler:
             skipped; the counter refills on every clean step.
         min_scale, max_scale: optional bounds on the scale after backoff / growth.
         backend: force a kernel backend (``"native"``, ``"triton"``, ``"torch"``); default AUTO.
+        process_group: a ``torch.distributed`` process group (e.g. ``dist.group.WORLD``) for
+            data-parallel or sharded training; ``None`` (default) = no communication. Every
+            recorded ``found_inf`` is all-reduced over the group on the scale's device (one
+            small collective, no host sync) before any skip decision or scale update, so
+            every rank skips the same steps and keeps the same scale, also for amp-aware
+            optimizers (where torch's ``ShardedGradScaler`` forgets to reduce). Every rank
+            must then call :meth:`unscale_` / :meth:`clip_grad_norm_` / :meth:`step` in the
+            same order, even a rank without grads. Not pickled with the scaler.
+        sharded: ``True`` when each rank holds a different shard of the grads (ZeRO / FSDP):
+            :meth:`clip_grad_norm_` then also sums the squared norm over ``process_group``
+            (same collective), so the clip uses the global norm. Leave ``False`` for DDP,
+            whose grads are already replicated. Needs ``process_group``.
 
     Differences from ``torch.amp.GradScaler`` (all deliberate):
       * fp16 gradients are accepted by :meth:`unscale_` (torch raises "Attempting to unscale
@@ -112,6 +124,8 @@ class Scaler:
         min_scale: Optional[float] = None,
         max_scale: Optional[float] = None,
         backend: Optional[str] = None,
+        process_group: Optional[Any] = None,
+        sharded: bool = False,
     ) -> None:
         self._device: Optional[str] = torch.device(device).type if device is not None else None
         self._enabled = enabled
@@ -148,6 +162,8 @@ class Scaler:
         self._min_scale = min_scale
         self._max_scale = max_scale
         self._backend = backend
+        self._process_group = _check_process_group(process_group, sharded)
+        self._sharded = sharded
         self._init_skipped_steps = 0
         self._skipped_steps: Optional[Tensor] = None
         self._init_last_step_skipped = False
@@ -223,7 +239,9 @@ class Scaler:
                     # duplicate indices are summed by coalescing, which can itself overflow:
                     # check what the optimizer will really see (as torch does).
                     param.grad = param.grad.coalesce()
-                per_device[param.grad.device].append(param.grad)
+                # FSDP2 grads are DTensors: each rank checks (and unscales in place) its own shard;
+                # process_group then makes the flag and, with sharded=True, the norm global.
+                per_device[param.grad.device].append(_local_shard(param.grad))
         return per_device
 
     def _check_grads(
@@ -257,6 +275,31 @@ class Scaler:
             optimizer, inv_scale, found_inf, allow_fp16=allow_fp16, write_back=True, compute_sumsq=False
         )[0]
 
+    def _all_reduce_flags(
+        self, found: Dict[torch.device, Tensor], sumsq: Optional[Tensor] = None
+    ) -> Tuple[Dict[torch.device, Tensor], Optional[Tensor]]:
+        """All-reduce this rank's overflow flags (and a partial squared norm) over the process group.
+
+        One collective on the scale's device, no host sync: the per-device flags are combined
+        into one, summed over the ranks with ``sumsq`` in the same fp64 buffer, and clamped to
+        0/1 (so a fused kernel that skips only on exactly 1 still skips). Returns the global
+        flag on every device ``found`` had (on the scale's device when it had none) and the
+        global ``sumsq`` (fp32). Without a process group, returns its inputs unchanged.
+        """
+        if self._process_group is None:
+            return found, sumsq
+        import torch.distributed as dist
+
+        dev = self._scale.device
+        wide = torch.float32 if dev.type == "mps" else torch.float64
+        flags = [f.to(dev, non_blocking=True).reshape(()) for f in found.values()]
+        flag = torch.stack(flags).ne(0).any().to(wide) if flags else torch.zeros((), dtype=wide, device=dev)
+        buf = flag.reshape(1) if sumsq is None else torch.stack([flag, sumsq.to(dev).reshape(()).to(wide)])
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._process_group)
+        global_flag = buf[0].clamp(max=1.0).to(torch.float32)
+        out = {d: global_flag.to(d, non_blocking=True) for d in found} if found else {dev: global_flag}
+        return out, (None if sumsq is None else buf[1].to(torch.float32))
+
     def _inv_scale(self) -> Tensor:
         # fp64 reciprocal rounded to fp32, as torch ("FP32 division can be imprecise").
         if self._scale.device.type == "mps":
@@ -279,9 +322,9 @@ class Scaler:
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         self._check_can_unscale(optimizer_state)
         inv_scale = self._inv_scale()
-        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
-            optimizer, inv_scale, self._new_found_inf(), True
-        )
+        optimizer_state["found_inf_per_device"] = self._all_reduce_flags(
+            self._unscale_grads_(optimizer, inv_scale, self._new_found_inf(), True)
+        )[0]
         optimizer_state["stage"] = OptState.UNSCALED
 
     @staticmethod
@@ -301,6 +344,7 @@ class Scaler:
         found, _ = self._check_grads(
             optimizer, self._inv_scale(), self._new_found_inf(), allow_fp16=True, write_back=False, compute_sumsq=False
         )
+        found = self._all_reduce_flags(found)[0]
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
@@ -354,6 +398,14 @@ class Scaler:
         found, sumsq = self._check_grads(
             optimizer, inv_scale, found_inf, allow_fp16=True, write_back=False, compute_sumsq=True
         )
+        if self._process_group is not None:
+            # Every rank joins the collective, even one without grads. Sharded: the global
+            # squared norm is the sum of the ranks' partial sums (same collective as the flag).
+            local_sq = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+            for part in sumsq.values():
+                local_sq = local_sq + part.to(local_sq.device, non_blocking=True)
+            found, global_sq = self._all_reduce_flags(found, local_sq if self._sharded else None)
+            sumsq = {local_sq.device: global_sq if self._sharded else local_sq}
         if ready:
             optimizer_state["found_inf_per_device"] = found
         if not sumsq:
@@ -381,9 +433,8 @@ class Scaler:
             )
             if ready:
                 # the write pass can flag more (a value that overflows fp16 when rounded back)
-                optimizer_state["found_inf_per_device"] = {
-                    d: torch.maximum(found[d], refound[d]) for d in found
-                }
+                merged = {d: torch.maximum(f, refound[d]) if d in refound else f for d, f in found.items()}
+                optimizer_state["found_inf_per_device"] = self._all_reduce_flags(merged)[0]
         optimizer_state["stage"] = OptState.UNSCALED
         return total_norm
 
@@ -671,6 +722,30 @@ class Scaler:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _local_shard(grad: Tensor) -> Tensor:
+    local = getattr(grad, "_local_tensor", None)
+    return local if isinstance(local, Tensor) else grad
+
+
+def _check_process_group(process_group: Any, sharded: Any) -> Any:
+    if not isinstance(sharded, bool):
+        raise TypeError(f"fastamp.Scaler: sharded must be a bool, got {sharded!r}")
+    if process_group is None:
+        if sharded:
+            raise ValueError("fastamp.Scaler: sharded=True needs a process_group to sum the squared norm over")
+        return None
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("fastamp.Scaler: a process_group was given but torch.distributed is not available")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"fastamp.Scaler: process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD after "
+            f"init_process_group), got {type(process_group).__name__}"
+        )
+    return process_group
 
 
 def _params_with_grads(optimizer) -> List[Tensor]:
