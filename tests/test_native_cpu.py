@@ -184,6 +184,18 @@ def test_unscale_nonfinite_positions(isa, dtype, value):
             assert found == 1.0, (n, where, wb)
 
 
+def test_unscale_nonfinite_every_lane(isa):
+    """One inf/nan (or fp16 overflow on write-back) at every position of the vector blocks and the tail."""
+    n = 53
+    for dtype, pos in itertools.product(DTYPES, range(n)):
+        for value, inv, write_back in ((math.nan, 1.0, False), (math.inf, 0.5, True), (60000.0, 2.0, True)):
+            g = torch.full((n,), 0.25, dtype=dtype)
+            g[pos] = value
+            expect = 1.0 if (value != 60000.0 or dtype == torch.float16) else 0.0
+            found, _ = _assert_unscale_matches([g], inv, write_back, compute_sumsq=False)
+            assert found == expect, (dtype, pos, value)
+
+
 def test_unscale_only_element_and_found_inf_never_reset(isa):
     for dtype in DTYPES:
         g = torch.tensor([math.nan], dtype=dtype)
