@@ -134,6 +134,7 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "## gpt" in out and "## cnn" in out and "CPU note" in out and "peak memory" in out
+    assert "fastamp-fp16 final val loss" in out and "pure-bf16 (no master weights" in out
     assert len(rows) == 2 * 4
     for r in rows:
         assert not r["error"], r
@@ -161,3 +162,22 @@ def test_bad_arguments_are_named():
         compare.main(["--model", "resnet", "--device", "cpu"])
     with pytest.raises(SystemExit, match="at least 4"):
         compare.main(["--steps", "2", "--device", "cpu"])
+
+
+def test_verdicts_flag_divergence_and_tolerance():
+    R = compare.RegimeResult
+    res = [
+        R("m", "fp32", initial_loss=4.0, final_loss=2.0),
+        R("m", "torch-amp-fp16", initial_loss=4.0, final_loss=2.0),
+        R("m", "fastamp-fp16", initial_loss=4.0, final_loss=2.2),
+        R("m", "torch-amp-bf16", initial_loss=4.0, final_loss=2.0),
+        R("m", "fastamp-bf16", initial_loss=4.0, final_loss=2.01),
+        R("m", "pure-fp16", initial_loss=4.0, final_loss=float("nan"), nonfinite_losses=7),
+        R("m", "pure-bf16", initial_loss=4.0, final_loss=3.5),
+    ]
+    compare.summarise(res)
+    lines = compare.verdicts(res)
+    assert any("fastamp-fp16" in v and "OUTSIDE" in v for v in lines)
+    assert any("fastamp-bf16" in v and "within" in v for v in lines)
+    assert any("pure-fp16" in v and "diverged (7" in v for v in lines)
+    assert any("pure-bf16" in v and "stalls at 25.0%" in v for v in lines)
