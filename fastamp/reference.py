@@ -81,6 +81,12 @@ def unscale_check_(
     return acc.float()
 
 
+def _round_f32(x: float) -> float:
+    # Python float -> nearest fp32 value on the host (inf past fp32's range, as the kernels'
+    # static_cast<float>), so torch.full never sees an out-of-range value.
+    return float(torch.tensor(float(x), dtype=torch.float64).float())
+
+
 def update_scale_(
     scale: Tensor,
     growth_tracker: Tensor,
@@ -112,12 +118,12 @@ def update_scale_(
     h_dec = hysteresis_tracker.reshape(()) - 1
     do_backoff = overflow & (h_dec <= 0)
     backed = (s.double() * backoff_factor).float()
-    lo = torch.full((), min_scale, dtype=torch.float32, device=s.device)
+    lo = torch.full((), _round_f32(min_scale), dtype=torch.float32, device=s.device)
     backed = torch.where(backed < lo, lo, backed)
     successful = growth_tracker.reshape(()) + 1
     grow_step = (~overflow) & (successful.long() == growth_interval)
     grown = (s.double() * growth_factor).float()
-    hi = torch.full((), max_scale, dtype=torch.float32, device=s.device)
+    hi = torch.full((), _round_f32(max_scale), dtype=torch.float32, device=s.device)
     grown = torch.where(grown > hi, hi, grown)
     grow_ok = grow_step & torch.isfinite(grown)
     new_scale = torch.where(do_backoff, backed, torch.where(grow_ok, grown, s))
