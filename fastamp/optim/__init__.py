@@ -1,5 +1,6 @@
-"""Fused, amp-aware optimizers with fp32 master weights for fp16/bf16 params."""
+"""Fused, amp-aware optimizers with exact masters (fp32 or int16 remainders) for fp16/bf16 params."""
 
 from fastamp.optim.adamw import AdamW
+from fastamp.optim.sgd import SGD
 
-__all__ = ["AdamW"]
+__all__ = ["AdamW", "SGD"]

@@ -1,0 +1,221 @@
+"""``fastamp.optim.SGD``: fused SGD (momentum, Nesterov) with fp32 / int16-remainder masters or stochastic rounding."""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+from torch import Tensor
+
+from fastamp import functional, reference
+from fastamp.optim import _common
+
+__all__ = ["SGD"]
+
+_NAME = "SGD"
+
+
+def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
+    """torch.optim.SGD's checks and messages, applied to every group (torch checks only the defaults)."""
+    _common.validate_lr(_NAME, group["lr"], check_tensor_lr)
+    for name in ("momentum", "dampening", "weight_decay"):
+        _common.check_real_number(_NAME, name, group[name])
+    if not 0.0 <= group["momentum"]:
+        raise ValueError(f"Invalid momentum value: {group['momentum']}")
+    if not 0.0 <= group["weight_decay"]:
+        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+    for flag in ("nesterov", "maximize"):
+        if not isinstance(group[flag], bool):
+            raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
+    if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+    _common.check_lowbit_options(_NAME, group, where)
+
+
+class SGD(_common.FusedOptimizer):
+    r"""Fused SGD (momentum, dampening, Nesterov, weight decay) with exact masters, amp-aware and sync-free.
+
+    The update is :class:`torch.optim.SGD`'s, done in one fused pass per group of tensors
+    that reads the grad (fp32, fp16 or bf16, still scaled when a grad scaler drives the
+    step), the master and the momentum buffer, and writes them and the param in its own
+    dtype (see :func:`fastamp.reference.sgd_`). All maths is fp32, one rounding per
+    operation; torch's ``add(alpha=)`` may fuse a multiply-add, so fp32 results agree with
+    torch within ``tests/tolerances.py``'s ``SGD_VS_TORCH`` budget, not bit for bit.
+
+    Example::
+
+        >>> model = model.to(torch.bfloat16)
+        >>> opt = fastamp.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, master_weights="remainder")
+        >>> scaler = torch.amp.GradScaler()      # or fastamp.Scaler(), or none for bf16
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     scaler.scale(loss_fn(model(x), y)).backward()
+        ...     scaler.step(opt)                 # no host sync; a skipped step changes nothing
+        ...     scaler.update()
+
+    Args:
+        params (iterable): params or dicts defining param groups (as in torch.optim).
+        lr (float or Tensor, optional): learning rate (default: 1e-3).
+        momentum (float, optional): momentum factor (default: 0).
+        dampening (float, optional): dampening for momentum (default: 0).
+        weight_decay (float, optional): L2 penalty added to the gradient (default: 0).
+        nesterov (bool, optional): Nesterov momentum (default: False); needs ``momentum > 0``
+            and ``dampening == 0``.
+        maximize (bool, optional): maximize the objective (default: False).
+        master_weights (bool, None or "remainder", optional): as in :class:`fastamp.optim.AdamW`:
+            ``None``/``True`` fp32 masters for fp16/bf16 params, ``"remainder"`` int16
+            remainders for bf16 params (bit-identical master trajectory, 2 bytes instead of
+            4), ``False`` none.
+        stochastic_rounding (bool, optional): bf16 params without a master are rounded
+            stochastically (default False; with ``master_weights=None`` bf16 params then go
+            without a master).
+        seed (int, optional): seed of the counter-based random bits (default 0), see
+            :class:`fastamp.optim.AdamW`.
+        backend (str, optional): force a kernel backend (see :mod:`fastamp.backends`).
+
+    State per param: ``momentum_buffer`` (fp32, when ``momentum != 0``, as torch's key) and
+    ``step`` (fp32 0-dim device tensor: the number of applied steps, when ``momentum != 0``;
+    torch has no such key). The buffer is created zeroed and the kernel initialises it to the
+    first applied step's grad (``step == 0``), so a first step skipped on overflow leaves it
+    uninitialised exactly as torch's skipped ``step()`` does, with no host sync. Masters and
+    ``rng`` as in :class:`fastamp.optim.AdamW`.
+
+    Amp: the ``grad_scale``/``found_inf`` protocol of :class:`fastamp.optim.AdamW`
+    (``_step_supports_amp_scaling = True``): any non-zero ``found_inf`` skips the step on the
+    device, leaving params, masters, buffers, ``step`` and ``rng`` bit-identical.
+
+    ``state_dict`` / ``load_state_dict``: a :class:`torch.optim.SGD` state dict loads (a
+    present ``momentum_buffer`` counts as initialised: ``step = 1``; torch's buffers of
+    low-precision params are widened to fp32), and torch loads ours (it ignores ``step``
+    and casts the buffer to the param dtype). One difference: after only skipped steps our
+    buffer exists (zero, ``step == 0``) where torch's is None; torch, loading it, treats it
+    as initialised, which matters only with ``dampening != 0``. ``state_dict(master_format=
+    "fp32")`` exports remainder masters as fp32.
+    """
+
+    _NAME = _NAME
+    _COUNT_BEFORE = False
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params,
+        lr: Union[float, Tensor] = 1e-3,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float = 0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        master_weights: Union[bool, str, None] = None,
+        stochastic_rounding: bool = False,
+        seed: int = 0,
+        backend: str | None = None,
+    ) -> None:
+        if isinstance(lr, Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        defaults = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "weight_decay": weight_decay,
+            "nesterov": nesterov,
+            "maximize": maximize,
+            "master_weights": master_weights,
+            "stochastic_rounding": stochastic_rounding,
+            "seed": seed,
+        }
+        self._setup(backend)
+        _validate_group(defaults, "the defaults", check_tensor_lr=True)
+        super().__init__(params, defaults)
+        self._step_supports_amp_scaling = True
+
+    # ---- hooks -------------------------------------------------------------------------
+    def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
+        _validate_group(group, where, check_tensor_lr)
+
+    def _group_setdefaults(self) -> dict[str, Any]:
+        return {**super()._group_setdefaults(), "nesterov": False}
+
+    def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
+        return "sgd_"
+
+    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> None:
+        if group["momentum"] == 0:
+            return
+        if "step" not in st:
+            initialised = "momentum_buffer" in st
+            st["step"] = torch.full((), 1.0 if initialised else 0.0, dtype=torch.float32, device=p.device)
+        buf = st.get("momentum_buffer")
+        if buf is None:
+            st["momentum_buffer"] = _common.fp32_zeros_like(p)
+        elif buf.dtype != torch.float32 or not buf.is_contiguous():
+            st["momentum_buffer"] = torch.empty(p.shape, dtype=torch.float32, device=p.device).copy_(buf)
+
+    def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
+        step = steps[0] if steps else torch.zeros((), dtype=torch.float32, device=dev)
+        return reference.sgd_step_scalars(lr, step, grad_mul)
+
+    def _launch(self, group: dict[str, Any], run: _common._Run, scalars: Tensor, found_inf: Tensor | None) -> None:
+        bufs = [st["momentum_buffer"] for st in run.states] if group["momentum"] != 0 else []
+        functional.sgd_(
+            run.params,
+            run.grads,
+            run.masters,
+            bufs,
+            scalars,
+            found_inf,
+            run.rng,
+            run.rng_base,
+            momentum=group["momentum"],
+            dampening=group["dampening"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            backend=self.backend,
+        )
+
+    # ---- state_dict ----------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class (either ``master_format``) or of :class:`torch.optim.SGD`.
+
+        ``momentum_buffer`` and masters are loaded as fp32, ``step`` as an fp32 0-dim tensor;
+        a torch state without ``step`` gets ``step = 1`` where a buffer exists (torch's
+        ``None`` buffers are dropped: uninitialised). Validated before anything changes.
+        """
+        if isinstance(state_dict, dict) and isinstance(state_dict.get("state"), dict):
+            cleaned = {}
+            for k, v in state_dict["state"].items():
+                if isinstance(v, dict) and "momentum_buffer" in v and v["momentum_buffer"] is None:
+                    v = {key: val for key, val in v.items() if key != "momentum_buffer"}
+                cleaned[k] = v
+            state_dict = {**state_dict, "state": cleaned}
+
+        def drop_state_keys(p: Tensor, group: dict[str, Any]):
+            kind = _common.master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
+            return () if kind in ("fp32", "remainder") else ("master_param", "master_remainder")
+
+        _common.load_state_dict(
+            self,
+            state_dict,
+            opt_name=_NAME,
+            required_group_keys=("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+            validate_group=_validate_group,
+            required_state_keys=lambda g: (),
+            fp32_state_keys=("momentum_buffer", "master_param"),
+            group_defaults=lambda g: {
+                "maximize": False,
+                "master_weights": g["master_weights"],
+                "stochastic_rounding": g["stochastic_rounding"],
+                "seed": g["seed"],
+            },
+            drop_state_keys=drop_state_keys,
+        )
+        for group in self.param_groups:
+            if group["momentum"] == 0:
+                continue
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and "step" not in st and "momentum_buffer" in st:
+                    st["step"] = torch.ones((), dtype=torch.float32, device=p.device)
+        self._after_load()
