@@ -6,10 +6,30 @@ that keep fp32 master weights for fp16/bf16 params. ``python -m fastamp.env`` sa
 backends are available.
 """
 
-from fastamp import _ops, backends, functional, reference  # noqa: F401
+from fastamp import _ops, backends, functional, health, reference, schedule  # noqa: F401  # noqa: E402
+from fastamp.cast import DEFAULT_KEEP_FP32, cast_model
+from fastamp.health import AmpPitfallWarning, GradStats
 from fastamp.optim import SGD, AdamW
 from fastamp.scaler import OptState, Scaler
+from fastamp.schedule import DeviceLR, SkipAwareLR
 
 __version__ = "0.1.0"
 
-__all__ = ["Scaler", "AdamW", "SGD", "OptState", "backends", "functional", "reference", "__version__"]
+__all__ = [
+    "Scaler",
+    "AdamW",
+    "SGD",
+    "OptState",
+    "backends",
+    "functional",
+    "reference",
+    "__version__",
+    "cast_model",
+    "DEFAULT_KEEP_FP32",
+    "health",
+    "schedule",
+    "AmpPitfallWarning",
+    "GradStats",
+    "DeviceLR",
+    "SkipAwareLR",
+]
