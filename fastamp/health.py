@@ -156,20 +156,28 @@ class GradStats:
                     f"  non-finite in {len(self.nonfinite)} tensor(s); first met by backward: {self.first_nonfinite!r}"
                     f" (all: {', '.join(self.nonfinite[-5:][::-1])}{', ...' if len(self.nonfinite) > 5 else ''})"
                 )
-        width = max((len(t.name) for t in self), default=4)
+        picks: list[tuple[str, str]] = []
+
+        def pick(ts, why):
+            for t in ts:
+                if len([n for n, _ in picks if n == t.name]) == 0:
+                    picks.append((t.name, why))
+
+        pick([t for t in self.worst(k, "nonfinite") if t.nonfinite], "non-finite")
+        pick([t for t in self.worst(k, "frac_zero") if t.zeros], "most zeros")
+        pick([t for t in self.worst(k, "frac_fp16_underflow") if t.fp16_underflow], "most < 2^-14")
+        pick(self.worst(k, "absmin"), "smallest max|g|")
+        pick(self.worst(1, "absmax"), "largest max|g|")
+        width = max((len(n) for n, _ in picks), default=6)
         lines.append(
-            f"  {'tensor':<{width}}  {'dtype':>8}  {'numel':>9}  {'nonfin':>6}  {'zero%':>6}  "
-            f"{'<2^-14%':>7}  {'max|g|':>9}"
+            f"  {'tensor':<{width}}  {'dtype':>8}  {'numel':>9}  {'nonfin':>6}  {'zero%':>6}  {'<2^-14%':>7}  "
+            f"{'max|g|':>9}  why"
         )
-        shown = []
-        for t in self.worst(k, "nonfinite") + self.worst(k, "frac_zero") + self.worst(k, "absmin"):
-            if t.name not in shown and len(shown) < 2 * k:
-                shown.append(t.name)
-        for name in shown:
+        for name, why in picks:
             t = self.tensors[name]
             lines.append(
                 f"  {t.name:<{width}}  {str(t.dtype).replace('torch.', ''):>8}  {t.numel:>9}  {t.nonfinite:>6}  "
-                f"{100 * t.frac_zero:>6.1f}  {100 * t.frac_fp16_underflow:>7.1f}  {t.absmax:>9.3g}"
+                f"{100 * t.frac_zero:>6.1f}  {100 * t.frac_fp16_underflow:>7.1f}  {t.absmax:>9.3g}  {why}"
             )
         return "\n".join(lines)
 
@@ -185,6 +193,7 @@ class _StatsRows:
     params: list[Tensor]
     positions: list[int]  # index of each row's param in the optimizer's flattened param order
     grad_dtypes: list[torch.dtype]
+    shapes: list[tuple[int, ...]]  # of what was checked: a DTensor grad's local shard, a sparse grad's values
     counts: Tensor
     absmax: Tensor
     inv_scale: Tensor  # the inverse scale this check used (a fresh tensor, never mutated later)
@@ -232,7 +241,14 @@ def read_stats(
                 (
                     (oi, r.positions[row]),
                     TensorStats(
-                        name, tuple(p.shape), r.grad_dtypes[row], p.numel(), c[0], c[1], c[2], float(absmax[row])
+                        name,
+                        r.shapes[row],
+                        r.grad_dtypes[row],
+                        math.prod(r.shapes[row]),
+                        c[0],
+                        c[1],
+                        c[2],
+                        float(absmax[row]),
                     ),
                 )
             )
@@ -419,7 +435,7 @@ class _Monitor:
                 sel = [i for i, d in enumerate(rows.grad_dtypes) if d == torch.float16]
                 if not sel:
                     continue
-                meta["fp16_elems"] += sum(rows.params[i].numel() for i in sel)
+                meta["fp16_elems"] += sum(math.prod(rows.shapes[i]) for i in sel)
                 meta["fp16_tensors"] += len(sel)
                 idx = torch.tensor(sel, dtype=torch.int64).to(rows.counts.device, non_blocking=True)
                 zeros.append(rows.counts.index_select(0, idx)[:, 1].sum().float().to(dev))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+import weakref
 from collections import abc, defaultdict
 from enum import Enum
 from typing import Any, Dict, List, Optional, Tuple, Union
@@ -19,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from fastamp import functional
+from fastamp import functional, health
 
 __all__ = ["OptState", "Scaler"]
 
@@ -80,6 +81,9 @@ class Scaler:
             skipped; the counter refills on every clean step.
         min_scale, max_scale: optional bounds on the scale after backoff / growth.
         backend: force a kernel backend (``"native"``, ``"triton"``, ``"torch"``); default AUTO.
+        track_stats: compute per-tensor gradient health statistics (non-finite, zero and
+            fp16-underflow counts, max |g|) inside the existing check pass, kept on the device
+            until :meth:`grad_stats` reads them. ``False`` (default): the stats op is never called.
         process_group: a ``torch.distributed`` process group (e.g. ``dist.group.WORLD``) for
             data-parallel or sharded training; ``None`` (default) = no communication. Every
             recorded ``found_inf`` is all-reduced over the group on the scale's device (one
@@ -92,6 +96,12 @@ class Scaler:
             :meth:`clip_grad_norm_` then also sums the squared norm over ``process_group``
             (same collective), so the clip uses the global norm. Leave ``False`` for DDP,
             whose grads are already replicated. Needs ``process_group``.
+
+    Pitfall guards (:class:`fastamp.health.AmpPitfallWarning`, each at most once per scaler):
+    the loss scale collapsing below 1; fp16 grads that underflowed (needs ``track_stats``);
+    bf16 grads that never overflowed in the first updates (the scaler is not needed). They
+    read a few device scalars at health probes (the first update, then every 32), copied
+    without blocking on CUDA, so no probe adds a sync.
 
     Differences from ``torch.amp.GradScaler`` (all deliberate):
       * fp16 gradients are accepted by :meth:`unscale_` (torch raises "Attempting to unscale
@@ -124,6 +134,7 @@ class Scaler:
         min_scale: Optional[float] = None,
         max_scale: Optional[float] = None,
         backend: Optional[str] = None,
+        track_stats: bool = False,
         process_group: Optional[Any] = None,
         sharded: bool = False,
     ) -> None:
@@ -169,6 +180,12 @@ class Scaler:
         self._init_last_step_skipped = False
         self._last_step_skipped: Optional[Tensor] = None
         self._per_optimizer_states: Dict[int, Dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+        self._track_stats = bool(track_stats)
+        # (id(optimizer), device) -> the last check's statistics buffers for it
+        self._stats: dict[tuple[int, torch.device], health._StatsRows] = {}
+        self._param_names: dict[int, tuple[Any, str]] = {}
+        self._health = health._Monitor()
+        self._last_stats_update = 0
 
     # ------------------------------------------------------------------ lazy state
 
@@ -225,10 +242,12 @@ class Scaler:
 
     # ------------------------------------------------------------------ the fused check
 
-    def _grads_by_device(self, optimizer, allow_fp16: bool) -> Dict[torch.device, List[Tensor]]:
+    def _grads_by_device(self, optimizer, allow_fp16: bool, owners=None) -> Dict[torch.device, List[Tensor]]:
         per_device: Dict[torch.device, List[Tensor]] = defaultdict(list)
+        position = -1
         for group in optimizer.param_groups:
             for param in group["params"]:
+                position += 1
                 if not isinstance(param, Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
                 if param.grad is None:
@@ -242,6 +261,8 @@ class Scaler:
                 # FSDP2 grads are DTensors: each rank checks (and unscales in place) its own shard;
                 # process_group then makes the flag and, with sharded=True, the norm global.
                 per_device[param.grad.device].append(_local_shard(param.grad))
+                if owners is not None:
+                    owners[param.grad.device].append((param, position))
         return per_device
 
     def _check_grads(
@@ -253,26 +274,63 @@ class Scaler:
         allow_fp16: bool,
         write_back: bool,
         compute_sumsq: bool,
+        stats: bool = False,
     ) -> Tuple[Dict[torch.device, Tensor], Dict[torch.device, Tensor]]:
-        """One fused pass per device: non-finite check, optional unscale, optional sum of squares."""
+        """One fused pass per device: non-finite check, optional unscale, optional sum of squares.
+
+        ``stats`` (with ``track_stats``): the same pass also writes the per-tensor health
+        statistics into this optimizer's buffers for that device.
+        """
         inv_rep, found_rep = _PerDevice(inv_scale), _PerDevice(found_inf)
         sumsq: Dict[torch.device, Tensor] = {}
+        stats = stats and self._track_stats
+        owners: dict[torch.device, list] | None = defaultdict(list) if stats else None
         with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
+            for device, grads in self._grads_by_device(optimizer, allow_fp16, owners).items():
+                if self._health.watch_dtypes:
+                    self._health.note_grads(grads)
+                counts = absmax = None
+                if stats:
+                    counts, absmax = self._stats_buffers(optimizer, device, grads, owners[device], inv_rep.get(device))
                 sumsq[device] = functional.unscale_check_(
                     grads,
                     found_rep.get(device),
                     inv_rep.get(device),
                     write_back=write_back,
                     compute_sumsq=compute_sumsq,
+                    counts=counts,
+                    absmax=absmax,
                     backend=self._backend,
                 )
         return found_rep.copies, sumsq
 
+    def _stats_buffers(self, optimizer, device, grads, owners, inv_scale: Tensor) -> tuple[Tensor, Tensor]:
+        """This optimizer's statistics buffers on ``device`` (reused while the row count is unchanged)."""
+        key = (id(optimizer), device)
+        old = self._stats.get(key)
+        n = len(grads)
+        if old is not None and old.counts.shape[0] == n and old.optimizer() is optimizer:
+            counts, absmax = old.counts, old.absmax
+        else:
+            counts = torch.zeros((n, 3), dtype=torch.int64, device=device)
+            absmax = torch.zeros((n,), dtype=torch.float32, device=device)
+        self._stats[key] = health._StatsRows(
+            weakref.ref(optimizer),
+            [p for p, _ in owners],
+            [i for _, i in owners],
+            [g.dtype for g in grads],
+            [tuple((g._values() if g.is_sparse else g).shape) for g in grads],
+            counts,
+            absmax,
+            inv_scale,
+        )
+        self._last_stats_update = self._health.updates
+        return counts, absmax
+
     def _unscale_grads_(self, optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool):
         """torch's hook: unscale every grad of ``optimizer`` in place; per-device found_inf."""
         return self._check_grads(
-            optimizer, inv_scale, found_inf, allow_fp16=allow_fp16, write_back=True, compute_sumsq=False
+            optimizer, inv_scale, found_inf, allow_fp16=allow_fp16, write_back=True, compute_sumsq=False, stats=True
         )[0]
 
     def _all_reduce_flags(
@@ -342,7 +400,13 @@ class Scaler:
         """
         self._check_scale_growth_tracker("_check_inf_per_device")
         found, _ = self._check_grads(
-            optimizer, self._inv_scale(), self._new_found_inf(), allow_fp16=True, write_back=False, compute_sumsq=False
+            optimizer,
+            self._inv_scale(),
+            self._new_found_inf(),
+            allow_fp16=True,
+            write_back=False,
+            compute_sumsq=False,
+            stats=True,
         )
         found = self._all_reduce_flags(found)[0]
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
@@ -396,7 +460,7 @@ class Scaler:
         inv_scale = self._inv_scale() if ready else torch.ones((), dtype=torch.float32, device=self._scale.device)
         found_inf = self._new_found_inf()
         found, sumsq = self._check_grads(
-            optimizer, inv_scale, found_inf, allow_fp16=True, write_back=False, compute_sumsq=True
+            optimizer, inv_scale, found_inf, allow_fp16=True, write_back=False, compute_sumsq=True, stats=ready
         )
         if self._process_group is not None:
             # Every rank joins the collective, even one without grads. Sharded: the global
@@ -443,7 +507,8 @@ class Scaler:
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
         retval = None
         if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
-            retval = optimizer.step(*args, **kwargs)
+            with health._ScalerStep():
+                retval = optimizer.step(*args, **kwargs)
         return retval
 
     def step(self, optimizer, *args, **kwargs):
@@ -565,6 +630,8 @@ class Scaler:
             self._last_step_skipped.copy_(skipped)
             self._skipped_steps.add_(skipped.to(torch.int64))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        if found_infs:
+            self._health.on_update(self)
 
     # ------------------------------------------------------------------ extras
 
@@ -593,6 +660,44 @@ class Scaler:
         if self._skipped_steps is None:
             return self._init_skipped_steps
         return self._skipped_steps
+
+    # ------------------------------------------------------------------ gradient health
+
+    def watch(self, model: torch.nn.Module, prefix: str = "") -> Scaler:
+        """Name ``model``'s params in :meth:`grad_stats` (``prefix`` + their ``named_parameters`` names).
+
+        Also checks the model once for BatchNorm layers in fp16/bf16 (an
+        :class:`fastamp.health.AmpPitfallWarning`). Returns the scaler. Names are held by param
+        id with a weak reference, so a freed param is never mistaken for a new one.
+        """
+        health.check_model(model)
+        if not self._enabled:
+            return self
+        for name, p in model.named_parameters():
+            self._param_names[id(p)] = (weakref.ref(p), prefix + name)
+        return self
+
+    def grad_stats(self, model: torch.nn.Module | None = None) -> health.GradStats | None:
+        """Per-tensor gradient statistics of the last checked iteration (syncs: reads the device buffers).
+
+        Needs ``track_stats=True``. Values are of the unscaled gradients, computed in the first
+        check of the iteration (``unscale_``, ``clip_grad_norm_`` or ``step``). Params are
+        named by ``model`` if given, else by :meth:`watch`, else by optimizer position. Returns
+        None before the first check (and when the scaler is disabled). See
+        :class:`fastamp.health.GradStats` (``.summary()``, ``.worst()``, ``.first_nonfinite``).
+        """
+        if not self._enabled:
+            return None
+        if not self._track_stats:
+            raise RuntimeError(
+                "fastamp.Scaler.grad_stats: statistics are off; construct the scaler with track_stats=True"
+            )
+        skipped = None
+        if self._last_step_skipped is not None and self._last_stats_update < self._health.updates:
+            skipped = bool(self._last_step_skipped)
+        for key in [k for k, r in self._stats.items() if r.optimizer() is None]:
+            del self._stats[key]
+        return health.read_stats(list(self._stats.values()), self._param_names, model, self._health.updates, skipped)
 
     # ------------------------------------------------------------------ getters / setters
 
@@ -718,6 +823,10 @@ class Scaler:
             state["_init_last_step_skipped"] = self.last_step_skipped
             for k in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped_steps", "_last_step_skipped"):
                 state[k] = None
+            # device statistics and weak references do not travel; the names and guards restart
+            state["_stats"] = {}
+            state["_param_names"] = {}
+            state["_health"] = health._Monitor()
         return state
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
