@@ -181,6 +181,30 @@ def update_scale_(
     )
 
 
+def _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps):
+    """Host-side checks every backend relies on (list lengths, one device, hyperparameter ranges)."""
+    n = len(params)
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if len(masters):
+        lists["masters"] = masters
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    for name, lst in lists.items():
+        if len(lst) != n:
+            raise ValueError(f"{op}: got {n} params but {len(lst)} {name}")
+    for name, lst in dict(lists, params=params).items():
+        for i, t in enumerate(lst):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{op}: {name}[{i}] must be a Tensor, got {type(t).__name__}")
+            if t.device != dev:
+                raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[0] is on {dev}")
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{op}: {name} must be in [0, 1), got {b}")
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
+
+
 def adamw_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -208,6 +232,7 @@ def adamw_(
     if len(params) == 0:
         return
     dev = params[0].device
+    _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps)
     impl = backends.get_impl(op, backends.resolve(op, dev, backend))
     impl(
         list(params), list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
@@ -242,6 +267,9 @@ def adamw_bf16_(
     if len(params) == 0:
         return
     dev = params[0].device
+    _check_adam_inputs(
+        op, dev, params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps
+    )
     impl = backends.get_impl(op, backends.resolve(op, dev, backend))
     impl(
         list(params), list(grads), list(remainders), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),

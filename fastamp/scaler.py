@@ -149,6 +149,7 @@ class Scaler:
             raise AssertionError("The growth factor must be > 1.0.")
         if backoff_factor >= 1.0:
             raise AssertionError("The backoff factor must be < 1.0.")
+        _check_scale_settings("fastamp.Scaler", init_scale, growth_factor, backoff_factor, growth_interval)
         if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
             raise ValueError(f"fastamp.Scaler: hysteresis must be an int >= 1, got {hysteresis!r}")
         for name, v in (("min_scale", min_scale), ("max_scale", max_scale)):
@@ -237,6 +238,10 @@ class Scaler:
                     return type(val)(iterable)
                 return iterable
             raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        if isinstance(outputs, (str, bytes)):
+            # iterating a str yields strs forever: reject it now, not when the map is consumed
+            raise ValueError(f"outputs must be a Tensor or an iterable of Tensors, got {type(outputs).__name__}")
 
         return apply_scale(outputs)
 
@@ -436,6 +441,9 @@ class Scaler:
         """
         max_norm = float(max_norm)
         norm_type = float(norm_type)
+        if not max_norm >= 0:
+            # a negative max_norm would give a negative clip coefficient (flipping every grad)
+            raise ValueError(f"fastamp.Scaler.clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
         if not self._enabled:
             return torch.nn.utils.clip_grad_norm_(
                 _params_with_grads(optimizer), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
@@ -591,6 +599,8 @@ class Scaler:
         ]
         if new_scale is not None:
             if isinstance(new_scale, (float, int)) and not isinstance(new_scale, bool):
+                if not (math.isfinite(new_scale) and new_scale >= 0):
+                    raise ValueError(f"fastamp.Scaler.update: new_scale must be finite and >= 0, got {new_scale!r}")
                 self._scale.fill_(float(new_scale))
             else:
                 reason = (
@@ -786,6 +796,23 @@ class Scaler:
         hysteresis = state_dict.get("hysteresis", self._hysteresis)
         if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
             raise ValueError(f"fastamp.Scaler.load_state_dict: hysteresis must be an int >= 1, got {hysteresis!r}")
+        # everything is checked before anything is assigned (a bad dict leaves the scaler as it was)
+        where = "fastamp.Scaler.load_state_dict"
+        _check_scale_settings(
+            where,
+            state_dict["scale"],
+            state_dict["growth_factor"],
+            state_dict["backoff_factor"],
+            state_dict["growth_interval"],
+        )
+        for key in ("_growth_tracker", "_hysteresis_tracker", "skipped_steps"):
+            v = state_dict.get(key, 0)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{where}: {key} must be an int >= 0, got {v!r}")
+        for key in ("min_scale", "max_scale"):
+            v = state_dict.get(key)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
+                raise ValueError(f"{where}: {key} must be a positive number or None, got {v!r}")
         self._init_scale = state_dict["scale"]
         self._growth_factor = state_dict["growth_factor"]
         self._backoff_factor = state_dict["backoff_factor"]
@@ -831,6 +858,24 @@ class Scaler:
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self.__dict__.update(state)
+
+
+def _check_scale_settings(where: str, scale, growth_factor, backoff_factor, growth_interval) -> None:
+    """Host-side checks of the scale settings torch leaves unchecked (a negative backoff, a NaN scale)."""
+    for name, v in (("init_scale" if where == "fastamp.Scaler" else "scale", scale), ("growth_factor", growth_factor),
+                    ("backoff_factor", backoff_factor)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"{where}: {name} must be a real number, got {type(v).__name__}")
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{where}: {name} must be finite and >= 0, got {v!r}")
+    if not 0 < backoff_factor < 1:
+        raise ValueError(f"{where}: backoff_factor must be in (0, 1), got {backoff_factor!r}")
+    if not growth_factor > 1:
+        raise ValueError(f"{where}: growth_factor must be > 1, got {growth_factor!r}")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 0:
+        raise ValueError(
+            f"{where}: growth_interval must be an int >= 0 (0: never grow), got {growth_interval!r}"
+        )
 
 
 def _local_shard(grad: Tensor) -> Tensor:

@@ -513,8 +513,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         try:
             self._prepare_group(group)
             self._validate_group(group, f"param group {gi}", check_tensor_lr=True)
+            seen: dict[int, int] = {}
             for i, p in enumerate(group["params"]):
                 check_param_dtype(self._NAME, p, f"param {i} of param group {gi}")
+                if id(p) in seen:
+                    # torch only warns; a fused launch would update the param twice per step
+                    raise ValueError(
+                        f"{self._NAME}: param {i} of param group {gi} is the same tensor as param {seen[id(p)]}; "
+                        "duplicate params are not allowed"
+                    )
+                seen[id(p)] = i
         except Exception:
             self.param_groups.pop()
             raise
