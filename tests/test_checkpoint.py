@@ -15,9 +15,9 @@ import sys
 
 import pytest
 import torch
+from tolerances import ADAMW_VS_TORCH_ATOL, ADAMW_VS_TORCH_RTOL
 
 import fastamp
-from tolerances import ADAMW_VS_TORCH_ATOL, ADAMW_VS_TORCH_RTOL
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "_scripts", "ckpt_run.py")
 K, N = 4, 20
