@@ -242,8 +242,11 @@ __global__ void __launch_bounds__(kBlockSize)
     uint32_t key[4] = {0u, 0u, 0u, 0u};
     if (stochastic) {
       const uint32_t stream = detail::row_as_tag(table.ptrs[6][t]);
+      key[0] = math::sr_stream_key(seed, counter, stream);
+      if constexpr (ME::kDType == DType::kBFloat16) {  // fp32 moments take no random bits
 #pragma unroll
-      for (int k = 0; k < 4; ++k) key[k] = math::sr_stream_key(seed, counter, stream + static_cast<uint32_t>(k));
+        for (int k = 1; k < 4; ++k) key[k] = math::sr_stream_key(seed, counter, stream + static_cast<uint32_t>(k));
+      }
     }
     const bool aligned = detail::is_aligned_for_pack<uint16_t, kVec>(param) &&
                          detail::is_aligned_for_pack<GS, kVec>(grad) &&
