@@ -91,7 +91,8 @@ class Scaler:
             every rank skips the same steps and keeps the same scale, also for amp-aware
             optimizers (where torch's ``ShardedGradScaler`` forgets to reduce). Every rank
             must then call :meth:`unscale_` / :meth:`clip_grad_norm_` / :meth:`step` in the
-            same order, even a rank without grads. Not pickled with the scaler.
+            same order, even a rank without grads. A scaler holding a group cannot be pickled
+            or deep-copied (a ProcessGroup cannot be); checkpoint it with :meth:`state_dict`.
         sharded: ``True`` when each rank holds a different shard of the grads (ZeRO / FSDP):
             :meth:`clip_grad_norm_` then also sums the squared norm over ``process_group``
             (same collective), so the clip uses the global norm. Leave ``False`` for DDP,
