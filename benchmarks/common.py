@@ -565,6 +565,7 @@ def run_benchmark(
         ("ms", "ms (median)"),
         ("bytes_per_elem", "B/elem"),
         ("gbps", "GB/s"),
+        ("of_copy", "of copy"),
         ("of_triad", "of triad"),
         ("speedup_vs_torch", "speedup vs torch fp32"),
     ]
@@ -581,8 +582,8 @@ def run_benchmark(
         md += ["Providers:", ""] + notes + [""]
     md += [
         "B/elem counts the bytes each provider's implementation reads and writes per element "
-        "(see the provider notes); GB/s = B/elem x elements / median time; 'of triad' is that over the "
-        "triad ceiling measured in this run (small sizes that fit in cache can exceed 1). "
+        "(see the provider notes); GB/s = B/elem x elements / median time; 'of copy' / 'of triad' are that over the "
+        "copy / triad ceilings measured in this run (small sizes that fit in cache can exceed 1). "
         "'speedup vs torch fp32' = time of the named torch path on fp32 at the same size / this time.",
         "",
     ]

@@ -64,15 +64,16 @@ fi
 
 run_stage fastamp_env 30 "$PY" -m fastamp.env
 run_stage sync 45 "$PY" benchmarks/sync_check.py --out "$OUT/results"
-run_stage pytest 130 "$PY" -m pytest -x -q tests -p no:cacheprovider --durations=15 --junitxml="$OUT/results/pytest.xml"
+run_stage pytest 150 "$PY" -m pytest -x -q tests -p no:cacheprovider --durations=15 --junitxml="$OUT/results/pytest.xml"
+GPU_CONFIGS=256x4096,256x262144,256x1048576,20000x256
 run_stage bench_step 45 "$PY" benchmarks/bench_step.py --device cuda --backends native,triton --dtypes bf16,fp32 \
-    --out "$OUT/results" --tag cuda
+    --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
 run_stage compare 110 "$PY" -m fastamp.compare --device cuda --size large --steps 200 --no-progress \
     --out "$OUT/results" --tag cuda
 run_stage bench_unscale 40 "$PY" benchmarks/bench_unscale.py --device cuda --backends native,triton \
-    --out "$OUT/results" --tag cuda
+    --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
 run_stage bench_adamw 40 "$PY" benchmarks/bench_adamw.py --device cuda --backends native,triton \
-    --out "$OUT/results" --tag cuda
+    --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
 
 {
     echo "# gpu_check summary"
