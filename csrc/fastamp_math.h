@@ -102,7 +102,8 @@ FASTAMP_HD bool is_finite(float x) { return (float_bits(x) & 0x7f800000u) != 0x7
 //     (scale < 1, or scale == 0 giving inv_scale == inf and 0 * inf == nan). torch
 //     misses this case; see docs and tests/test_amp_ops.py.
 // Whether the value rounded back to a 16-bit grad overflows is checked by the caller
-// with stored_is_finite() (only when it writes the grad back).
+// (only when it writes the grad back): fp16 overflows at |y| >= 65520, bf16 above
+// 0x7f7f7fff (the largest value that rounds to bf16 max).
 FASTAMP_HD float unscale_element(float x, float inv_scale, bool* bad) {
   const float y = x * inv_scale;
   if (!is_finite(x) || !is_finite(y)) *bad = true;

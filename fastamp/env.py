@@ -21,7 +21,11 @@ def report() -> str:
     ok, why = kernels._triton_status()
     lines.append(f"triton: {why}" + (f"; TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}" if ok else ""))
     if _ops.NATIVE_LOADED:
-        lines.append(f"fastamp._C: loaded ({_ops.build_info()})")
+        isa = torch.ops.fastamp.cpu_isa() if hasattr(torch.ops.fastamp, "cpu_isa") else "unknown"
+        lines.append(
+            f"fastamp._C: loaded ({_ops.build_info()}); CPU kernels use {isa} "
+            f"[FASTAMP_CPU_ISA={os.environ.get('FASTAMP_CPU_ISA', '')}]"
+        )
     else:
         lines.append(f"fastamp._C: not loaded ({_ops.NATIVE_ERROR})")
     forced = backends.get_backend()
