@@ -5,16 +5,25 @@
 // (csrc/cpu/multi_tensor.h): reads grad, master (or param), m, v (and max v) and writes
 // them plus the param rounded to its dtype. Bit-exact with the reference for every
 // instruction set (AVX-512, AVX2, scalar). A non-zero (or NaN) found_inf writes nothing.
+//
+// fastamp::adamw_bf16_ (bf16 params with int16 master remainders and/or stochastic
+// rounding, fp32 or bf16 moments) is the same pass: the exact fp32 master is rebuilt from
+// param + remainder in registers (math::join_master) and split again after the update
+// (math::split_master); without remainders the result is rounded to bf16 stochastically
+// when an rng tensor is given. The counter-based hash (math::sr_random16) runs in 32-bit
+// integer vector lanes, so every instruction set draws the reference's bits.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/isa.h"
 #include "cpu/multi_tensor.h"
+#include "cpu/optim_checks.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
 
@@ -38,7 +47,64 @@ struct AdamWChunk {
   float* max_exp_avg_sq;  // nullptr without amsgrad
 };
 
+// One chunk of adamw_bf16_, pointers already offset to its first element.
+struct AdamWBf16Chunk {
+  c10::BFloat16* param;
+  const void* grad;
+  int16_t* remainder;    // nullptr without remainders
+  void* exp_avg;         // moments: float or c10::BFloat16 (the kernel's M)
+  void* exp_avg_sq;
+  void* max_exp_avg_sq;  // nullptr without amsgrad
+  uint64_t index0;       // flat index of the chunk's first element in its tensor (RNG counter)
+  uint32_t key[4];       // math::sr_stream_key of streams 4 * tensor_id + k: param, m, v, vmax
+};
+
+// A chunk starts at a multiple of kChunkElems and is at most that long, so the high 32
+// bits of the flat index are the same for all its elements (the vector RNG relies on it).
+static_assert((uint64_t{1} << 32) % static_cast<uint64_t>(kChunkElems) == 0, "chunks must not cross 2^32");
+
 namespace scalar {
+
+// A moment written back to its dtype: fp32 as is; bf16 stochastically (RNG) or to nearest-even.
+template <class M, bool RNG>
+inline void store_moment(M* p, float v, uint32_t key, uint64_t index) {
+  if constexpr (std::is_same_v<M, c10::BFloat16> && RNG) {
+    p->x = math::float_to_bf16_bits_sr(v, math::sr_random16(key, index));
+  } else {
+    store_float(p, v);
+  }
+}
+
+template <class G, bool REM, class M, bool AMSGRAD, bool RNG>
+void adamw_bf16_range(const AdamWBf16Chunk& c, int64_t begin, int64_t end, const AdamWArgs& a) {
+  const G* grad = static_cast<const G*>(c.grad);
+  M* exp_avg = static_cast<M*>(c.exp_avg);
+  M* exp_avg_sq = static_cast<M*>(c.exp_avg_sq);
+  M* max_exp_avg_sq = static_cast<M*>(c.max_exp_avg_sq);
+  for (int64_t i = begin; i < end; ++i) {
+    const uint64_t index = c.index0 + static_cast<uint64_t>(i);
+    float p = REM ? math::join_master(c.param[i].x, c.remainder[i]) : load_float(c.param + i);
+    float m = load_float(exp_avg + i);
+    float v = load_float(exp_avg_sq + i);
+    float vmax = AMSGRAD ? load_float(max_exp_avg_sq + i) : 0.0f;
+    math::adamw_element(&p, &m, &v, &vmax, load_float(grad + i), a.s, a.h, AMSGRAD, a.maximize);
+    if constexpr (REM) {
+      math::split_master(p, &c.param[i].x, &c.remainder[i]);
+    } else if constexpr (RNG) {
+      c.param[i].x = math::float_to_bf16_bits_sr(p, math::sr_random16(c.key[0], index));
+    } else {
+      store_float(c.param + i, p);
+    }
+    store_moment<M, RNG>(exp_avg + i, m, c.key[1], index);
+    store_moment<M, RNG>(exp_avg_sq + i, v, c.key[2], index);
+    if constexpr (AMSGRAD) store_moment<M, RNG>(max_exp_avg_sq + i, vmax, c.key[3], index);
+  }
+}
+
+template <class G, bool REM, class M, bool AMSGRAD, bool RNG>
+void adamw_bf16_chunk(const AdamWBf16Chunk& c, int64_t n, const AdamWArgs& a) {
+  adamw_bf16_range<G, REM, M, AMSGRAD, RNG>(c, 0, n, a);
+}
 
 template <class P, class G, bool MASTER, bool AMSGRAD>
 void adamw_range(const AdamWChunk& c, int64_t begin, int64_t end, const AdamWArgs& a) {
@@ -123,24 +189,6 @@ AdamWChunkFn pick_kernel(at::ScalarType param_dtype, at::ScalarType grad_dtype, 
   }
 }
 
-bool is_kernel_float(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
-
-void check_list_tensor(const char* list, size_t i, const at::Tensor& t, const at::Tensor& param,
-                       std::optional<at::ScalarType> dtype) {
-  TORCH_CHECK(t.defined(), "fastamp::adamw_: ", list, "[", i, "] is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "fastamp::adamw_: ", list, "[", i, "] must be a CPU tensor, got device ",
-              t.device());
-  TORCH_CHECK(t.layout() == at::kStrided, "fastamp::adamw_: ", list, "[", i,
-              "] must be a dense (strided) tensor, got layout ", t.layout());
-  if (dtype) {
-    TORCH_CHECK(t.scalar_type() == *dtype, "fastamp::adamw_: ", list, "[", i, "] must have dtype ", *dtype, ", got ",
-                t.scalar_type());
-  }
-  TORCH_CHECK(t.is_contiguous(), "fastamp::adamw_: ", list, "[", i, "] must be contiguous, got strides ", t.strides());
-  TORCH_CHECK(t.numel() == param.numel(), "fastamp::adamw_: ", list, "[", i, "] has ", t.numel(),
-              " elements but params[", i, "] has ", param.numel());
-}
-
 void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avgs,
                at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, const at::Tensor& step_scalars,
                const std::optional<at::Tensor>& found_inf, double beta1, double beta2, double eps, bool amsgrad,
@@ -178,12 +226,12 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
   std::vector<int64_t> numels(n);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    check_list_tensor("params", i, p, p, param_dtype);
-    check_list_tensor("grads", i, grads[i], p, grad_dtype);
-    check_list_tensor("exp_avgs", i, exp_avgs[i], p, at::kFloat);
-    check_list_tensor("exp_avg_sqs", i, exp_avg_sqs[i], p, at::kFloat);
-    if (use_master) check_list_tensor("masters", i, masters[i], p, at::kFloat);
-    if (amsgrad) check_list_tensor("max_exp_avg_sqs", i, max_exp_avg_sqs[i], p, at::kFloat);
+    check_list_tensor("adamw_", "params", i, p, p, param_dtype);
+    check_list_tensor("adamw_", "grads", i, grads[i], p, grad_dtype);
+    check_list_tensor("adamw_", "exp_avgs", i, exp_avgs[i], p, at::kFloat);
+    check_list_tensor("adamw_", "exp_avg_sqs", i, exp_avg_sqs[i], p, at::kFloat);
+    if (use_master) check_list_tensor("adamw_", "masters", i, masters[i], p, at::kFloat);
+    if (amsgrad) check_list_tensor("adamw_", "max_exp_avg_sqs", i, max_exp_avg_sqs[i], p, at::kFloat);
     numels[i] = p.numel();
   }
 
@@ -228,8 +276,145 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
   });
 }
 
+using AdamWBf16ChunkFn = void (*)(const AdamWBf16Chunk&, int64_t, const AdamWArgs&);
+
+template <class G, bool REM, class M, bool AMSGRAD, bool RNG>
+AdamWBf16ChunkFn pick_bf16_isa(Isa isa) {
+#if FASTAMP_X86_SIMD
+  if (isa == Isa::Avx512) return &avx512::adamw_bf16_chunk<G, REM, M, AMSGRAD, RNG>;
+  if (isa == Isa::Avx2) return &avx2::adamw_bf16_chunk<G, REM, M, AMSGRAD, RNG>;
+#endif
+  (void)isa;
+  return &scalar::adamw_bf16_chunk<G, REM, M, AMSGRAD, RNG>;
+}
+
+template <class G, bool REM, class M>
+AdamWBf16ChunkFn pick_bf16_flags(Isa isa, bool amsgrad, bool rng) {
+  if (amsgrad) return rng ? pick_bf16_isa<G, REM, M, true, true>(isa) : pick_bf16_isa<G, REM, M, true, false>(isa);
+  return rng ? pick_bf16_isa<G, REM, M, false, true>(isa) : pick_bf16_isa<G, REM, M, false, false>(isa);
+}
+
+template <class G>
+AdamWBf16ChunkFn pick_bf16_state(Isa isa, bool rem, bool bf16_moments, bool amsgrad, bool rng) {
+  if (rem) {
+    return bf16_moments ? pick_bf16_flags<G, true, c10::BFloat16>(isa, amsgrad, rng)
+                        : pick_bf16_flags<G, true, float>(isa, amsgrad, rng);
+  }
+  return bf16_moments ? pick_bf16_flags<G, false, c10::BFloat16>(isa, amsgrad, rng)
+                      : pick_bf16_flags<G, false, float>(isa, amsgrad, rng);
+}
+
+AdamWBf16ChunkFn pick_bf16_kernel(at::ScalarType grad_dtype, Isa isa, bool rem, bool bf16_moments, bool amsgrad,
+                                  bool rng) {
+  switch (grad_dtype) {
+    case at::kHalf:
+      return pick_bf16_state<c10::Half>(isa, rem, bf16_moments, amsgrad, rng);
+    case at::kBFloat16:
+      return pick_bf16_state<c10::BFloat16>(isa, rem, bf16_moments, amsgrad, rng);
+    default:
+      return pick_bf16_state<float>(isa, rem, bf16_moments, amsgrad, rng);
+  }
+}
+
+void adamw_bf16_cpu(at::TensorList params, at::TensorList grads, at::TensorList remainders, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, const at::Tensor& step_scalars,
+                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& rng,
+                    int64_t rng_base, double beta1, double beta2, double eps, bool amsgrad, bool maximize) {
+  constexpr const char* op = "adamw_bf16_";
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n, "fastamp::adamw_bf16_: got ", n, " params but ", grads.size(), " grads");
+  TORCH_CHECK(exp_avgs.size() == n, "fastamp::adamw_bf16_: got ", n, " params but ", exp_avgs.size(), " exp_avgs");
+  TORCH_CHECK(exp_avg_sqs.size() == n, "fastamp::adamw_bf16_: got ", n, " params but ", exp_avg_sqs.size(),
+              " exp_avg_sqs");
+  TORCH_CHECK(remainders.empty() || remainders.size() == n, "fastamp::adamw_bf16_: remainders must be empty or "
+              "have one tensor per param, got ", remainders.size(), " remainders for ", n, " params");
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "fastamp::adamw_bf16_: amsgrad needs one max_exp_avg_sqs "
+              "tensor per param, got ", max_exp_avg_sqs.size(), " for ", n, " params");
+  check_step_scalars(op, step_scalars, 4, "[step_size, bc2_sqrt, decay, grad_mul]");
+  check_found_inf(op, found_inf);
+  check_rng(op, rng);
+  if (n == 0) return;
+  TORCH_CHECK(exp_avgs[0].defined(), "fastamp::adamw_bf16_: exp_avgs[0] is undefined");
+  const at::ScalarType moment_dtype = exp_avgs[0].scalar_type();
+  TORCH_CHECK(moment_dtype == at::kFloat || moment_dtype == at::kBFloat16,
+              "fastamp::adamw_bf16_: moments must be float32 or bfloat16 (all of one dtype), got exp_avgs[0] of ",
+              moment_dtype);
+  const bool use_rem = !remainders.empty();
+  std::vector<int64_t> numels(n);
+  std::vector<int8_t> grad_slots(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    check_list_tensor(op, "params", i, p, p, at::kBFloat16);
+    check_list_tensor(op, "grads", i, grads[i], p, std::nullopt);
+    const at::ScalarType gdt = grads[i].scalar_type();
+    TORCH_CHECK(is_kernel_float(gdt), "fastamp::adamw_bf16_: grads[", i, "] must be float32, float16 or bfloat16, "
+                "got ", gdt);
+    grad_slots[i] = static_cast<int8_t>(gdt == at::kFloat ? 0 : (gdt == at::kHalf ? 1 : 2));
+    check_list_tensor(op, "exp_avgs", i, exp_avgs[i], p, moment_dtype);
+    check_list_tensor(op, "exp_avg_sqs", i, exp_avg_sqs[i], p, moment_dtype);
+    if (amsgrad) check_list_tensor(op, "max_exp_avg_sqs", i, max_exp_avg_sqs[i], p, moment_dtype);
+    if (use_rem) check_list_tensor(op, "remainders", i, remainders[i], p, at::kShort);
+    numels[i] = p.numel();
+  }
+  if (skip_step(found_inf)) return;
+
+  const float* sc = step_scalars.data_ptr<float>();
+  AdamWArgs args;
+  args.s = math::AdamWStepScalars{sc[0], sc[1], sc[2], sc[3]};
+  args.h = math::AdamWHyper{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+                            static_cast<float>(1.0 - beta2), static_cast<float>(eps)};
+  args.maximize = maximize;
+
+  const bool bf16_moments = moment_dtype == at::kBFloat16;
+  // random bits are drawn only for what is rounded stochastically: the param without
+  // remainders, and bf16 moments
+  const bool use_rng = rng.has_value() && (!use_rem || bf16_moments);
+  const Isa isa = active_isa();
+  const AdamWBf16ChunkFn fns[3] = {
+      pick_bf16_kernel(at::kFloat, isa, use_rem, bf16_moments, amsgrad, use_rng),
+      pick_bf16_kernel(at::kHalf, isa, use_rem, bf16_moments, amsgrad, use_rng),
+      pick_bf16_kernel(at::kBFloat16, isa, use_rem, bf16_moments, amsgrad, use_rng),
+  };
+  const int64_t moment_size = bf16_moments ? 2 : 4;
+  std::vector<AdamWBf16Chunk> bases(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (numels[i] == 0) continue;
+    AdamWBf16Chunk& b = bases[i];
+    b.param = static_cast<c10::BFloat16*>(params[i].data_ptr());
+    b.grad = grads[i].data_ptr();
+    b.remainder = use_rem ? remainders[i].data_ptr<int16_t>() : nullptr;
+    b.exp_avg = exp_avgs[i].data_ptr();
+    b.exp_avg_sq = exp_avg_sqs[i].data_ptr();
+    b.max_exp_avg_sq = amsgrad ? max_exp_avg_sqs[i].data_ptr() : nullptr;
+    b.index0 = 0;
+    for (uint32_t k = 0; k < 4; ++k) b.key[k] = use_rng ? rng_key(*rng, rng_base, i, k) : 0u;
+  }
+  const std::vector<Chunk> chunks = split_into_chunks(numels);
+  parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      const Chunk& ch = chunks[static_cast<size_t>(c)];
+      const size_t t = static_cast<size_t>(ch.tensor);
+      const AdamWBf16Chunk& b = bases[t];
+      const int64_t o = ch.begin;
+      const int64_t grad_size = grad_slots[t] == 0 ? 4 : 2;
+      AdamWBf16Chunk ptrs = b;
+      ptrs.param = b.param + o;
+      ptrs.grad = static_cast<const char*>(b.grad) + o * grad_size;
+      ptrs.remainder = b.remainder ? b.remainder + o : nullptr;
+      ptrs.exp_avg = static_cast<char*>(b.exp_avg) + o * moment_size;
+      ptrs.exp_avg_sq = static_cast<char*>(b.exp_avg_sq) + o * moment_size;
+      ptrs.max_exp_avg_sq = b.max_exp_avg_sq ? static_cast<char*>(b.max_exp_avg_sq) + o * moment_size : nullptr;
+      ptrs.index0 = static_cast<uint64_t>(o);
+      fns[grad_slots[t]](ptrs, ch.len, args);
+    }
+  });
+}
+
 }  // namespace
 }  // namespace cpu
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CPU, m) { m.impl("adamw_", TORCH_FN(fastamp::cpu::adamw_cpu)); }
+TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
+  m.impl("adamw_", TORCH_FN(fastamp::cpu::adamw_cpu));
+  m.impl("adamw_bf16_", TORCH_FN(fastamp::cpu::adamw_bf16_cpu));
+}

@@ -9,11 +9,17 @@
 // chunk, then the chunk sums in chunk order in fp64: it does not depend on the number of
 // threads or on the instruction set, and differs from the reference's fp64 sum only by
 // fp64 reassociation.
+//
+// unscale_check_stats_ is the same pass with a compile-time STATS switch (so the plain
+// op's kernels are unchanged): per chunk, integer counts of non-finite / zero / fp16
+// underflow values and the absolute max of finite values, combined per tensor after the
+// parallel region; integer sums and a max are exact whatever the order.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <limits>
@@ -29,29 +35,47 @@ namespace fastamp {
 namespace cpu {
 namespace {
 
+// Gradient health of one chunk (unscale_check_stats_), added into by the chunk kernels.
+struct ChunkStats {
+  int64_t nonfinite = 0;  // elements that raise found_inf
+  int64_t zeros = 0;      // y == 0 (x is then finite: inf * 0 and nan * s are nan)
+  int64_t underflow = 0;  // 0 < |y| < 2^-14
+  float absmax = 0.0f;    // max |y| over finite y
+};
+
 namespace scalar {
 
-// Reference per-element rule; element i adds to lanes[i % 16].
-template <class T, bool WRITE, bool SUMSQ>
-bool unscale_range(T* x, int64_t begin, int64_t end, float inv_scale, double* lanes) {
+// Reference per-element rule; element i adds to lanes[i % 16]. STATS: also counts into *stats.
+template <class T, bool WRITE, bool SUMSQ, bool STATS>
+bool unscale_range(T* x, int64_t begin, int64_t end, float inv_scale, double* lanes, ChunkStats* stats) {
   bool bad = false;
   for (int64_t i = begin; i < end; ++i) {
-    const float y = math::unscale_element(load_float(x + i), inv_scale, &bad);
+    const float xv = load_float(x + i);
+    bool elem_bad = false;
+    const float y = math::unscale_element(xv, inv_scale, &elem_bad);
     if constexpr (WRITE) {
       store_float(x + i, y);
-      if (!stored_is_finite(x + i)) bad = true;
+      if (!stored_is_finite(x + i)) elem_bad = true;
     }
+    bad |= elem_bad;
     if constexpr (SUMSQ) {
       const double d = static_cast<double>(y);
       lanes[i & 15] += d * d;
+    }
+    if constexpr (STATS) {
+      const float ay = std::fabs(y);
+      stats->nonfinite += elem_bad ? 1 : 0;
+      stats->zeros += (math::is_finite(xv) && y == 0.0f) ? 1 : 0;
+      stats->underflow += (ay > 0.0f && ay < math::kFp16MinNormal) ? 1 : 0;
+      if (math::is_finite(y) && ay > stats->absmax) stats->absmax = ay;
     }
   }
   return bad;
 }
 
-template <class T, bool WRITE, bool SUMSQ>
-bool unscale_chunk(void* data, int64_t n, float inv_scale, float /*limit*/, double* lanes) {
-  return unscale_range<T, WRITE, SUMSQ>(static_cast<T*>(data), 0, n, inv_scale, lanes);
+template <class T, bool WRITE, bool SUMSQ, bool STATS>
+bool unscale_chunk(void* data, int64_t n, float inv_scale, float /*limit*/, double* lanes, ChunkStats* stats) {
+  return unscale_range<T, WRITE, SUMSQ, STATS>(static_cast<T*>(data), 0, n, inv_scale, lanes, stats);
 }
 
 }  // namespace scalar
@@ -76,24 +100,30 @@ namespace avx2 {
 FASTAMP_ISA_END
 #endif
 
-using UnscaleChunkFn = bool (*)(void*, int64_t, float, float, double*);
+using UnscaleChunkFn = bool (*)(void*, int64_t, float, float, double*, ChunkStats*);
 
-template <class T, bool WRITE, bool SUMSQ>
+template <class T, bool WRITE, bool SUMSQ, bool STATS>
 UnscaleChunkFn pick_unscale(Isa isa) {
 #if FASTAMP_X86_SIMD
-  if (isa == Isa::Avx512) return &avx512::unscale_chunk<T, WRITE, SUMSQ>;
-  if (isa == Isa::Avx2) return &avx2::unscale_chunk<T, WRITE, SUMSQ>;
+  if (isa == Isa::Avx512) return &avx512::unscale_chunk<T, WRITE, SUMSQ, STATS>;
+  if (isa == Isa::Avx2) return &avx2::unscale_chunk<T, WRITE, SUMSQ, STATS>;
 #endif
   (void)isa;
-  return &scalar::unscale_chunk<T, WRITE, SUMSQ>;
+  return &scalar::unscale_chunk<T, WRITE, SUMSQ, STATS>;
+}
+
+template <class T, bool STATS>
+UnscaleChunkFn pick_unscale(Isa isa, bool write_back, bool compute_sumsq) {
+  if (write_back) {
+    return compute_sumsq ? pick_unscale<T, true, true, STATS>(isa) : pick_unscale<T, true, false, STATS>(isa);
+  }
+  return compute_sumsq ? pick_unscale<T, false, true, STATS>(isa) : pick_unscale<T, false, false, STATS>(isa);
 }
 
 template <class T>
-UnscaleChunkFn pick_unscale(Isa isa, bool write_back, bool compute_sumsq) {
-  if (write_back) {
-    return compute_sumsq ? pick_unscale<T, true, true>(isa) : pick_unscale<T, true, false>(isa);
-  }
-  return compute_sumsq ? pick_unscale<T, false, true>(isa) : pick_unscale<T, false, false>(isa);
+UnscaleChunkFn pick_unscale(Isa isa, bool write_back, bool compute_sumsq, bool stats) {
+  return stats ? pick_unscale<T, true>(isa, write_back, compute_sumsq)
+               : pick_unscale<T, false>(isa, write_back, compute_sumsq);
 }
 
 int dtype_slot(at::ScalarType t) {
@@ -117,9 +147,10 @@ void check_flag_tensor(const char* op, const char* name, const at::Tensor& t, at
   TORCH_CHECK(t.numel() == 1, "fastamp::", op, ": ", name, " must have exactly one element, got shape ", t.sizes());
 }
 
-at::Tensor unscale_check_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
-                             bool write_back, bool compute_sumsq) {
-  constexpr const char* op = "unscale_check_";
+// unscale_check_, and with counts/absmax unscale_check_stats_ (same pass, STATS kernels).
+at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Tensor& found_inf,
+                              const at::Tensor& inv_scale, bool write_back, bool compute_sumsq,
+                              const at::Tensor* counts, const at::Tensor* absmax) {
   check_flag_tensor(op, "found_inf", found_inf, at::kFloat);
   check_flag_tensor(op, "inv_scale", inv_scale, at::kFloat);
   const size_t ntensors = grads.size();
@@ -128,27 +159,47 @@ at::Tensor unscale_check_cpu(at::TensorList grads, const at::Tensor& found_inf, 
   std::vector<int8_t> slots(ntensors);
   for (size_t i = 0; i < ntensors; ++i) {
     const at::Tensor& g = grads[i];
-    TORCH_CHECK(g.defined(), "fastamp::unscale_check_: grads[", i, "] is undefined");
-    TORCH_CHECK(g.device().is_cpu(), "fastamp::unscale_check_: grads[", i, "] must be a CPU tensor, got device ",
+    TORCH_CHECK(g.defined(), "fastamp::", op, ": grads[", i, "] is undefined");
+    TORCH_CHECK(g.device().is_cpu(), "fastamp::", op, ": grads[", i, "] must be a CPU tensor, got device ",
                 g.device());
-    TORCH_CHECK(g.layout() == at::kStrided, "fastamp::unscale_check_: grads[", i,
+    TORCH_CHECK(g.layout() == at::kStrided, "fastamp::", op, ": grads[", i,
                 "] must be a dense (strided) tensor, got layout ", g.layout());
     const int slot = dtype_slot(g.scalar_type());
-    TORCH_CHECK(slot >= 0, "fastamp::unscale_check_: grads[", i, "] must be float32, float16 or bfloat16, got ",
+    TORCH_CHECK(slot >= 0, "fastamp::", op, ": grads[", i, "] must be float32, float16 or bfloat16, got ",
                 g.scalar_type());
-    TORCH_CHECK(g.is_contiguous(), "fastamp::unscale_check_: grads[", i,
+    TORCH_CHECK(g.is_contiguous(), "fastamp::", op, ": grads[", i,
                 "] must be contiguous (fastamp.functional.unscale_check_ copies strided grads), got strides ",
                 g.strides());
     numels[i] = g.numel();
     ptrs[i] = numels[i] > 0 ? g.data_ptr() : nullptr;
     slots[i] = static_cast<int8_t>(slot);
   }
+  const bool stats = counts != nullptr;
+  const auto ngrads = static_cast<int64_t>(ntensors);
+  if (stats) {
+    TORCH_CHECK(counts->device().is_cpu(), "fastamp::", op, ": counts must be a CPU tensor, got device ",
+                counts->device());
+    TORCH_CHECK(counts->scalar_type() == at::kLong, "fastamp::", op, ": counts must have dtype Long (int64), got ",
+                counts->scalar_type());
+    TORCH_CHECK(counts->dim() == 2 && counts->size(0) == ngrads && counts->size(1) == 3, "fastamp::", op,
+                ": counts must have shape [", ngrads, ", 3] (one row per grad), got ", counts->sizes());
+    TORCH_CHECK(counts->is_contiguous(), "fastamp::", op, ": counts must be contiguous, got strides ",
+                counts->strides());
+    TORCH_CHECK(absmax->device().is_cpu(), "fastamp::", op, ": absmax must be a CPU tensor, got device ",
+                absmax->device());
+    TORCH_CHECK(absmax->scalar_type() == at::kFloat, "fastamp::", op, ": absmax must have dtype Float, got ",
+                absmax->scalar_type());
+    TORCH_CHECK(absmax->dim() == 1 && absmax->size(0) == ngrads, "fastamp::", op, ": absmax must have shape [",
+                ngrads, "] (one entry per grad), got ", absmax->sizes());
+    TORCH_CHECK(absmax->is_contiguous(), "fastamp::", op, ": absmax must be contiguous, got strides ",
+                absmax->strides());
+  }
 
   const Isa isa = active_isa();
   const UnscaleChunkFn fns[3] = {
-      pick_unscale<float>(isa, write_back, compute_sumsq),
-      pick_unscale<c10::Half>(isa, write_back, compute_sumsq),
-      pick_unscale<c10::BFloat16>(isa, write_back, compute_sumsq),
+      pick_unscale<float>(isa, write_back, compute_sumsq, stats),
+      pick_unscale<c10::Half>(isa, write_back, compute_sumsq, stats),
+      pick_unscale<c10::BFloat16>(isa, write_back, compute_sumsq, stats),
   };
   const float inf = std::numeric_limits<float>::infinity();
   const float limits[3] = {
@@ -160,6 +211,7 @@ at::Tensor unscale_check_cpu(at::TensorList grads, const at::Tensor& found_inf, 
 
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   std::vector<double> partial(compute_sumsq ? chunks.size() : 0);
+  std::vector<ChunkStats> chunk_stats(stats ? chunks.size() : 0);
   std::atomic<bool> any_bad{false};
   parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
     bool bad = false;
@@ -169,16 +221,44 @@ at::Tensor unscale_check_cpu(at::TensorList grads, const at::Tensor& found_inf, 
       const size_t elem = slot == 0 ? sizeof(float) : sizeof(uint16_t);
       char* base = static_cast<char*>(ptrs[static_cast<size_t>(ch.tensor)]) + ch.begin * static_cast<int64_t>(elem);
       double lanes[16] = {};
-      bad |= fns[slot](base, ch.len, inv, limits[slot], lanes);
+      bad |= fns[slot](base, ch.len, inv, limits[slot], lanes, stats ? &chunk_stats[static_cast<size_t>(c)] : nullptr);
       if (compute_sumsq) partial[static_cast<size_t>(c)] = reduce_lanes16(lanes);
     }
     if (bad) any_bad.store(true, std::memory_order_relaxed);
   });
 
+  if (stats && ngrads > 0) {
+    // integer counts and a max: the same whatever the chunk order or thread count
+    int64_t* cnt = counts->data_ptr<int64_t>();
+    float* amax = absmax->data_ptr<float>();
+    std::fill(cnt, cnt + 3 * ngrads, int64_t{0});
+    std::fill(amax, amax + ngrads, 0.0f);
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const int64_t t = chunks[c].tensor;
+      const ChunkStats& st = chunk_stats[c];
+      cnt[3 * t] += st.nonfinite;
+      cnt[3 * t + 1] += st.zeros;
+      cnt[3 * t + 2] += st.underflow;
+      if (st.absmax > amax[t]) amax[t] = st.absmax;
+    }
+  }
   if (any_bad.load()) *found_inf.data_ptr<float>() = 1.0f;
   double total = 0.0;
   for (double p : partial) total += p;
   return at::scalar_tensor(static_cast<float>(total), found_inf.options());
+}
+
+at::Tensor unscale_check_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                             bool write_back, bool compute_sumsq) {
+  return unscale_check_impl("unscale_check_", grads, found_inf, inv_scale, write_back, compute_sumsq, nullptr,
+                            nullptr);
+}
+
+at::Tensor unscale_check_stats_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                                   bool write_back, bool compute_sumsq, const at::Tensor& counts,
+                                   const at::Tensor& absmax) {
+  return unscale_check_impl("unscale_check_stats_", grads, found_inf, inv_scale, write_back, compute_sumsq, &counts,
+                            &absmax);
 }
 
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& hysteresis_tracker,
@@ -208,4 +288,5 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
 TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
   m.impl("unscale_check_", TORCH_FN(fastamp::cpu::unscale_check_cpu));
   m.impl("update_scale_", TORCH_FN(fastamp::cpu::update_scale_cpu));
+  m.impl("unscale_check_stats_", TORCH_FN(fastamp::cpu::unscale_check_stats_cpu));
 }

@@ -1,0 +1,75 @@
+// Argument checks shared by the CPU optimizer ops (adamw_, adamw_bf16_, sgd_); private to
+// csrc/cpu/. Every message reads "fastamp::<op>: what is wrong, got ...".
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "fastamp_math.h"
+
+namespace fastamp {
+namespace cpu {
+
+inline bool is_kernel_float(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
+// One tensor of an op's list: defined, CPU, dense, of `dtype` (when given), contiguous, and
+// with as many elements as params[i].
+inline void check_list_tensor(const char* op, const char* list, size_t i, const at::Tensor& t,
+                              const at::Tensor& param, std::optional<at::ScalarType> dtype) {
+  TORCH_CHECK(t.defined(), "fastamp::", op, ": ", list, "[", i, "] is undefined");
+  TORCH_CHECK(t.device().is_cpu(), "fastamp::", op, ": ", list, "[", i, "] must be a CPU tensor, got device ",
+              t.device());
+  TORCH_CHECK(t.layout() == at::kStrided, "fastamp::", op, ": ", list, "[", i,
+              "] must be a dense (strided) tensor, got layout ", t.layout());
+  if (dtype) {
+    TORCH_CHECK(t.scalar_type() == *dtype, "fastamp::", op, ": ", list, "[", i, "] must have dtype ", *dtype,
+                ", got ", t.scalar_type());
+  }
+  TORCH_CHECK(t.is_contiguous(), "fastamp::", op, ": ", list, "[", i, "] must be contiguous, got strides ",
+              t.strides());
+  TORCH_CHECK(t.numel() == param.numel(), "fastamp::", op, ": ", list, "[", i, "] has ", t.numel(),
+              " elements but params[", i, "] has ", param.numel());
+}
+
+inline void check_step_scalars(const char* op, const at::Tensor& t, int64_t count, const char* layout) {
+  TORCH_CHECK(t.device().is_cpu(), "fastamp::", op, ": step_scalars must be a CPU tensor, got device ", t.device());
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == count && t.is_contiguous(), "fastamp::", op,
+              ": step_scalars must be a contiguous float32 tensor of ", count, " elements ", layout, ", got dtype ",
+              t.scalar_type(), " and shape ", t.sizes());
+}
+
+inline void check_found_inf(const char* op, const std::optional<at::Tensor>& found_inf) {
+  if (!found_inf) return;
+  TORCH_CHECK(found_inf->device().is_cpu(), "fastamp::", op, ": found_inf must be a CPU tensor, got device ",
+              found_inf->device());
+  TORCH_CHECK(found_inf->scalar_type() == at::kFloat && found_inf->numel() == 1, "fastamp::", op,
+              ": found_inf must be a 1-element float32 tensor, got dtype ", found_inf->scalar_type(), " and shape ",
+              found_inf->sizes());
+}
+
+// Non-zero (or NaN) found_inf skips the whole step. A CPU tensor: reading it is no device sync.
+inline bool skip_step(const std::optional<at::Tensor>& found_inf) {
+  return found_inf && *found_inf->data_ptr<float>() != 0.0f;
+}
+
+inline void check_rng(const char* op, const std::optional<at::Tensor>& rng) {
+  if (!rng) return;
+  TORCH_CHECK(rng->device().is_cpu(), "fastamp::", op, ": rng must be a CPU tensor, got device ", rng->device());
+  TORCH_CHECK(rng->scalar_type() == at::kLong && rng->numel() == 2 && rng->is_contiguous(), "fastamp::", op,
+              ": rng must be a contiguous int64 tensor of 2 elements [seed, counter], got dtype ",
+              rng->scalar_type(), " and shape ", rng->sizes());
+}
+
+// math::sr_stream_key of stream 4 * (rng_base + i) + k (reference.sr_random16 keeps the low
+// 32 bits of the stream, as this uint32 arithmetic does).
+inline uint32_t rng_key(const at::Tensor& rng, int64_t rng_base, size_t i, uint32_t k) {
+  const int64_t* r = rng.data_ptr<int64_t>();
+  const uint32_t stream =
+      static_cast<uint32_t>((static_cast<uint64_t>(rng_base) + static_cast<uint64_t>(i)) * 4u) + k;
+  return math::sr_stream_key(static_cast<uint64_t>(r[0]), static_cast<uint64_t>(r[1]), stream);
+}
+
+}  // namespace cpu
+}  // namespace fastamp
