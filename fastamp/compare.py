@@ -876,6 +876,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     torch.manual_seed(args.seed)
     info = _machine(device)
     info["size"] = f"{size}: gpt {g}, cnn {c}, steps {steps}, lr {args.lr}, clip {args.clip}"
+    if hasattr(os, "getloadavg"):
+        info["load_avg_at_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    t_start = time.perf_counter()
     tick, pstate = _progress_bar(len(models) * len(regimes) * steps, not args.no_progress)
 
     results: list[RegimeResult] = []
@@ -904,6 +907,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             results.append(r)
 
     rows = summarise(results)
+    info["wall_time"] = f"{time.perf_counter() - t_start:.0f} s for the whole run"
+    if hasattr(os, "getloadavg"):
+        info["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     os.makedirs(args.out, exist_ok=True)
     tag = args.tag or device.type
     csv_path = os.path.join(args.out, f"compare-{tag}.csv")
