@@ -584,7 +584,13 @@ def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
                         else "-"
                     ),
                     "step_ms": _fmt(r.step_ms, 2),
-                    "speed_vs_fp32": f"{r.speed_vs_fp32:.2f}x" if math.isfinite(r.speed_vs_fp32) else "-",
+                    "speed_vs_fp32": (
+                        "-"
+                        if not math.isfinite(r.speed_vs_fp32)
+                        else f"{r.speed_vs_fp32:.2f}x"
+                        if r.speed_vs_fp32 >= 0.1
+                        else f"{r.speed_vs_fp32:.3f}x"
+                    ),
                     "initial_loss": _fmt(r.initial_loss),
                     "final_loss": _fmt(r.final_loss),
                     "convergence_pct": f"{r.convergence_pct:.1f}%"
@@ -701,6 +707,13 @@ def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, tit
                 label=r.regime + (f" ({r.nonfinite_losses} non-finite)" if r.nonfinite_losses else ""),
                 linewidth=1.4,
             )
+            bad = next((i for i, v in enumerate(r.losses) if not math.isfinite(v)), None)
+            if bad is not None:
+                # mark where the loss first became inf/nan: the curve stops there
+                last = next((v for v in reversed(r.losses[:bad]) if math.isfinite(v)), r.losses[0])
+                ax_l.plot([bad], [last], "x", color=colors.get(r.regime), markersize=10, markeredgewidth=2)
+                ax_l.annotate(f"{r.regime}: non-finite from step {bad}", (bad, last), fontsize=7,
+                              xytext=(8, 4), textcoords="offset points", color=colors.get(r.regime))  # fmt: skip
         if finite_all:
             lo = min(finite_all)
             hi = max(r.losses[0] for r in rs if r.losses and math.isfinite(r.losses[0]))
@@ -716,6 +729,8 @@ def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, tit
                 any_scale = True
                 ax_s.plot(range(len(r.scales)), r.scales, styles.get(r.regime, "-"), color=colors.get(r.regime),
                           label=f"{r.regime} (skipped {r.skipped_steps})", linewidth=1.4)  # fmt: skip
+        if any_scale and all(len(set(r.scales)) == 1 for r in rs if r.scales):
+            ax_s.annotate("no overflow: the scale never backed off", (0.02, 0.05), xycoords="axes fraction", fontsize=8)
         ax_s.set_yscale("log", base=2)
         ax_s.set_title(f"{model}: loss scale after each step (fp16 regimes with a scaler)")
         ax_s.set_xlabel("step")
