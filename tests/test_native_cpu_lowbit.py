@@ -1,0 +1,762 @@
+"""The C++ CPU backend's low-bit ops against the reference, bit for bit.
+
+``adamw_bf16_`` (int16 master remainders, stochastic rounding, fp32/bf16 moments), ``sgd_``
+(fp32 / remainder / no master, stochastic rounding) and ``unscale_check_stats_`` run in
+``csrc/cpu`` on every instruction-set path the machine supports (``FASTAMP_CPU_ISA`` lowers
+the one the kernels pick). Agreement: every tensor written is bit-exact with
+``fastamp.reference`` (NaN compared as NaN whatever its payload), counts are equal
+integers, absmax is bit-exact; the sum of squares returned by ``unscale_check_stats_`` is
+bit-identical to the plain ``unscale_check_`` kernel's (same chunks and lanes) and within
+``tolerances.SUMSQ_RTOL`` of the reference.
+"""
+
+import itertools
+import math
+
+import pytest
+import tolerances
+import torch
+
+from fastamp import _ops, functional, reference
+
+if not all(_ops.native_has_kernel(op, "cpu") for op in ("adamw_bf16_", "sgd_", "unscale_check_stats_")):
+    pytest.skip("fastamp._C has no CPU kernels for the low-bit ops (not built)", allow_module_level=True)
+
+OPS = torch.ops.fastamp
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+CHUNK = 16384  # csrc/cpu/multi_tensor.h kChunkElems
+SIZES = [0, 1, 7, 16, 17, 33, 257, 2 * CHUNK + 3]  # empty, tails, vector blocks, chunk boundaries
+_ISA_ORDER = ("scalar", "avx2", "avx512")
+_BEST = OPS.cpu_isa()
+ISAS = [i for i in _ISA_ORDER if _ISA_ORDER.index(i) <= _ISA_ORDER.index(_BEST)][::-1]
+BF16_MAX = 3.3895313892515355e38
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, monkeypatch):
+    monkeypatch.setenv("FASTAMP_CPU_ISA", request.param)
+    assert OPS.cpu_isa() == request.param
+    return request.param
+
+
+def _bits(t):
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def assert_same(actual, expected, what=""):
+    """Bit-identical (integers equal), except that any NaN matches any NaN."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
+    if not actual.is_floating_point():
+        assert torch.equal(actual, expected), f"{what}: {actual.tolist()[:8]} vs expected {expected.tolist()[:8]}"
+        return
+    na, ne = actual.isnan(), expected.isnan()
+    assert torch.equal(na, ne), f"{what}: NaN positions differ"
+    ba, be = _bits(actual)[~na], _bits(expected)[~ne]
+    if not torch.equal(ba, be):
+        i = (ba != be).nonzero()[0].item()
+        raise AssertionError(
+            f"{what}: {(ba != be).sum().item()} elements differ, first: {actual[~na][i].item()!r} "
+            f"vs expected {expected[~ne][i].item()!r}"
+        )
+
+
+def assert_lists_same(actual, expected, names, what=""):
+    for name, a, e in zip(names, actual, expected):
+        assert len(a) == len(e), name
+        for i, (x, y) in enumerate(zip(a, e)):
+            assert_same(x, y, f"{what} {name}[{i}]")
+
+
+def _clone(state):
+    return [[t.clone() for t in lst] for lst in state]
+
+
+def _masters_from_bits(bits):
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _edge_masters(n, gen):
+    """fp32 masters: random over many magnitudes, with exact ties (low 16 bits 0x8000),
+    subnormals, values next to bf16's max (some round to inf in bf16), zeros, inf and NaN."""
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 20, (n,), generator=gen).float())
+    if n == 0:
+        return x
+    bits = x.view(torch.int32)
+    tie = torch.rand(n, generator=gen) < 0.25
+    bits[tie] = (bits[tie] & ~0xFFFF) | 0x8000  # exact ties, both signs
+    specials = _masters_from_bits(
+        [0x00008000, 0x80008000, 0x00000001, 0x807FFFFF, 0x00018000, 0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0xFF7F8000]
+    ).tolist() + [0.0, -0.0, 1e-40, -3e-39, BF16_MAX, -BF16_MAX, math.inf, -math.inf, math.nan]
+    k = min(n, len(specials))
+    pos = torch.randperm(n, generator=gen)[:k]
+    x[pos] = torch.tensor(specials[:k])
+    return x
+
+
+def _bf16_state_from_masters(masters):
+    """(bf16 params, int16 remainders) holding exactly the given fp32 masters."""
+    params, rems = zip(*(reference.split_master(m) for m in masters)) if masters else ((), ())
+    return list(params), list(rems)
+
+
+# ---- adamw_bf16_ ----
+
+
+def _adamw_bf16_state(gdt, rem, mdt, amsgrad, seed, sizes=SIZES, grad_scale=64.0, edge=True):
+    gen = torch.Generator().manual_seed(seed)
+    masters = [_edge_masters(n, gen) if edge else torch.randn(n, generator=gen) for n in sizes]
+    params, rems = _bf16_state_from_masters(masters)
+    grads = [(torch.randn(n, generator=gen) * grad_scale).to(gdt) for n in sizes]
+    m = [(torch.randn(n, generator=gen) * 0.1).to(mdt) for n in sizes]
+    v = [(torch.rand(n, generator=gen) * 0.01).to(mdt) for n in sizes]
+    vmax = [(t.float() * 1.5).to(mdt) for t in v] if amsgrad else []
+    return [params, grads, rems if rem else [], m, v, vmax]
+
+
+_ADAM_NAMES = ("params", "grads", "remainders", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs")
+
+
+def _assert_adamw_bf16_steps(
+    gdt,
+    rem,
+    mdt,
+    amsgrad,
+    maximize,
+    use_rng,
+    steps=2,
+    hyper=(0.9, 0.999, 1e-8, 0.01, 1e-2),
+    grad_mul=1 / 64.0,
+    seed=0,
+    found_inf=None,
+    mutate=None,
+    rng_base=3,
+):
+    beta1, beta2, eps, wd, lr = hyper
+    nat = _adamw_bf16_state(gdt, rem, mdt, amsgrad, seed)
+    if mutate is not None:
+        mutate(nat)
+    ref = _clone(nat)
+    for step in range(1, steps + 1):
+        ss = reference.adamw_step_scalars(lr, torch.tensor(float(step)), beta1, beta2, wd, torch.tensor(grad_mul))
+        rng = torch.tensor([0x5EED + seed, step], dtype=torch.int64) if use_rng else None
+        fi = None if found_inf is None else torch.tensor([found_inf])
+        OPS.adamw_bf16_(*nat, ss, fi, rng, rng_base, beta1, beta2, eps, amsgrad, maximize)
+        reference.adamw_bf16_(*ref, ss, fi, rng, rng_base, beta1, beta2, eps, amsgrad, maximize)
+        what = f"step {step} (g={gdt}, rem={rem}, m={mdt}, amsgrad={amsgrad}, maximize={maximize}, rng={use_rng})"
+        assert_lists_same(nat, ref, _ADAM_NAMES, what)
+    return nat
+
+
+_ADAM_COMBOS = list(
+    itertools.product(DTYPES, [True, False], [torch.float32, torch.bfloat16], [False, True], [False, True])
+)
+
+
+def _adam_id(c):
+    gdt, rem, mdt, amsgrad, use_rng = c
+    return f"g{_SHORT[gdt]}-{'rem' if rem else 'nomaster'}-m{_SHORT[mdt]}" + "-amsgrad" * amsgrad + "-rng" * use_rng
+
+
+@pytest.mark.parametrize("gdt,rem,mdt,amsgrad,use_rng", _ADAM_COMBOS, ids=[_adam_id(c) for c in _ADAM_COMBOS])
+def test_adamw_bf16_matches_reference_every_isa(isa, gdt, rem, mdt, amsgrad, use_rng):
+    _assert_adamw_bf16_steps(gdt, rem, mdt, amsgrad, maximize=amsgrad, use_rng=use_rng)
+
+
+def test_adamw_bf16_ties_are_split_exactly(isa):
+    """decay 0.5 and step_size 0 halve every master exactly (normal range): the results keep
+    low 16 bits of 0x8000 (ties), land in the subnormal range, or sit next to bf16's max."""
+    gen = torch.Generator().manual_seed(21)
+    masters = [_edge_masters(n, gen) * 2 for n in (5, 64, 1000)]
+    masters[1].view(torch.int32).copy_((masters[1].view(torch.int32) & ~0xFFFF) | 0x8000)
+    params, rems = _bf16_state_from_masters(masters)
+    zeros = [torch.zeros_like(m) for m in masters]
+    nat = [params, [z.clone() for z in zeros], rems, [z.clone() for z in zeros], [z.clone() for z in zeros], []]
+    ref = _clone(nat)
+    ss = torch.tensor([0.0, 1.0, 0.5, 1.0])
+    OPS.adamw_bf16_(*nat, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
+    reference.adamw_bf16_(*ref, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
+    assert_lists_same(nat, ref, _ADAM_NAMES, "halved")
+    ties = (reference.join_master(nat[0][1], nat[2][1]).view(torch.int32) & 0xFFFF) == 0x8000
+    assert ties.float().mean() > 0.5  # the case under test really occurs
+
+
+@pytest.mark.parametrize(
+    "hyper",
+    [
+        (0.1, 0.25, 1e-8, 0.0, 1.0),
+        (0.5, 0.5, 1e-3, 0.1, 0.3),
+        (0.0, 0.0, 1e-8, 0.01, 1e-3),
+        (0.999, 0.99999, 1e-6, 1.0, 1e-4),
+    ],
+)
+def test_adamw_bf16_hyperparameters(isa, hyper):
+    """Both lerp branches, lr 1, tiny/large decay."""
+    for rem, mdt in ((True, torch.float32), (False, torch.bfloat16)):
+        _assert_adamw_bf16_steps(torch.float16, rem, mdt, True, False, use_rng=True, steps=3, hyper=hyper, seed=4)
+
+
+def test_adamw_bf16_adversarial_grads_and_moments(isa):
+    def mutate(state):
+        params, grads, rems, m, v, vmax = state
+        g = grads[-1]
+        g[:8] = torch.tensor([0.0, -0.0, 1e-45, -1e-40, 3e38, -3e38, math.inf, math.nan]).to(g.dtype)
+        grads[1][0] = math.nan
+        m[-1][100:104] = torch.tensor([1e-45, -0.0, 3e38, math.inf]).to(m[-1].dtype)
+        v[-1][200:203] = torch.tensor([0.0, 1e-45, math.inf]).to(v[-1].dtype)
+        vmax[-1][300:302] = torch.tensor([math.nan, math.inf]).to(vmax[-1].dtype)
+
+    for rem, mdt, use_rng in (
+        (True, torch.float32, False),
+        (False, torch.bfloat16, True),
+        (True, torch.bfloat16, True),
+    ):
+        _assert_adamw_bf16_steps(torch.float32, rem, mdt, True, False, use_rng, grad_mul=1.0, mutate=mutate, seed=5)
+
+
+def test_adamw_bf16_remainder_trajectory_equals_fp32_master(isa):
+    """Issue #7: remainder state reproduces adamw_ with fp32 masters bit for bit, step after step."""
+    gen = torch.Generator().manual_seed(6)
+    sizes = [3, 40, 1000]
+    masters = [torch.randn(n, generator=gen) for n in sizes]
+    params, rems = _bf16_state_from_masters(masters)
+    fp32_state = [[p.clone() for p in params], None, [m.clone() for m in masters], None, None, []]
+    rem_state = [params, None, rems, None, None, []]
+    for st in (fp32_state, rem_state):
+        st[3] = [torch.zeros(n) for n in sizes]
+        st[4] = [torch.zeros(n) for n in sizes]
+    for step in range(1, 61):
+        grads = [(torch.randn(n, generator=gen) * 2.0**-step % 7).bfloat16() for n in sizes]
+        ss = reference.adamw_step_scalars(1e-3, torch.tensor(float(step)), 0.9, 0.999, 0.1)
+        fp32_state[1] = rem_state[1] = grads
+        OPS.adamw_(*fp32_state, ss, None, 0.9, 0.999, 1e-8, False, False)
+        OPS.adamw_bf16_(*rem_state, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
+        for i in range(len(sizes)):
+            assert_same(reference.join_master(rem_state[0][i], rem_state[2][i]), fp32_state[2][i], f"master {step}")
+            assert_same(rem_state[0][i], reference.split_master(fp32_state[2][i])[0], f"param {step}")
+            assert_same(rem_state[3][i], fp32_state[3][i], f"exp_avg {step}")
+
+
+def test_adamw_bf16_stochastic_rounding_streams(isa):
+    """Same (seed, counter, tensor id) gives the same bits; another counter or rng_base others."""
+    gdt, mdt = torch.bfloat16, torch.bfloat16
+    base = _adamw_bf16_state(gdt, False, mdt, False, seed=7, sizes=[CHUNK + 5], edge=False)
+    ss = reference.adamw_step_scalars(1e-2, torch.tensor(1.0), 0.9, 0.999, 0.0)
+
+    def run(counter, rng_base):
+        st = _clone(base)
+        OPS.adamw_bf16_(*st, ss, None, torch.tensor([99, counter]), rng_base, 0.9, 0.999, 1e-8, False, False)
+        return st
+
+    a, b, c, d = run(1, 0), run(1, 0), run(2, 0), run(1, 1)
+    assert_lists_same(a, b, _ADAM_NAMES, "rerun")
+    for other in (c, d):
+        for k in (0, 3, 4):
+            assert not torch.equal(_bits(a[k][0]), _bits(other[k][0]))
+    # each param is one of the two bf16 neighbours of the fp32 result, rounded up as often as
+    # the discarded fraction says (truncation would round up never, nearest-even ~half the time)
+    st = _clone(base)
+    exact = [st[0][0].float()]
+    reference.adamw_(
+        st[0],
+        st[1],
+        exact,
+        [m.float() for m in st[3]],
+        [v.float() for v in st[4]],
+        [],
+        ss,
+        None,
+        0.9,
+        0.999,
+        1e-8,
+        False,
+        False,
+    )
+    e = exact[0]
+    lo_bits = _bits(e) & ~0xFFFF
+    lo, hi = lo_bits.view(torch.float32), (lo_bits + 0x10000).view(torch.float32)
+    got = a[0][0].float()
+    assert bool(((got == lo) | (got == hi)).all())
+    frac = ((e - lo) / (hi - lo)).double()
+    up = (got == hi).double()
+    assert abs(up.mean().item() - frac.mean().item()) < 0.02, (up.mean().item(), frac.mean().item())
+
+
+@pytest.mark.parametrize("found", [1.0, math.nan, -2.0, math.inf])
+def test_adamw_bf16_skip_writes_nothing(isa, found):
+    for rem, mdt, use_rng in (
+        (True, torch.float32, False),
+        (False, torch.bfloat16, True),
+        (True, torch.bfloat16, True),
+    ):
+        state = _adamw_bf16_state(torch.float16, rem, mdt, True, seed=8)
+        before = _clone(state)
+        ss = reference.adamw_step_scalars(1e-2, torch.tensor(1.0), 0.9, 0.999, 0.01)
+        rng = torch.tensor([1, 2]) if use_rng else None
+        OPS.adamw_bf16_(*state, ss, torch.tensor([found]), rng, 0, 0.9, 0.999, 1e-8, True, False)
+        for a, b in zip(state, before):
+            for x, y in zip(a, b):
+                assert torch.equal(_bits(x), _bits(y))
+
+
+def test_adamw_bf16_found_inf_zero_runs(isa):
+    _assert_adamw_bf16_steps(torch.bfloat16, True, torch.bfloat16, False, False, True, found_inf=0.0)
+
+
+# ---- sgd_ ----
+
+_SGD_MODES = [
+    (torch.float32, "none", False),
+    (torch.float32, "fp32", False),
+    (torch.float16, "none", False),
+    (torch.float16, "fp32", False),
+    (torch.bfloat16, "none", False),
+    (torch.bfloat16, "none", True),
+    (torch.bfloat16, "fp32", False),
+    (torch.bfloat16, "remainder", False),
+]
+_SGD_NAMES = ("params", "grads", "masters", "momentum_buffers")
+
+
+def _sgd_state(pdt, gdt, kind, momentum, seed, sizes=SIZES):
+    gen = torch.Generator().manual_seed(seed)
+    masters = [_edge_masters(n, gen) for n in sizes]
+    if pdt == torch.bfloat16:
+        params, rems = _bf16_state_from_masters(masters)
+    else:
+        params, rems = [m.to(pdt) for m in masters], []
+    ms = {"none": [], "fp32": masters, "remainder": rems}[kind]
+    grads = [(torch.randn(n, generator=gen) * 64.0).to(gdt) for n in sizes]
+    if sizes and sizes[-1] >= 8:
+        grads[-1][:6] = torch.tensor([0.0, -0.0, 1e-45, 3e38, math.inf, math.nan]).to(gdt)
+    bufs = [torch.randn(n, generator=gen) for n in sizes] if momentum else []
+    return [params, grads, ms, bufs]
+
+
+# (momentum, dampening, nesterov)
+_SGD_MOMENTA = [(0.0, 0.0, False), (0.9, 0.0, False), (0.9, 0.1, False), (0.5, 0.0, True)]
+
+
+@pytest.mark.parametrize(
+    "pdt,kind,use_rng", _SGD_MODES, ids=[f"p{_SHORT[p]}-{k}" + "-rng" * r for p, k, r in _SGD_MODES]
+)
+def test_sgd_matches_reference_every_isa(isa, pdt, kind, use_rng):
+    for gdt, (momentum, dampening, nesterov), wd in itertools.product(DTYPES, _SGD_MOMENTA, [0.0, 0.01]):
+        maximize = wd != 0 and nesterov
+        nat = _sgd_state(pdt, gdt, kind, momentum, seed=hash((gdt, momentum, wd)) % 1000)
+        ref = _clone(nat)
+        for step in range(2):  # the first applied step sets the momentum buffer to the grad
+            ss = reference.sgd_step_scalars(0.1, torch.tensor(step), torch.tensor(1 / 64.0))
+            rng = torch.tensor([7, step], dtype=torch.int64) if use_rng else None
+            args = (ss, None, rng, 2, momentum, dampening, wd, nesterov, maximize)
+            OPS.sgd_(*nat, *args)
+            reference.sgd_(*ref, *args)
+            what = f"step {step} g={gdt} momentum={momentum} dampening={dampening} nesterov={nesterov} wd={wd}"
+            assert_lists_same(nat, ref, _SGD_NAMES, what)
+
+
+def test_sgd_remainder_trajectory_equals_fp32_master(isa):
+    gen = torch.Generator().manual_seed(9)
+    sizes = [5, 300]
+    masters = [torch.randn(n, generator=gen) for n in sizes]
+    params, rems = _bf16_state_from_masters(masters)
+    a = [[p.clone() for p in params], None, [m.clone() for m in masters], [torch.zeros(n) for n in sizes]]
+    b = [params, None, rems, [torch.zeros(n) for n in sizes]]
+    for step in range(60):
+        grads = [torch.randn(n, generator=gen).bfloat16() for n in sizes]
+        a[1] = b[1] = grads
+        ss = reference.sgd_step_scalars(1e-2, torch.tensor(step))
+        for st in (a, b):
+            OPS.sgd_(*st, ss, None, None, 0, 0.9, 0.0, 1e-4, True, False)
+        for i in range(len(sizes)):
+            assert_same(reference.join_master(b[0][i], b[2][i]), a[2][i], f"master {step}")
+            assert_same(b[3][i], a[3][i], f"buffer {step}")
+
+
+@pytest.mark.parametrize("found", [1.0, math.nan, -2.0, math.inf])
+def test_sgd_skip_writes_nothing(isa, found):
+    for pdt, kind, use_rng in _SGD_MODES:
+        state = _sgd_state(pdt, torch.float16, kind, 0.9, seed=10)
+        before = _clone(state)
+        ss = reference.sgd_step_scalars(0.1, torch.tensor(0))
+        rng = torch.tensor([1, 2]) if use_rng else None
+        OPS.sgd_(*state, ss, torch.tensor([found]), rng, 0, 0.9, 0.0, 0.01, False, False)
+        for a, b in zip(state, before):
+            for x, y in zip(a, b):
+                assert torch.equal(_bits(x), _bits(y)), (pdt, kind)
+
+
+def test_sgd_mixed_dtypes_in_one_call(isa):
+    """Params and grads of different dtypes in one call (no master), each tensor its own kernel."""
+    gen = torch.Generator().manual_seed(11)
+    sizes = [33, 17, 100, 9]
+    pdts = [torch.float32, torch.bfloat16, torch.float16, torch.bfloat16]
+    gdts = [torch.bfloat16, torch.float16, torch.float32, torch.float32]
+    nat = [
+        [torch.randn(n, generator=gen).to(d) for n, d in zip(sizes, pdts)],
+        [torch.randn(n, generator=gen).to(d) for n, d in zip(sizes, gdts)],
+        [],
+        [torch.randn(n, generator=gen) for n in sizes],
+    ]
+    ref = _clone(nat)
+    ss = reference.sgd_step_scalars(0.05, torch.tensor(4))
+    rng = torch.tensor([3, 4])
+    OPS.sgd_(*nat, ss, torch.zeros(1), rng, 0, 0.9, 0.0, 0.0, False, False)
+    reference.sgd_(*ref, ss, torch.zeros(1), rng, 0, 0.9, 0.0, 0.0, False, False)
+    assert_lists_same(nat, ref, _SGD_NAMES, "mixed")
+
+
+# ---- unscale_check_stats_ ----
+
+_SPECIAL = [
+    0.0,
+    -0.0,
+    1e-45,
+    1e-40,
+    -3e-39,
+    2.0**-24,
+    2.0**-14,
+    -(2.0**-14) * 0.99,
+    6e-5,
+    1.0,
+    65504.0,
+    60000.0,
+    3.0e38,
+    -BF16_MAX,
+    math.inf,
+    -math.inf,
+    math.nan,
+]
+
+
+def _stats_grads(sizes, gen):
+    grads = []
+    for i, n in enumerate(sizes):
+        dt = DTYPES[i % 3]
+        x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-30, 20, (n,), generator=gen).float())
+        if n:
+            x[torch.rand(n, generator=gen) < 0.1] = 0.0
+            k = min(n, len(_SPECIAL))
+            x[torch.randperm(n, generator=gen)[:k]] = torch.tensor(_SPECIAL[:k])
+            if dt == torch.float16:
+                x = torch.where(x.abs() > 65504, x.sign() * 65504, x)
+                x[0] = math.inf if n % 2 else x[0]
+        grads.append(x.to(dt))
+    return grads
+
+
+def _run_stats(grads, inv, write_back, threads=None):
+    out = []
+    for fn in (OPS.unscale_check_stats_, reference.unscale_check_stats_):
+        gs = [g.clone() for g in grads]
+        found = torch.zeros(1)
+        counts = torch.full((len(grads), 3), -7, dtype=torch.int64)  # overwritten, never added to
+        absmax = torch.full((len(grads),), -1.0)
+        ret = fn(gs, found, torch.tensor([inv]), write_back, True, counts, absmax)
+        out.append((gs, found, counts, absmax, ret))
+    return out
+
+
+def _assert_stats_match(grads, inv, write_back):
+    (g_n, f_n, c_n, a_n, r_n), (g_r, f_r, c_r, a_r, r_r) = _run_stats(grads, inv, write_back)
+    what = f"inv={inv} write_back={write_back}"
+    for i, (x, y) in enumerate(zip(g_n, g_r)):
+        assert_same(x, y, f"{what} grads[{i}]")
+    assert_same(f_n, f_r, f"{what} found_inf")
+    assert_same(c_n, c_r, f"{what} counts")
+    assert_same(a_n, a_r, f"{what} absmax")
+    plain = [g.clone() for g in grads]
+    r_plain = OPS.unscale_check_(plain, torch.zeros(1), torch.tensor([inv]), write_back, True)
+    assert_same(r_n, r_plain, f"{what} sumsq vs unscale_check_")
+    e = r_r.item()
+    if math.isfinite(e):
+        assert math.isclose(r_n.item(), e, rel_tol=tolerances.SUMSQ_RTOL), (r_n.item(), e)
+    return c_n, a_n
+
+
+@pytest.mark.parametrize("write_back", [False, True])
+@pytest.mark.parametrize("inv", [1.0, 2.0**-16, 0.75, 2.0, 0.0, math.inf, 2.0**20])
+def test_stats_match_reference_every_isa(isa, inv, write_back):
+    gen = torch.Generator().manual_seed(12)
+    sizes = [0, 1, 2, 15, 16, 17, 31, 33, 97, 257, 1021, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]
+    counts, _ = _assert_stats_match(_stats_grads(sizes, gen), inv, write_back)
+    assert counts[0].tolist() == [0, 0, 0]
+    if inv == 2.0**-16:
+        assert (counts[:, 2] > 0).sum() > 5  # underflows really occur
+
+
+def test_stats_every_lane(isa):
+    """Each category at every position of the vector blocks and the tail."""
+    n = 53
+    for dtype, pos in itertools.product(DTYPES, range(n)):
+        for value, inv, write_back in (
+            (math.nan, 1.0, False),
+            (60000.0, 2.0, True),
+            (1e-6, 1.0, False),
+            (0.0, 1.0, True),
+            (-(2.0**15), 0.5, False),
+        ):
+            g = torch.full((n,), 0.25, dtype=dtype)
+            g[pos] = value
+            _assert_stats_match([g], inv, write_back)
+
+
+def test_stats_many_tiny_tensors_and_threads(monkeypatch):
+    gen = torch.Generator().manual_seed(13)
+    sizes = torch.randint(0, 40, (2000,), generator=gen).tolist() + [5 * CHUNK + 7]
+    grads = _stats_grads(sizes, gen)
+    _assert_stats_match(grads, 0.75, True)
+    old = torch.get_num_threads()
+    results = []
+    try:
+        for isa_name, threads in itertools.product(ISAS, (1, 2)):
+            monkeypatch.setenv("FASTAMP_CPU_ISA", isa_name)
+            torch.set_num_threads(threads)
+            results.append(_run_stats(grads, 2.0**-8, False)[0])
+    finally:
+        torch.set_num_threads(old)
+    for _gs, _f, c, a, r in results[1:]:
+        assert_same(c, results[0][2], "counts")
+        assert_same(a, results[0][3], "absmax")
+        assert_same(r, results[0][4], "sumsq")
+
+
+# ---- through fastamp.functional ----
+
+
+def test_functional_native_matches_reference():
+    nat = _adamw_bf16_state(torch.float16, True, torch.bfloat16, True, seed=14)
+    ref = _clone(nat)
+    ss = reference.adamw_step_scalars(torch.tensor(3e-3), torch.tensor(5.0), 0.9, 0.999, 0.01, torch.tensor(2.0**-6))
+    rng = torch.tensor([5, 6])
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, amsgrad=True, maximize=True)
+    functional.adamw_bf16_(*nat, ss, torch.zeros(1), rng, 4, backend="native", **kw)
+    reference.adamw_bf16_(*ref, ss, torch.zeros(1), rng, 4, 0.9, 0.999, 1e-8, True, True)
+    assert_lists_same(nat, ref, _ADAM_NAMES, "functional adamw_bf16_")
+
+    nat = _sgd_state(torch.bfloat16, torch.bfloat16, "none", 0.9, seed=15)
+    ref = _clone(nat)
+    ss = reference.sgd_step_scalars(0.1, torch.tensor(0))
+    functional.sgd_(
+        *nat, ss, None, rng, 1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, backend="native"
+    )
+    reference.sgd_(*ref, ss, None, rng, 1, 0.9, 0.0, 0.01, True, False)
+    assert_lists_same(nat, ref, _SGD_NAMES, "functional sgd_")
+
+    gen = torch.Generator().manual_seed(16)
+    grads = _stats_grads([100, 3, 0, CHUNK + 1], gen)
+    grads.append(torch.randn(6, 4, generator=gen).t())  # strided: functional copies it
+    outs = []
+    for backend in ("native", "torch"):
+        gs = [g.clone() for g in grads]
+        found, counts, absmax = torch.zeros(1), torch.empty(len(gs), 3, dtype=torch.int64), torch.empty(len(gs))
+        functional.unscale_check_(
+            gs,
+            found,
+            torch.tensor([2.0**-8]),
+            write_back=True,
+            compute_sumsq=True,
+            counts=counts,
+            absmax=absmax,
+            backend=backend,
+        )
+        outs.append((gs, found, counts, absmax))
+    for a, b in zip(outs[0][0], outs[1][0]):
+        assert_same(a, b, "grads")
+    for a, b, name in zip(outs[0][1:], outs[1][1:], ("found_inf", "counts", "absmax")):
+        assert_same(a, b, name)
+
+
+# ---- bad inputs ----
+
+
+def _adam_args(**over):
+    st = _adamw_bf16_state(torch.float16, True, torch.float32, True, seed=17, sizes=[5, 9])
+    args = dict(
+        params=st[0],
+        grads=st[1],
+        remainders=st[2],
+        exp_avgs=st[3],
+        exp_avg_sqs=st[4],
+        max_exp_avg_sqs=st[5],
+        step_scalars=torch.tensor([1e-3, 0.1, 0.99, 1.0]),
+        found_inf=None,
+        rng=None,
+        rng_base=0,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        amsgrad=True,
+        maximize=False,
+    )
+    args.update(over)
+    return args
+
+
+def _bad_adam_cases():
+    st = _adamw_bf16_state(torch.float16, True, torch.float32, True, seed=17, sizes=[5, 9])
+    nc = torch.zeros(9, 2)[:, 0]
+    return [
+        (dict(grads=st[1][:1]), "got 2 params but 1 grads"),
+        (dict(remainders=st[2][:1]), "remainders must be empty or have one tensor per param, got 1"),
+        (dict(max_exp_avg_sqs=[]), "amsgrad needs one max_exp_avg_sqs tensor per param, got 0"),
+        (dict(params=[st[0][0], torch.zeros(9)]), r"params\[1\] must have dtype BFloat16, got Float"),
+        (dict(remainders=[st[2][0], torch.zeros(9, dtype=torch.int32)]), r"remainders\[1\] must have dtype Short"),
+        (dict(remainders=[st[2][0], torch.zeros(8, dtype=torch.int16)]), r"remainders\[1\] has 8 elements but params"),
+        (
+            dict(grads=[st[1][0], torch.zeros(9, dtype=torch.float64)]),
+            r"grads\[1\] must be float32, float16 or bfloat16",
+        ),
+        (dict(exp_avgs=[torch.zeros(5, dtype=torch.float16), st[3][1]]), "moments must be float32 or bfloat16"),
+        (dict(exp_avg_sqs=[st[4][0], st[4][1].bfloat16()]), r"exp_avg_sqs\[1\] must have dtype Float, got BFloat16"),
+        (dict(exp_avgs=[st[3][0], nc]), r"exp_avgs\[1\] must be contiguous"),
+        (dict(step_scalars=torch.zeros(3)), "step_scalars must be a contiguous float32 tensor of 4 elements"),
+        (dict(found_inf=torch.zeros(2)), "found_inf must be a 1-element float32 tensor"),
+        (
+            dict(rng=torch.zeros(2)),
+            r"rng must be a contiguous int64 tensor of 2 elements \[seed, counter\], got dtype Float",
+        ),
+        (dict(rng=torch.zeros(3, dtype=torch.int64)), "rng must be a contiguous int64 tensor of 2 elements"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_adam_cases())))
+def test_adamw_bf16_bad_inputs_raise_and_change_nothing(case):
+    over, msg = _bad_adam_cases()[case]
+    args = _adam_args(**over)
+    before = {k: [t.clone() for t in v] for k, v in args.items() if isinstance(v, list)}
+    with pytest.raises(RuntimeError, match="fastamp::adamw_bf16_: .*" + msg):
+        OPS.adamw_bf16_(*args.values())
+    for k, lst in before.items():
+        for x, y in zip(args[k], lst):
+            assert torch.equal(_bits(x), _bits(y)), k
+
+
+def _sgd_args(**over):
+    st = _sgd_state(torch.bfloat16, torch.float16, "remainder", 0.9, seed=18, sizes=[5, 9])
+    args = dict(
+        params=st[0],
+        grads=st[1],
+        masters=st[2],
+        momentum_buffers=st[3],
+        step_scalars=torch.tensor([0.1, 1.0, 0.0]),
+        found_inf=None,
+        rng=None,
+        rng_base=0,
+        momentum=0.9,
+        dampening=0.0,
+        weight_decay=0.0,
+        nesterov=False,
+        maximize=False,
+    )
+    args.update(over)
+    return args
+
+
+def _bad_sgd_cases():
+    st = _sgd_state(torch.bfloat16, torch.float16, "remainder", 0.9, seed=18, sizes=[5, 9])
+    return [
+        (dict(grads=st[1][:1]), "got 2 params but 1 grads"),
+        (dict(masters=st[2][:1]), "masters must be empty or have one tensor per param, got 1"),
+        (dict(momentum_buffers=[]), "momentum=0.9 needs one momentum_buffers tensor per param, got 0"),
+        (
+            dict(masters=[torch.zeros(5, dtype=torch.float64), torch.zeros(9, dtype=torch.float64)]),
+            "masters must be float32 .* or int16 .*, got Double",
+        ),
+        (dict(masters=[st[2][0], torch.zeros(9)]), r"masters\[1\] must have dtype Short, got Float"),
+        (
+            dict(params=[st[0][0], torch.zeros(9)]),
+            r"int16 remainder masters need bfloat16 params, but params\[1\] is Float",
+        ),
+        (
+            dict(params=[st[0][0], torch.zeros(9, dtype=torch.float64)]),
+            r"params\[1\] must be float32, float16 or bfloat16",
+        ),
+        (dict(grads=[st[1][0], torch.zeros(9, dtype=torch.int32)]), r"grads\[1\] must be float32, float16 or bfloat16"),
+        (dict(momentum_buffers=[st[3][0], torch.zeros(9).half()]), r"momentum_buffers\[1\] must have dtype Float"),
+        (dict(momentum_buffers=[st[3][0], torch.zeros(10)]), r"momentum_buffers\[1\] has 10 elements"),
+        (
+            dict(step_scalars=torch.zeros(4)),
+            r"step_scalars must be a contiguous float32 tensor of 3 elements \[lr, grad_mul",
+        ),
+        (dict(found_inf=torch.zeros(1, dtype=torch.float64)), "found_inf must be a 1-element float32 tensor"),
+        (dict(rng=torch.zeros(2, dtype=torch.int32)), "rng must be a contiguous int64 tensor of 2 elements"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_sgd_cases())))
+def test_sgd_bad_inputs_raise_and_change_nothing(case):
+    over, msg = _bad_sgd_cases()[case]
+    args = _sgd_args(**over)
+    before = {k: [t.clone() for t in v] for k, v in args.items() if isinstance(v, list)}
+    with pytest.raises(RuntimeError, match="fastamp::sgd_: .*" + msg):
+        OPS.sgd_(*args.values())
+    for k, lst in before.items():
+        for x, y in zip(args[k], lst):
+            assert torch.equal(_bits(x), _bits(y)), k
+
+
+def test_stats_bad_inputs_raise():
+    g = [torch.ones(4), torch.ones(3).half()]
+    ok_c, ok_a = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(2)
+    cases = [
+        (dict(counts=torch.zeros(2, 3, dtype=torch.int32)), "counts must have dtype Long"),
+        (dict(counts=torch.zeros(3, 3, dtype=torch.int64)), r"counts must have shape \[2, 3\] .*got \[3, 3\]"),
+        (dict(counts=torch.zeros(3, 2, dtype=torch.int64).t()), "counts must be contiguous"),
+        (dict(absmax=torch.zeros(2, dtype=torch.float64)), "absmax must have dtype Float"),
+        (dict(absmax=torch.zeros(1)), r"absmax must have shape \[2\] .*got \[1\]"),
+        (dict(found=torch.zeros(1, dtype=torch.int32)), "found_inf must have dtype Float"),
+        (
+            dict(grads=[torch.ones(4), torch.ones(3, dtype=torch.float64)]),
+            r"grads\[1\] must be float32, float16 or bfloat16",
+        ),
+        (dict(grads=[torch.ones(4, 2)[:, 0], g[1]]), r"grads\[0\] must be contiguous"),
+    ]
+    for over, msg in cases:
+        a = dict(grads=[t.clone() for t in g], found=torch.zeros(1), counts=ok_c.clone(), absmax=ok_a.clone())
+        a.update(over)
+        with pytest.raises(RuntimeError, match="fastamp::unscale_check_stats_: " + msg):
+            OPS.unscale_check_stats_(a["grads"], a["found"], torch.tensor([0.5]), True, True, a["counts"], a["absmax"])
+        assert a["found"].sum().item() == 0
+
+
+# ---- torch.library.opcheck ----
+
+
+@pytest.mark.parametrize("found", [None, 0.0, 1.0])
+def test_opcheck_adamw_bf16(found):
+    for rem, mdt in ((True, torch.float32), (False, torch.bfloat16)):
+        st = _adamw_bf16_state(torch.float16, rem, mdt, True, seed=19, sizes=[5, 17], edge=False)
+        ss = torch.tensor([1e-3, 0.1, 0.99, 0.5])
+        fi = None if found is None else torch.tensor([found])
+        args = (*st, ss, fi, torch.tensor([1, 2]), 0, 0.9, 0.999, 1e-8, True, False)
+        torch.library.opcheck(OPS.adamw_bf16_.default, args)
+
+
+@pytest.mark.parametrize("found", [None, 1.0])
+def test_opcheck_sgd(found):
+    for pdt, kind, use_rng in (
+        (torch.bfloat16, "remainder", False),
+        (torch.bfloat16, "none", True),
+        (torch.float16, "fp32", False),
+    ):
+        st = _sgd_state(pdt, torch.float32, kind, 0.9, seed=20, sizes=[5, 17])
+        fi = None if found is None else torch.tensor([found])
+        rng = torch.tensor([1, 2]) if use_rng else None
+        args = (*st, torch.tensor([0.1, 1.0, 0.0]), fi, rng, 0, 0.9, 0.0, 0.01, True, False)
+        torch.library.opcheck(OPS.sgd_.default, args)
+
+
+def test_opcheck_unscale_check_stats():
+    for wb in (True, False):
+        grads = [torch.randn(5), torch.randn(7).half(), torch.randn(3).bfloat16()]
+        args = (
+            grads,
+            torch.zeros(1),
+            torch.tensor([0.5]),
+            wb,
+            True,
+            torch.zeros(3, 3, dtype=torch.int64),
+            torch.zeros(3),
+        )
+        torch.library.opcheck(OPS.unscale_check_stats_.default, args)
