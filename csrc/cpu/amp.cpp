@@ -24,6 +24,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/isa.h"
@@ -71,6 +72,22 @@ bool unscale_range(T* x, int64_t begin, int64_t end, float inv_scale, double* la
     }
   }
   return bad;
+}
+
+// How many of x[0, n) raise found_inf, counted again after a vector STATS loop saw one
+// (rare: overflow steps). Written back, that is a stored value that is not finite (|y|
+// reached the limit of T, or y was inf/nan); checked only, it is !(|x * inv_scale| < limit).
+template <class T, bool WRITE>
+int64_t count_flagged(const T* x, int64_t n, float inv_scale, float limit) {
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if constexpr (WRITE) {
+      count += stored_is_finite(x + i) ? 0 : 1;
+    } else {
+      count += (std::fabs(load_float(x + i) * inv_scale) < limit) ? 0 : 1;
+    }
+  }
+  return count;
 }
 
 template <class T, bool WRITE, bool SUMSQ, bool STATS>
