@@ -36,7 +36,7 @@ compare: $(BUILD)
 	$(PY) -m fastamp.compare
 
 bench: $(BUILD)
-	$(PY) -m benchmarks.run_all
+	PYTHON=$(abspath $(PY)) bash benchmarks/run_all.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fastamp kernels tests benchmarks
