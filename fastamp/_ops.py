@@ -48,6 +48,7 @@ def _register_fakes() -> None:
 
     @_fake("unscale_check_")
     def _unscale_check_fake(grads, found_inf, inv_scale, write_back, compute_sumsq):
+        _only_fake("unscale_check_", found_inf)
         return found_inf.new_empty((), dtype=torch.float32)
 
     @_fake("update_scale_")
@@ -55,6 +56,7 @@ def _register_fakes() -> None:
         scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
         hysteresis, min_scale, max_scale,
     ):
+        _only_fake("update_scale_", scale)
         return None
 
     @_fake("adamw_")
@@ -62,6 +64,7 @@ def _register_fakes() -> None:
         params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, beta1, beta2, eps,
         amsgrad, maximize,
     ):
+        _only_fake("adamw_", step_scalars)
         return None
 
     @_fake("adamw_bf16_")
@@ -69,6 +72,7 @@ def _register_fakes() -> None:
         params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, rng_base,
         beta1, beta2, eps, amsgrad, maximize,
     ):
+        _only_fake("adamw_bf16_", step_scalars)
         return None
 
     @_fake("sgd_")
@@ -76,11 +80,22 @@ def _register_fakes() -> None:
         params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base, momentum, dampening,
         weight_decay, nesterov, maximize,
     ):
+        _only_fake("sgd_", step_scalars)
         return None
 
     @_fake("unscale_check_stats_")
     def _unscale_check_stats_fake(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
+        _only_fake("unscale_check_stats_", found_inf)
         return found_inf.new_empty((), dtype=torch.float32)
+
+
+def _only_fake(op: str, t) -> None:
+    # The fake impl also serves the Meta dispatch key: a call mixing real tensors with meta
+    # ones lands here instead of on a kernel. Refuse it rather than return garbage.
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not (t.is_meta or is_fake(t)):
+        raise RuntimeError(f"fastamp::{op}: tensors on different devices (a meta tensor among {t.device} tensors)")
 
 
 def _fake(op: str):

@@ -80,6 +80,15 @@ def unscale_check_(
         if absmax.dtype != torch.float32 or tuple(absmax.shape) != (n,) or absmax.device != dev:
             raise ValueError(f"{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
                              f"{tuple(absmax.shape)} on {absmax.device}")
+    fast = _native_fast_path(
+        "unscale_check_stats_" if want_stats else op,
+        dev,
+        backend,
+        (list(grads), found_inf, inv_scale, write_back, compute_sumsq)
+        + ((counts, absmax) if want_stats else ()),
+    )
+    if fast is not None:
+        return fast
     dense: List[Tensor] = []
     dense_idx: List[int] = []
     strided_copies = []
@@ -132,6 +141,23 @@ def unscale_check_(
         else:
             total = total + reference.unscale_check_(other, found_inf, inv_scale, write_back, compute_sumsq)
     return total
+
+
+def _native_fast_path(op: str, dev: torch.device, backend: Optional[str], args: tuple) -> Optional[Tensor]:
+    """Call the native kernel straight away when it is the chosen backend.
+
+    The C++ op validates every grad (device, dtype, layout, contiguity) before it touches
+    anything, so the common case (dense contiguous fp32/fp16/bf16 grads) skips the
+    per-grad Python checks, which cost more than the kernel with thousands of small
+    tensors. Anything it rejects (fp64, sparse or strided grads, bad input) goes through the
+    Python path below, which handles the first three and raises a clear error for the rest.
+    """
+    if backends.resolve(op, dev, backend) != "native":
+        return None
+    try:
+        return backends.get_impl(op, "native")(*args)
+    except (RuntimeError, TypeError):
+        return None
 
 
 def _scatter_rows(counts: Tensor, absmax: Tensor, idx: List[int], c: Tensor, a: Tensor) -> None:

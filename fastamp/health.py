@@ -402,8 +402,7 @@ class _Monitor:
         self._pending: tuple[Tensor, Any, dict[str, Any]] | None = None
 
     def note_grads(self, grads: Iterable[Tensor]) -> None:
-        for g in grads:
-            self.dtypes_seen.add(g.dtype)
+        self.dtypes_seen.update({g.dtype for g in grads})
         if torch.float16 in self.dtypes_seen:
             self.watch_dtypes = False
 

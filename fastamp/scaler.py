@@ -256,19 +256,23 @@ class Scaler:
                 position += 1
                 if not isinstance(param, Tensor):
                     raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                if param.grad is None:
+                grad = param.grad
+                if grad is None:
                     continue
-                if not allow_fp16 and param.grad.dtype == torch.float16:
+                if not allow_fp16 and grad.dtype == torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
-                if param.grad.is_sparse and param.grad.dtype is torch.float16:
+                if grad.is_sparse and grad.dtype is torch.float16:
                     # duplicate indices are summed by coalescing, which can itself overflow:
                     # check what the optimizer will really see (as torch does).
-                    param.grad = param.grad.coalesce()
+                    grad = param.grad = grad.coalesce()
                 # FSDP2 grads are DTensors: each rank checks (and unscales in place) its own shard;
                 # process_group then makes the flag and, with sharded=True, the norm global.
-                per_device[param.grad.device].append(_local_shard(param.grad))
+                if type(grad) is not Tensor:
+                    grad = _local_shard(grad)
+                device = grad.device
+                per_device[device].append(grad)
                 if owners is not None:
-                    owners[param.grad.device].append((param, position))
+                    owners[device].append((param, position))
         return per_device
 
     def _check_grads(
