@@ -7,12 +7,10 @@ installed torch, ``NATIVE_ERROR`` says why and the native backend is unavailable
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 NATIVE_LOADED = False
-NATIVE_ERROR: Optional[str] = None
+NATIVE_ERROR: str | None = None
 
 try:
     from fastamp import _C  # noqa: F401  (loading it runs the TORCH_LIBRARY registrations)
@@ -37,7 +35,7 @@ def native_has_kernel(op: str, device_type: str) -> bool:
         return False
 
 
-def build_info() -> Optional[str]:
+def build_info() -> str | None:
     return torch.ops.fastamp.build_info() if NATIVE_LOADED else None
 
 
@@ -53,32 +51,75 @@ def _register_fakes() -> None:
 
     @_fake("update_scale_")
     def _update_scale_fake(
-        scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor, growth_interval,
-        hysteresis, min_scale, max_scale,
+        scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+        min_scale,
+        max_scale,
     ):
         _only_fake("update_scale_", scale)
         return None
 
     @_fake("adamw_")
     def _adamw_fake(
-        params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, beta1, beta2, eps,
-        amsgrad, maximize,
+        params,
+        grads,
+        masters,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        step_scalars,
+        found_inf,
+        beta1,
+        beta2,
+        eps,
+        amsgrad,
+        maximize,
     ):
         _only_fake("adamw_", step_scalars)
         return None
 
     @_fake("adamw_bf16_")
     def _adamw_bf16_fake(
-        params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, rng_base,
-        beta1, beta2, eps, amsgrad, maximize,
+        params,
+        grads,
+        remainders,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        step_scalars,
+        found_inf,
+        rng,
+        rng_base,
+        beta1,
+        beta2,
+        eps,
+        amsgrad,
+        maximize,
     ):
         _only_fake("adamw_bf16_", step_scalars)
         return None
 
     @_fake("sgd_")
     def _sgd_fake(
-        params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base, momentum, dampening,
-        weight_decay, nesterov, maximize,
+        params,
+        grads,
+        masters,
+        momentum_buffers,
+        step_scalars,
+        found_inf,
+        rng,
+        rng_base,
+        momentum,
+        dampening,
+        weight_decay,
+        nesterov,
+        maximize,
     ):
         _only_fake("sgd_", step_scalars)
         return None

@@ -16,7 +16,7 @@ optimizer wins over both.
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Union
+from typing import Callable, Union
 
 import torch
 
@@ -34,14 +34,14 @@ __all__ = [
 
 BACKENDS = ("native", "triton", "torch")
 _AUTO_ORDER = {"cpu": ("native", "torch"), "cuda": ("native", "triton", "torch")}
-_forced: Optional[str] = None
+_forced: str | None = None
 
 
 class BackendUnavailableError(RuntimeError):
     """A backend was requested explicitly but cannot run the op on that device."""
 
 
-def _check_name(name: Optional[str]) -> Optional[str]:
+def _check_name(name: str | None) -> str | None:
     if name is None or name == "auto":
         return None
     if name not in BACKENDS:
@@ -49,13 +49,13 @@ def _check_name(name: Optional[str]) -> Optional[str]:
     return name
 
 
-def set_backend(name: Optional[str]) -> None:
+def set_backend(name: str | None) -> None:
     """Force a backend for every op (``None`` or ``'auto'`` restores AUTO)."""
     global _forced
     _forced = _check_name(name)
 
 
-def get_backend() -> Optional[str]:
+def get_backend() -> str | None:
     """The forced backend (from :func:`set_backend` or ``FASTAMP_BACKEND``), or None for AUTO."""
     if _forced is not None:
         return _forced
@@ -89,7 +89,7 @@ def available(backend: str, op: str, device: Union[str, torch.device]) -> tuple[
     raise ValueError(f"fastamp: unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
-def resolve(op: str, device: Union[str, torch.device], backend: Optional[str] = None) -> str:
+def resolve(op: str, device: Union[str, torch.device], backend: str | None = None) -> str:
     """The backend that runs ``op`` on ``device``: explicit argument, then forced, then AUTO."""
     requested = _check_name(backend) or get_backend()
     if requested is not None:

@@ -29,7 +29,9 @@ def report() -> str:
     else:
         lines.append(f"fastamp._C: not loaded ({_ops.NATIVE_ERROR})")
     forced = backends.get_backend()
-    lines.append(f"forced backend: {forced or 'none (AUTO)'}  [FASTAMP_BACKEND={os.environ.get('FASTAMP_BACKEND', '')}]")
+    lines.append(
+        f"forced backend: {forced or 'none (AUTO)'}  [FASTAMP_BACKEND={os.environ.get('FASTAMP_BACKEND', '')}]"
+    )
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for dev in devices:
         lines.append(f"device {dev}:")

@@ -8,7 +8,7 @@ device value on the host.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -36,9 +36,9 @@ def unscale_check_(
     *,
     write_back: bool = True,
     compute_sumsq: bool = False,
-    counts: Optional[Tensor] = None,
-    absmax: Optional[Tensor] = None,
-    backend: Optional[str] = None,
+    counts: Tensor | None = None,
+    absmax: Tensor | None = None,
+    backend: str | None = None,
 ) -> Tensor:
     """Unscale ``grads`` in place by ``inv_scale``, flag non-finite values in ``found_inf``.
 
@@ -75,25 +75,28 @@ def unscale_check_(
             raise ValueError(f"{op}: counts and absmax must be given together")
         n = len(grads)
         if counts.dtype != torch.int64 or tuple(counts.shape) != (n, 3) or counts.device != dev:
-            raise ValueError(f"{op}: counts must be an int64 [{n}, 3] tensor on {dev}, got {counts.dtype} "
-                             f"{tuple(counts.shape)} on {counts.device}")
+            raise ValueError(
+                f"{op}: counts must be an int64 [{n}, 3] tensor on {dev}, got {counts.dtype} "
+                f"{tuple(counts.shape)} on {counts.device}"
+            )
         if absmax.dtype != torch.float32 or tuple(absmax.shape) != (n,) or absmax.device != dev:
-            raise ValueError(f"{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
-                             f"{tuple(absmax.shape)} on {absmax.device}")
+            raise ValueError(
+                f"{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
+                f"{tuple(absmax.shape)} on {absmax.device}"
+            )
     fast = _native_fast_path(
         "unscale_check_stats_" if want_stats else op,
         dev,
         backend,
-        (list(grads), found_inf, inv_scale, write_back, compute_sumsq)
-        + ((counts, absmax) if want_stats else ()),
+        (list(grads), found_inf, inv_scale, write_back, compute_sumsq) + ((counts, absmax) if want_stats else ()),
     )
     if fast is not None:
         return fast
-    dense: List[Tensor] = []
-    dense_idx: List[int] = []
+    dense: list[Tensor] = []
+    dense_idx: list[int] = []
     strided_copies = []
-    other: List[Tensor] = []
-    other_idx: List[int] = []
+    other: list[Tensor] = []
+    other_idx: list[int] = []
     for i, g in enumerate(grads):
         if not isinstance(g, Tensor):
             raise TypeError(f"{op}: grads[{i}] must be a Tensor, got {type(g).__name__}")
@@ -143,7 +146,7 @@ def unscale_check_(
     return total
 
 
-def _native_fast_path(op: str, dev: torch.device, backend: Optional[str], args: tuple) -> Optional[Tensor]:
+def _native_fast_path(op: str, dev: torch.device, backend: str | None, args: tuple) -> Tensor | None:
     """Call the native kernel straight away when it is the chosen backend.
 
     The C++ op validates every grad (device, dtype, layout, contiguity) before it touches
@@ -160,7 +163,7 @@ def _native_fast_path(op: str, dev: torch.device, backend: Optional[str], args: 
         return None
 
 
-def _scatter_rows(counts: Tensor, absmax: Tensor, idx: List[int], c: Tensor, a: Tensor) -> None:
+def _scatter_rows(counts: Tensor, absmax: Tensor, idx: list[int], c: Tensor, a: Tensor) -> None:
     if not idx:
         return
     if len(idx) == counts.shape[0]:
@@ -184,7 +187,7 @@ def update_scale_(
     min_scale: float = 0.0,
     max_scale: float = math.inf,
     *,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> None:
     """Backoff / hysteresis / growth / bounds of the loss scale, in place, on the device.
 
@@ -197,17 +200,31 @@ def update_scale_(
     _check_scalar_tensor(op, "hysteresis_tracker", hysteresis_tracker, torch.int32)
     _check_scalar_tensor(op, "found_inf", found_inf)
     dev = scale.device
-    for name, t in (("growth_tracker", growth_tracker), ("hysteresis_tracker", hysteresis_tracker), ("found_inf", found_inf)):
+    for name, t in (
+        ("growth_tracker", growth_tracker),
+        ("hysteresis_tracker", hysteresis_tracker),
+        ("found_inf", found_inf),
+    ):
         if t.device != dev:
             raise ValueError(f"{op}: {name} is on {t.device} but scale is on {dev}")
     impl = backends.get_impl(op, backends.resolve(op, dev, backend))
     impl(
-        scale, growth_tracker, hysteresis_tracker, found_inf, float(growth_factor), float(backoff_factor),
-        int(growth_interval), int(hysteresis), float(min_scale), float(max_scale),
+        scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        float(growth_factor),
+        float(backoff_factor),
+        int(growth_interval),
+        int(hysteresis),
+        float(min_scale),
+        float(max_scale),
     )
 
 
-def _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps):
+def _check_adam_inputs(
+    op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps
+):
     """Host-side checks every backend relies on (list lengths, one device, hyperparameter ranges)."""
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
@@ -239,14 +256,14 @@ def adamw_(
     exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],
+    found_inf: Tensor | None,
     *,
     beta1: float,
     beta2: float,
     eps: float,
     amsgrad: bool = False,
     maximize: bool = False,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> None:
     """One fused AdamW pass over a group of tensors (see :func:`fastamp.reference.adamw_`).
 
@@ -258,11 +275,24 @@ def adamw_(
     if len(params) == 0:
         return
     dev = params[0].device
-    _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps)
+    _check_adam_inputs(
+        op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps
+    )
     impl = backends.get_impl(op, backends.resolve(op, dev, backend))
     impl(
-        list(params), list(grads), list(masters), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
-        step_scalars, found_inf, float(beta1), float(beta2), float(eps), bool(amsgrad), bool(maximize),
+        list(params),
+        list(grads),
+        list(masters),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(max_exp_avg_sqs),
+        step_scalars,
+        found_inf,
+        float(beta1),
+        float(beta2),
+        float(eps),
+        bool(amsgrad),
+        bool(maximize),
     )
 
 
@@ -274,8 +304,8 @@ def adamw_bf16_(
     exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],
-    rng: Optional[Tensor] = None,
+    found_inf: Tensor | None,
+    rng: Tensor | None = None,
     rng_base: int = 0,
     *,
     beta1: float,
@@ -283,7 +313,7 @@ def adamw_bf16_(
     eps: float,
     amsgrad: bool = False,
     maximize: bool = False,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> None:
     """AdamW for bf16 params with int16 master remainders and/or stochastic rounding.
 
@@ -298,8 +328,20 @@ def adamw_bf16_(
     )
     impl = backends.get_impl(op, backends.resolve(op, dev, backend))
     impl(
-        list(params), list(grads), list(remainders), list(exp_avgs), list(exp_avg_sqs), list(max_exp_avg_sqs),
-        step_scalars, found_inf, rng, int(rng_base), float(beta1), float(beta2), float(eps), bool(amsgrad),
+        list(params),
+        list(grads),
+        list(remainders),
+        list(exp_avgs),
+        list(exp_avg_sqs),
+        list(max_exp_avg_sqs),
+        step_scalars,
+        found_inf,
+        rng,
+        int(rng_base),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        bool(amsgrad),
         bool(maximize),
     )
 
@@ -310,8 +352,8 @@ def sgd_(
     masters: Sequence[Tensor],
     momentum_buffers: Sequence[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],
-    rng: Optional[Tensor] = None,
+    found_inf: Tensor | None,
+    rng: Tensor | None = None,
     rng_base: int = 0,
     *,
     momentum: float,
@@ -319,7 +361,7 @@ def sgd_(
     weight_decay: float,
     nesterov: bool = False,
     maximize: bool = False,
-    backend: Optional[str] = None,
+    backend: str | None = None,
 ) -> None:
     """Fused SGD (torch.optim.SGD's update) with fp32 / remainder / no masters.
 
@@ -331,6 +373,17 @@ def sgd_(
     dev = params[0].device
     impl = backends.get_impl(op, backends.resolve(op, dev, backend))
     impl(
-        list(params), list(grads), list(masters), list(momentum_buffers), step_scalars, found_inf, rng,
-        int(rng_base), float(momentum), float(dampening), float(weight_decay), bool(nesterov), bool(maximize),
+        list(params),
+        list(grads),
+        list(masters),
+        list(momentum_buffers),
+        step_scalars,
+        found_inf,
+        rng,
+        int(rng_base),
+        float(momentum),
+        float(dampening),
+        float(weight_decay),
+        bool(nesterov),
+        bool(maximize),
     )

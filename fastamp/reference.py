@@ -12,7 +12,7 @@ The per-element C++ twin of this file is ``csrc/fastamp_math.h``.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -140,7 +140,7 @@ def update_scale_(
 
 
 def adamw_step_scalars(
-    lr, step: Tensor, beta1: float, beta2: float, weight_decay: float, grad_mul: Optional[Tensor] = None
+    lr, step: Tensor, beta1: float, beta2: float, weight_decay: float, grad_mul: Tensor | None = None
 ) -> Tensor:
     """The per-step fp32 scalars ``[step_size, bc2_sqrt, decay, grad_mul]`` of ``adamw_``.
 
@@ -152,13 +152,21 @@ def adamw_step_scalars(
     dev = step.device
     wide = torch.float32 if dev.type == "mps" else torch.float64
     st = step.reshape(()).to(wide)
-    lr_t = lr.reshape(()).to(device=dev, dtype=wide) if isinstance(lr, Tensor) else torch.full((), lr, dtype=wide, device=dev)
+    lr_t = (
+        lr.reshape(()).to(device=dev, dtype=wide)
+        if isinstance(lr, Tensor)
+        else torch.full((), lr, dtype=wide, device=dev)
+    )
     bc1 = 1 - torch.pow(torch.full((), beta1, dtype=wide, device=dev), st)
     bc2 = 1 - torch.pow(torch.full((), beta2, dtype=wide, device=dev), st)
     step_size = lr_t / bc1
     bc2_sqrt = bc2.sqrt()
     decay = 1 - lr_t * weight_decay
-    gm = grad_mul.reshape(()).to(device=dev, dtype=wide) if grad_mul is not None else torch.ones((), dtype=wide, device=dev)
+    gm = (
+        grad_mul.reshape(()).to(device=dev, dtype=wide)
+        if grad_mul is not None
+        else torch.ones((), dtype=wide, device=dev)
+    )
     return torch.stack([step_size, bc2_sqrt, decay, gm]).float()
 
 
@@ -180,7 +188,7 @@ def adamw_(
     exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],
+    found_inf: Tensor | None,
     beta1: float,
     beta2: float,
     eps: float,
@@ -287,8 +295,10 @@ def sr_random16(seed, counter: Tensor, stream: int, n: int, device) -> Tensor:
     2 exp_avg_sq, 3 max_exp_avg_sq). Every data-parallel rank with the same seed and param
     order draws the same bits.
     """
-    seed_t = seed.reshape(()).to(device=device, dtype=torch.int64) if isinstance(seed, Tensor) else torch.full(
-        (), seed, dtype=torch.int64, device=device
+    seed_t = (
+        seed.reshape(()).to(device=device, dtype=torch.int64)
+        if isinstance(seed, Tensor)
+        else torch.full((), seed, dtype=torch.int64, device=device)
     )
     h = _mix32((seed_t & _M32) ^ 0x9E3779B9)
     h = _mix32(h ^ (counter.reshape(()).to(device=device, dtype=torch.int64) & _M32))
@@ -342,7 +352,7 @@ def split_master(master: Tensor) -> tuple[Tensor, Tensor]:
     m = master.float()
     bits = _f32_bits(m.reshape(-1)).reshape(m.shape)
     nan = torch.isnan(m)
-    hi = (((bits + 0x8000) & _M32) >> 16)
+    hi = ((bits + 0x8000) & _M32) >> 16
     hi = torch.where(nan, (bits >> 16) | 0x40, hi)
     diff = (bits - (hi << 16)) & _M32
     diff = torch.where(nan, torch.zeros_like(diff), diff)
@@ -358,7 +368,7 @@ def join_master(param_bf16: Tensor, remainder: Tensor) -> Tensor:
     return _bits_f32(bits.reshape(-1)).reshape(param_bf16.shape)
 
 
-def _store_lowp(value: Tensor, dtype: torch.dtype, rand16: Optional[Tensor]) -> Tensor:
+def _store_lowp(value: Tensor, dtype: torch.dtype, rand16: Tensor | None) -> Tensor:
     """Round an fp32 result to ``dtype``: stochastic for bf16 when random bits are given."""
     if dtype == torch.bfloat16 and rand16 is not None:
         return round_bf16_stochastic(value, rand16).reshape(value.shape)
@@ -373,8 +383,8 @@ def adamw_bf16_(
     exp_avg_sqs: Sequence[Tensor],
     max_exp_avg_sqs: Sequence[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],
-    rng: Optional[Tensor],
+    found_inf: Tensor | None,
+    rng: Tensor | None,
     rng_base: int,
     beta1: float,
     beta2: float,
@@ -408,7 +418,7 @@ def adamw_bf16_(
     for i, p in enumerate(params):
         n = p.numel()
 
-        def rand(k: int) -> Optional[Tensor]:
+        def rand(k: int, i: int = i, n: int = n) -> Tensor | None:
             if rng is None:
                 return None
             return sr_random16(seed, counter, 4 * (rng_base + i) + k, n, dev)
@@ -453,7 +463,7 @@ def adamw_bf16_(
             max_exp_avg_sqs[i].copy_(new_vmax)
 
 
-def sgd_step_scalars(lr, step: Tensor, grad_mul: Optional[Tensor] = None) -> Tensor:
+def sgd_step_scalars(lr, step: Tensor, grad_mul: Tensor | None = None) -> Tensor:
     """``[lr, grad_mul, is_first]`` (fp32, on ``step``'s device) for :func:`sgd_`.
 
     ``step`` is the number of steps applied *before* this one (a device tensor), so
@@ -472,8 +482,8 @@ def sgd_(
     masters: Sequence[Tensor],
     momentum_buffers: Sequence[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],
-    rng: Optional[Tensor],
+    found_inf: Tensor | None,
+    rng: Tensor | None,
     rng_base: int,
     momentum: float,
     dampening: float,

@@ -15,7 +15,7 @@ import warnings
 import weakref
 from collections import abc, defaultdict
 from enum import Enum
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
@@ -31,7 +31,7 @@ class OptState(Enum):
     STEPPED = 2
 
 
-def _refresh_per_optimizer_state() -> Dict[str, Any]:
+def _refresh_per_optimizer_state() -> dict[str, Any]:
     # "grad_scale_after_clip": set by a fused clip on a grads-untouched path; step() then
     # hands it to an amp-aware optimizer as its grad_scale (scale / clip_coef, on device).
     return {"stage": OptState.READY, "found_inf_per_device": {}, "grad_scale_after_clip": None}
@@ -42,7 +42,7 @@ class _PerDevice:
 
     def __init__(self, master: Tensor) -> None:
         self.master = master
-        self.copies: Dict[torch.device, Tensor] = {}
+        self.copies: dict[torch.device, Tensor] = {}
 
     def get(self, device: torch.device) -> Tensor:
         t = self.copies.get(device)
@@ -124,7 +124,7 @@ class Scaler:
 
     def __init__(
         self,
-        device: Optional[Union[str, torch.device]] = None,
+        device: Union[str, torch.device] | None = None,
         init_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -132,14 +132,14 @@ class Scaler:
         enabled: bool = True,
         *,
         hysteresis: int = 1,
-        min_scale: Optional[float] = None,
-        max_scale: Optional[float] = None,
-        backend: Optional[str] = None,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        backend: str | None = None,
         track_stats: bool = False,
-        process_group: Optional[Any] = None,
+        process_group: Any | None = None,
         sharded: bool = False,
     ) -> None:
-        self._device: Optional[str] = torch.device(device).type if device is not None else None
+        self._device: str | None = torch.device(device).type if device is not None else None
         self._enabled = enabled
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
@@ -163,25 +163,25 @@ class Scaler:
 
             backends._check_name(backend)
         self._init_scale = init_scale
-        self._scale: Optional[Tensor] = None
+        self._scale: Tensor | None = None
         self._growth_factor = growth_factor
         self._backoff_factor = backoff_factor
         self._growth_interval = growth_interval
         self._init_growth_tracker = 0
-        self._growth_tracker: Optional[Tensor] = None
+        self._growth_tracker: Tensor | None = None
         self._hysteresis = hysteresis
         self._init_hysteresis_tracker = hysteresis
-        self._hysteresis_tracker: Optional[Tensor] = None
+        self._hysteresis_tracker: Tensor | None = None
         self._min_scale = min_scale
         self._max_scale = max_scale
         self._backend = backend
         self._process_group = _check_process_group(process_group, sharded)
         self._sharded = sharded
         self._init_skipped_steps = 0
-        self._skipped_steps: Optional[Tensor] = None
+        self._skipped_steps: Tensor | None = None
         self._init_last_step_skipped = False
-        self._last_step_skipped: Optional[Tensor] = None
-        self._per_optimizer_states: Dict[int, Dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+        self._last_step_skipped: Tensor | None = None
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
         self._track_stats = bool(track_stats)
         # (id(optimizer), device) -> the last check's statistics buffers for it
         self._stats: dict[tuple[int, torch.device], health._StatsRows] = {}
@@ -191,7 +191,7 @@ class Scaler:
 
     # ------------------------------------------------------------------ lazy state
 
-    def _check_scale_growth_tracker(self, funcname: str) -> Tuple[Tensor, Tensor]:
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
         if self._scale is None:
             raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _SCALE_NONE_FIX)
         if self._growth_tracker is None:
@@ -224,7 +224,7 @@ class Scaler:
                 self._lazy_init_scale_growth_tracker(outputs.device)
             return outputs * self._scale.to(device=outputs.device, non_blocking=True)
 
-        per_device: List[Optional[_PerDevice]] = [None]
+        per_device: list[_PerDevice | None] = [None]
 
         def apply_scale(val):
             if isinstance(val, Tensor):
@@ -248,8 +248,8 @@ class Scaler:
 
     # ------------------------------------------------------------------ the fused check
 
-    def _grads_by_device(self, optimizer, allow_fp16: bool, owners=None) -> Dict[torch.device, List[Tensor]]:
-        per_device: Dict[torch.device, List[Tensor]] = defaultdict(list)
+    def _grads_by_device(self, optimizer, allow_fp16: bool, owners=None) -> dict[torch.device, list[Tensor]]:
+        per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         position = -1
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -285,14 +285,14 @@ class Scaler:
         write_back: bool,
         compute_sumsq: bool,
         stats: bool = False,
-    ) -> Tuple[Dict[torch.device, Tensor], Dict[torch.device, Tensor]]:
+    ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
         """One fused pass per device: non-finite check, optional unscale, optional sum of squares.
 
         ``stats`` (with ``track_stats``): the same pass also writes the per-tensor health
         statistics into this optimizer's buffers for that device.
         """
         inv_rep, found_rep = _PerDevice(inv_scale), _PerDevice(found_inf)
-        sumsq: Dict[torch.device, Tensor] = {}
+        sumsq: dict[torch.device, Tensor] = {}
         stats = stats and self._track_stats
         owners: dict[torch.device, list] | None = defaultdict(list) if stats else None
         with torch.no_grad():
@@ -344,8 +344,8 @@ class Scaler:
         )[0]
 
     def _all_reduce_flags(
-        self, found: Dict[torch.device, Tensor], sumsq: Optional[Tensor] = None
-    ) -> Tuple[Dict[torch.device, Tensor], Optional[Tensor]]:
+        self, found: dict[torch.device, Tensor], sumsq: Tensor | None = None
+    ) -> tuple[dict[torch.device, Tensor], Tensor | None]:
         """All-reduce this rank's overflow flags (and a partial squared norm) over the process group.
 
         One collective on the scale's device, no host sync: the per-device flags are combined
@@ -402,7 +402,7 @@ class Scaler:
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
 
-    def _check_inf_per_device(self, optimizer) -> Dict[torch.device, Tensor]:
+    def _check_inf_per_device(self, optimizer) -> dict[torch.device, Tensor]:
         """Check (without touching) ``optimizer``'s grads; records and returns per-device found_inf.
 
         Unlike torch (which checks with ``inv_scale=1``), the check multiplies by the real
@@ -422,7 +422,7 @@ class Scaler:
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
-    def _found_inf_per_device(self, optimizer) -> Dict[torch.device, Tensor]:
+    def _found_inf_per_device(self, optimizer) -> dict[torch.device, Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     # ------------------------------------------------------------------ fused clipping
@@ -557,7 +557,9 @@ class Scaler:
                 if optimizer_state["stage"] is OptState.READY:
                     self._check_inf_per_device(optimizer)
                 scale = self._scale
-                flags = [t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values()]
+                flags = [
+                    t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values()
+                ]
                 found_inf = torch.stack(flags).amax() if flags else torch.zeros_like(scale)
                 user_scale = getattr(optimizer, "grad_scale", None)
                 if optimizer_state["grad_scale_after_clip"] is not None:
@@ -585,7 +587,7 @@ class Scaler:
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
-    def update(self, new_scale: Optional[Union[float, Tensor]] = None) -> None:
+    def update(self, new_scale: Union[float, Tensor] | None = None) -> None:
         """Update the scale for the next iteration (on device, no host sync).
 
         Without ``new_scale``: backoff if any optimizer recorded an overflow this
@@ -716,7 +718,7 @@ class Scaler:
 
     # ------------------------------------------------------------------ getters / setters
 
-    def _get_scale_async(self) -> Optional[Tensor]:
+    def _get_scale_async(self) -> Tensor | None:
         return self._scale
 
     def get_scale(self) -> float:
@@ -758,7 +760,7 @@ class Scaler:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> Dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """torch's five keys with torch's types, plus fastamp's extra keys (syncs).
 
         A ``torch.amp.GradScaler`` loads it (it reads only its own keys); every value is a
@@ -781,7 +783,7 @@ class Scaler:
             "last_step_skipped": self.last_step_skipped,
         }
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of a ``fastamp.Scaler`` or a ``torch.amp.GradScaler``.
 
         Extra fastamp keys are optional (a torch state dict leaves hysteresis, bounds and
@@ -794,8 +796,11 @@ class Scaler:
             raise RuntimeError(
                 "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
             )
-        missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-                   if k not in state_dict]
+        missing = [
+            k
+            for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+            if k not in state_dict
+        ]
         if missing:
             raise KeyError(missing[0])
         hysteresis = state_dict.get("hysteresis", self._hysteresis)
@@ -840,7 +845,7 @@ class Scaler:
         if self._last_step_skipped is not None:
             self._last_step_skipped.fill_(self._init_last_step_skipped)
 
-    def __getstate__(self) -> Dict[str, Any]:
+    def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
@@ -861,14 +866,17 @@ class Scaler:
             state["_health"] = health._Monitor()
         return state
 
-    def __setstate__(self, state: Dict[str, Any]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
 
 
 def _check_scale_settings(where: str, scale, growth_factor, backoff_factor, growth_interval) -> None:
     """Host-side checks of the scale settings torch leaves unchecked (a negative backoff, a NaN scale)."""
-    for name, v in (("init_scale" if where == "fastamp.Scaler" else "scale", scale), ("growth_factor", growth_factor),
-                    ("backoff_factor", backoff_factor)):
+    for name, v in (
+        ("init_scale" if where == "fastamp.Scaler" else "scale", scale),
+        ("growth_factor", growth_factor),
+        ("backoff_factor", backoff_factor),
+    ):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(f"{where}: {name} must be a real number, got {type(v).__name__}")
         if not math.isfinite(v) or v < 0:
@@ -878,9 +886,7 @@ def _check_scale_settings(where: str, scale, growth_factor, backoff_factor, grow
     if not growth_factor > 1:
         raise ValueError(f"{where}: growth_factor must be > 1, got {growth_factor!r}")
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 0:
-        raise ValueError(
-            f"{where}: growth_interval must be an int >= 0 (0: never grow), got {growth_interval!r}"
-        )
+        raise ValueError(f"{where}: growth_interval must be an int >= 0 (0: never grow), got {growth_interval!r}")
 
 
 def _local_shard(grad: Tensor) -> Tensor:
@@ -907,5 +913,5 @@ def _check_process_group(process_group: Any, sharded: Any) -> Any:
     return process_group
 
 
-def _params_with_grads(optimizer) -> List[Tensor]:
+def _params_with_grads(optimizer) -> list[Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, Tensor) and p.grad is not None]

@@ -10,4 +10,6 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run by benchmarks/gpu_check.sh on a GPU machine)")
+requires_cuda = pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA device (run by benchmarks/gpu_check.sh on a GPU machine)"
+)

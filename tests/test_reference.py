@@ -5,9 +5,9 @@ import random
 
 import pytest
 import torch
+from tolerances import NORM_RTOL
 
 from fastamp import reference
-from tolerances import NORM_RTOL
 
 SPECIALS = [0.0, -0.0, 1e-45, -1e-40, 6e-8, 65504.0, 65520.0, 3.0e38, -1.0, 0.5, math.inf, -math.inf, math.nan]
 
@@ -38,8 +38,10 @@ def test_unscale_check_matches_torch(dtype, inv_scale, with_nonfinite):
     for a, b in zip(ours, theirs):
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(torch.nan_to_num(a, nan=0.0), torch.nan_to_num(b, nan=0.0))
-    created = any((~torch.isfinite(g.float() * inv_scale) | ~torch.isfinite((g.float() * inv_scale).to(dtype))).any()
-                  for g in grads)
+    created = any(
+        (~torch.isfinite(g.float() * inv_scale) | ~torch.isfinite((g.float() * inv_scale).to(dtype))).any()
+        for g in grads
+    )
     if float(f_theirs) == 1.0:
         assert float(f_ours) == 1.0
     else:
@@ -75,7 +77,9 @@ def test_sumsq_matches_clip_grad_norm():
     grads = [torch.randn(n, generator=gen) * 1000 for n in (1, 100, 4097)]
     bf = [g.bfloat16() for g in grads]
     for gs in (grads, bf):
-        s = reference.unscale_check_([g.clone() for g in gs], torch.zeros(()), torch.tensor(2.0**-10), compute_sumsq=True)
+        s = reference.unscale_check_(
+            [g.clone() for g in gs], torch.zeros(()), torch.tensor(2.0**-10), compute_sumsq=True
+        )
         ref = torch.nn.utils.get_total_norm([g.float() * 2.0**-10 for g in gs])
         assert math.isclose(math.sqrt(float(s)), float(ref), rel_tol=NORM_RTOL)
 

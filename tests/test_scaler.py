@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
+from tolerances import NORM_RTOL
 
 import fastamp
 from fastamp import backends
-from tolerances import NORM_RTOL
 
 CPU_BACKENDS = [b for b in backends.BACKENDS if backends.available(b, "unscale_check_", "cpu")[0]]
 
@@ -97,7 +97,7 @@ def test_parity_with_torch_gradscaler(case):
         assert fs.get_scale() == ts.get_scale(), f"scale diverged at step {step}"
         assert fs._get_growth_tracker() == ts._get_growth_tracker(), f"tracker diverged at step {step}"
         for pt, pf, pb in zip(ta, fa, before):
-            for a, b, c in zip(pt, pf, pb):
+            for a, b, _c in zip(pt, pf, pb):
                 assert torch.equal(a, b), f"params diverged at step {step}"
             n_skipped += all(torch.equal(a, c) for a, c in zip(pt, pb))
     # the test must have exercised both decisions many times
@@ -149,26 +149,24 @@ def _scaled_backward(s, p):
 
 
 MISUSES = {
-    "unscale_twice": lambda cls: (
-        lambda p, o, s: (_scaled_backward(s, p), s.unscale_(o), s.unscale_(o))
-    )(*_loop_parts(cls)),
-    "unscale_after_step": lambda cls: (
-        lambda p, o, s: (_scaled_backward(s, p), s.step(o), s.unscale_(o))
-    )(*_loop_parts(cls)),
+    "unscale_twice": lambda cls: (lambda p, o, s: (_scaled_backward(s, p), s.unscale_(o), s.unscale_(o)))(
+        *_loop_parts(cls)
+    ),
+    "unscale_after_step": lambda cls: (lambda p, o, s: (_scaled_backward(s, p), s.step(o), s.unscale_(o)))(
+        *_loop_parts(cls)
+    ),
     "step_twice": lambda cls: (lambda p, o, s: (_scaled_backward(s, p), s.step(o), s.step(o)))(*_loop_parts(cls)),
     "unscale_before_scale": lambda cls: (lambda p, o, s: s.unscale_(o))(*_loop_parts(cls)),
     "step_before_scale": lambda cls: (lambda p, o, s: s.step(o))(*_loop_parts(cls)),
     "update_before_scale": lambda cls: (lambda p, o, s: s.update())(*_loop_parts(cls)),
     "update_without_step": lambda cls: (lambda p, o, s: (_scaled_backward(s, p), s.update()))(*_loop_parts(cls)),
-    "closure": lambda cls: (
-        lambda p, o, s: (_scaled_backward(s, p), s.step(o, closure=lambda: 0.0))
-    )(*_loop_parts(cls)),
-    "step_without_grads": lambda cls: (
-        lambda p, o, s: (s.scale(torch.ones(())), s.step(o))
-    )(*_loop_parts(cls)),
-    "new_scale_2d": lambda cls: (
-        lambda p, o, s: (_scaled_backward(s, p), s.step(o), s.update(torch.ones(2)))
-    )(*_loop_parts(cls)),
+    "closure": lambda cls: (lambda p, o, s: (_scaled_backward(s, p), s.step(o, closure=lambda: 0.0)))(
+        *_loop_parts(cls)
+    ),
+    "step_without_grads": lambda cls: (lambda p, o, s: (s.scale(torch.ones(())), s.step(o)))(*_loop_parts(cls)),
+    "new_scale_2d": lambda cls: (lambda p, o, s: (_scaled_backward(s, p), s.step(o), s.update(torch.ones(2))))(
+        *_loop_parts(cls)
+    ),
     "new_scale_requires_grad": lambda cls: (
         lambda p, o, s: (_scaled_backward(s, p), s.step(o), s.update(torch.ones((), requires_grad=True)))
     )(*_loop_parts(cls)),
@@ -176,9 +174,9 @@ MISUSES = {
     "backoff_factor": lambda cls: cls("cpu", backoff_factor=1.0),
     "load_empty": lambda cls: cls("cpu").load_state_dict({}),
     "load_missing_key": lambda cls: cls("cpu").load_state_dict({"scale": 1.0}),
-    "pickle_mid_iteration": lambda cls: (
-        lambda p, o, s: (_scaled_backward(s, p), s.unscale_(o), pickle.dumps(s))
-    )(*_loop_parts(cls)),
+    "pickle_mid_iteration": lambda cls: (lambda p, o, s: (_scaled_backward(s, p), s.unscale_(o), pickle.dumps(s)))(
+        *_loop_parts(cls)
+    ),
     "scale_non_tensor": lambda cls: cls("cpu").scale([torch.ones(()), 3]),
 }
 
