@@ -16,11 +16,19 @@ Regimes:
   ``fp32``            fp32 params, ``torch.optim.AdamW(fused=True)``.
   ``torch-amp-fp16``  fp32 params, ``autocast(fp16)`` + ``torch.amp.GradScaler`` + fused AdamW.
   ``torch-amp-bf16``  fp32 params, ``autocast(bf16)`` + fused AdamW (bf16 needs no scaler).
-  ``fastamp-fp16``    fp16 params (norm layers stay fp32) + fp32 masters in
-                      ``fastamp.optim.AdamW`` + ``fastamp.Scaler``, under ``autocast(fp16)``.
-  ``fastamp-bf16``    bf16 params (norm layers fp32) + fp32 masters, under ``autocast(bf16)``.
-  ``pure-fp16``       ``model.half()`` (BatchNorm and LayerNorm included), torch AdamW on the
-                      fp16 params, no masters, no scaler: the guides' cautionary row.
+  ``fastamp-fp16``    ``fastamp.cast_model(model, fp16)`` (norm layers stay fp32, casts at their
+                      boundaries) + fp32 masters in ``fastamp.optim.AdamW`` + ``fastamp.Scaler``,
+                      under ``autocast(fp16)``.
+  ``fastamp-bf16``    ``cast_model(model, bf16)`` + fp32 masters, under ``autocast(bf16)``.
+  ``fastamp-bf16-remainder``  the same with ``master_weights="remainder"``: int16 remainders
+                      instead of fp32 masters (exact, 2 bytes per param less).
+  ``fastamp-bf16-sr`` the same without masters, ``stochastic_rounding=True, seed=0``.
+  ``fastamp-bf16-10B`` remainder masters + bf16 moments with stochastic rounding (10 bytes per
+                      param: param 2, remainder 2, moments 2 + 2, grad 2).
+  ``half-fp16-fastamp`` ``model.half()`` (BatchNorm / LayerNorm in fp16 too) with everything
+                      else as ``fastamp-fp16``: isolates what ``cast_model`` changes.
+  ``pure-fp16``       plain ``model.half()`` (BatchNorm and LayerNorm included), torch AdamW on the
+                      fp16 params, no masters, no scaler, no autocast: the guides' cautionary row.
   ``pure-bf16``       the same in bf16.
 
 Usage::
@@ -49,15 +57,43 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-REGIMES = (
-    "fp32",
-    "torch-amp-fp16",
-    "torch-amp-bf16",
-    "fastamp-fp16",
-    "fastamp-bf16",
-    "pure-fp16",
-    "pure-bf16",
-)
+# regime -> (low-precision dtype or None, one-line description for the report)
+REGIME_INFO: dict[str, tuple[torch.dtype | None, str]] = {
+    "fp32": (None, "fp32 params, torch.optim.AdamW(fused=True)"),
+    "torch-amp-fp16": (torch.float16, "fp32 params, autocast(fp16) + torch.amp.GradScaler + AdamW(fused=True)"),
+    "torch-amp-bf16": (torch.bfloat16, "fp32 params, autocast(bf16) + AdamW(fused=True), no scaler"),
+    "fastamp-fp16": (
+        torch.float16,
+        "fastamp.cast_model(model, fp16) (norm layers fp32, casts at their boundaries) + fastamp AdamW "
+        "(fp32 masters) + fastamp.Scaler, under autocast(fp16)",
+    ),
+    "fastamp-bf16": (torch.bfloat16, "fastamp.cast_model(model, bf16) + fastamp AdamW (fp32 masters), autocast(bf16)"),
+    "fastamp-bf16-remainder": (
+        torch.bfloat16,
+        'as fastamp-bf16 with AdamW(master_weights="remainder"): int16 remainders instead of fp32 masters',
+    ),
+    "fastamp-bf16-sr": (
+        torch.bfloat16,
+        "as fastamp-bf16 without masters: AdamW(stochastic_rounding=True, seed=0)",
+    ),
+    "fastamp-bf16-10B": (
+        torch.bfloat16,
+        'as fastamp-bf16 with AdamW(master_weights="remainder", state_dtype=bf16, stochastic_rounding=True, '
+        "seed=0): 10 bytes per param with the grad",
+    ),
+    "half-fp16-fastamp": (
+        torch.float16,
+        "plain model.half() (BatchNorm/LayerNorm params and running stats fp16) + fastamp AdamW (fp32 masters) "
+        "+ fastamp.Scaler, under autocast(fp16): fastamp-fp16 without cast_model",
+    ),
+    "pure-fp16": (
+        torch.float16,
+        "plain model.half() (norm layers included) + torch AdamW(fused=True) on fp16 params: no masters, "
+        "no scaler, no autocast",
+    ),
+    "pure-bf16": (torch.bfloat16, "plain model.to(bf16) + torch AdamW(fused=True): no masters, no autocast"),
+}
+REGIMES = tuple(REGIME_INFO)
 MODELS = ("gpt", "cnn")
 
 # Size presets: "small" is what the defaults run on a 2-core CPU in a few minutes.
@@ -258,17 +294,17 @@ class SmallCNN(nn.Module):
         return F.cross_entropy(logits.float(), y)
 
 
-_NORM_LAYERS = (nn.LayerNorm, nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.GroupNorm)
-
-
-def cast_except_norms(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """Cast params to ``dtype`` except normalisation layers (kept fp32, with fp32 statistics)."""
-    for mod in model.modules():
-        if isinstance(mod, _NORM_LAYERS):
-            continue
-        for p in mod.parameters(recurse=False):
-            p.data = p.data.to(dtype)
-    return model
+def bn_running_var_max(model: nn.Module) -> float | None:
+    """Largest BatchNorm ``running_var`` entry of ``model`` (inf or nan when the statistics broke); None without BN."""
+    vals = [
+        m.running_var.detach().float().max()
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.running_var is not None and m.running_var.numel()
+    ]
+    if not vals:
+        return None
+    v = torch.stack(vals)
+    return float(v.max()) if not torch.isnan(v).any() else float("nan")
 
 
 # ----------------------------------------------------------------------------------------
@@ -361,6 +397,7 @@ class RegimeResult:
     final_loss: float = float("nan")
     initial_loss: float = float("nan")
     skipped_steps: Any = "-"
+    bn_var_max: float | None = None
     final_scale: Any = "-"
     nonfinite_losses: int = 0
     error: str = ""
@@ -371,11 +408,50 @@ class RegimeResult:
 
 
 def _regime_dtype(regime: str):
-    if regime.endswith("fp16"):
-        return torch.float16
-    if regime.endswith("bf16"):
-        return torch.bfloat16
-    return None
+    if regime not in REGIME_INFO:
+        raise ValueError(f"fastamp.compare: unknown regime {regime!r}; expected one of {REGIMES}")
+    return REGIME_INFO[regime][0]
+
+
+def build_regime(regime: str, model: nn.Module, lr: float, device: torch.device):
+    """Set ``model`` (changed in place) up for ``regime``.
+
+    Returns ``(optimizer, scaler or None, autocast dtype or None, input dtype or None)``.
+    """
+    import fastamp
+    from fastamp.optim import AdamW as FastAdamW
+
+    dtype = _regime_dtype(regime)
+    autocast_dtype = scaler = in_dtype = None
+    if regime == "fp32":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    elif regime.startswith("torch-amp"):
+        autocast_dtype = dtype
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+        if dtype == torch.float16:
+            scaler = torch.amp.GradScaler(device.type)
+    elif regime.startswith("fastamp") or regime == "half-fp16-fastamp":
+        autocast_dtype = dtype
+        if regime == "half-fp16-fastamp":
+            model.to(dtype)
+        else:
+            fastamp.cast_model(model, dtype)
+        kwargs: dict[str, Any] = {}
+        if regime == "fastamp-bf16-remainder":
+            kwargs = {"master_weights": "remainder"}
+        elif regime == "fastamp-bf16-sr":
+            kwargs = {"stochastic_rounding": True, "seed": 0}
+        elif regime == "fastamp-bf16-10B":
+            kwargs = {"master_weights": "remainder", "state_dtype": torch.bfloat16, "stochastic_rounding": True}
+            kwargs["seed"] = 0
+        opt = FastAdamW(model.parameters(), lr=lr, **kwargs)
+        if dtype == torch.float16:
+            scaler = fastamp.Scaler(device.type)
+    else:  # pure-*: the whole model, norm layers included, in low precision
+        model.to(dtype)
+        in_dtype = dtype
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    return opt, scaler, autocast_dtype, in_dtype
 
 
 def _lr_at(step: int, steps: int, base_lr: float) -> float:
@@ -413,42 +489,18 @@ def train_regime(
     progress: Callable[[], None] | None = None,
 ) -> RegimeResult:
     """Train a copy of ``base_model`` for ``steps`` steps under ``regime``; no host sync inside the loop."""
-    import fastamp
-    from fastamp.optim import AdamW as FastAdamW
-
     res = RegimeResult(model_name, regime)
-    dtype = _regime_dtype(regime)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         mem_before = torch.cuda.memory_allocated(device)
     model = copy.deepcopy(base_model).to(device)
-    autocast_dtype = None
-    scaler = None
-    if regime == "fp32":
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    elif regime.startswith("torch-amp"):
-        autocast_dtype = dtype
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-        if dtype == torch.float16:
-            scaler = torch.amp.GradScaler(device.type)
-    elif regime.startswith("fastamp"):
-        autocast_dtype = dtype
-        cast_except_norms(model, dtype)
-        opt = FastAdamW(model.parameters(), lr=lr)
-        if dtype == torch.float16:
-            scaler = fastamp.Scaler(device.type)
-    elif regime.startswith("pure"):
-        model.to(dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    else:
-        raise ValueError(f"fastamp.compare: unknown regime {regime!r}; expected one of {REGIMES}")
+    opt, scaler, autocast_dtype, in_dtype = build_regime(regime, model, lr, device)
 
     params = [p for p in model.parameters()]
     loss_fn = type(model).loss
     losses: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
-    in_dtype = dtype if regime.startswith("pure") else None
 
     def one_step(step: int):
         x, y = data.train_batch(step)
@@ -514,6 +566,7 @@ def train_regime(
             with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
                 vals.append(loss_fn(model(x), y).float())
         res.final_loss = float(torch.stack(vals).mean())
+    res.bn_var_max = bn_running_var_max(model)
     res.losses = torch.stack(losses).cpu().tolist() if losses else []
     res.nonfinite_losses = sum(1 for v in res.losses if not math.isfinite(v))
     res.initial_loss = res.losses[0] if res.losses else float("nan")
@@ -601,6 +654,7 @@ def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
                     "skipped_steps": r.skipped_steps,
                     "final_scale": f"{r.final_scale:g}" if isinstance(r.final_scale, float) else r.final_scale,
                     "nonfinite_losses": r.nonfinite_losses,
+                    "bn_running_var_max": "-" if r.bn_var_max is None else f"{r.bn_var_max:.4g}",
                     "error": r.error,
                 }
             )
@@ -612,12 +666,25 @@ def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
 # and see the same batches; they differ only in rounding (fastamp stores the params and the
 # embedding/LayerNorm inputs in low precision, autocast keeps them fp32), which moves a short
 # training run's final loss by well under 1% in our runs; 3% leaves room for other seeds.
+# The stochastic-rounding and bf16-moment rows are held to the same budget: they trade
+# accuracy for memory, and the check says whether the trade cost more than that here.
 CONVERGENCE_RTOL = 0.03
-_PAIRS = (("fastamp-fp16", "torch-amp-fp16"), ("fastamp-bf16", "torch-amp-bf16"))
+_PAIRS = (
+    ("fastamp-fp16", "torch-amp-fp16"),
+    ("fastamp-bf16", "torch-amp-bf16"),
+    ("fastamp-bf16-remainder", "torch-amp-bf16"),
+    ("fastamp-bf16-sr", "torch-amp-bf16"),
+    ("fastamp-bf16-10B", "torch-amp-bf16"),
+    ("half-fp16-fastamp", "fastamp-fp16"),
+)
+
+
+def _first_nonfinite(losses: list[float]) -> int | None:
+    return next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
 
 
 def verdicts(results: list[RegimeResult]) -> list[str]:
-    """One line per fastamp row vs its torch.amp row, and per pure low-precision row."""
+    """One line per fastamp row vs its reference row, remainder vs fp32 master, and per pure low-precision row."""
     out = []
     by = {(r.model, r.regime): r for r in results if not r.error}
     for model in dict.fromkeys(r.model for r in results):
@@ -631,17 +698,36 @@ def verdicts(results: list[RegimeResult]) -> list[str]:
                 f"{model}: {ours} final val loss {a.final_loss:.4f} vs {theirs} {b.final_loss:.4f} "
                 f"({100 * rel:+.2f}%): {'within' if ok else 'OUTSIDE'} the {100 * CONVERGENCE_RTOL:.0f}% tolerance"
             )
+        a, b = by.get((model, "fastamp-bf16-remainder")), by.get((model, "fastamp-bf16"))
+        if a is not None and b is not None and a.losses and len(a.losses) == len(b.losses):
+            same = next((i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x != y), len(a.losses))
+            out.append(
+                f"{model}: fastamp-bf16-remainder vs fastamp-bf16 (fp32 masters): training losses bit-identical for "
+                f"{same} of {len(a.losses)} steps (same master update; at an exact rounding tie, about 1 element in "
+                f"65,536, the remainder's bf16 param is the neighbour away from zero, one ulp from the nearest-even "
+                f"one, and from then on the two runs see slightly different forwards)"
+            )
         for pure in ("pure-fp16", "pure-bf16"):
             r, base = by.get((model, pure)), by.get((model, "fp32"))
             if r is None or base is None:
                 continue
             if not math.isfinite(r.final_loss) or r.nonfinite_losses:
-                what = f"diverged ({r.nonfinite_losses} non-finite training losses)"
+                what = (
+                    f"diverged ({r.nonfinite_losses} non-finite training losses, the first at step "
+                    f"{_first_nonfinite(r.losses)})"
+                )
             elif r.convergence_pct < 90:
                 what = f"stalls at {r.convergence_pct:.1f}% of fp32's loss reduction"
             else:
                 what = f"reaches {r.convergence_pct:.1f}% of fp32's loss reduction"
-            out.append(f"{model}: {pure} (no master weights, no scaler) {what}")
+            out.append(f"{model}: {pure} (plain .to({pure[5:]}), no master weights, no scaler) {what}")
+        bn = [r for r in results if r.model == model and not r.error and r.bn_var_max is not None]
+        if bn:
+            out.append(
+                f"{model}: largest BatchNorm running_var after training: "
+                + ", ".join(f"{r.regime} {r.bn_var_max:.4g}" for r in bn)
+                + " (fp16 holds at most 65504; cast_model keeps these statistics fp32, .half() stores them in fp16)"
+            )
     return out
 
 
@@ -686,11 +772,23 @@ def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, tit
         "torch-amp-bf16": "tab:cyan",
         "fastamp-fp16": "tab:red",
         "fastamp-bf16": "tab:orange",
+        "fastamp-bf16-remainder": "tab:brown",
+        "fastamp-bf16-sr": "tab:green",
+        "fastamp-bf16-10B": "tab:pink",
+        "half-fp16-fastamp": "tab:gray",
         "pure-fp16": "tab:purple",
         "pure-bf16": "tab:olive",
     }
-    styles = {"fp32": "-", "torch-amp-fp16": "--", "torch-amp-bf16": "--", "pure-fp16": ":", "pure-bf16": ":"}
-    fig, axes = plt.subplots(len(models), 3, figsize=(17, 4.6 * len(models)), squeeze=False)
+    styles = {
+        "fp32": "-",
+        "torch-amp-fp16": "--",
+        "torch-amp-bf16": "--",
+        "fastamp-bf16-remainder": (0, (5, 1)),
+        "half-fp16-fastamp": "-.",
+        "pure-fp16": ":",
+        "pure-bf16": ":",
+    }
+    fig, axes = plt.subplots(len(models), 3, figsize=(18, 5.2 * len(models)), squeeze=False)
     for mi, model in enumerate(models):
         ax_l, ax_s, ax_m = axes[mi]
         rs = [r for r in results if r.model == model and not r.error]
@@ -702,7 +800,7 @@ def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, tit
             ax_l.plot(
                 range(len(r.losses)),
                 _smooth(r.losses, k),
-                styles.get(r.regime, "-"),
+                linestyle=styles.get(r.regime, "-"),
                 color=colors.get(r.regime),
                 label=r.regime + (f" ({r.nonfinite_losses} non-finite)" if r.nonfinite_losses else ""),
                 linewidth=1.4,
@@ -727,7 +825,7 @@ def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, tit
         for r in rs:
             if r.scales:
                 any_scale = True
-                ax_s.plot(range(len(r.scales)), r.scales, styles.get(r.regime, "-"), color=colors.get(r.regime),
+                ax_s.plot(range(len(r.scales)), r.scales, linestyle=styles.get(r.regime, "-"), color=colors.get(r.regime),
                           label=f"{r.regime} (skipped {r.skipped_steps})", linewidth=1.4)  # fmt: skip
         if any_scale and all(len(set(r.scales)) == 1 for r in rs if r.scales):
             ax_s.annotate("no overflow: the scale never backed off", (0.02, 0.05), xycoords="axes fraction", fontsize=8)
@@ -965,6 +1063,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "speed column measures exactly that; the mixed-precision speed-up needs a GPU (or an AMX CPU). "
             "Memory and convergence carry over."
         ]
+    lines += ["", "## Regimes", ""] + [f"- `{r}`: {REGIME_INFO[r][1]}" for r in regimes]
     lines.append("")
     for model_name in models:
         lines += [

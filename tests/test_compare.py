@@ -38,14 +38,65 @@ def test_text_and_image_batches_are_deterministic_per_step():
     assert torch.equal(xi, imd.train_batch(0)[0])
 
 
-def test_cast_except_norms_keeps_normalisation_fp32():
-    m = compare.cast_except_norms(compare.SmallCNN(4), torch.bfloat16)
-    for mod in m.modules():
-        for p in mod.parameters(recurse=False):
-            want = torch.float32 if isinstance(mod, (nn.BatchNorm2d, nn.LayerNorm)) else torch.bfloat16
-            assert p.dtype == want, (type(mod).__name__, p.dtype)
-    g = compare.cast_except_norms(compare.TinyGPT(10, 8, 1, 16, 2), torch.float16)
-    assert g.ln_f.weight.dtype == torch.float32 and g.head.weight.dtype == torch.float16
+def _norm_dtypes(model):
+    norms = (nn.BatchNorm2d, nn.LayerNorm)
+    kept = {p.dtype for m in model.modules() if isinstance(m, norms) for p in m.parameters(recurse=False)}
+    kept |= {b.dtype for m in model.modules() if isinstance(m, norms) for b in m.buffers(recurse=False)}
+    kept.discard(torch.long)  # num_batches_tracked
+    other = {p.dtype for m in model.modules() if not isinstance(m, norms) for p in m.parameters(recurse=False)}
+    return kept, other
+
+
+@pytest.mark.parametrize(
+    "regime, norm_dtype, other_dtype",
+    [
+        ("fastamp-fp16", torch.float32, torch.float16),  # cast_model keeps BatchNorm fp32
+        ("fastamp-bf16-sr", torch.float32, torch.bfloat16),
+        ("half-fp16-fastamp", torch.float16, torch.float16),  # model.half(): BatchNorm in fp16 too
+        ("pure-fp16", torch.float16, torch.float16),
+        ("torch-amp-fp16", torch.float32, torch.float32),
+    ],
+)
+def test_regimes_cast_the_cnn_as_described(regime, norm_dtype, other_dtype):
+    model = compare.SmallCNN(4)
+    opt, scaler, autocast_dtype, in_dtype = compare.build_regime(regime, model, 1e-3, torch.device("cpu"))
+    assert _norm_dtypes(model) == ({norm_dtype}, {other_dtype})
+    assert (scaler is not None) == (regime in ("fastamp-fp16", "half-fp16-fastamp", "torch-amp-fp16"))
+    assert isinstance(scaler, fastamp.Scaler) == regime.endswith(("fastamp", "fastamp-fp16"))
+    assert (in_dtype is not None) == regime.startswith("pure")
+    assert (autocast_dtype is None) == regime.startswith("pure")
+    assert isinstance(opt, FastAdamW) == ("fastamp" in regime)
+
+
+@pytest.mark.parametrize(
+    "regime, state",
+    [
+        ("fastamp-bf16", {"master_param": torch.float32, "exp_avg": torch.float32}),
+        ("fastamp-bf16-remainder", {"master_remainder": torch.int16, "exp_avg": torch.float32}),
+        ("fastamp-bf16-sr", {"rng": torch.int64, "exp_avg": torch.float32}),
+        ("fastamp-bf16-10B", {"master_remainder": torch.int16, "rng": torch.int64, "exp_avg": torch.bfloat16}),
+    ],
+)
+def test_low_bit_rows_use_the_optimizer_state_they_name(regime, state):
+    model = compare.TinyGPT(10, 8, 1, 16, 2)
+    opt, scaler, autocast_dtype, _ = compare.build_regime(regime, model, 1e-3, torch.device("cpu"))
+    assert scaler is None and autocast_dtype == torch.bfloat16
+    model.head.weight.grad = torch.ones_like(model.head.weight)
+    opt.step()
+    st = opt.state[model.head.weight]
+    for key, dt in state.items():
+        assert st[key].dtype == dt, (key, st[key].dtype)
+    masters = {"master_param", "master_remainder"} - set(state)
+    assert not masters & set(st), set(st)
+
+
+def test_bn_running_var_max_sees_an_overflow():
+    model = compare.SmallCNN(4)
+    assert compare.bn_running_var_max(compare.TinyGPT(10, 8, 1, 16, 2)) is None
+    assert compare.bn_running_var_max(model) == 1.0
+    model.half()
+    model.net[1].running_var[0] = float("inf")
+    assert compare.bn_running_var_max(model) == float("inf")
 
 
 def test_live_bytes_counts_each_storage_once():
@@ -116,7 +167,7 @@ def test_same_regime_twice_is_bit_identical():
 
 
 def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
-    regimes = "fp32,torch-amp-fp16,fastamp-fp16,pure-bf16"
+    regimes = "fp32,torch-amp-fp16,fastamp-fp16,fastamp-bf16-sr,pure-bf16"
     rows = compare.main(
         [
             "--device",
@@ -134,8 +185,9 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert "## gpt" in out and "## cnn" in out and "CPU note" in out and "peak memory" in out
-    assert "fastamp-fp16 final val loss" in out and "pure-bf16 (no master weights" in out
-    assert len(rows) == 2 * 4
+    assert "fastamp-fp16 final val loss" in out and "pure-bf16 (plain .to(bf16), no master weights" in out
+    assert "cast_model" in out and "largest BatchNorm running_var" in out
+    assert len(rows) == 2 * 5
     for r in rows:
         assert not r["error"], r
         assert r["peak_mem_bytes"] > 0 and math.isfinite(r["peak_mem_bytes"])
@@ -150,7 +202,7 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
     assert gpt["pure-bf16"]["peak_mem_bytes"] < gpt["fp32"]["peak_mem_bytes"]
     with open(tmp_path / "compare-cpu-curves.csv", newline="") as f:
         curves = list(csv.DictReader(f))
-    assert len(curves) == 2 * 4 * 4
+    assert len(curves) == 2 * 5 * 4
     png = tmp_path / "compare-cpu.png"
     assert png.exists() and png.stat().st_size > 20_000
 
@@ -171,13 +223,15 @@ def test_verdicts_flag_divergence_and_tolerance():
         R("m", "torch-amp-fp16", initial_loss=4.0, final_loss=2.0),
         R("m", "fastamp-fp16", initial_loss=4.0, final_loss=2.2),
         R("m", "torch-amp-bf16", initial_loss=4.0, final_loss=2.0),
-        R("m", "fastamp-bf16", initial_loss=4.0, final_loss=2.01),
-        R("m", "pure-fp16", initial_loss=4.0, final_loss=float("nan"), nonfinite_losses=7),
+        R("m", "fastamp-bf16", initial_loss=4.0, final_loss=2.01, losses=[4.0, 3.0, 2.4]),
+        R("m", "fastamp-bf16-remainder", initial_loss=4.0, final_loss=2.01, losses=[4.0, 3.0, 2.5]),
+        R("m", "pure-fp16", initial_loss=4.0, final_loss=float("nan"), nonfinite_losses=7, losses=[4.0, 3.0, math.nan]),
         R("m", "pure-bf16", initial_loss=4.0, final_loss=3.5),
     ]
     compare.summarise(res)
     lines = compare.verdicts(res)
     assert any("fastamp-fp16" in v and "OUTSIDE" in v for v in lines)
     assert any("fastamp-bf16" in v and "within" in v for v in lines)
-    assert any("pure-fp16" in v and "diverged (7" in v for v in lines)
+    assert any("pure-fp16" in v and "diverged (7" in v and "first at step 2" in v for v in lines)
+    assert any("bit-identical for 2 of 3 steps" in v for v in lines)
     assert any("pure-bf16" in v and "stalls at 25.0%" in v for v in lines)
