@@ -1,15 +1,28 @@
-"""Benchmark one fused AdamW pass: torch's ``AdamW(fused=True)`` vs fastamp's ``adamw_`` op.
+"""Benchmark one fused AdamW pass: torch's ``AdamW(fused=True)`` vs fastamp's ``adamw_`` / ``adamw_bf16_`` ops.
 
-Providers (each checked against :func:`fastamp.reference.adamw_` before being timed):
+Providers (each checked against :mod:`fastamp.reference` before being timed):
 
 ``torch``          ``torch.optim.AdamW(fused=True).step()`` on fp32 params and grads: reads
                    param, grad, m, v and writes param, m, v: 28 B/elem.
-``fastamp-<b>``    :func:`fastamp.functional.adamw_` with backend ``b`` (plus the tiny on-device
-                   step-scalar computation the optimizer does per step), for
-                   fp32 params (28 B/elem, as torch) and bf16 / fp16 params with fp32 masters
-                   (reads grad 2, master 4, m 4, v 4; writes master, m, v and the 2-byte param:
-                   28 B/elem). This is the kernel alone; ``bench_step.py`` times the optimizer
-                   class and the scaler around it.
+``fastamp-<b>``    backend ``b`` of fastamp's fused ops (plus the tiny on-device step-scalar
+                   computation the optimizer does per step), one row per ``--dtypes`` entry:
+
+                   ``fp32``            :func:`fastamp.functional.adamw_`, fp32 params: 28 B/elem, as torch.
+                   ``bf16`` / ``fp16`` ``adamw_`` with fp32 masters: reads grad 2, master 4, m 4,
+                                       v 4; writes master, m, v and the 2-byte param (never
+                                       read): 28 B/elem.
+                   ``bf16-remainder``  :func:`fastamp.functional.adamw_bf16_` with int16 master
+                                       remainders (issue #7): reads grad 2, param 2, remainder 2,
+                                       m 4, v 4; writes param, remainder, m, v: 26 B/elem.
+                   ``bf16-sr``         ``adamw_bf16_`` without master, stochastic rounding: reads
+                                       grad, param, m, v; writes param, m, v: 22 B/elem.
+                   ``bf16-10B``        ``adamw_bf16_`` with remainders and bf16 moments, stochastic
+                                       rounding: reads grad, param, remainder, m, v (2 B each);
+                                       writes param, remainder, m, v: 18 B/elem.
+
+Byte counts are what each kernel reads and writes; write-allocate traffic (a store to a line
+that was not read) is not counted, for any provider. This is the kernel alone; ``bench_step.py``
+times the optimizer class and the scaler around it.
 """
 
 from __future__ import annotations
@@ -28,29 +41,82 @@ from common import Provider  # noqa: E402
 from fastamp import functional as F  # noqa: E402
 from fastamp import reference  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "bf16-remainder": torch.bfloat16,
+    "bf16-sr": torch.bfloat16,
+    "bf16-10B": torch.bfloat16,
+}
+# dtype entry -> (master kind, moment dtype, stochastic rounding, bytes per element)
+KINDS = {
+    "fp32": ("none", torch.float32, False, 28),
+    "bf16": ("fp32", torch.float32, False, 28),
+    "fp16": ("fp32", torch.float32, False, 28),
+    "bf16-remainder": ("remainder", torch.float32, False, 26),
+    "bf16-sr": ("none", torch.float32, True, 22),
+    "bf16-10B": ("remainder", torch.bfloat16, True, 18),
+}
+NOTES = {
+    "fp32": "fp32 params, adamw_: reads p, g, m, v, writes p, m, v (28 B)",
+    "bf16": "bf16 params + fp32 master, adamw_: reads g (2 B), master, m, v; writes master, m, v, param (2 B): 28 B",
+    "fp16": "fp16 params + fp32 master, adamw_: reads g (2 B), master, m, v; writes master, m, v, param (2 B): 28 B",
+    "bf16-remainder": "bf16 params + int16 remainder, adamw_bf16_: reads g, p, rem (2 B each), m, v (4 B each); "
+    "writes p, rem, m, v: 26 B",
+    "bf16-sr": "bf16 params, no master, stochastic rounding, adamw_bf16_: reads g, p (2 B), m, v (4 B); writes p, m, "
+    "v: 22 B",
+    "bf16-10B": "bf16 params + int16 remainder + bf16 moments, stochastic rounding, adamw_bf16_: reads g, p, rem, m, "
+    "v; writes p, rem, m, v (2 B each): 18 B",
+}
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 CHECK_SIZES = [1, 7, 4099, 65537, 256, 3, 131]
 
 
 class _FastampState:
-    """The tensors fastamp's AdamW keeps for a list of params, and one call of the fused op."""
+    """The tensors fastamp's AdamW keeps for a list of params, and one call of the fused op.
 
-    def __init__(self, params, grads, use_master: bool, backend: str):
-        self.params, self.grads = params, grads
-        self.masters = [p.float().clone() for p in params] if use_master else []
-        self.m = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
-        self.v = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
+    ``kind`` is a :data:`KINDS` key. Remainder masters start from the params (remainder 0,
+    as the optimizer's first step does); the stochastic-rounding counter advances on every
+    call, as the optimizer's does on every applied step.
+    """
+
+    def __init__(self, params, grads, kind: str, backend: str):
+        master, mdt, sr, _ = KINDS[kind]
+        self.params, self.grads, self.kind, self.backend = params, grads, kind, backend
+        self.masters = [p.float().clone() for p in params] if master == "fp32" else []
+        self.remainders = [torch.zeros(p.shape, dtype=torch.int16, device=p.device) for p in params] if (
+            master == "remainder"
+        ) else []  # fmt: skip
+        self.m = [torch.zeros(p.shape, dtype=mdt, device=p.device) for p in params]
+        self.v = [torch.zeros(p.shape, dtype=mdt, device=p.device) for p in params]
         self.step_t = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        self.backend = backend
+        self.rng = torch.tensor([0, 0], dtype=torch.int64, device=params[0].device) if sr else None
+        self.lowbit = kind.startswith("bf16-")
 
     def __call__(self):
         self.step_t += 1
         scalars = reference.adamw_step_scalars(LR, self.step_t, BETAS[0], BETAS[1], WD)
-        F.adamw_(
-            self.params, self.grads, self.masters, self.m, self.v, [], scalars, None,
-            beta1=BETAS[0], beta2=BETAS[1], eps=EPS, backend=self.backend,
-        )  # fmt: skip
+        if self.lowbit:
+            F.adamw_bf16_(
+                self.params, self.grads, self.remainders, self.m, self.v, [], scalars, None, self.rng, 0,
+                beta1=BETAS[0], beta2=BETAS[1], eps=EPS, backend=self.backend,
+            )  # fmt: skip
+            if self.rng is not None:
+                self.rng[1] += 1
+        else:
+            F.adamw_(
+                self.params, self.grads, self.masters, self.m, self.v, [], scalars, None,
+                beta1=BETAS[0], beta2=BETAS[1], eps=EPS, backend=self.backend,
+            )  # fmt: skip
+
+    def values(self):
+        """The values being optimised: fp32 masters (joined from remainders), else the params."""
+        if self.masters:
+            return self.masters
+        if self.remainders:
+            return [reference.join_master(p, r) for p, r in zip(self.params, self.remainders)]
+        return self.params
 
 
 def _torch_opt(params, grads):
@@ -66,18 +132,18 @@ def _check_data(dtype, device):
     return params, grads
 
 
-def _reference_run(params, grads_per_step, use_master):
-    st = _FastampState([p.clone() for p in params], None, use_master, "torch")
+def _reference_run(params, grads_per_step, kind):
+    st = _FastampState([p.clone() for p in params], None, kind, "torch")
     for grads in grads_per_step:
         st.grads = grads
         st()
-    return st.masters if use_master else st.params
+    return st
 
 
 def make_torch_check(device):
     def check():
         params, grads = _check_data(torch.float32, device)
-        want = _reference_run(params, grads, False)
+        want = _reference_run(params, grads, "fp32").params
         mine = [p.clone() for p in params]
         opt = _torch_opt(mine, grads[0])
         for g in grads:
@@ -90,25 +156,37 @@ def make_torch_check(device):
     return check
 
 
-def make_fastamp_check(dtype, backend, device):
-    use_master = dtype != torch.float32
+def make_fastamp_check(kind, backend, device):
+    dtype = DTYPES[kind]
+    master, _, sr, _ = KINDS[kind]
 
     def check():
         params, grads = _check_data(dtype, device)
-        want = _reference_run(params, grads, use_master)
-        st = _FastampState([p.clone() for p in params], None, use_master, backend)
+        ref = _reference_run(params, grads, kind)
+        st = _FastampState([p.clone() for p in params], None, kind, backend)
         for g in grads:
             st.grads = g
             st()
-        got = st.masters if use_master else st.params
-        err = max(common.assert_close(f"value[{i}]", a, b) for i, (a, b) in enumerate(zip(got, want)))
-        if use_master:
+        err = max(common.assert_close(f"value[{i}]", a, b) for i, (a, b) in enumerate(zip(st.values(), ref.values())))
+        msg = f"vs reference after 3 steps: max abs error {err:.2g}"
+        if master == "remainder" and not KINDS[kind][2]:
+            # the remainder master must follow the fp32-master trajectory bit for bit (issue #7)
+            fp32_master = _reference_run(params, grads, "bf16").masters
+            for i, (a, b) in enumerate(zip(st.values(), fp32_master)):
+                if not torch.equal(a, b):
+                    raise AssertionError(f"remainder master[{i}] is not bit-identical to the fp32-master run")
+            msg += "; joined masters bit-identical to the fp32-master reference"
+        if master != "none" or sr:
+            for i, (a, b) in enumerate(zip(st.params, ref.params)):
+                if not torch.equal(a, b):
+                    raise AssertionError(f"param[{i}] differs from the reference's bf16 param")
+            msg += "; params bit-identical to the reference"
+        if master == "fp32":
             for i, (p, m) in enumerate(zip(st.params, st.masters)):
                 if not torch.equal(p, m.to(dtype)):
                     raise AssertionError(f"param[{i}] is not its master rounded to {dtype}")
-        return f"vs reference after 3 steps: max abs error {err:.2g}" + (
-            "; params == rounded masters" if use_master else ""
-        )
+            msg += "; params == rounded masters"
+        return msg
 
     return check
 
@@ -141,27 +219,21 @@ def make_providers(args, device):
             for d in dtypes:
                 dt = DTYPES[d]
 
-                def fa_setup(dt=dt, b=b):
+                def fa_setup(d=d, dt=dt, b=b):
                     params = [torch.randn(per, device=device).to(dt) for _ in range(n_tensors)]
                     grads = [torch.randn(per, device=device).to(dt) for _ in range(n_tensors)]
-                    return _FastampState(params, grads, dt != torch.float32, b)
+                    return _FastampState(params, grads, d, b)
 
-                note = (
-                    "fp32 params: reads p, g, m, v, writes p, m, v (28 B)"
-                    if dt == torch.float32
-                    else f"{d} params + fp32 master: reads g ({dt.itemsize} B), master, m, v; writes master, m, v, "
-                    f"param ({dt.itemsize} B): 28 B"
-                )
                 out.append(
                     Provider(
                         f"fastamp-{b}",
                         "adamw",
                         d,
-                        28,
+                        KINDS[d][3],
                         fa_setup,
-                        make_fastamp_check(dt, b, device),
+                        make_fastamp_check(d, b, device),
                         baseline="torch",
-                        notes=note + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
+                        notes=NOTES[d] + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
                     )
                 )
         return out
@@ -172,11 +244,29 @@ def make_providers(args, device):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser)
-    parser.add_argument("--dtypes", default="fp32,bf16", help="param dtypes of the fastamp rows (fp32,bf16,fp16)")
+    parser.add_argument(
+        "--dtypes",
+        default="fp32,bf16,bf16-remainder,bf16-sr,bf16-10B",
+        help=f"fastamp rows: param dtype and master kind, some of {','.join(DTYPES)}",
+    )
     args = parser.parse_args(argv)
     device = common.resolve_device(args.device)
     return common.run_benchmark(
-        args, "bench_adamw", "adamw_", make_providers(args, device), "fused AdamW pass: fastamp vs torch fused"
+        args,
+        "bench_adamw",
+        "adamw_",
+        make_providers(args, device),
+        "fused AdamW pass: fastamp vs torch fused",
+        summarise=_remainder_vs_master,
+    )
+
+
+def _remainder_vs_master(rows):
+    """Issue #7: the remainder step (26 B) side by side with the fp32-master step (28 B), same backend and size."""
+    return common.ratio_lines(
+        rows,
+        [("adamw", "bf16-remainder", "adamw", "bf16")],
+        "Remainder masters vs fp32 masters (bf16 params, same backend, same run; issue #7 asks for a time ratio <= 1):",
     )
 
 

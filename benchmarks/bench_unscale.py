@@ -13,6 +13,11 @@ Three scenarios, each functionally the same across its providers:
                   (the unscale and the clip factor are folded into its step). torch has no such
                   path, so it is compared with torch's ``unscale+clip``, which is what a torch user
                   who clips must run.
+``check+stats``   ``check+norm`` with per-tensor gradient health statistics written in the same
+                  pass (``counts=``, ``absmax=`` of :func:`fastamp.functional.unscale_check_`:
+                  non-finite, zeros, fp16 underflow, absmax; issue #8). The same bytes are moved;
+                  the summary gives its time over ``check+norm``'s (target: < 1.10).
+``unscale+stats`` ``unscale+norm`` with the same statistics (write_back=True), vs ``unscale+norm``.
 
 Run ``python benchmarks/bench_unscale.py --quick`` for a smoke test, without flags for the
 full sweep (the issue's targets: 64M elements in 256 tensors, 20,000 tensors of 256).
@@ -85,6 +90,67 @@ def fastamp_check_norm(backend: str) -> Callable:
         ).sqrt()
 
     return run
+
+
+def fastamp_with_stats(backend: str, write_back: bool) -> Callable:
+    """check (or unscale) + norm + per-tensor health statistics in one pass; the stats tensors are reused."""
+    cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def run(params, grads, found_inf, inv_scale, max_norm):
+        st = cache.get(len(grads))
+        if st is None or st[0].device != found_inf.device:
+            st = cache[len(grads)] = (
+                torch.zeros(len(grads), 3, dtype=torch.int64, device=found_inf.device),
+                torch.zeros(len(grads), dtype=torch.float32, device=found_inf.device),
+            )
+        run.stats = st
+        return F.unscale_check_(
+            grads, found_inf, inv_scale, write_back=write_back, compute_sumsq=True, counts=st[0], absmax=st[1],
+            backend=backend,
+        ).sqrt()  # fmt: skip
+
+    run.stats = None
+    return run
+
+
+def make_stats_check(impl: Callable, write_back: bool, dtype: torch.dtype, device: torch.device) -> Callable[[], str]:
+    """Counts and absmax equal fastamp.reference.unscale_check_stats_ on adversarial grads; grads and norm too."""
+
+    def check() -> str:
+        gen = torch.Generator().manual_seed(2)
+        grads = [(torch.randn(n, generator=gen) * 1024).to(dtype) for n in SIZES_FOR_CHECK]
+        for g in grads:
+            if g.numel() >= 7:
+                g[0], g[1], g[2] = 0.0, -0.0, 2.0**-20  # zeros, and a value that underflows fp16 after unscaling
+                g[3] = 2.0**-13 if dtype != torch.float16 else 2.0**-14
+        grads[2][5] = float("inf")
+        grads[-1][-1] = float("nan")
+        grads = [g.to(device) for g in grads]
+        inv_scale = torch.full((1,), 1.0 / 1024, device=device)
+        want = [g.clone() for g in grads]
+        want_fi = torch.zeros(1, device=device)
+        want_counts = torch.zeros(len(grads), 3, dtype=torch.int64, device=device)
+        want_absmax = torch.zeros(len(grads), device=device)
+        want_sumsq = reference.unscale_check_stats_(
+            want, want_fi, inv_scale, write_back, True, want_counts, want_absmax
+        )  # fmt: skip
+        got = [g.clone() for g in grads]
+        params = [torch.empty_like(g) for g in got]
+        fi = torch.zeros(1, device=device)
+        norm = impl(params, got, fi, inv_scale, 0.0)
+        counts, absmax = impl.stats
+        if not torch.equal(counts, want_counts):
+            raise AssertionError(f"counts {counts.tolist()} != reference {want_counts.tolist()}")
+        common.assert_close("absmax", absmax, want_absmax)
+        common.assert_close("norm", norm.reshape(()), want_sumsq.sqrt().reshape(()))
+        for i, (a, b) in enumerate(zip(got, want)):
+            if not torch.equal(torch.nan_to_num(a.float(), nan=7.0), torch.nan_to_num(b.float(), nan=7.0)):
+                raise AssertionError(f"grad[{i}] differs from the reference (write_back={write_back})")
+        if float(fi) != float(want_fi) or float(fi) != 1.0:
+            raise AssertionError(f"found_inf {float(fi)}, reference {float(want_fi)}, expected 1")
+        return f"counts exact ({int(counts.sum())} counted), absmax, norm, grads and found_inf match the reference"
+
+    return check
 
 
 def _reference(scenario: str, grads, inv_scale, max_norm):
@@ -205,7 +271,30 @@ def make_providers(args, device):
                 "one read-only check+norm pass: 1 x grad bytes",
             ),
         }
+        stats = {
+            "check+stats": (False, 1, "torch@unscale+clip", "check+norm pass with per-tensor stats (read): 1 x grad bytes"),
+            "unscale+stats": (True, 2, "torch@unscale+norm", "check+norm+unscale pass with stats (read+write): 2 x grad "
+                              "bytes"),
+        }  # fmt: skip
         for b in backends:
+            for sc, (write_back, nbytes, baseline, note) in stats.items():
+                for d in dtypes:
+                    dt = DTYPES[d]
+                    impl = fastamp_with_stats(b, write_back)
+                    out.append(
+                        Provider(
+                            name=f"fastamp-{b}",
+                            scenario=sc,
+                            dtype=d,
+                            bytes_per_elem=nbytes * dt.itemsize,
+                            setup=make_setup(fastamp_with_stats(b, write_back), n_tensors, per, dt, device),
+                            check=make_stats_check(impl, write_back, dt, device),
+                            baseline=baseline,
+                            notes=note
+                            + "; the stats (3 int64 + 1 fp32 per tensor) are not counted"
+                            + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
+                        )
+                    )
             for sc, (factory, nbytes, baseline, note) in fa.items():
                 for d in dtypes:
                     dt = DTYPES[d]
@@ -239,6 +328,16 @@ def main(argv=None):
         "unscale_check_",
         make_providers(args, device),
         "check + norm + unscale (+ clip): fastamp vs torch",
+        summarise=_stats_overhead,
+    )
+
+
+def _stats_overhead(rows):
+    """Issue #8: the check pass with health statistics vs without, same backend, dtype and size."""
+    dts = sorted({r["dtype"] for r in rows if r["scenario"] == "check+stats"})
+    pairs = [("check+stats", d, "check+norm", d) for d in dts] + [("unscale+stats", d, "unscale+norm", d) for d in dts]
+    return common.ratio_lines(
+        rows, pairs, "Gradient statistics overhead (same backend, dtype and size; issue #8 target: ratio < 1.10):"
     )
 
 

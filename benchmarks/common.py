@@ -351,6 +351,32 @@ class Progress:
         self.stream.flush()
 
 
+def ratio_lines(rows: list[dict[str, object]], pairs: Sequence[tuple[str, str, str, str]], what: str) -> list[str]:
+    """Markdown lines comparing median times of pairs of rows of the same provider at each config.
+
+    ``pairs``: (scenario, dtype of the row, scenario, dtype of the row it is compared with); the
+    table gives both times and ``this / that`` (below 1: faster), for every fastamp provider.
+    """
+    out = []
+    key = {(r["scenario"], r["provider"], r["dtype"], r["n_tensors"], r["elems_per_tensor"]): r for r in rows}
+    for sc_a, dt_a, sc_b, dt_b in pairs:
+        for r in rows:
+            if (r["scenario"], r["dtype"]) != (sc_a, dt_a) or r.get("ms") is None:
+                continue
+            if not str(r["provider"]).startswith("fastamp"):
+                continue
+            o = key.get((sc_b, r["provider"], dt_b, r["n_tensors"], r["elems_per_tensor"]))
+            if o is None or o.get("ms") is None:
+                continue
+            out.append(
+                f"| {r['provider']} | {r['n_tensors']}x{r['elems_per_tensor']} | {sc_a} {dt_a}: {r['ms']:.3f} ms | "
+                f"{sc_b} {dt_b}: {o['ms']:.3f} ms | {r['ms'] / o['ms']:.3f} |"
+            )
+    if not out:
+        return []
+    return [what, "", "| provider | config | this | compared with | time ratio |", "|---|---|---|---|---|"] + out
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -479,8 +505,13 @@ def run_benchmark(
     op_for_backends: str,
     make_providers: Callable[[int, int, list[str]], list[Provider]],
     title: str,
+    summarise: Callable[[list[dict[str, object]]], list[str]] | None = None,
 ) -> list[dict[str, object]]:
-    """Check, time and report every provider at every config; write CSV, Markdown and PNG."""
+    """Check, time and report every provider at every config; write CSV, Markdown and PNG.
+
+    ``summarise(rows)`` may return Markdown lines (a comparison the benchmark exists for),
+    printed after the table.
+    """
     device = resolve_device(args.device)
     torch.manual_seed(0)
     configs = parse_configs(args, device)
@@ -578,6 +609,8 @@ def run_benchmark(
     if failed:
         md += ["Failed the check against the reference (not timed):", ""] + sorted(set(failed)) + [""]
     md += [table, ""]
+    if summarise is not None:
+        md += summarise(rows) + [""]
     if notes:
         md += ["Providers:", ""] + notes + [""]
     md += [

@@ -30,7 +30,7 @@ import torch
 
 import fastamp
 from fastamp import backends
-from fastamp.compare import TextData, TinyGPT, cast_except_norms
+from fastamp.compare import TextData, TinyGPT
 from fastamp.optim import AdamW as FastAdamW
 
 CONFIGS = ("fastamp-fp16-clip", "fastamp-bf16", "torch-scaler+fastamp-adamw", "torch-reference")
@@ -43,12 +43,12 @@ def _setup(config: str, backend: str | None, device, data, dim: int):
     autocast_dtype = None
     clip = None
     if config == "fastamp-fp16-clip":
-        cast_except_norms(model, torch.float16)
+        fastamp.cast_model(model, torch.float16)
         opt = FastAdamW(model.parameters(), lr=1e-3, backend=backend)
         scaler = fastamp.Scaler(dev, backend=backend)
         autocast_dtype, clip = torch.float16, 1.0
     elif config == "fastamp-bf16":
-        cast_except_norms(model, torch.bfloat16)
+        fastamp.cast_model(model, torch.bfloat16)
         opt = FastAdamW(model.parameters(), lr=1e-3, backend=backend)
         scaler = fastamp.Scaler(dev, backend=backend)
         autocast_dtype = torch.bfloat16

@@ -27,7 +27,11 @@ ARGS = ["--quick", "--configs", "40x16", "--rounds", "1", "--device", "cpu"]
 @pytest.mark.parametrize(
     "module, name, scenarios",
     [
-        (bench_unscale, "bench_unscale", {"unscale+clip", "unscale+norm", "check+norm"}),
+        (
+            bench_unscale,
+            "bench_unscale",
+            {"unscale+clip", "unscale+norm", "check+norm", "check+stats", "unscale+stats"},
+        ),
         (bench_adamw, "bench_adamw", {"adamw"}),
         (bench_step, "bench_step", {"step"}),
     ],
@@ -63,6 +67,39 @@ def test_bytes_per_element_are_counted_per_provider(tmp_path):
     assert by[("unscale+clip", "fastamp-torch")] == 6  # bf16: check r, unscale*clip r+w
     assert by[("unscale+norm", "fastamp-torch")] == 4
     assert by[("check+norm", "fastamp-torch")] == 2
+    assert by[("check+stats", "fastamp-torch")] == 2  # same pass; the per-tensor stats are not counted
+    assert by[("unscale+stats", "fastamp-torch")] == 4
+
+
+def test_adamw_rows_count_the_bytes_of_each_master_kind(tmp_path):
+    rows = bench_adamw.main(ARGS + ["--out", str(tmp_path), "--no-plot", "--backends", "torch"])
+    by = {r["dtype"]: r["bytes_per_elem"] for r in rows if r["provider"] == "fastamp-torch"}
+    assert by == {"fp32": 28, "bf16": 28, "bf16-remainder": 26, "bf16-sr": 22, "bf16-10B": 18}
+    assert all(r["check"] == "ok" for r in rows)
+    md = (tmp_path / "bench_adamw-cpu-quick.md").read_text()
+    assert "Remainder masters vs fp32 masters" in md and "bf16-remainder:" in md
+
+
+def test_stats_overhead_is_summarised(tmp_path):
+    bench_unscale.main(ARGS + ["--out", str(tmp_path), "--no-plot", "--backends", "torch", "--dtypes", "bf16"])
+    md = (tmp_path / "bench_unscale-cpu-quick.md").read_text()
+    assert "Gradient statistics overhead" in md
+    assert "check+stats bf16:" in md and "unscale+stats bf16:" in md
+
+
+def test_stats_check_catches_wrong_counts():
+    impl = bench_unscale.fastamp_with_stats("torch", False)
+
+    def wrong(params, grads, found_inf, inv_scale, max_norm):
+        out = impl(params, grads, found_inf, inv_scale, max_norm)
+        impl.stats[0][0, 1] += 1  # one zero too many
+        wrong.stats = impl.stats
+        return out
+
+    check = bench_unscale.make_stats_check(wrong, False, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(AssertionError, match="counts"):
+        check()
+    assert "counts exact" in bench_unscale.make_stats_check(impl, False, torch.bfloat16, torch.device("cpu"))()
 
 
 def test_plot_is_written(tmp_path):
