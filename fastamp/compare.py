@@ -721,6 +721,25 @@ def verdicts(results: list[RegimeResult]) -> list[str]:
             else:
                 what = f"reaches {r.convergence_pct:.1f}% of fp32's loss reduction"
             out.append(f"{model}: {pure} (plain .to({pure[5:]}), no master weights, no scaler) {what}")
+        half, cast, pure = (by.get((model, k)) for k in ("half-fp16-fastamp", "fastamp-fp16", "pure-fp16"))
+        if half is not None and cast is not None:
+            rel = (half.final_loss - cast.final_loss) / cast.final_loss if cast.final_loss else float("nan")
+            if math.isfinite(rel) and abs(rel) <= CONVERGENCE_RTOL and not half.nonfinite_losses:
+                line = (
+                    f"{model}: norm layers in fp16 (model.half()) trained as well as cast_model's fp32 norm layers "
+                    f"here, with fp32 masters and a scaler (half-fp16-fastamp)"
+                )
+                if pure is not None and (pure.nonfinite_losses or not math.isfinite(pure.final_loss)):
+                    line += (
+                        "; so pure-fp16's failure comes with its optimizer (torch AdamW with fp16 state, no master, no "
+                        "scaler), not from the fp16 norm layers alone"
+                    )
+            else:
+                line = (
+                    f"{model}: norm layers in fp16 (model.half(), half-fp16-fastamp) broke training: final val loss "
+                    f"{half.final_loss:.4f} vs {cast.final_loss:.4f} with cast_model's fp32 norm layers"
+                )
+            out.append(line)
         bn = [r for r in results if r.model == model and not r.error and r.bn_var_max is not None]
         if bn:
             out.append(

@@ -234,4 +234,9 @@ def test_verdicts_flag_divergence_and_tolerance():
     assert any("fastamp-bf16" in v and "within" in v for v in lines)
     assert any("pure-fp16" in v and "diverged (7" in v and "first at step 2" in v for v in lines)
     assert any("bit-identical for 2 of 3 steps" in v for v in lines)
+    assert not any("norm layers in fp16" in v for v in lines)
+    res += [R("m", "half-fp16-fastamp", initial_loss=4.0, final_loss=2.21)]
+    assert any("trained as well as cast_model" in v and "pure-fp16's failure" in v for v in compare.verdicts(res))
+    res[-1] = R("m", "half-fp16-fastamp", initial_loss=4.0, final_loss=2.3)
+    assert any("broke training" in v for v in compare.verdicts(res))
     assert any("pure-bf16" in v and "stalls at 25.0%" in v for v in lines)
