@@ -454,45 +454,88 @@ def plot_bench(rows: list[dict[str, object]], ceiling: dict[str, float], path: s
         srows = [r for r in timed if r["scenario"] == sc]
         labels = list(dict.fromkeys(f"{r['provider']} {r['dtype']}" for r in srows))
         ax_bw, ax_t = axes[si]
-        size_max_n = max((r["n_tensors"] for r in srows), default=0)
+        size_rows = [r for r in srows if r["n_tensors"] <= 256]
+        count_rows = [r for r in srows if r["elems_per_tensor"] == 256]
+        # One size (or one count) only, as in a run at the target sizes: bars read better than lone points.
+        bar_bw = len({r["numel"] for r in size_rows}) == 1
+        bar_t = len({r["n_tensors"] for r in count_rows}) == 1
+        if bar_bw:
+            _bars(ax_bw, size_rows, "gbps", "GB/s")
+            r0 = size_rows[0]
+            ax_bw.set_title(f"{sc}: bandwidth at {r0['n_tensors']} x {r0['elems_per_tensor']}")
+            ax_bw.set_xlabel("achieved GB/s (bytes counted per provider)")
+            for key, ls, y in (("triad_gbps", ":", 0.96), ("copy_gbps", "-.", 0.02)):
+                ax_bw.axvline(ceiling[key], color="grey", linestyle=ls, linewidth=1)
+                ax_bw.annotate(f" {key.split('_')[0]} {ceiling[key]:.1f} GB/s", (ceiling[key], y),
+                               xycoords=("data", "axes fraction"), fontsize=7, color="grey", va="bottom")  # fmt: skip
+            top = max([float(r["gbps"]) for r in size_rows] + [ceiling["triad_gbps"], ceiling["copy_gbps"]])
+            ax_bw.set_xlim(0, top * 1.3)
+        if bar_t:
+            _bars(ax_t, count_rows, "ms", "ms")
+            r0 = count_rows[0]
+            ax_t.set_title(f"{sc}: ms per call at {r0['n_tensors']} x {r0['elems_per_tensor']} (median)")
+            ax_t.set_xlabel("ms per call (median), lower is better")
         for lab in labels:
             lr = [r for r in srows if f"{r['provider']} {r['dtype']}" == lab]
             style = "--" if lab.startswith("torch") else "-"
             by_size = sorted((r for r in lr if r["n_tensors"] <= 256), key=lambda r: r["numel"])
-            if by_size:
+            if by_size and not bar_bw:
                 ax_bw.plot([r["numel"] for r in by_size], [r["gbps"] for r in by_size], style, marker="o", label=lab)
             by_count = sorted((r for r in lr if r["elems_per_tensor"] == 256), key=lambda r: r["n_tensors"])
-            if by_count:
+            if by_count and not bar_t:
                 ax_t.plot([r["n_tensors"] for r in by_count], [r["ms"] for r in by_count], style, marker="o", label=lab)
-        for key, ls in (("triad_gbps", ":"), ("copy_gbps", "-.")):
-            ax_bw.axhline(ceiling[key], color="grey", linestyle=ls, linewidth=1)
-            ax_bw.annotate(
-                f"{key.split('_')[0]} {ceiling[key]:.1f} GB/s",
-                (0.01, ceiling[key]),
-                xycoords=("axes fraction", "data"),
-                fontsize=8,
-                color="grey",
-                va="bottom",
-            )
-        ax_bw.set_xscale("log", base=2)
-        ax_bw.set_xlabel("elements in total (256 tensors or fewer)")
-        ax_bw.set_ylabel("achieved GB/s (bytes counted per provider)")
-        ax_bw.set_title(f"{sc}: bandwidth vs size")
-        ax_bw.grid(True, alpha=0.3)
-        ax_bw.legend(fontsize=7)
-        ax_t.set_xscale("log")
-        ax_t.set_yscale("log")
-        ax_t.set_xlabel("number of 256-element tensors")
-        ax_t.set_ylabel("ms per call (median)")
-        ax_t.set_title(f"{sc}: many small tensors")
-        ax_t.grid(True, alpha=0.3, which="both")
-        if ax_t.lines:
-            ax_t.legend(fontsize=7)
-        del size_max_n
+        if not bar_bw:
+            _line_axes_bw(ax_bw, sc, ceiling)
+        if not bar_t:
+            _line_axes_t(ax_t, sc)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / (4.2 * len(scenarios))))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _bars(ax, rows: list[dict[str, object]], key: str, unit: str) -> None:
+    labels = [f"{r['provider']} {r['dtype']}" for r in rows]
+    vals = [float(r[key]) for r in rows]
+    colors = ["tab:grey" if lab.startswith("torch") else "tab:blue" for lab in labels]
+    bars = ax.barh(labels, vals, color=colors)
+    for b, v in zip(bars, vals):
+        ax.annotate(f" {v:.3g} {unit}", (b.get_width(), b.get_y() + b.get_height() / 2), va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(vals) * 1.25 if vals else 1)
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(True, axis="x", alpha=0.3)
+
+
+def _line_axes_bw(ax_bw, sc: str, ceiling: dict[str, float]) -> None:
+    for key, ls in (("triad_gbps", ":"), ("copy_gbps", "-.")):
+        ax_bw.axhline(ceiling[key], color="grey", linestyle=ls, linewidth=1)
+        ax_bw.annotate(
+            f"{key.split('_')[0]} {ceiling[key]:.1f} GB/s",
+            (0.01, ceiling[key]),
+            xycoords=("axes fraction", "data"),
+            fontsize=8,
+            color="grey",
+            va="bottom",
+        )
+    ax_bw.set_xscale("log", base=2)
+    ax_bw.set_xlabel("elements in total (256 tensors or fewer)")
+    ax_bw.set_ylabel("achieved GB/s (bytes counted per provider)")
+    ax_bw.set_title(f"{sc}: bandwidth vs size")
+    ax_bw.grid(True, alpha=0.3)
+    if ax_bw.lines:
+        ax_bw.legend(fontsize=7)
+
+
+def _line_axes_t(ax_t, sc: str) -> None:
+    ax_t.set_xscale("log")
+    ax_t.set_yscale("log")
+    ax_t.set_xlabel("number of 256-element tensors")
+    ax_t.set_ylabel("ms per call (median)")
+    ax_t.set_title(f"{sc}: many small tensors")
+    ax_t.grid(True, alpha=0.3, which="both")
+    if ax_t.lines:
+        ax_t.legend(fontsize=7)
 
 
 # ----------------------------------------------------------------------------------------
