@@ -68,7 +68,7 @@ run_stage pytest 150 "$PY" -m pytest -x -q tests -p no:cacheprovider --durations
 GPU_CONFIGS=256x4096,256x262144,256x1048576,20000x256
 run_stage bench_step 45 "$PY" benchmarks/bench_step.py --device cuda --backends native,triton --dtypes bf16,fp32 \
     --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
-run_stage compare 110 "$PY" -m fastamp.compare --device cuda --size large --steps 200 --no-progress \
+run_stage compare 110 "$PY" -m fastamp.compare --device cuda --size large --steps 150 --no-progress \
     --out "$OUT/results" --tag cuda
 run_stage bench_unscale 40 "$PY" benchmarks/bench_unscale.py --device cuda --backends native,triton \
     --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda

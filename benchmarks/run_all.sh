@@ -12,7 +12,9 @@ load=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo 0)
 if awk -v l="$load" 'BEGIN {exit !(l > 0.5)}'; then
     echo "run_all: warning: load average $load; timings will include other processes' work" >&2
 fi
-EXTRA=()
+# Full runs time the compiled backends only: the torch (reference) backend's stochastic-rounding
+# path takes minutes at 64M elements; it is checked and timed by --quick and the smoke tests.
+EXTRA=(--backends native,triton)
 OUTDIR=benchmarks/results
 if [ "${1:-}" = "--quick" ]; then
     EXTRA=(--quick)
