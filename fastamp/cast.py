@@ -82,7 +82,11 @@ def cast_model(
             ``dtype`` (so fp32 data can be fed as is). Outputs are left in the dtype of the
             last layer; compute the loss on ``out.float()``.
 
-    A kept module gets a forward pre-hook that casts its fp16/bf16 floating tensor inputs to
+    A kept BatchNorm whose kernel takes low-precision input with fp32 weights and statistics
+    (probed once per device type and dtype; true on CPU and CUDA in torch >= 2.6) keeps its
+    fp32 params and statistics but gets no casts: it reads and writes ``dtype`` activations,
+    as under autocast, so no fp32 copy of its input is kept for backward. Any other kept
+    module gets a forward pre-hook that casts its fp16/bf16 floating tensor inputs to
     fp32 and a forward hook that casts its fp32 floating outputs to ``dtype``; integer
     tensors, fp64 tensors and non-tensors pass through. Integer buffers (e.g.
     ``num_batches_tracked``) are never cast. Existing ``.grad`` tensors are cast with their
@@ -140,6 +144,10 @@ def cast_model(
     for m in kept_roots:
         if m is model:
             continue
+        if _batchnorm_takes_low_precision(m, dtype):
+            # fp32 weights and statistics, low-precision input and output in one kernel: no
+            # fp32 copy of the activation is kept for backward (what autocast does too).
+            continue
 
         def pre_hook(_mod, args, kwargs):
             return _map_tensors(args, to_fp32, torch.float32), _map_tensors(kwargs, to_fp32, torch.float32)
@@ -162,6 +170,38 @@ def cast_model(
     if dtype == torch.float16:
         health.install_optimizer_guard()
     return model
+
+
+_MIXED_BN_OK: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def _batchnorm_takes_low_precision(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether this kept module is a BatchNorm whose kernel accepts ``dtype`` input with fp32
+    params on its device (forward and backward), probed once per (device type, dtype)."""
+    if type(module) not in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm):
+        return False
+    if any(m is not module for m in module.modules()):
+        return False
+    ref = next(iter(module.parameters()), None)
+    if ref is None:
+        ref = next(iter(module.buffers()), None)
+    if ref is None or ref.dtype != torch.float32:
+        return False
+    dev = ref.device
+    key = (dev.type, dtype)
+    if key not in _MIXED_BN_OK:
+        try:
+            x = torch.randn(4, 3, 2, device=dev).to(dtype).requires_grad_()
+            w = torch.ones(3, device=dev, requires_grad=True)
+            b = torch.zeros(3, device=dev, requires_grad=True)
+            rm, rv = torch.zeros(3, device=dev), torch.ones(3, device=dev)
+            with torch.enable_grad():
+                y = torch.nn.functional.batch_norm(x, rm, rv, w, b, training=True)
+                y.float().sum().backward()
+            _MIXED_BN_OK[key] = y.dtype == dtype and x.grad is not None and x.grad.dtype == dtype
+        except (RuntimeError, NotImplementedError):
+            _MIXED_BN_OK[key] = False
+    return _MIXED_BN_OK[key]
 
 
 @torch.no_grad()
