@@ -124,18 +124,22 @@ def _adamw_kernel(
         C.store_from_f32(p_ptr, idx, pv, mask, P_KIND)
 
 
-def _validate(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, amsgrad):
-    op = "fastamp_triton::adamw_"
+def _check_call(
+    op, params, grads, masters_name, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, amsgrad
+):
+    """Checks shared by adamw_ and adamw_bf16_: list lengths, step_scalars, found_inf.
+
+    Returns the params' device, or None when there is nothing to update."""
     n = len(params)
     for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
         if len(lst) != n:
             raise ValueError(f"{op}: {name} has {len(lst)} tensors but params has {n}")
     if len(masters) not in (0, n):
-        raise ValueError(f"{op}: masters must be empty or have one tensor per param ({n}), got {len(masters)}")
+        raise ValueError(f"{op}: {masters_name} must be empty or have one tensor per param ({n}), got {len(masters)}")
     if amsgrad and len(max_exp_avg_sqs) != n:
         raise ValueError(f"{op}: amsgrad needs one max_exp_avg_sq per param ({n}), got {len(max_exp_avg_sqs)}")
     if n == 0:
-        return
+        return None
     dev = params[0].device
     if step_scalars.numel() != 4 or not step_scalars.is_floating_point():
         raise ValueError(
@@ -144,11 +148,17 @@ def _validate(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, st
         )
     if step_scalars.device != dev:
         raise ValueError(f"{op}: step_scalars is on {step_scalars.device} but params are on {dev}")
-    if found_inf is not None:
-        if found_inf.numel() != 1:
-            raise ValueError(f"{op}: found_inf must be a 1-element tensor, got shape {tuple(found_inf.shape)}")
-        if found_inf.device != dev:
-            raise ValueError(f"{op}: found_inf is on {found_inf.device} but params are on {dev}")
+    _check_found_inf(op, found_inf, dev)
+    return dev
+
+
+def _validate(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, amsgrad):
+    op = "fastamp_triton::adamw_"
+    dev = _check_call(
+        op, params, grads, "masters", masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, amsgrad
+    )
+    if dev is None:
+        return
     fp32_lists = [("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("masters", masters)]
     if amsgrad:
         fp32_lists.append(("max_exp_avg_sqs", max_exp_avg_sqs))
@@ -459,25 +469,21 @@ def _validate_bf16(
     params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, amsgrad
 ):
     op = "fastamp_triton::adamw_bf16_"
-    n = len(params)
-    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
-        if len(lst) != n:
-            raise ValueError(f"{op}: {name} has {len(lst)} tensors but params has {n}")
-    if len(remainders) not in (0, n):
-        raise ValueError(f"{op}: remainders must be empty or have one tensor per param ({n}), got {len(remainders)}")
-    if amsgrad and len(max_exp_avg_sqs) != n:
-        raise ValueError(f"{op}: amsgrad needs one max_exp_avg_sq per param ({n}), got {len(max_exp_avg_sqs)}")
-    if n == 0:
+    dev = _check_call(
+        op,
+        params,
+        grads,
+        "remainders",
+        remainders,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
+        step_scalars,
+        found_inf,
+        amsgrad,
+    )
+    if dev is None:
         return
-    dev = params[0].device
-    if step_scalars.numel() != 4 or not step_scalars.is_floating_point():
-        raise ValueError(
-            f"{op}: step_scalars must be 4 floats [step_size, bc2_sqrt, decay, grad_mul], "
-            f"got shape {tuple(step_scalars.shape)} {step_scalars.dtype}"
-        )
-    if step_scalars.device != dev:
-        raise ValueError(f"{op}: step_scalars is on {step_scalars.device} but params are on {dev}")
-    _check_found_inf(op, found_inf, dev)
     _check_rng(op, rng, dev)
     lists = [("exp_avgs", exp_avgs, _STATE_DTYPES), ("exp_avg_sqs", exp_avg_sqs, _STATE_DTYPES)]
     if remainders:
