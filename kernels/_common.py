@@ -67,6 +67,15 @@ def div_rn(x, y, HAS_RN: tl.constexpr):
 
 
 @triton.jit
+def chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR: tl.constexpr):
+    """Decode program ``pid``'s entry of a :func:`build_table` table: (tensor, chunk start, tensor numel)."""
+    t = tl.load(table_ptr + (N_PTR + 1) * n_tensors + pid)
+    start = tl.load(table_ptr + (N_PTR + 1) * n_tensors + n_chunks + pid)
+    numel = tl.load(table_ptr + N_PTR * n_tensors + t)
+    return t, start, numel
+
+
+@triton.jit
 def load_ptr(table_ptr, slot, KIND: tl.constexpr):
     """The pointer stored at ``table_ptr[slot]``, typed for a tensor of dtype kind ``KIND``."""
     raw = tl.load(table_ptr + slot)

@@ -63,9 +63,7 @@ def _adamw_kernel(
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    t = tl.load(table_ptr + (N_PTR + 1) * n_tensors + pid)
-    start = tl.load(table_ptr + (N_PTR + 1) * n_tensors + n_chunks + pid)
-    numel = tl.load(table_ptr + N_PTR * n_tensors + t)
+    t, start, numel = C.chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR)
     p_ptr = C.load_ptr(table_ptr, t, P_KIND)
     g_ptr = C.load_ptr(table_ptr, n_tensors + t, G_KIND)
     m_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 0)
@@ -356,9 +354,7 @@ def _adamw_bf16_kernel(
 ):
     # table columns: param (bf16 bits), grad, exp_avg, exp_avg_sq, [remainder], [max_exp_avg_sq], [tensor id]
     pid = tl.program_id(0)
-    t = tl.load(table_ptr + (N_PTR + 1) * n_tensors + pid)
-    start = tl.load(table_ptr + (N_PTR + 1) * n_tensors + n_chunks + pid)
-    numel = tl.load(table_ptr + N_PTR * n_tensors + t)
+    t, start, numel = C.chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR)
     p_ptr = C.load_ptr(table_ptr, t, 2)
     g_ptr = C.load_ptr(table_ptr, n_tensors + t, G_KIND)
     m_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, M_KIND)

@@ -60,9 +60,7 @@ def _sgd_kernel(
 ):
     # table columns: param, grad, [master or remainder], [momentum buffer], [tensor id]
     pid = tl.program_id(0)
-    t = tl.load(table_ptr + (N_PTR + 1) * n_tensors + pid)
-    start = tl.load(table_ptr + (N_PTR + 1) * n_tensors + n_chunks + pid)
-    numel = tl.load(table_ptr + N_PTR * n_tensors + t)
+    t, start, numel = C.chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR)
     p_ptr = C.load_ptr(table_ptr, t, P_KIND)
     g_ptr = C.load_ptr(table_ptr, n_tensors + t, G_KIND)
     HAS_MASTER: tl.constexpr = MASTER != 0
