@@ -90,7 +90,7 @@ def unscale_check_(
         backend,
         (list(grads), found_inf, inv_scale, write_back, compute_sumsq) + ((counts, absmax) if want_stats else ()),
     )
-    if fast is not None:
+    if fast is not _NOT_RUN:
         return fast
     dense: list[Tensor] = []
     dense_idx: list[int] = []
@@ -146,7 +146,10 @@ def unscale_check_(
     return total
 
 
-def _native_fast_path(op: str, dev: torch.device, backend: str | None, args: tuple) -> Tensor | None:
+_NOT_RUN = object()
+
+
+def _native_fast_path(op: str, dev: torch.device, backend: str | None, args: tuple):
     """Call the native kernel straight away when it is the chosen backend.
 
     The C++ op validates every grad (device, dtype, layout, contiguity) before it touches
@@ -154,13 +157,14 @@ def _native_fast_path(op: str, dev: torch.device, backend: str | None, args: tup
     per-grad Python checks, which cost more than the kernel with thousands of small
     tensors. Anything it rejects (fp64, sparse or strided grads, bad input) goes through the
     Python path below, which handles the first three and raises a clear error for the rest.
+    Returns the kernel's result, or ``_NOT_RUN`` when the caller must take its Python path.
     """
     if backends.resolve(op, dev, backend) != "native":
-        return None
+        return _NOT_RUN
     try:
         return backends.get_impl(op, "native")(*args)
     except (RuntimeError, TypeError):
-        return None
+        return _NOT_RUN
 
 
 def _scatter_rows(counts: Tensor, absmax: Tensor, idx: list[int], c: Tensor, a: Tensor) -> None:
@@ -222,10 +226,21 @@ def update_scale_(
     )
 
 
-def _check_adam_inputs(
-    op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps
-):
-    """Host-side checks every backend relies on (list lengths, one device, hyperparameter ranges)."""
+def _check_adam_hyper(op: str, beta1: float, beta2: float, eps: float) -> None:
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{op}: {name} must be in [0, 1), got {b}")
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
+
+
+def _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad):
+    """Host-side checks of the tensor lists that every backend relies on (list lengths, one device).
+
+    The native kernels check all of this (and more) themselves before touching anything,
+    so the adamw wrappers run these per-tensor checks only when the native call is not
+    taken or rejected its input, for the clearer message.
+    """
     n = len(params)
     lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     if len(masters):
@@ -241,11 +256,6 @@ def _check_adam_inputs(
                 raise TypeError(f"{op}: {name}[{i}] must be a Tensor, got {type(t).__name__}")
             if t.device != dev:
                 raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[0] is on {dev}")
-    for name, b in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"{op}: {name} must be in [0, 1), got {b}")
-    if not eps >= 0.0:
-        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
 
 
 def adamw_(
@@ -275,11 +285,8 @@ def adamw_(
     if len(params) == 0:
         return
     dev = params[0].device
-    _check_adam_inputs(
-        op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps
-    )
-    impl = backends.get_impl(op, backends.resolve(op, dev, backend))
-    impl(
+    _check_adam_hyper(op, beta1, beta2, eps)
+    args = (
         list(params),
         list(grads),
         list(masters),
@@ -294,6 +301,10 @@ def adamw_(
         bool(amsgrad),
         bool(maximize),
     )
+    if _native_fast_path(op, dev, backend, args) is not _NOT_RUN:
+        return
+    _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
+    backends.get_impl(op, backends.resolve(op, dev, backend))(*args)
 
 
 def adamw_bf16_(
@@ -323,11 +334,8 @@ def adamw_bf16_(
     if len(params) == 0:
         return
     dev = params[0].device
-    _check_adam_inputs(
-        op, dev, params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad, beta1, beta2, eps
-    )
-    impl = backends.get_impl(op, backends.resolve(op, dev, backend))
-    impl(
+    _check_adam_hyper(op, beta1, beta2, eps)
+    args = (
         list(params),
         list(grads),
         list(remainders),
@@ -344,6 +352,10 @@ def adamw_bf16_(
         bool(amsgrad),
         bool(maximize),
     )
+    if _native_fast_path(op, dev, backend, args) is not _NOT_RUN:
+        return
+    _check_adam_inputs(op, dev, params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
+    backends.get_impl(op, backends.resolve(op, dev, backend))(*args)
 
 
 def sgd_(

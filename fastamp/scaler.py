@@ -15,6 +15,7 @@ import warnings
 import weakref
 from collections import abc, defaultdict
 from enum import Enum
+from itertools import repeat
 from typing import Any, Union
 
 import torch
@@ -249,6 +250,10 @@ class Scaler:
     # ------------------------------------------------------------------ the fused check
 
     def _grads_by_device(self, optimizer, allow_fp16: bool, owners=None) -> dict[torch.device, list[Tensor]]:
+        if owners is None:
+            plain = _plain_grads(optimizer, allow_fp16)
+            if plain is not None:
+                return plain
         per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         position = -1
         for group in optimizer.param_groups:
@@ -887,6 +892,29 @@ def _check_scale_settings(where: str, scale, growth_factor, backoff_factor, grow
         raise ValueError(f"{where}: growth_factor must be > 1, got {growth_factor!r}")
     if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 0:
         raise ValueError(f"{where}: growth_interval must be an int >= 0 (0: never grow), got {growth_interval!r}")
+
+
+def _plain_grads(optimizer, allow_fp16: bool) -> dict[torch.device, list[Tensor]] | None:
+    """The grads of the common case (dense ``torch.Tensor`` grads on one device) without a Python call per param.
+
+    None when anything needs the per-param loop of ``Scaler._grads_by_device`` (a non-tensor
+    param, DTensor or sparse grads, several devices, fp16 grads where they are refused),
+    which then handles it or raises its error.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not all(map(isinstance, params, repeat(Tensor))):
+        return None
+    grads = [g for g in [p.grad for p in params] if g is not None]
+    if not grads:
+        return {}
+    if {type(g) for g in grads} != {Tensor} or {g.layout for g in grads} != {torch.strided}:
+        return None
+    if not allow_fp16 and torch.float16 in {g.dtype for g in grads}:
+        return None
+    devices = {g.device for g in grads}
+    if len(devices) != 1:
+        return None
+    return {devices.pop(): grads}
 
 
 def _local_shard(grad: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -404,9 +405,26 @@ def params_with_state(opt: torch.optim.Optimizer) -> list[Tensor]:
 
 
 class _Run:
-    """The lists of one kernel call: params (contiguous), grads, their states, the masters."""
+    """One kernel call of a launch plan: its params, where their grads sit, their states.
 
-    __slots__ = ("op", "kind", "params", "grads", "states", "masters", "ids", "copy_back", "rng", "rng_base")
+    Built once per plan; :meth:`refresh` fills the per-step lists (this step's grads, the
+    masters read from the states, contiguous copies of strided params).
+    """
+
+    __slots__ = (
+        "op",
+        "kind",
+        "params",
+        "grads",
+        "states",
+        "masters",
+        "ids",
+        "gidx",
+        "strided",
+        "copy_back",
+        "rng",
+        "rng_base",
+    )
 
     def __init__(self, op: str, kind: str) -> None:
         self.op, self.kind = op, kind
@@ -415,25 +433,33 @@ class _Run:
         self.states: list[dict[str, Any]] = []
         self.masters: list[Tensor] = []
         self.ids: list[int] = []
+        self.gidx: list[int] = []  # position of each param in its group (where its grad is gathered)
+        self.strided: list[tuple[int, Tensor]] = []  # (position in this run, param) of non-contiguous params
         self.copy_back: list[tuple[Tensor, Tensor]] = []
         self.rng: Tensor | None = None
         self.rng_base = 0
 
-    def add(self, p: Tensor, g: Tensor, st: dict[str, Any], sr_id: int | None) -> None:
-        if p.is_contiguous():
-            self.params.append(p)
-        else:
-            tmp = p.detach().contiguous()
-            self.copy_back.append((p, tmp))
-            self.params.append(tmp)
-        self.grads.append(g if g.is_contiguous() else g.contiguous())
+    def add(self, p: Tensor, pos: int, st: dict[str, Any], sr_id: int | None) -> None:
+        if not p.is_contiguous():
+            self.strided.append((len(self.params), p))
+        self.params.append(p)
+        self.gidx.append(pos)
         self.states.append(st)
-        if self.kind == "fp32":
-            self.masters.append(st["master_param"])
-        elif self.kind == "remainder":
-            self.masters.append(st["master_remainder"])
         if sr_id is not None:
             self.ids.append(sr_id)
+
+    def refresh(self, grads: list[Tensor]) -> None:
+        """This step's lists; ``grads`` are the group's grads (contiguous, checked by the caller)."""
+        self.grads = [grads[i] for i in self.gidx]
+        if self.kind == "fp32":
+            self.masters = [st["master_param"] for st in self.states]
+        elif self.kind == "remainder":
+            self.masters = [st["master_remainder"] for st in self.states]
+        self.copy_back = []
+        for pos, p in self.strided:
+            tmp = p.detach().contiguous()
+            self.copy_back.append((p, tmp))
+            self.params[pos] = tmp
 
     def split(self) -> list[_Run]:
         """Runs whose stochastic-rounding tensor ids are consecutive (the kernel numbers them base + i)."""
@@ -450,6 +476,66 @@ class _Run:
                 runs.append(r)
                 start = i
         return runs
+
+
+class _Bucket:
+    """Params of one group on one device whose step counts are equal (one set of step scalars).
+
+    Their ``step`` tensors are 0-dim views of one buffer, so a step increments them all in
+    one op; the views are checked each step to still be the state's ``step`` tensors.
+    """
+
+    __slots__ = ("dev", "runs", "steps", "step_buf", "states", "rngs")
+
+    def __init__(self, dev: torch.device) -> None:
+        self.dev = dev
+        self.runs: dict[Any, _Run] = {}
+        self.steps: list[Tensor] = []
+        self.step_buf: Tensor | None = None
+        self.states: list[dict[str, Any]] = []
+        self.rngs: list[Tensor] = []
+
+    def share_steps(self, states: list[dict[str, Any]]) -> None:
+        """Make the ``step`` tensors of ``states`` (equal values) views of one buffer."""
+        if not states:
+            return
+        buf = torch.stack([st["step"].reshape(()) for st in states])
+        self.step_buf, self.states = buf, states
+        self.steps = [buf[i] for i in range(len(states))]
+        for st, view in zip(states, self.steps):
+            st["step"] = view
+
+    def steps_intact(self) -> bool:
+        """Whether the states still hold the planned ``step`` views (not replaced by assignment)."""
+        return all(map(operator.is_, [st.get("step") for st in self.states], self.steps))
+
+
+class _GroupPlan:
+    """The launches of one param group, and what they assumed about it."""
+
+    __slots__ = ("group", "params", "key", "param_dtypes", "grad_dtypes", "buckets", "remainder", "versions")
+
+    def __init__(self, group: dict[str, Any], key: tuple) -> None:
+        self.group = group
+        self.params: list[Tensor] = list(group["params"])
+        self.key = key
+        self.param_dtypes = [p.dtype for p in self.params]
+        self.grad_dtypes = [None if p.grad is None else p.grad.dtype for p in self.params]
+        self.buckets: list[_Bucket] = []
+        self.remainder: list[Tensor] = []  # params with remainder masters, in plan order
+        self.versions: list[int] | None = None  # their ``_version`` after the last step
+
+
+class _Plan:
+    """How ``step()`` launches the kernels, cached across steps while it fits (see ``_gather``)."""
+
+    __slots__ = ("groups", "state", "n_state", "needed")
+
+    def __init__(self) -> None:
+        self.groups: list[_GroupPlan] = []
+        self.state: Any = None
+        self.n_state = 0
+        self.needed: set[tuple[str, torch.device]] = set()
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -472,6 +558,20 @@ class FusedOptimizer(torch.optim.Optimizer):
     to the param (remainder := 0), instead of joining the new top half with a stale
     remainder. ``param.data.copy_(...)`` and other writes through ``.data`` bypass version
     counters and cannot be detected: call :meth:`reset_master_weights` after them.
+
+    Launch plan: a step groups the params with a grad into kernel launches and keeps that
+    plan; later steps reuse it while it fits, checking per param only a few attribute reads
+    (which params have a grad, param and grad dtypes, dense contiguous grads), so a step over
+    tens of thousands of small params costs little host time. Which params have a grad, a
+    dtype, a group's layout settings (``master_weights``, ``stochastic_rounding``, ``seed``,
+    and the subclass's, see ``_plan_key``), ``add_param_group``, ``load_state_dict`` and
+    :meth:`reset_master_weights` lead to a new plan; ``lr``, betas, ``eps``, ``weight_decay``
+    and the like are read at every step, and state tensors replaced by assignment
+    (``opt.state[p]["exp_avg"] = t``) are read from the state at every step. Replacing a
+    param's whole state dict (``opt.state[p] = {...}``) is not seen: load state with
+    ``load_state_dict``. The ``step`` tensors of the params of one launch are 0-dim views of
+    one buffer (one add per step, not one per param); they are saved, exported and loaded
+    as ordinary per-param counts.
     """
 
     _NAME = "FusedOptimizer"
@@ -505,9 +605,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.backend = check_backend_arg(self._NAME, backend)
         self._cohorts = StepCohorts()
         self._param_versions: dict[int, int] = {}
+        self._plan: _Plan | None = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
+        self._plan = None
         group = self.param_groups[-1]
         gi = len(self.param_groups) - 1
         try:
@@ -539,6 +641,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("backend", None)
         self._param_versions = {}
+        self._plan = None
         for group in self.param_groups:
             for k, v in self._group_setdefaults().items():
                 group.setdefault(k, v)
@@ -583,6 +686,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if "master_remainder" in st:
                     st["master_remainder"].zero_()
                     self._param_versions[id(p)] = p._version
+        self._plan = None
 
     def _init_master(self, p: Tensor, st: dict[str, Any], kind: str) -> None:
         from fastamp import reference
@@ -634,8 +738,16 @@ class FusedOptimizer(torch.optim.Optimizer):
         return ids
 
     # ---- the step ------------------------------------------------------------------------
-    def _collect(self) -> list[tuple[dict[str, Any], list[tuple[Tensor, Tensor]]]]:
-        """Every (group, [(param, grad)]) to update, fully validated; changes nothing."""
+    def _plan_key(self, group: dict[str, Any]) -> tuple:
+        """The group settings that decide how its params are laid out in launches.
+
+        A change of any of them rebuilds the launch plan at the next step; the other
+        hyperparameters are read at every step.
+        """
+        return (group["master_weights"], group["stochastic_rounding"], group["seed"])
+
+    def _collect(self) -> list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]]:
+        """Every (group, [(index, param, grad)]) to update, fully validated; changes nothing."""
         from fastamp import backends
 
         work = []
@@ -650,40 +762,31 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.dtype not in PARAM_DTYPES:
                     check_param_dtype(self._NAME, p, f"param {i} of param group {gi}")
                 check_grad(self._NAME, p, g, f"param {i} of param group {gi}")
-                items.append((p, g))
+                items.append((i, p, g))
                 needed.add((self._kernel_op(group, p, self._kind(group, p)), p.device))
-            if items:
-                work.append((group, items))
+            work.append((group, items))
         for op, dev in sorted(needed, key=str):
             backends.resolve(op, dev, self.backend)
         return work
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None):
-        """Perform a single optimization step.
+    def _build_plan(self, work: list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]]) -> _Plan:
+        """Create missing state and masters and group the params with a grad into launches.
 
-        Args:
-            closure (Callable, optional): a closure that reevaluates the model and returns
-                the loss (not allowed when a grad scaler drives the step, as in torch).
+        Called when there is no plan or it no longer fits (first step, a param gained or
+        lost its grad, a grad or param dtype changed, a layout setting of a group changed,
+        state was loaded). Advances the step cohorts of the params it plans: the plan is
+        executed right after.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-
-        work = self._collect()
-        if not work:
-            return loss
-        amp = AmpInputs(self._NAME, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        plan = _Plan()
         cohorts = self._cohorts
         cohorts.begin_step()
         sr_ids: dict[int, int] | None = None
-        rng_inc: dict[torch.device, Tensor] = {}
         for group, items in work:
-            # (device, cohort) -> (steps, rngs, {launch key: run})
-            buckets: dict[Any, tuple[list[Tensor], list[Tensor], dict[Any, _Run]]] = {}
-            remainder_params = []
-            for p, g in items:
+            gp = _GroupPlan(group, self._plan_key(group))
+            # (device, cohort) -> bucket
+            buckets: dict[Any, _Bucket] = {}
+            step_states: dict[Any, list[dict[str, Any]]] = {}
+            for pos, p, g in items:
                 st = self.state.get(p)
                 if st is None:
                     st = {}
@@ -693,7 +796,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 self._init_master(p, st, kind)
                 if kind == "remainder":
                     self._resync_if_written(p, st, "a param")
-                    remainder_params.append(p)
+                    gp.remainder.append(p)
                 use_rng = self._uses_rng(group, p, st, kind)
                 if use_rng and "rng" not in st:
                     rng = torch.zeros(2, dtype=torch.int64, device=p.device)
@@ -704,40 +807,146 @@ class FusedOptimizer(torch.optim.Optimizer):
                 cohorts.advance(p, token)
                 bucket = buckets.get((p.device, token))
                 if bucket is None:
-                    bucket = buckets[(p.device, token)] = ([], [], {})
+                    bucket = buckets[(p.device, token)] = _Bucket(p.device)
+                    step_states[(p.device, token)] = []
                 if "step" in st:
-                    bucket[0].append(st["step"])
+                    step_states[(p.device, token)].append(st)
                 sr_id = None
                 if use_rng:
-                    bucket[1].append(st["rng"])
+                    bucket.rngs.append(st["rng"])
                     if sr_ids is None:
                         sr_ids = self._bf16_ids()
                     sr_id = sr_ids[id(p)]
                 op = self._kernel_op(group, p, kind)
                 key = (op, p.dtype, g.dtype, kind, use_rng) + self._extra_key(group, p, st, kind)
-                run = bucket[2].get(key)
+                run = bucket.runs.get(key)
                 if run is None:
-                    run = bucket[2][key] = _Run(op, kind)
-                run.add(p, g, st, sr_id)
+                    run = bucket.runs[key] = _Run(op, kind)
+                run.add(p, pos, st, sr_id)
+                plan.needed.add((op, p.device))
+            for key, bucket in buckets.items():
+                # Every step in a bucket holds the same value (see StepCohorts).
+                bucket.share_steps(step_states[key])
+            gp.buckets = list(buckets.values())
+            plan.groups.append(gp)
+        plan.state = self.state
+        plan.n_state = len(self.state)
+        return plan
 
+    def _gather(self, plan: _Plan | None) -> list[list[Tensor | None]] | None:
+        """This step's grads of every group, or None when ``plan`` does not fit this step.
+
+        Per param this costs a few attribute reads (no Python call per param), which is what
+        makes a step with tens of thousands of small params cheap. It checks what can change
+        between steps without the optimizer noticing: which params have a grad, param and
+        grad dtypes, that grads are dense and contiguous, the params of each group, the
+        groups' layout settings, and that the ``step`` tensors are still the planned ones.
+        """
+        if (
+            plan is None
+            or self.state is not plan.state
+            or len(self.state) != plan.n_state
+            or len(self.param_groups) != len(plan.groups)
+        ):
+            return None
+        out = []
+        for group, gp in zip(self.param_groups, plan.groups):
+            params = group["params"]
+            if group is not gp.group or len(params) != len(gp.params) or not all(map(operator.is_, params, gp.params)):
+                return None
+            if self._plan_key(group) != gp.key:
+                return None
+            grads = [p.grad for p in params]
+            if [None if g is None else g.dtype for g in grads] != gp.grad_dtypes:
+                return None
+            if [p.dtype for p in params] != gp.param_dtypes:
+                return None
+            try:
+                if not all([g.is_contiguous() for g in grads if g is not None]):
+                    return None
+            except RuntimeError:  # sparse grads have no is_contiguous: the full checks name them
+                return None
+            if not all(b.steps_intact() for b in gp.buckets):
+                return None
+            out.append(grads)
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Perform a single optimization step.
+
+        Args:
+            closure (Callable, optional): a closure that reevaluates the model and returns
+                the loss (not allowed when a grad scaler drives the step, as in torch).
+        """
+        from fastamp import backends
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        for gi, group in enumerate(self.param_groups):
+            self._validate_group(group, f"param group {gi}")
+        amp = AmpInputs(self._NAME, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        plan = self._plan
+        grads = self._gather(plan)
+        if grads is None:
+            self._plan = None
+            work = self._collect()
+            if not any(items for _, items in work):
+                return loss
+            plan = self._build_plan(work)
+            grads = self._gather(plan)
+            if grads is None:  # only non-contiguous grads (copied below) get here
+                grads = [[p.grad for p in group["params"]] for group, _ in work]
+                grads = [[g if g is None or g.is_contiguous() else g.contiguous() for g in gl] for gl in grads]
+            else:
+                self._plan = plan
+        else:
+            for op, dev in plan.needed:
+                backends.resolve(op, dev, self.backend)
+        try:
+            self._execute(plan, grads, amp)
+        except BaseException:
+            self._plan = None
+            raise
+        return loss
+
+    def _execute(self, plan: _Plan, grads_per_group: list[list[Tensor | None]], amp: AmpInputs) -> None:
+        rng_inc: dict[torch.device, Tensor] = {}
+        for gp, grads in zip(plan.groups, grads_per_group):
+            if not gp.buckets:
+                continue
+            group = gp.group
+            if gp.remainder and gp.versions is not None:
+                versions = [p._version for p in gp.remainder]
+                if versions != gp.versions:
+                    self._resync_written(gp, versions)
             lr_per_device: dict[torch.device, Any] = {}
             lr = group["lr"]
-            for (dev, _), (steps, rngs, runs) in buckets.items():
+            for b in gp.buckets:
+                dev = b.dev
                 grad_mul, found_inf, inc = amp.on(dev)
-                if self._COUNT_BEFORE:
-                    _count(steps, inc)
                 if dev not in lr_per_device:
                     lr_per_device[dev] = _to_device(lr, dev) if isinstance(lr, Tensor) else lr
-                # Every step in this bucket holds the same value (see StepCohorts).
+                steps = []
+                if b.steps:
+                    # every view of the bucket's buffer holds the same count
+                    first = b.steps[0]
+                    if self._COUNT_BEFORE:
+                        first = first + (1.0 if inc is None else inc)
+                    steps = [first]
                 scalars = self._scalars(group, lr_per_device[dev], steps, grad_mul, dev)
-                for run in runs.values():
+                for run in b.runs.values():
+                    run.refresh(grads)
                     for part in run.split():
                         self._launch(group, part, scalars, found_inf)
                     for p, tmp in run.copy_back:
                         p.copy_(tmp)
-                if not self._COUNT_BEFORE:
-                    _count(steps, inc)
-                if rngs:
+                if b.step_buf is not None:
+                    b.step_buf.add_(1.0 if inc is None else inc)
+                if b.rngs:
                     delta = rng_inc.get(dev)
                     if delta is None:
                         delta = rng_inc[dev] = torch.zeros(2, dtype=torch.int64, device=dev)
@@ -745,10 +954,16 @@ class FusedOptimizer(torch.optim.Optimizer):
                             delta[1] = 1
                         else:
                             delta[1].copy_(inc)
-                    torch._foreach_add_(rngs, [delta] * len(rngs))
-            for p in remainder_params:
-                self._param_versions[id(p)] = p._version
-        return loss
+                    torch._foreach_add_(b.rngs, [delta] * len(b.rngs))
+            if gp.remainder:
+                gp.versions = [p._version for p in gp.remainder]
+                self._param_versions.update(zip(map(id, gp.remainder), gp.versions))
+
+    def _resync_written(self, gp: _GroupPlan, versions: list[int]) -> None:
+        """Re-sync the remainder masters of params written since the last step (see the class doc)."""
+        for p, now, seen in zip(gp.remainder, versions, gp.versions):
+            if now != seen:
+                self._resync_if_written(p, self.state[p], "a param")
 
     # ---- state_dict ----------------------------------------------------------------------
     def state_dict(self, master_format: str = "native") -> dict[str, Any]:
@@ -787,6 +1002,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _after_load(self) -> None:
         self._param_versions = {}
+        self._plan = None
         self._rebuild_cohorts()
 
 

@@ -240,6 +240,9 @@ class AdamW(_common.FusedOptimizer):
     def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
         return group["stochastic_rounding"] and (kind == "sr" or self._moment_dtype(group, p, kind) == torch.bfloat16)
 
+    def _plan_key(self, group: dict[str, Any]) -> tuple:
+        return super()._plan_key(group) + (group["amsgrad"], group["state_dtype"])
+
     def _extra_key(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> tuple:
         return (st["exp_avg"].dtype,)
 

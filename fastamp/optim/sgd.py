@@ -137,6 +137,9 @@ class SGD(_common.FusedOptimizer):
     def _group_setdefaults(self) -> dict[str, Any]:
         return {**super()._group_setdefaults(), "nesterov": False}
 
+    def _plan_key(self, group: dict[str, Any]) -> tuple:
+        return super()._plan_key(group) + (group["momentum"] != 0,)
+
     def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
         return "sgd_"
 
