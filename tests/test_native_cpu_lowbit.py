@@ -485,6 +485,16 @@ def test_stats_match_reference_every_isa(isa, inv, write_back):
         assert (counts[:, 2] > 0).sum() > 5  # underflows really occur
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stats_every_16bit_value(isa, dtype):
+    """All 65,536 values of the dtype: every threshold of the AVX-512 16-bit stats path is met from both sides."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    shuffled = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(17))]
+    for inv in (1.0, 0.75, 1 / 3, 2.0**-16, 3e-5, 1e-30, 2.0**-140, 7.0, 2.0**20, 1e30, 0.0, -0.5):
+        for write_back in (False, True):
+            _assert_stats_match([every, shuffled, shuffled[:4099]], inv, write_back)
+
+
 def test_stats_every_lane(isa):
     """Each category at every position of the vector blocks and the tail."""
     n = 53

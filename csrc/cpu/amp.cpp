@@ -23,6 +23,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -37,11 +38,26 @@ namespace cpu {
 namespace {
 
 // Gradient health of one chunk (unscale_check_stats_), added into by the chunk kernels.
+// No member initializers: an array of them is left uninitialised and each chunk's thread
+// sets its entry to ChunkStats{} (all zero) before the kernel adds into it.
 struct ChunkStats {
-  int64_t nonfinite = 0;  // elements that raise found_inf
-  int64_t zeros = 0;      // y == 0 (x is then finite: inf * 0 and nan * s are nan)
-  int64_t underflow = 0;  // 0 < |y| < 2^-14
-  float absmax = 0.0f;    // max |y| over finite y
+  int64_t nonfinite;  // elements that raise found_inf
+  int64_t zeros;      // y == 0 (x is then finite: inf * 0 and nan * s are nan)
+  int64_t underflow;  // 0 < |y| < 2^-14
+  float absmax;       // max |y| over finite y
+};
+
+// The statistics of a 16-bit grad as thresholds on its magnitude bits u = bits & 0x7fff.
+// y = x * inv_scale rounds monotonically in |x|, and the order of u is the order of |x|
+// (inf after every finite value, NaN after inf), so with a finite inv_scale each statistic
+// of unscale_check_stats_ is a comparison of u with a threshold found once per call
+// (bounds16): non-finite u >= bad, zero u < nonzero, |y| < 2^-14 u < big, finite y u < finite.
+// The AVX-512 kernel counts with these on 32 raw 16-bit lanes at a time, a few integer
+// ops per 32 elements, instead of float tests per element; valid is false when inv_scale
+// is not finite (the float tests run then).
+struct Bounds16 {
+  bool valid = false;
+  uint16_t bad = 0, nonzero = 0, big = 0, finite = 0;
 };
 
 namespace scalar {
@@ -91,7 +107,8 @@ int64_t count_flagged(const T* x, int64_t n, float inv_scale, float limit) {
 }
 
 template <class T, bool WRITE, bool SUMSQ, bool STATS>
-bool unscale_chunk(void* data, int64_t n, float inv_scale, float /*limit*/, double* lanes, ChunkStats* stats) {
+bool unscale_chunk(void* data, int64_t n, float inv_scale, float /*limit*/, const Bounds16* /*bounds*/, double* lanes,
+                   ChunkStats* stats) {
   return unscale_range<T, WRITE, SUMSQ, STATS>(static_cast<T*>(data), 0, n, inv_scale, lanes, stats);
 }
 
@@ -102,8 +119,8 @@ FASTAMP_ISA_BEGIN_AVX512
 namespace avx512 {
 #define FASTAMP_VEC_AVX512
 #include "cpu/vec_isa.inc"
-#undef FASTAMP_VEC_AVX512
 #include "cpu/amp_kernels.inc"
+#undef FASTAMP_VEC_AVX512
 }  // namespace avx512
 FASTAMP_ISA_END
 
@@ -111,13 +128,13 @@ FASTAMP_ISA_BEGIN_AVX2
 namespace avx2 {
 #define FASTAMP_VEC_AVX2
 #include "cpu/vec_isa.inc"
-#undef FASTAMP_VEC_AVX2
 #include "cpu/amp_kernels.inc"
+#undef FASTAMP_VEC_AVX2
 }  // namespace avx2
 FASTAMP_ISA_END
 #endif
 
-using UnscaleChunkFn = bool (*)(void*, int64_t, float, float, double*, ChunkStats*);
+using UnscaleChunkFn = bool (*)(void*, int64_t, float, float, const Bounds16*, double*, ChunkStats*);
 
 template <class T, bool WRITE, bool SUMSQ, bool STATS>
 UnscaleChunkFn pick_unscale(Isa isa) {
@@ -162,6 +179,39 @@ void check_flag_tensor(const char* op, const char* name, const at::Tensor& t, at
   TORCH_CHECK(t.scalar_type() == dtype, "fastamp::", op, ": ", name, " must have dtype ", dtype, ", got ",
               t.scalar_type());
   TORCH_CHECK(t.numel() == 1, "fastamp::", op, ": ", name, " must have exactly one element, got shape ", t.sizes());
+}
+
+// The smallest u in [0, inf_bits] whose |x| (T with bits u) satisfies pred, for a pred that
+// is false up to some u and true from there on; u = inf_bits (x = inf) counts as true.
+template <class T, class Pred>
+uint16_t first_bits(uint16_t inf_bits, Pred pred) {
+  uint32_t lo = 0, hi = inf_bits;
+  while (lo < hi) {
+    const uint32_t mid = (lo + hi) / 2;
+    T x;
+    x.x = static_cast<uint16_t>(mid);
+    if (pred(load_float(&x))) {
+      hi = mid;
+    } else {
+      lo = mid + 1;
+    }
+  }
+  return static_cast<uint16_t>(lo);
+}
+
+// Bounds16 of T for one call: y = |x| * |inv_scale| in fp32, as the kernels compute |y|.
+template <class T>
+Bounds16 bounds16(float inv_scale, float limit) {
+  Bounds16 b;
+  if (!math::is_finite(inv_scale)) return b;
+  const uint16_t inf_bits = std::is_same_v<T, c10::Half> ? 0x7c00 : 0x7f80;
+  const float inv = std::fabs(inv_scale);
+  b.bad = first_bits<T>(inf_bits, [&](float a) { return !(a * inv < limit); });
+  b.nonzero = first_bits<T>(inf_bits, [&](float a) { return a * inv != 0.0f; });
+  b.big = first_bits<T>(inf_bits, [&](float a) { return a * inv >= math::kFp16MinNormal; });
+  b.finite = first_bits<T>(inf_bits, [&](float a) { return !math::is_finite(a * inv); });
+  b.valid = true;
+  return b;
 }
 
 // unscale_check_, and with counts/absmax unscale_check_stats_ (same pass, STATS kernels).
@@ -225,20 +275,45 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
       write_back ? math::bits_float(0x7f7f8000u) : inf,
   };
   const float inv = *inv_scale.data_ptr<float>();
+  Bounds16 bounds[3];
+  if (stats) {
+    bounds[1] = bounds16<c10::Half>(inv, limits[1]);
+    bounds[2] = bounds16<c10::BFloat16>(inv, limits[2]);
+  }
 
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   std::vector<double> partial(compute_sumsq ? chunks.size() : 0);
-  std::vector<ChunkStats> chunk_stats(stats ? chunks.size() : 0);
+  // Set by each chunk's thread (a zeroed vector would cost a pass of its own with many chunks).
+  std::unique_ptr<ChunkStats[]> chunk_stats(stats ? new ChunkStats[chunks.size()] : nullptr);
   std::atomic<bool> any_bad{false};
   parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
     bool bad = false;
+    auto chunk_base = [&](int64_t c, int64_t* bytes) {
+      const Chunk& ch = chunks[static_cast<size_t>(c)];
+      const int64_t elem = slots[static_cast<size_t>(ch.tensor)] == 0 ? 4 : 2;
+      *bytes = ch.len * elem;
+      return static_cast<char*>(ptrs[static_cast<size_t>(ch.tensor)]) + ch.begin * elem;
+    };
     for (int64_t c = cb; c < ce; ++c) {
       const Chunk& ch = chunks[static_cast<size_t>(c)];
       const int slot = slots[static_cast<size_t>(ch.tensor)];
-      const size_t elem = slot == 0 ? sizeof(float) : sizeof(uint16_t);
-      char* base = static_cast<char*>(ptrs[static_cast<size_t>(ch.tensor)]) + ch.begin * static_cast<int64_t>(elem);
+      int64_t bytes = 0;
+      char* base = chunk_base(c, &bytes);
+      if (c + 1 < ce) {
+        // Small tensors are separate allocations that the in-loop prefetch (which runs a
+        // fixed distance ahead in the same tensor) never reaches: fetch the start of the
+        // next chunk while this one runs.
+        int64_t next_bytes = 0;
+        const char* next = chunk_base(c + 1, &next_bytes);
+        for (int64_t o = 0; o < std::min<int64_t>(next_bytes, kNextChunkPrefetchBytes); o += 64) prefetch_line(next + o);
+      }
       double lanes[16] = {};
-      bad |= fns[slot](base, ch.len, inv, limits[slot], lanes, stats ? &chunk_stats[static_cast<size_t>(c)] : nullptr);
+      ChunkStats* st = nullptr;
+      if (stats) {
+        st = &chunk_stats[static_cast<size_t>(c)];
+        *st = ChunkStats{};
+      }
+      bad |= fns[slot](base, ch.len, inv, limits[slot], &bounds[slot], lanes, st);
       if (compute_sumsq) partial[static_cast<size_t>(c)] = reduce_lanes16(lanes);
     }
     if (bad) any_bad.store(true, std::memory_order_relaxed);
@@ -246,17 +321,30 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
 
   if (stats && ngrads > 0) {
     // integer counts and a max: the same whatever the chunk order or thread count
+    // A tensor's chunks are consecutive and its first one starts at 0: it sets the row,
+    // the others add to it; empty tensors have no chunk and get a zero row.
     int64_t* cnt = counts->data_ptr<int64_t>();
     float* amax = absmax->data_ptr<float>();
-    std::fill(cnt, cnt + 3 * ngrads, int64_t{0});
-    std::fill(amax, amax + ngrads, 0.0f);
     for (size_t c = 0; c < chunks.size(); ++c) {
       const int64_t t = chunks[c].tensor;
       const ChunkStats& st = chunk_stats[c];
-      cnt[3 * t] += st.nonfinite;
-      cnt[3 * t + 1] += st.zeros;
-      cnt[3 * t + 2] += st.underflow;
-      if (st.absmax > amax[t]) amax[t] = st.absmax;
+      if (chunks[c].begin == 0) {
+        cnt[3 * t] = st.nonfinite;
+        cnt[3 * t + 1] = st.zeros;
+        cnt[3 * t + 2] = st.underflow;
+        amax[t] = st.absmax;
+      } else {
+        cnt[3 * t] += st.nonfinite;
+        cnt[3 * t + 1] += st.zeros;
+        cnt[3 * t + 2] += st.underflow;
+        if (st.absmax > amax[t]) amax[t] = st.absmax;
+      }
+    }
+    for (int64_t t = 0; t < ngrads; ++t) {
+      if (numels[static_cast<size_t>(t)] == 0) {
+        std::fill(cnt + 3 * t, cnt + 3 * t + 3, int64_t{0});
+        amax[t] = 0.0f;
+      }
     }
   }
   if (any_bad.load()) *found_inf.data_ptr<float>() = 1.0f;

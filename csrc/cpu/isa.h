@@ -7,6 +7,9 @@
 // active_isa(): the best the CPU (and OS) supports, capped by the environment variable
 // FASTAMP_CPU_ISA=scalar|avx2|avx512 (for tests and benchmarks of the other paths).
 //
+// The AVX-512 level needs AVX512F and AVX512BW (16-bit lanes: the gradient statistics of
+// fp16/bf16 grads); a CPU with AVX512F only (Xeon Phi) runs the AVX2 kernels.
+//
 // FMA is deliberately not enabled in the AVX2 target, and the build uses
 // -ffp-contract=off, because the reference rounds every multiply and add separately.
 #pragma once
@@ -28,7 +31,7 @@
 #define FASTAMP_ISA_BEGIN_AVX2 \
   _Pragma("clang attribute push(__attribute__((target(\"avx2,f16c\"))), apply_to = function)")
 #define FASTAMP_ISA_BEGIN_AVX512 \
-  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx2,f16c\"))), apply_to = function)")
+  _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx2,f16c\"))), apply_to = function)")
 #define FASTAMP_ISA_END _Pragma("clang attribute pop")
 #else
 // GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (their
@@ -37,7 +40,7 @@
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,f16c\")") _Pragma("GCC diagnostic push") \
       _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
 #define FASTAMP_ISA_BEGIN_AVX512                                                              \
-  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx2,f16c\")") _Pragma("GCC diagnostic push") \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx2,f16c\")") _Pragma("GCC diagnostic push") \
       _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
 #define FASTAMP_ISA_END _Pragma("GCC diagnostic pop") _Pragma("GCC pop_options")
 #endif
@@ -65,7 +68,8 @@ inline Isa supported_isa() {
 #if FASTAMP_X86_SIMD
   static const Isa best = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") &&
+        __builtin_cpu_supports("f16c"))
       return Isa::Avx512;
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return Isa::Avx2;
     return Isa::Scalar;

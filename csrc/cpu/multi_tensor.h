@@ -19,6 +19,17 @@ namespace cpu {
 constexpr int64_t kChunkElems = 16384;
 // Per-chunk bookkeeping counted as this many elements when balancing threads.
 constexpr int64_t kChunkCostElems = 64;
+// How much of the next chunk a chunk loop prefetches before running the current one.
+constexpr int64_t kNextChunkPrefetchBytes = 2048;
+
+// A read hint for the cache line holding p (never faults).
+inline void prefetch_line(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
 // Below this much work (in element units) a single thread is faster than waking others.
 constexpr int64_t kMinParallelWork = 1 << 15;
 
