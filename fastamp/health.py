@@ -191,12 +191,24 @@ class _StatsRows:
 
     optimizer: Any  # weakref.ref to the optimizer
     params: list[Tensor]
-    positions: list[int]  # index of each row's param in the optimizer's flattened param order
-    grad_dtypes: list[torch.dtype]
-    shapes: list[tuple[int, ...]]  # of what was checked: a DTensor grad's local shard, a sparse grad's values
+    # index of each row's param in the optimizer's flattened param order; None: row i is param i
+    positions: list[int] | None
+    # of what was checked (a DTensor grad's local shard, a sparse grad's values); None: the
+    # params' own (a dense grad has its param's dtype and shape), read when needed
+    grad_dtypes: list[torch.dtype] | None
+    shapes: list[tuple[int, ...]] | None
     counts: Tensor
     absmax: Tensor
     inv_scale: Tensor  # the inverse scale this check used (a fresh tensor, never mutated later)
+
+    def position(self, row: int) -> int:
+        return row if self.positions is None else self.positions[row]
+
+    def dtype(self, row: int) -> torch.dtype:
+        return self.params[row].dtype if self.grad_dtypes is None else self.grad_dtypes[row]
+
+    def shape(self, row: int) -> tuple[int, ...]:
+        return tuple(self.params[row].shape) if self.shapes is None else self.shapes[row]
 
 
 def _param_names(model: nn.Module | None) -> dict[int, str]:
@@ -237,14 +249,15 @@ def read_stats(
                 gi, pi = where.get(id(p), (-1, -1))
                 name = f"opt{oi}.group{gi}.param{pi}"
             c = counts[row].tolist()
+            shape = r.shape(row)
             records.append(
                 (
-                    (oi, r.positions[row]),
+                    (oi, r.position(row)),
                     TensorStats(
                         name,
-                        r.shapes[row],
-                        r.grad_dtypes[row],
-                        math.prod(r.shapes[row]),
+                        shape,
+                        r.dtype(row),
+                        math.prod(shape),
                         c[0],
                         c[1],
                         c[2],
@@ -401,6 +414,14 @@ class _Monitor:
         self.dtypes_seen: set = set()
         self._pending: tuple[Tensor, Any, dict[str, Any]] | None = None
 
+    def wants_dtypes(self) -> bool:
+        """Whether this check should report its grad dtypes (note_grads).
+
+        Sampled, not every step (a dtype read per grad costs as much as the check with many
+        small tensors): the first two updates and every ``interval``-th, until fp16 is seen.
+        """
+        return self.watch_dtypes and (self.updates < 2 or self.updates % self.interval == 0)
+
     def note_grads(self, grads: Iterable[Tensor]) -> None:
         self.dtypes_seen.update({g.dtype for g in grads})
         if torch.float16 in self.dtypes_seen:
@@ -432,10 +453,10 @@ class _Monitor:
             zeros = []
             under = []
             for rows in scaler._stats.values():
-                sel = [i for i, d in enumerate(rows.grad_dtypes) if d == torch.float16]
+                sel = [i for i in range(len(rows.params)) if rows.dtype(i) == torch.float16]
                 if not sel:
                     continue
-                meta["fp16_elems"] += sum(math.prod(rows.shapes[i]) for i in sel)
+                meta["fp16_elems"] += sum(math.prod(rows.shape(i)) for i in sel)
                 meta["fp16_tensors"] += len(sel)
                 idx = torch.tensor(sel, dtype=torch.int64).to(rows.counts.device, non_blocking=True)
                 zeros.append(rows.counts.index_select(0, idx)[:, 1].sum().float().to(dev))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 import warnings
 import weakref
 from collections import abc, defaultdict
@@ -21,7 +22,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from fastamp import functional, health
+from fastamp import backends, functional, health
 
 __all__ = ["OptState", "Scaler"]
 
@@ -160,8 +161,6 @@ class Scaler:
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"fastamp.Scaler: min_scale ({min_scale}) must be <= max_scale ({max_scale})")
         if backend is not None:
-            from fastamp import backends
-
             backends._check_name(backend)
         self._init_scale = init_scale
         self._scale: Tensor | None = None
@@ -250,10 +249,6 @@ class Scaler:
     # ------------------------------------------------------------------ the fused check
 
     def _grads_by_device(self, optimizer, allow_fp16: bool, owners=None) -> dict[torch.device, list[Tensor]]:
-        if owners is None:
-            plain = _plain_grads(optimizer, allow_fp16)
-            if plain is not None:
-                return plain
         per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
         position = -1
         for group in optimizer.param_groups:
@@ -297,16 +292,37 @@ class Scaler:
         statistics into this optimizer's buffers for that device.
         """
         inv_rep, found_rep = _PerDevice(inv_scale), _PerDevice(found_inf)
-        sumsq: dict[torch.device, Tensor] = {}
         stats = stats and self._track_stats
+        with torch.no_grad():
+            plain = self._check_plain(
+                optimizer,
+                inv_rep,
+                found_rep,
+                allow_fp16=allow_fp16,
+                write_back=write_back,
+                compute_sumsq=compute_sumsq,
+                stats=stats,
+            )
+            if plain is not None:
+                return found_rep.copies, plain
+        sumsq: dict[torch.device, Tensor] = {}
         owners: dict[torch.device, list] | None = defaultdict(list) if stats else None
         with torch.no_grad():
             for device, grads in self._grads_by_device(optimizer, allow_fp16, owners).items():
-                if self._health.watch_dtypes:
+                if self._health.wants_dtypes():
                     self._health.note_grads(grads)
                 counts = absmax = None
                 if stats:
-                    counts, absmax = self._stats_buffers(optimizer, device, grads, owners[device], inv_rep.get(device))
+                    own = owners[device]
+                    counts, absmax = self._stats_buffers(
+                        optimizer,
+                        device,
+                        [p for p, _ in own],
+                        [i for _, i in own],
+                        [g.dtype for g in grads],
+                        [tuple((g._values() if g.is_sparse else g).shape) for g in grads],
+                        inv_rep.get(device),
+                    )
                 sumsq[device] = functional.unscale_check_(
                     grads,
                     found_rep.get(device),
@@ -319,25 +335,57 @@ class Scaler:
                 )
         return found_rep.copies, sumsq
 
-    def _stats_buffers(self, optimizer, device, grads, owners, inv_scale: Tensor) -> tuple[Tensor, Tensor]:
-        """This optimizer's statistics buffers on ``device`` (reused while the row count is unchanged)."""
+    def _check_plain(
+        self, optimizer, inv_rep, found_rep, *, allow_fp16: bool, write_back: bool, compute_sumsq: bool, stats: bool
+    ) -> dict[torch.device, Tensor] | None:
+        """The common case: one native kernel call and no Python work per grad beyond reading it.
+
+        Dense ``torch.Tensor`` grads on one device with the native backend. The kernel checks
+        every grad (device, layout, dtype, contiguity) before it touches anything, so grads on
+        several devices, sparse, strided or fp64 grads make it refuse and the per-grad path of
+        ``_check_grads`` runs instead (which handles them or raises its error). With many
+        small tensors that per-grad Python would cost more than the kernel. Returns the sum
+        of squares per device, or None for the per-grad path.
+        """
+        plain = _plain_grads(optimizer, allow_fp16)
+        if plain is None:
+            return None
+        params, positions, grads = plain
+        if not grads:
+            return {}
+        device = grads[0].device
+        op = "unscale_check_stats_" if stats else "unscale_check_"
+        if backends.resolve(op, device, self._backend) != "native":
+            return None
+        if self._health.wants_dtypes():
+            self._health.note_grads(grads)
+        args = [grads, found_rep.get(device), inv_rep.get(device), write_back, compute_sumsq]
+        if stats:
+            # dense grads have their param's dtype and shape: the rows read them from the params
+            args += self._stats_buffers(optimizer, device, params, positions, None, None, inv_rep.get(device))
+        try:
+            return {device: backends.get_impl(op, "native")(*args)}
+        except (RuntimeError, TypeError):
+            return None
+
+    def _stats_buffers(
+        self, optimizer, device, params, positions, dtypes, shapes, inv_scale: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """This optimizer's statistics buffers on ``device`` (reused while the row count is unchanged).
+
+        ``params``: the param of each row; ``positions``, ``dtypes``, ``shapes``: see
+        :class:`fastamp.health._StatsRows` (None: derived from the params).
+        """
         key = (id(optimizer), device)
         old = self._stats.get(key)
-        n = len(grads)
+        n = len(params)
         if old is not None and old.counts.shape[0] == n and old.optimizer() is optimizer:
             counts, absmax = old.counts, old.absmax
         else:
             counts = torch.zeros((n, 3), dtype=torch.int64, device=device)
             absmax = torch.zeros((n,), dtype=torch.float32, device=device)
         self._stats[key] = health._StatsRows(
-            weakref.ref(optimizer),
-            [p for p, _ in owners],
-            [i for _, i in owners],
-            [g.dtype for g in grads],
-            [tuple((g._values() if g.is_sparse else g).shape) for g in grads],
-            counts,
-            absmax,
-            inv_scale,
+            weakref.ref(optimizer), params, positions, dtypes, shapes, counts, absmax, inv_scale
         )
         self._last_stats_update = self._health.updates
         return counts, absmax
@@ -894,27 +942,28 @@ def _check_scale_settings(where: str, scale, growth_factor, backoff_factor, grow
         raise ValueError(f"{where}: growth_interval must be an int >= 0 (0: never grow), got {growth_interval!r}")
 
 
-def _plain_grads(optimizer, allow_fp16: bool) -> dict[torch.device, list[Tensor]] | None:
-    """The grads of the common case (dense ``torch.Tensor`` grads on one device) without a Python call per param.
+def _plain_grads(optimizer, allow_fp16: bool) -> tuple[list[Tensor], list[int] | None, list[Tensor]] | None:
+    """``(params with a grad, their positions, their grads)`` without a Python call per param.
 
-    None when anything needs the per-param loop of ``Scaler._grads_by_device`` (a non-tensor
-    param, DTensor or sparse grads, several devices, fp16 grads where they are refused),
-    which then handles it or raises its error.
+    ``positions`` (in the optimizer's flattened param order) is None when every param has a
+    grad. None when the per-param loop of ``Scaler._grads_by_device`` is needed: a
+    non-tensor param, a grad that is not a plain ``torch.Tensor`` (DTensor), or fp16 grads
+    where they are refused (that loop raises the error).
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not all(map(isinstance, params, repeat(Tensor))):
         return None
-    grads = [g for g in [p.grad for p in params] if g is not None]
-    if not grads:
-        return {}
-    if {type(g) for g in grads} != {Tensor} or {g.layout for g in grads} != {torch.strided}:
+    grads = [p.grad for p in params]
+    positions = None
+    if any(map(operator.is_, grads, repeat(None))):
+        positions = [i for i, g in enumerate(grads) if g is not None]
+        params = [params[i] for i in positions]
+        grads = [grads[i] for i in positions]
+    if grads and set(map(type, grads)) != {Tensor}:
         return None
     if not allow_fp16 and torch.float16 in {g.dtype for g in grads}:
         return None
-    devices = {g.device for g in grads}
-    if len(devices) != 1:
-        return None
-    return {devices.pop(): grads}
+    return params, positions, grads
 
 
 def _local_shard(grad: Tensor) -> Tensor:

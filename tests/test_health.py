@@ -103,6 +103,37 @@ def test_stats_match_the_reference_and_are_named(path, no_pitfalls):
     assert anon.grad_stats().skipped is False
 
 
+def test_stats_same_on_the_one_call_path_and_the_per_grad_path(monkeypatch):
+    """Dense grads are checked in one native call without Python work per grad; a strided grad
+    sends the check through the per-grad path. Both must report the same rows."""
+    per_grad_calls = []
+    real = fastamp.Scaler._grads_by_device
+    monkeypatch.setattr(
+        fastamp.Scaler, "_grads_by_device", lambda self, *a, **k: per_grad_calls.append(1) or real(self, *a, **k)
+    )
+    model = _mlp(torch.float16)
+
+    def run(strided):
+        m = copy.deepcopy(model)
+        opt = fastamp.optim.AdamW(m.parameters(), lr=1e-3)
+        scaler = fastamp.Scaler(init_scale=2.0**10, track_stats=True).watch(m)
+        torch.manual_seed(3)
+        scaler.scale(m(torch.randn(6, 8)).float().square().mean()).backward()
+        m[1].bias.grad = None  # a param without grad: the rows skip it
+        with torch.no_grad():
+            m[3].weight.grad.view(-1)[:3] = torch.tensor([float("inf"), 0.0, 2.0**-30])
+        if strided:
+            m[0].weight.grad = m[0].weight.grad.t().contiguous().t()  # same values, not contiguous
+        calls = len(per_grad_calls)
+        scaler.unscale_(opt)
+        assert (len(per_grad_calls) > calls) == strided
+        return list(scaler.grad_stats())
+
+    one_call, per_grad = run(False), run(True)
+    assert one_call == per_grad
+    assert len(one_call) == len(list(model.parameters())) - 1 and one_call[3].nonfinite == 1
+
+
 def test_stats_track_the_last_iteration_and_worst():
     model = _mlp(torch.bfloat16)
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
