@@ -10,7 +10,13 @@ Models:
   ``gpt``  a GPT-style character-level transformer (token + position embeddings, causal
            self-attention, LayerNorm, GELU MLP) on text from a small synthetic grammar.
   ``cnn``  a small CNN with BatchNorm (the layer the AMP guides warn about in fp16) on
-           synthetic 10-class images.
+           synthetic 10-class images, normalised (zero mean, std about 1.6).
+  ``cnn-raw12`` the same CNN on the same images delivered as raw 12-bit sensor values
+           (integers 0..4095, not normalised, as a camera RAW or a depth / medical sensor
+           gives them). The first convolution's outputs then have a variance near 1e6:
+           fine in fp16 as values, but above fp16's largest number (65504) as BatchNorm's
+           running variance. By default only the regimes that show the difference run
+           (fp32, torch-amp-fp16, fastamp-fp16, half-fp16-fastamp, pure-fp16).
 
 Regimes:
   ``fp32``            fp32 params, ``torch.optim.AdamW(fused=True)``.
@@ -33,7 +39,7 @@ Regimes:
 
 Usage::
 
-    fastamp-compare                                  # both models, all regimes, CPU-sized
+    fastamp-compare                                  # all models, all regimes, CPU-sized
     python -m fastamp.compare --device cuda --size large --steps 600
     fastamp-compare --model gpt --regimes fp32,torch-amp-bf16,fastamp-bf16 --steps 100
 """
@@ -94,7 +100,9 @@ REGIME_INFO: dict[str, tuple[torch.dtype | None, str]] = {
     "pure-bf16": (torch.bfloat16, "plain model.to(bf16) + torch AdamW(fused=True): no masters, no autocast"),
 }
 REGIMES = tuple(REGIME_INFO)
-MODELS = ("gpt", "cnn")
+MODELS = ("gpt", "cnn", "cnn-raw12")
+# The regimes cnn-raw12 runs unless --regimes names others: the BatchNorm demonstration.
+BN_DEMO_REGIMES = ("fp32", "torch-amp-fp16", "fastamp-fp16", "half-fp16-fastamp", "pure-fp16")
 
 # Size presets: "small" is what the defaults run on a 2-core CPU in a few minutes.
 SIZES = {
@@ -188,15 +196,20 @@ class TextData:
 
 
 class ImageData:
-    """Synthetic 10-class colour images: a smooth per-class prototype, random contrast, shift and noise."""
+    """Synthetic 10-class colour images: a smooth per-class prototype, random contrast, shift and noise.
+
+    ``bits=None``: normalised float pixels. ``bits=b``: the same images as raw b-bit sensor
+    values, integers in [0, 2^b - 1] (mid-grey 2^(b-1), about 0.15 x 2^b per unit of the
+    normalised image, clipped), stored as float32.
+    """
 
     n_classes = 10
 
-    def __init__(self, image: int, batch: int, device: torch.device, seed: int = 0):
+    def __init__(self, image: int, batch: int, device: torch.device, seed: int = 0, bits: int | None = None):
         gen = torch.Generator().manual_seed(seed + 7)
         low = torch.randn(self.n_classes, 3, 4, 4, generator=gen)
         self.protos = F.interpolate(low, size=(image, image), mode="bilinear", align_corners=False)
-        self.image, self.batch, self.seed, self.device = image, batch, seed, device
+        self.image, self.batch, self.seed, self.device, self.bits = image, batch, seed, device, bits
 
     def _batch(self, gen: torch.Generator, batch: int):
         y = torch.randint(0, self.n_classes, (batch,), generator=gen)
@@ -205,6 +218,9 @@ class ImageData:
         shift = int(torch.randint(-2, 3, (1,), generator=gen))
         x = torch.roll(x, shifts=shift, dims=3)
         x = x + 1.5 * torch.randn(x.shape, generator=gen)
+        if self.bits is not None:
+            top = 2**self.bits - 1
+            x = (0.5 * top + 0.15 * 2**self.bits * x).round().clamp(0, top)
         return x.to(self.device), y.to(self.device)
 
     def train_batch(self, step: int):
@@ -918,8 +934,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Memory, speed and convergence of fp32, torch.amp, fastamp and pure low-precision training.",
     )
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    p.add_argument("--model", default="all", help="gpt, cnn or all (default)")
-    p.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated subset of {','.join(REGIMES)}")
+    p.add_argument("--model", default="all", help=f"comma-separated subset of {','.join(MODELS)}, or all (default)")
+    p.add_argument(
+        "--regimes",
+        default=None,
+        help=f"comma-separated subset of {','.join(REGIMES)} (default: all; cnn-raw12: {','.join(BN_DEMO_REGIMES)})",
+    )
     p.add_argument(
         "--size", default=None, choices=sorted(SIZES), help="size preset (default: small on CPU, large on CUDA)"
     )
@@ -977,8 +997,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     models = list(MODELS) if args.model == "all" else [m.strip() for m in args.model.split(",")]
     for m in models:
         if m not in MODELS:
-            raise SystemExit(f"fastamp-compare: unknown --model {m!r}; expected gpt, cnn or all")
-    regimes = [r.strip() for r in args.regimes.split(",")]
+            raise SystemExit(f"fastamp-compare: unknown --model {m!r}; expected some of {','.join(MODELS)}, or all")
+    regimes = list(REGIMES) if args.regimes is None else [r.strip() for r in args.regimes.split(",")]
     for r in regimes:
         if r not in REGIMES:
             raise SystemExit(f"fastamp-compare: unknown regime {r!r}; expected some of {','.join(REGIMES)}")
@@ -1011,7 +1031,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if hasattr(os, "getloadavg"):
         info["load_avg_at_start"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     t_start = time.perf_counter()
-    tick, pstate = _progress_bar(len(models) * len(regimes) * steps, not args.no_progress)
+    model_regimes = {
+        m: [r for r in regimes if r in BN_DEMO_REGIMES] if m == "cnn-raw12" and args.regimes is None else regimes
+        for m in models
+    }
+    tick, pstate = _progress_bar(sum(len(v) for v in model_regimes.values()) * steps, not args.no_progress)
 
     results: list[RegimeResult] = []
     for model_name in models:
@@ -1020,14 +1044,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             data = TextData(g["seq_len"], g["batch"], device, seed=args.seed)
             base = TinyGPT(len(data.vocab), g["seq_len"], g["n_layer"], g["d_model"], g["n_head"])
         else:
-            data = ImageData(c["image"], c["batch"], device, seed=args.seed)
+            bits = 12 if model_name == "cnn-raw12" else None
+            data = ImageData(c["image"], c["batch"], device, seed=args.seed, bits=bits)
             base = SmallCNN(c["width"])
         n_params = sum(p.numel() for p in base.parameters())
         info[f"{model_name}_params"] = f"{n_params:,}"
         # Untimed warm-up so that one-time costs of the process (thread pools, allocator,
         # lazy imports) do not land on whichever regime runs first.
         train_regime(model_name, "fp32", base, data, device, 4, args.lr, args.clip, measure_memory=False)
-        for regime in regimes:
+        for regime in model_regimes[model_name]:
             pstate["label"] = f"{model_name}/{regime}"
             try:
                 r = train_regime(model_name, regime, base, data, device, steps, args.lr, args.clip, progress=tick)
@@ -1082,6 +1107,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "speed column measures exactly that; the mixed-precision speed-up needs a GPU (or an AMX CPU). "
             "Memory and convergence carry over."
         ]
+    lines += [
+        "- data: gpt: text of a synthetic grammar; cnn: synthetic 10-class images, normalised; cnn-raw12: the same "
+        "images as raw 12-bit sensor values (0..4095, not normalised)",
+    ]
     lines += ["", "## Regimes", ""] + [f"- `{r}`: {REGIME_INFO[r][1]}" for r in regimes]
     lines.append("")
     for model_name in models:

@@ -36,6 +36,17 @@ def test_text_and_image_batches_are_deterministic_per_step():
     xi, yi = imd.train_batch(0)
     assert xi.shape == (5, 3, 12, 12) and yi.shape == (5,)
     assert torch.equal(xi, imd.train_batch(0)[0])
+    raw = compare.ImageData(12, 64, torch.device("cpu"), bits=12).train_batch(0)[0]
+    assert torch.equal(raw, raw.round()) and raw.min() >= 0 and raw.max() <= 4095
+    assert 500 < raw.std() < 1500  # a conv over it has a variance far above fp16's 65504
+
+
+def test_cnn_raw12_runs_the_batchnorm_regimes_unless_told_otherwise(tmp_path):
+    args = ["--device", "cpu", "--size", "tiny", "--steps", "4", "--model", "cnn-raw12", "--out", str(tmp_path)]
+    rows = compare.main(args + ["--no-progress", "--no-plot"])
+    assert [r["regime"] for r in rows] == list(compare.BN_DEMO_REGIMES)
+    rows = compare.main(args + ["--no-progress", "--no-plot", "--regimes", "fp32,fastamp-bf16"])
+    assert [r["regime"] for r in rows] == ["fp32", "fastamp-bf16"]
 
 
 def _norm_dtypes(model):
@@ -184,10 +195,12 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert "## gpt" in out and "## cnn" in out and "CPU note" in out and "peak memory" in out
+    assert (
+        "## gpt" in out and "## cnn (" in out and "## cnn-raw12" in out and "CPU note" in out and "peak memory" in out
+    )
     assert "fastamp-fp16 final val loss" in out and "pure-bf16 (plain .to(bf16), no master weights" in out
     assert "cast_model" in out and "largest BatchNorm running_var" in out
-    assert len(rows) == 2 * 5
+    assert len(rows) == 3 * 5  # --regimes given: cnn-raw12 runs them all too
     for r in rows:
         assert not r["error"], r
         assert r["peak_mem_bytes"] > 0 and math.isfinite(r["peak_mem_bytes"])
@@ -202,7 +215,7 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
     assert gpt["pure-bf16"]["peak_mem_bytes"] < gpt["fp32"]["peak_mem_bytes"]
     with open(tmp_path / "compare-cpu-curves.csv", newline="") as f:
         curves = list(csv.DictReader(f))
-    assert len(curves) == 2 * 5 * 4
+    assert len(curves) == 3 * 5 * 4
     png = tmp_path / "compare-cpu.png"
     assert png.exists() and png.stat().st_size > 20_000
 
