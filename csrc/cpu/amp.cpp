@@ -38,8 +38,8 @@ namespace cpu {
 namespace {
 
 // Gradient health of one chunk (unscale_check_stats_), added into by the chunk kernels.
-// No member initializers: an array of them is left uninitialised and each chunk's thread
-// sets its entry to ChunkStats{} (all zero) before the kernel adds into it.
+// No member initializers: the array of them for multi-chunk tensors is left uninitialised;
+// each chunk's kernel adds into a zeroed local one that is then stored.
 struct ChunkStats {
   int64_t nonfinite;  // elements that raise found_inf
   int64_t zeros;      // y == 0 (x is then finite: inf * 0 and nan * s are nan)
@@ -104,6 +104,19 @@ int64_t count_flagged(const T* x, int64_t n, float inv_scale, float limit) {
     }
   }
   return count;
+}
+
+// Largest |y| over the finite y of x[0, n), for a vector STATS chunk that met a non-finite
+// one. Written back (fp32 only: fp16/bf16 write-back keeps its own max) x already holds y.
+template <class T, bool WRITE>
+float finite_absmax(const T* x, int64_t n, float inv_scale) {
+  float best = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = WRITE ? load_float(x + i) : load_float(x + i) * inv_scale;
+    const float a = std::fabs(y);
+    if (math::is_finite(y) && a > best) best = a;
+  }
+  return best;
 }
 
 template <class T, bool WRITE, bool SUMSQ, bool STATS>
@@ -283,8 +296,13 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
 
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   std::vector<double> partial(compute_sumsq ? chunks.size() : 0);
-  // Set by each chunk's thread (a zeroed vector would cost a pass of its own with many chunks).
+  // Statistics rows: a tensor of one chunk (every small tensor) gets its row written by the
+  // chunk's thread; the chunks of larger tensors leave theirs here (entries of one-chunk
+  // tensors are never touched) and are combined after the parallel region.
+  int64_t* cnt = stats ? counts->data_ptr<int64_t>() : nullptr;
+  float* amax = stats ? absmax->data_ptr<float>() : nullptr;
   std::unique_ptr<ChunkStats[]> chunk_stats(stats ? new ChunkStats[chunks.size()] : nullptr);
+  auto whole_tensor = [&](const Chunk& ch) { return ch.begin == 0 && ch.len == numels[static_cast<size_t>(ch.tensor)]; };
   std::atomic<bool> any_bad{false};
   parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
     bool bad = false;
@@ -308,24 +326,30 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
         for (int64_t o = 0; o < std::min<int64_t>(next_bytes, kNextChunkPrefetchBytes); o += 64) prefetch_line(next + o);
       }
       double lanes[16] = {};
-      ChunkStats* st = nullptr;
-      if (stats) {
-        st = &chunk_stats[static_cast<size_t>(c)];
-        *st = ChunkStats{};
-      }
-      bad |= fns[slot](base, ch.len, inv, limits[slot], &bounds[slot], lanes, st);
+      ChunkStats st{};
+      bad |= fns[slot](base, ch.len, inv, limits[slot], &bounds[slot], lanes, stats ? &st : nullptr);
       if (compute_sumsq) partial[static_cast<size_t>(c)] = reduce_lanes16(lanes);
+      if (stats) {
+        if (whole_tensor(ch)) {
+          const int64_t t = ch.tensor;
+          cnt[3 * t] = st.nonfinite;
+          cnt[3 * t + 1] = st.zeros;
+          cnt[3 * t + 2] = st.underflow;
+          amax[t] = st.absmax;
+        } else {
+          chunk_stats[static_cast<size_t>(c)] = st;
+        }
+      }
     }
     if (bad) any_bad.store(true, std::memory_order_relaxed);
   });
 
   if (stats && ngrads > 0) {
-    // integer counts and a max: the same whatever the chunk order or thread count
-    // A tensor's chunks are consecutive and its first one starts at 0: it sets the row,
-    // the others add to it; empty tensors have no chunk and get a zero row.
-    int64_t* cnt = counts->data_ptr<int64_t>();
-    float* amax = absmax->data_ptr<float>();
+    // integer counts and a max: the same whatever the chunk order or thread count.
+    // A larger tensor's chunks are consecutive and its first one starts at 0: it sets the
+    // row, the others add to it; empty tensors have no chunk and get a zero row.
     for (size_t c = 0; c < chunks.size(); ++c) {
+      if (whole_tensor(chunks[c])) continue;
       const int64_t t = chunks[c].tensor;
       const ChunkStats& st = chunk_stats[c];
       if (chunks[c].begin == 0) {
