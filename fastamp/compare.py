@@ -752,9 +752,14 @@ def verdicts(results: list[RegimeResult]) -> list[str]:
                     )
             else:
                 line = (
-                    f"{model}: norm layers in fp16 (model.half(), half-fp16-fastamp) broke training: final val loss "
+                    f"{model}: norm layers in fp16 (model.half(), half-fp16-fastamp) broke the model: final val loss "
                     f"{half.final_loss:.4f} vs {cast.final_loss:.4f} with cast_model's fp32 norm layers"
                 )
+                if half.bn_var_max is not None and not math.isfinite(half.bn_var_max) and not half.nonfinite_losses:
+                    line += (
+                        " (its training losses stayed finite: training normalises with each batch's own statistics; "
+                        "the fp16 running statistics that evaluation uses overflowed)"
+                    )
             out.append(line)
         bn = [r for r in results if r.model == model and not r.error and r.bn_var_max is not None]
         if bn:

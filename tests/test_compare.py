@@ -251,5 +251,11 @@ def test_verdicts_flag_divergence_and_tolerance():
     res += [R("m", "half-fp16-fastamp", initial_loss=4.0, final_loss=2.21)]
     assert any("trained as well as cast_model" in v and "pure-fp16's failure" in v for v in compare.verdicts(res))
     res[-1] = R("m", "half-fp16-fastamp", initial_loss=4.0, final_loss=2.3)
-    assert any("broke training" in v for v in compare.verdicts(res))
+    broke = [v for v in compare.verdicts(res) if "broke the model" in v]
+    assert len(broke) == 1 and "running statistics" not in broke[0]
+    res[-1] = R("m", "half-fp16-fastamp", initial_loss=4.0, final_loss=2.3, bn_var_max=math.inf)
+    assert any(
+        "broke the model" in v and "running statistics that evaluation uses overflowed" in v
+        for v in compare.verdicts(res)
+    )
     assert any("pure-bf16" in v and "stalls at 25.0%" in v for v in lines)
