@@ -10,8 +10,10 @@ bit-identical.
 """
 
 import copy
+import gc
 import io
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -165,3 +167,21 @@ def test_steps_of_a_launch_share_one_buffer_and_export_as_separate_counts():
         p.grad = g
     ref.step()
     assert [float(ref.state[p]["step"]) for p in theirs] == [5.0, 4.0, 5.0, 5.0, 5.0, 5.0]
+
+
+def test_the_plan_keeps_no_grad_alive():
+    """zero_grad(set_to_none=True) must free the grads (and contiguous copies) of the last step."""
+    params, opt = _make(AdamW, dict(lr=0.01), "native")
+    params[0].data = params[0].data.t()  # a strided param: its launch uses a contiguous copy
+    def set_grads(step):  # no grad left in a local variable here
+        for p, g in zip(params, _grads(params, step)):
+            p.grad = g
+
+    for step in range(2):
+        set_grads(step)
+        opt.step()
+    assert opt._plan is not None
+    refs = [weakref.ref(p.grad) for p in params]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in refs), "a grad outlived zero_grad through the cached plan"

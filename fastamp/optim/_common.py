@@ -461,6 +461,12 @@ class _Run:
             self.copy_back.append((p, tmp))
             self.params[pos] = tmp
 
+    def release(self) -> None:
+        """Drop this step's lists after the launch, so that the plan keeps no grad alive."""
+        self.grads, self.masters, self.copy_back = [], [], []
+        for pos, p in self.strided:
+            self.params[pos] = p
+
     def split(self) -> list[_Run]:
         """Runs whose stochastic-rounding tensor ids are consecutive (the kernel numbers them base + i)."""
         if not self.ids:
@@ -940,10 +946,13 @@ class FusedOptimizer(torch.optim.Optimizer):
                 scalars = self._scalars(group, lr_per_device[dev], steps, grad_mul, dev)
                 for run in b.runs.values():
                     run.refresh(grads)
-                    for part in run.split():
-                        self._launch(group, part, scalars, found_inf)
-                    for p, tmp in run.copy_back:
-                        p.copy_(tmp)
+                    try:
+                        for part in run.split():
+                            self._launch(group, part, scalars, found_inf)
+                        for p, tmp in run.copy_back:
+                            p.copy_(tmp)
+                    finally:
+                        run.release()
                 if b.step_buf is not None:
                     b.step_buf.add_(1.0 if inc is None else inc)
                 if b.rngs:
