@@ -4,7 +4,8 @@ One subprocess (``tests/_dist/worker.py``) spawns the 2 ranks, runs every scenar
 single-process references, and saves the results; the tests here compare them. Scenarios:
 DDP (overflow on rank 1 only, after the all-reduce and in the input), a no-group control,
 ZeRO-style sharding (fastamp AdamW; torch SGD with an active global clip), a rank without
-grads, dyadic grads for an exact norm, and FSDP2 (``fully_shard``) with torch AdamW.
+grads, dyadic grads for an exact norm, and FSDP2 (``fully_shard``) with torch AdamW and with
+fastamp's AdamW (fp32 params, and bf16 params with fp32 masters sharded like them).
 """
 
 import math
@@ -154,6 +155,33 @@ def test_fsdp2_fully_shard_with_fastamp_scaler(results):
     assert _bits_equal(r0["params"], ref["params"])
     fin = torch.isfinite(ref["norms"])
     torch.testing.assert_close(r0["norms"][fin], ref["norms"][fin], rtol=SUMSQ_RTOL, atol=0)
+
+
+@pytest.mark.parametrize("name", ["fsdp2_fastamp", "fsdp2_fastamp_bf16"])
+def test_fsdp2_fully_shard_with_fastamp_adamw(results, name):
+    """fastamp.optim.AdamW on FSDP2's DTensor params: fp32 params, and bf16 params with fp32 masters."""
+    r0, r1, ref = results["rank0"][name], results["rank1"][name], results["reference"][name]
+    assert _skips(r0) == _skips(r1) == _skips(ref) == set(worker.INJECT_AFTER_REDUCE)
+    assert r0["scales"] == r1["scales"] == ref["scales"]
+    # AdamW is elementwise: each rank updates its shard exactly as one process updates the whole
+    assert _bits_equal(r0["params"], r1["params"]) and _bits_equal(r0["params"], ref["params"])
+    assert _bits_equal(r0["masters"], ref["masters"]) and len(r0["masters"]) == (4 if "bf16" in name else 0)
+    # state is sharded like the param (a DTensor whose local shard has the param's local shape)
+    local = r0["param_local_shape"]
+    assert local[0] * worker.WORLD == r0["params"][0].shape[0]
+    for key, (kind, dtype, shape) in r0["state"].items():
+        if key == "step":
+            assert kind == "Tensor"
+        else:
+            assert (kind, dtype, shape) == ("DTensor", torch.float32, local), key
+    assert r0["reload_equal"] and r1["reload_equal"]
+
+
+def test_fsdp2_remainder_masters_are_refused_cleanly(results):
+    for rank in ("rank0", "rank1"):
+        res = results[rank]["fsdp2_remainder_refused"]
+        assert res["message"] is not None and "DTensor (FSDP2) with master_weights='remainder'" in res["message"]
+        assert res["state_empty"] and res["unchanged"]
 
 
 # ----------------------------------------------------------------------------- in-process

@@ -173,6 +173,7 @@ def test_the_plan_keeps_no_grad_alive():
     """zero_grad(set_to_none=True) must free the grads (and contiguous copies) of the last step."""
     params, opt = _make(AdamW, dict(lr=0.01), "native")
     params[0].data = params[0].data.t()  # a strided param: its launch uses a contiguous copy
+
     def set_grads(step):  # no grad left in a local variable here
         for p, g in zip(params, _grads(params, step)):
             p.grad = g

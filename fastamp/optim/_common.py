@@ -139,13 +139,33 @@ def check_backend_arg(opt_name: str, backend: Any) -> Any:
     return None if backend == "auto" else backend
 
 
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 param or its state)."""
+    return type(t) is not Tensor and isinstance(getattr(t, "_local_tensor", None), Tensor)
+
+
+def local_of(t: Tensor) -> Tensor:
+    """The local shard of a DTensor (what the kernels read and update in place), else ``t``."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def state_zeros(p: Tensor, dtype: torch.dtype) -> Tensor:
+    """Contiguous zeros shaped like ``p``; a DTensor with ``p``'s mesh and placements for a DTensor ``p``."""
+    return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+
+
 def fp32_zeros_like(p: Tensor) -> Tensor:
-    return torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+    return state_zeros(p, torch.float32)
+
+
+def state_copy(p: Tensor, value: Tensor, dtype: torch.dtype) -> Tensor:
+    """A contiguous ``dtype`` copy of ``value`` laid out like ``p`` (a DTensor like ``p`` for a DTensor ``p``)."""
+    return torch.empty_like(p, dtype=dtype, memory_format=torch.contiguous_format).copy_(value)
 
 
 def fp32_copy_of(p: Tensor) -> Tensor:
     """A contiguous fp32 copy of ``p`` (exact: fp16/bf16 values are fp32 values)."""
-    return torch.empty(p.shape, dtype=torch.float32, device=p.device).copy_(p.detach())
+    return state_copy(p, p.detach(), torch.float32)
 
 
 def check_real_number(opt_name: str, name: str, value: Any) -> None:
@@ -374,7 +394,15 @@ def load_state_dict(
                         f"but the param has shape {tuple(p.shape)}"
                     )
                 dt = torch.float32 if state_dtype is None else state_dtype(p, group_of[k], key)
-                entry[key] = torch.empty(p.shape, dtype=dt, device=p.device).copy_(value)
+                if is_dtensor(p) != is_dtensor(value):
+                    raise ValueError(
+                        f"{opt_name}.load_state_dict: {where}: {key!r} is "
+                        f"{'a DTensor' if is_dtensor(value) else 'a plain tensor'} but the param is "
+                        f"{'a DTensor' if is_dtensor(p) else 'a plain tensor'}; load sharded state into the "
+                        "same sharding (torch.distributed.checkpoint.state_dict.set_optimizer_state_dict hands "
+                        "over DTensors)"
+                    )
+                entry[key] = state_copy(p, value, dt)
             elif key in _INT_STATE:
                 dt, shape_of = _INT_STATE[key]
                 if not isinstance(value, Tensor) or value.dtype != dt or tuple(value.shape) != shape_of(p):
@@ -424,6 +452,7 @@ class _Run:
         "copy_back",
         "rng",
         "rng_base",
+        "dtensor",
     )
 
     def __init__(self, op: str, kind: str) -> None:
@@ -438,8 +467,12 @@ class _Run:
         self.copy_back: list[tuple[Tensor, Tensor]] = []
         self.rng: Tensor | None = None
         self.rng_base = 0
+        self.dtensor = False  # DTensor params (FSDP2): the kernels get the local shards
 
     def add(self, p: Tensor, pos: int, st: dict[str, Any], sr_id: int | None) -> None:
+        if is_dtensor(p):
+            self.dtensor = True
+            p = p._local_tensor
         if not p.is_contiguous():
             self.strided.append((len(self.params), p))
         self.params.append(p)
@@ -451,15 +484,23 @@ class _Run:
     def refresh(self, grads: list[Tensor]) -> None:
         """This step's lists; ``grads`` are the group's grads (contiguous, checked by the caller)."""
         self.grads = [grads[i] for i in self.gidx]
+        if self.dtensor:
+            self.grads = [local_of(g) for g in self.grads]
         if self.kind == "fp32":
-            self.masters = [st["master_param"] for st in self.states]
+            self.masters = self.state_list("master_param")
         elif self.kind == "remainder":
-            self.masters = [st["master_remainder"] for st in self.states]
+            self.masters = self.state_list("master_remainder")
         self.copy_back = []
         for pos, p in self.strided:
             tmp = p.detach().contiguous()
             self.copy_back.append((p, tmp))
             self.params[pos] = tmp
+
+    def state_list(self, key: str) -> list[Tensor]:
+        """``state[key]`` of every param, as the tensors the kernels update (local shards of DTensors)."""
+        if self.dtensor:
+            return [local_of(st[key]) for st in self.states]
+        return [st[key] for st in self.states]
 
     def release(self) -> None:
         """Drop this step's lists after the launch, so that the plan keeps no grad alive."""
@@ -479,6 +520,7 @@ class _Run:
                     setattr(r, name, getattr(self, name)[start:i] if getattr(self, name) else [])
                 r.rng = self.states[start]["rng"]
                 r.rng_base = self.ids[start]
+                r.dtensor = self.dtensor
                 runs.append(r)
                 start = i
         return runs
@@ -713,7 +755,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                     p.copy_(hi)
                     st["master_remainder"] = rem.contiguous()
                 else:
-                    st["master_remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+                    st["master_remainder"] = state_zeros(p, torch.int16)
             st.pop("master_param", None)
         else:
             st.pop("master_param", None)
@@ -768,6 +810,12 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if p.dtype not in PARAM_DTYPES:
                     check_param_dtype(self._NAME, p, f"param {i} of param group {gi}")
                 check_grad(self._NAME, p, g, f"param {i} of param group {gi}")
+                if is_dtensor(p) and self._kind(group, p) == "remainder":
+                    raise NotImplementedError(
+                        f"{self._NAME}: param {i} of param group {gi} is a DTensor (FSDP2) with "
+                        "master_weights='remainder', which is not supported yet; use master_weights=True "
+                        "(fp32 masters, sharded like the param) or stochastic_rounding=True"
+                    )
                 items.append((i, p, g))
                 needed.add((self._kernel_op(group, p, self._kind(group, p)), p.device))
             work.append((group, items))

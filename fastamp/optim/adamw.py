@@ -136,6 +136,9 @@ class AdamW(_common.FusedOptimizer):
     device, as with torch's ``fused=True``), ``exp_avg`` and ``exp_avg_sq`` (fp32, or bf16 per
     ``state_dtype``), ``max_exp_avg_sq`` (with ``amsgrad``), ``master_param`` (fp32) or
     ``master_remainder`` (int16), ``rng`` (int64 ``[seed, counter]``, with stochastic rounding).
+    For a DTensor param (FSDP2 ``fully_shard``) the moments and the master are DTensors
+    sharded like the param and the kernels update each rank's local shard;
+    ``master_weights="remainder"`` is not supported for DTensor params yet.
 
     Amp: ``_step_supports_amp_scaling`` is True, so ``torch.amp.GradScaler`` and
     :class:`fastamp.Scaler` hand ``grad_scale`` and ``found_inf`` over as attributes instead
@@ -254,7 +257,7 @@ class AdamW(_common.FusedOptimizer):
         for key in keys:
             t = st.get(key)
             if t is None:
-                st[key] = torch.zeros(p.shape, dtype=mdt, device=p.device)
+                st[key] = _common.state_zeros(p, mdt)
             elif t.dtype != mdt:
                 # the group's state_dtype or master kind changed (or a state dict of the other
                 # kind was loaded): convert once, rounding to nearest-even when narrowing
@@ -266,10 +269,9 @@ class AdamW(_common.FusedOptimizer):
 
     def _launch(self, group: dict[str, Any], run: _common._Run, scalars: Tensor, found_inf: Tensor | None) -> None:
         beta1, beta2 = group["betas"]
-        sts = run.states
-        m = [st["exp_avg"] for st in sts]
-        v = [st["exp_avg_sq"] for st in sts]
-        vmax = [st["max_exp_avg_sq"] for st in sts] if group["amsgrad"] else []
+        m = run.state_list("exp_avg")
+        v = run.state_list("exp_avg_sq")
+        vmax = run.state_list("max_exp_avg_sq") if group["amsgrad"] else []
         kw = dict(
             beta1=beta1,
             beta2=beta2,

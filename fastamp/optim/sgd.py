@@ -153,14 +153,14 @@ class SGD(_common.FusedOptimizer):
         if buf is None:
             st["momentum_buffer"] = _common.fp32_zeros_like(p)
         elif buf.dtype != torch.float32 or not buf.is_contiguous():
-            st["momentum_buffer"] = torch.empty(p.shape, dtype=torch.float32, device=p.device).copy_(buf)
+            st["momentum_buffer"] = _common.state_copy(p, buf, torch.float32)
 
     def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
         step = steps[0] if steps else torch.zeros((), dtype=torch.float32, device=dev)
         return reference.sgd_step_scalars(lr, step, grad_mul)
 
     def _launch(self, group: dict[str, Any], run: _common._Run, scalars: Tensor, found_inf: Tensor | None) -> None:
-        bufs = [st["momentum_buffer"] for st in run.states] if group["momentum"] != 0 else []
+        bufs = run.state_list("momentum_buffer") if group["momentum"] != 0 else []
         functional.sgd_(
             run.params,
             run.grads,

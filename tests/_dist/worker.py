@@ -43,7 +43,8 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_fn(model, x, y):
-    return (model(x) - y).square().mean()
+    dtype = next(model.parameters()).dtype
+    return (model(x.to(dtype)).float() - y).square().mean()
 
 
 def make_scaler(**kw) -> fastamp.Scaler:
@@ -226,16 +227,22 @@ def run_no_grad_rank(rank: int):
 # ----------------------------------------------------------------------------- FSDP2
 
 
-def run_fsdp2(rank: int, steps: int, inject: tuple):
+def _fsdp2_optimizer(params, opt_kind: str):
+    if opt_kind == "torch":
+        return torch.optim.AdamW(params, lr=1e-2)
+    return fastamp.optim.AdamW(params, lr=1e-2)  # fp32 params: no master; bf16: fp32 masters
+
+
+def run_fsdp2(rank: int, steps: int, inject: tuple, opt_kind: str = "torch", dtype=torch.float32):
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError as e:  # torch < 2.6
         return {"error": f"fully_shard unavailable: {e}"}
-    model = make_model()
+    model = make_model().to(dtype)
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = _fsdp2_optimizer(model.parameters(), opt_kind)
     scaler = make_scaler(process_group=dist.group.WORLD, sharded=True)
     scales, skipped, norms = [], [], []
     for step in range(steps):
@@ -249,12 +256,53 @@ def run_fsdp2(rank: int, steps: int, inject: tuple):
         scaler.update()
         scales.append(scaler.get_scale())
         skipped.append(scaler.last_step_skipped)
-    return {"scales": scales, "skipped": skipped, "norms": torch.stack(norms), "params": params_of(model)}
+    out = {"scales": scales, "skipped": skipped, "norms": torch.stack(norms), "params": params_of(model)}
+    if opt_kind == "fastamp":
+        # the optimizer state of each param: sharded like it (DTensor), local shards the same size
+        first = next(model.parameters())
+        state = opt.state[first]
+        out["state"] = {
+            k: (type(v).__name__, v.dtype, tuple(v._local_tensor.shape) if hasattr(v, "_local_tensor") else None)
+            for k, v in state.items()
+        }
+        out["param_local_shape"] = tuple(first._local_tensor.shape)
+        out["masters"] = _masters(opt, model, lambda t: t.full_tensor())
+        # the state dict round-trips into a new optimizer over the same sharded params
+        again = _fsdp2_optimizer(model.parameters(), opt_kind)
+        again.load_state_dict(opt.state_dict())
+        out["reload_equal"] = all(
+            type(v) is type(again.state[p][k]) and torch.equal(v, again.state[p][k])
+            for p in model.parameters()
+            for k, v in opt.state[p].items()
+        )
+    return out
 
 
-def run_fsdp2_reference(steps: int, inject: tuple):
-    model = make_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+def run_fsdp2_remainder_refused(rank: int):
+    """master_weights='remainder' is not supported for DTensor params: a clear error, nothing changed."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model().to(torch.bfloat16)
+    fully_shard(model)
+    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-2, master_weights="remainder")
+    x, y = batch(0, rank)
+    loss_fn(model, x, y).backward()
+    before = params_of(model)
+    try:
+        opt.step()
+    except NotImplementedError as e:
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, params_of(model)))
+        return {"message": str(e), "state_empty": len(opt.state) == 0, "unchanged": unchanged}
+    return {"message": None}
+
+
+def _masters(opt, model, full) -> list[torch.Tensor]:
+    return [full(opt.state[p]["master_param"]).clone() for p in model.parameters() if "master_param" in opt.state[p]]
+
+
+def run_fsdp2_reference(steps: int, inject: tuple, opt_kind: str = "torch", dtype=torch.float32):
+    model = make_model().to(dtype)
+    opt = _fsdp2_optimizer(model.parameters(), opt_kind)
     scaler = make_scaler()
     scales, skipped, norms = [], [], []
     for step in range(steps):
@@ -271,7 +319,10 @@ def run_fsdp2_reference(steps: int, inject: tuple):
         scaler.update()
         scales.append(scaler.get_scale())
         skipped.append(scaler.last_step_skipped)
-    return {"scales": scales, "skipped": skipped, "norms": torch.stack(norms), "params": params_of(model)}
+    out = {"scales": scales, "skipped": skipped, "norms": torch.stack(norms), "params": params_of(model)}
+    if opt_kind == "fastamp":
+        out["masters"] = _masters(opt, model, lambda t: t)
+    return out
 
 
 # ----------------------------------------------------------------------------- driver
@@ -284,6 +335,9 @@ SCENARIOS = {
     "exact_norm": run_exact_norm,
     "no_grad_rank": run_no_grad_rank,
     "fsdp2": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE),
+    "fsdp2_fastamp": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE, "fastamp"),
+    "fsdp2_fastamp_bf16": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE, "fastamp", torch.bfloat16),
+    "fsdp2_remainder_refused": run_fsdp2_remainder_refused,
 }
 
 REFERENCES = {
@@ -291,6 +345,8 @@ REFERENCES = {
     "sharded_adamw": lambda: run_sharded_reference(1e9, STEPS, SHARDED_INJECT, "adamw"),
     "sharded_sgd_clip": lambda: run_sharded_reference(0.05, STEPS, SHARDED_INJECT, "sgd"),
     "fsdp2": lambda: run_fsdp2_reference(STEPS, INJECT_AFTER_REDUCE),
+    "fsdp2_fastamp": lambda: run_fsdp2_reference(STEPS, INJECT_AFTER_REDUCE, "fastamp"),
+    "fsdp2_fastamp_bf16": lambda: run_fsdp2_reference(STEPS, INJECT_AFTER_REDUCE, "fastamp", torch.bfloat16),
 }
 
 
