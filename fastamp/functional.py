@@ -258,6 +258,17 @@ def _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, m
                 raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[0] is on {dev}")
 
 
+def _call_adam(op: str, dev: torch.device, backend: str | None, args: tuple) -> None:
+    """Run an adamw op: the native kernel first when it is the chosen backend (it checks every
+    tensor itself before touching anything), the per-tensor Python checks only when it is not
+    taken or refuses the input. ``args``: the op's arguments, the six tensor lists first and
+    ``amsgrad`` second to last."""
+    if _native_fast_path(op, dev, backend, args) is not _NOT_RUN:
+        return
+    _check_adam_inputs(op, dev, *args[:6], args[-2])
+    backends.get_impl(op, backends.resolve(op, dev, backend))(*args)
+
+
 def adamw_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -301,10 +312,7 @@ def adamw_(
         bool(amsgrad),
         bool(maximize),
     )
-    if _native_fast_path(op, dev, backend, args) is not _NOT_RUN:
-        return
-    _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
-    backends.get_impl(op, backends.resolve(op, dev, backend))(*args)
+    _call_adam(op, dev, backend, args)
 
 
 def adamw_bf16_(
@@ -352,10 +360,7 @@ def adamw_bf16_(
         bool(amsgrad),
         bool(maximize),
     )
-    if _native_fast_path(op, dev, backend, args) is not _NOT_RUN:
-        return
-    _check_adam_inputs(op, dev, params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
-    backends.get_impl(op, backends.resolve(op, dev, backend))(*args)
+    _call_adam(op, dev, backend, args)
 
 
 def sgd_(

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from fastamp import backends, functional, health
+from fastamp.optim._common import local_of
 
 __all__ = ["OptState", "Scaler"]
 
@@ -268,7 +269,7 @@ class Scaler:
                 # FSDP2 grads are DTensors: each rank checks (and unscales in place) its own shard;
                 # process_group then makes the flag and, with sharded=True, the norm global.
                 if type(grad) is not Tensor:
-                    grad = _local_shard(grad)
+                    grad = local_of(grad)
                 device = grad.device
                 per_device[device].append(grad)
                 if owners is not None:
@@ -964,11 +965,6 @@ def _plain_grads(optimizer, allow_fp16: bool) -> tuple[list[Tensor], list[int] |
     if not allow_fp16 and torch.float16 in {g.dtype for g in grads}:
         return None
     return params, positions, grads
-
-
-def _local_shard(grad: Tensor) -> Tensor:
-    local = getattr(grad, "_local_tensor", None)
-    return local if isinstance(local, Tensor) else grad
 
 
 def _check_process_group(process_group: Any, sharded: Any) -> Any:
