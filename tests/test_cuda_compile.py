@@ -155,3 +155,54 @@ def test_bindings_compile_against_torch_headers(compiled):
     if isinstance(rc, str):
         pytest.skip(rc)
     assert rc == 0, f"bindings.cpp does not compile:\n{out[-6000:]}"
+
+
+def _schema_ops():
+    """The op names defined by ``TORCH_LIBRARY(fastamp, m)`` in csrc/ops.cpp."""
+    text = (ROOT / "csrc" / "ops.cpp").read_text()
+    return set(re.findall(r'"(\w+)\((?:Tensor|\))', text)) - {"build_info"}
+
+
+def test_every_kernel_registers_through_the_signature_check():
+    """A CPU/CUDA C++ signature mismatch aborts every user's import, so none may bypass FASTAMP_IMPL.
+
+    csrc/op_signatures.h holds one C++ signature per op; FASTAMP_IMPL static_asserts the
+    kernel against it. A raw ``m.impl(`` would register unchecked.
+    """
+    header = (ROOT / "csrc" / "op_signatures.h").read_text()
+    declared = set(re.findall(r"^using (\w+) =", header, flags=re.M))
+    assert declared == _schema_ops(), "op_signatures.h must declare exactly the ops of ops.cpp"
+    registered = {"CPU": set(), "CUDA": set()}
+    for path in [*(ROOT / "csrc").rglob("*.cpp"), *(ROOT / "csrc").rglob("*.cu")]:
+        text = path.read_text()
+        assert not re.search(r"\bm\.impl\(", text), f"{path.name}: register kernels with FASTAMP_IMPL, not m.impl"
+        for key, body in re.findall(r"TORCH_LIBRARY_IMPL\(fastamp, (\w+), m\) \{(.*?)\n?\}", text, flags=re.S):
+            registered[key] |= set(re.findall(r"FASTAMP_IMPL\(m, (\w+),", body))
+    assert registered["CPU"] == declared
+    assert registered["CUDA"] == declared
+
+
+@requires_nvcc
+def test_signature_check_rejects_a_mismatched_kernel(tmp_path):
+    """The check itself can fail: a kernel taking ``at::Tensor&`` where the op's takes ``const at::Tensor&``.
+
+    This is the exact mismatch that made the dispatcher abort ``import fastamp`` on CUDA builds.
+    """
+    src = tmp_path / "mismatch.cpp"
+    src.write_text(
+        '#include "op_signatures.h"\n'
+        "void bad_update_scale(at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&, double, double,\n"
+        "                      int64_t, int64_t, double, double) {}\n"
+        "void good_update_scale(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,\n"
+        "                       double, double, int64_t, int64_t, double, double) {}\n"
+        "TORCH_LIBRARY_IMPL(fastamp, CPU, m) { FASTAMP_IMPL(m, update_scale_, BAD_OR_GOOD); }\n"
+    )
+    cmd, skip = _bindings_cmd(tmp_path / "stub")
+    if cmd is None:
+        pytest.skip(skip)
+    base = [*cmd[:-1], str(src)]
+    good = subprocess.run([*base, "-DBAD_OR_GOOD=good_update_scale"], capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, good.stderr[-4000:]
+    bad = subprocess.run([*base, "-DBAD_OR_GOOD=bad_update_scale"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0
+    assert "does not have the C++ signature" in bad.stderr, bad.stderr[-4000:]

@@ -26,6 +26,7 @@
 #include "cpu/optim_checks.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
+#include "op_signatures.h"
 
 namespace fastamp {
 namespace cpu {
@@ -415,6 +416,6 @@ void adamw_bf16_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
 }  // namespace fastamp
 
 TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
-  m.impl("adamw_", TORCH_FN(fastamp::cpu::adamw_cpu));
-  m.impl("adamw_bf16_", TORCH_FN(fastamp::cpu::adamw_bf16_cpu));
+  FASTAMP_IMPL(m, adamw_, fastamp::cpu::adamw_cpu);
+  FASTAMP_IMPL(m, adamw_bf16_, fastamp::cpu::adamw_bf16_cpu);
 }

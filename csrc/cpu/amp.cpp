@@ -32,6 +32,7 @@
 #include "cpu/multi_tensor.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
+#include "op_signatures.h"
 
 namespace fastamp {
 namespace cpu {
@@ -415,7 +416,7 @@ TORCH_LIBRARY_FRAGMENT(fastamp, m) {
 }
 
 TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
-  m.impl("unscale_check_", TORCH_FN(fastamp::cpu::unscale_check_cpu));
-  m.impl("update_scale_", TORCH_FN(fastamp::cpu::update_scale_cpu));
-  m.impl("unscale_check_stats_", TORCH_FN(fastamp::cpu::unscale_check_stats_cpu));
+  FASTAMP_IMPL(m, unscale_check_, fastamp::cpu::unscale_check_cpu);
+  FASTAMP_IMPL(m, update_scale_, fastamp::cpu::update_scale_cpu);
+  FASTAMP_IMPL(m, unscale_check_stats_, fastamp::cpu::unscale_check_stats_cpu);
 }

@@ -24,6 +24,7 @@
 #include "cpu/optim_checks.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
+#include "op_signatures.h"
 
 namespace fastamp {
 namespace cpu {
@@ -253,4 +254,4 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
 }  // namespace cpu
 }  // namespace fastamp
 
-TORCH_LIBRARY_IMPL(fastamp, CPU, m) { m.impl("sgd_", TORCH_FN(fastamp::cpu::sgd_cpu)); }
+TORCH_LIBRARY_IMPL(fastamp, CPU, m) { FASTAMP_IMPL(m, sgd_, fastamp::cpu::sgd_cpu); }

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "launchers.h"
+#include "op_signatures.h"
 
 namespace fastamp {
 namespace cuda {
@@ -60,8 +61,8 @@ void check_launch(const char* op, cudaError_t err) {
 
 // unscale_check_ and, with counts/absmax, unscale_check_stats_.
 at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Tensor& found_inf,
-                              const at::Tensor& inv_scale, bool write_back, bool compute_sumsq, at::Tensor* counts,
-                              at::Tensor* absmax) {
+                              const at::Tensor& inv_scale, bool write_back, bool compute_sumsq,
+                              const at::Tensor* counts, const at::Tensor* absmax) {
   TORCH_CHECK(found_inf.is_cuda(), "fastamp::", op, ": found_inf must be a CUDA tensor, got device ",
               found_inf.device());
   const at::Device device = found_inf.device();
@@ -124,12 +125,13 @@ at::Tensor unscale_check_cuda(at::TensorList grads, const at::Tensor& found_inf,
 }
 
 at::Tensor unscale_check_stats_cuda(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
-                                    bool write_back, bool compute_sumsq, at::Tensor& counts, at::Tensor& absmax) {
+                                    bool write_back, bool compute_sumsq, const at::Tensor& counts,
+                                    const at::Tensor& absmax) {
   return unscale_check_impl("unscale_check_stats_", grads, found_inf, inv_scale, write_back, compute_sumsq, &counts,
                             &absmax);
 }
 
-void update_scale_cuda(at::Tensor& scale, at::Tensor& growth_tracker, at::Tensor& hysteresis_tracker,
+void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& hysteresis_tracker,
                        const at::Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
                        int64_t hysteresis, double min_scale, double max_scale) {
   constexpr const char* op = "update_scale_";
@@ -388,10 +390,10 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList master
 }  // namespace fastamp
 
 TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
-  m.impl("unscale_check_", &fastamp::cuda::unscale_check_cuda);
-  m.impl("update_scale_", &fastamp::cuda::update_scale_cuda);
-  m.impl("adamw_", &fastamp::cuda::adamw_cuda);
-  m.impl("adamw_bf16_", &fastamp::cuda::adamw_bf16_cuda);
-  m.impl("sgd_", &fastamp::cuda::sgd_cuda);
-  m.impl("unscale_check_stats_", &fastamp::cuda::unscale_check_stats_cuda);
+  FASTAMP_IMPL(m, unscale_check_, fastamp::cuda::unscale_check_cuda);
+  FASTAMP_IMPL(m, update_scale_, fastamp::cuda::update_scale_cuda);
+  FASTAMP_IMPL(m, adamw_, fastamp::cuda::adamw_cuda);
+  FASTAMP_IMPL(m, adamw_bf16_, fastamp::cuda::adamw_bf16_cuda);
+  FASTAMP_IMPL(m, sgd_, fastamp::cuda::sgd_cuda);
+  FASTAMP_IMPL(m, unscale_check_stats_, fastamp::cuda::unscale_check_stats_cuda);
 }

@@ -1,0 +1,60 @@
+// The C++ signature of every op's kernel, one type per schema in ops.cpp.
+//
+// The dispatcher refuses two kernels of one op whose C++ signatures differ (a CPU kernel
+// taking `const at::Tensor&` and a CUDA one taking `at::Tensor&`), and it does so when the
+// library is loaded, by aborting the process: every user's `import fastamp` dies, and only
+// a build against a CUDA torch shows it. So each backend registers its kernels through
+// FASTAMP_IMPL, which checks the kernel against the type below at compile time; a
+// mismatch is a compile error in whichever backend drifted (tests/test_cuda_compile.py
+// compiles the CUDA bindings against torch's headers on machines without a CUDA torch).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <type_traits>
+
+namespace fastamp {
+namespace signature {
+
+using unscale_check_ = at::Tensor(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                                  bool write_back, bool compute_sumsq);
+
+using unscale_check_stats_ = at::Tensor(at::TensorList grads, const at::Tensor& found_inf,
+                                        const at::Tensor& inv_scale, bool write_back, bool compute_sumsq,
+                                        const at::Tensor& counts, const at::Tensor& absmax);
+
+using update_scale_ = void(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                           const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf, double growth_factor,
+                           double backoff_factor, int64_t growth_interval, int64_t hysteresis, double min_scale,
+                           double max_scale);
+
+using adamw_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avgs,
+                    at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, const at::Tensor& step_scalars,
+                    const std::optional<at::Tensor>& found_inf, double beta1, double beta2, double eps, bool amsgrad,
+                    bool maximize);
+
+using adamw_bf16_ = void(at::TensorList params, at::TensorList grads, at::TensorList remainders,
+                         at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                         const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+                         const std::optional<at::Tensor>& rng, int64_t rng_base, double beta1, double beta2,
+                         double eps, bool amsgrad, bool maximize);
+
+using sgd_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters,
+                  at::TensorList momentum_buffers, const at::Tensor& step_scalars,
+                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& rng, int64_t rng_base,
+                  double momentum, double dampening, double weight_decay, bool nesterov, bool maximize);
+
+}  // namespace signature
+}  // namespace fastamp
+
+// m.impl(op, fn) after a compile-time check that fn has the op's one C++ signature.
+#define FASTAMP_IMPL(m, op, fn)                                                                           \
+  do {                                                                                                    \
+    static_assert(std::is_same<decltype(fn), ::fastamp::signature::op>::value,                            \
+                  "fastamp: the kernel registered for " #op                                               \
+                  " does not have the C++ signature of csrc/op_signatures.h; the dispatcher would abort " \
+                  "the process at import");                                                               \
+    (m).impl(#op, TORCH_FN(fn));                                                                          \
+  } while (0)
