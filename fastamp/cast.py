@@ -12,6 +12,7 @@ low-precision params; the kept fp32 params are their own masters) and, for fp16,
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import Any, Union
 
@@ -93,6 +94,17 @@ def cast_model(
     param. Hooks are registered once per call; the handles are in
     ``model._fastamp_cast_handles``.
 
+    Tied tensors: a tensor has one dtype, so a tensor reached from several modules (tied
+    weights such as ``model.head.weight = model.emb.weight``, a buffer registered in two
+    modules, a module at two paths, or two Parameters over overlapping memory such as
+    ``nn.Parameter(enc.weight.data.t())``) is cast once and stays tied: the same object, or
+    the same views of one new memory. If any module holding it is kept, it stays fp32 for
+    all of them: every cast module holding it is kept too (its subtree, with the boundary
+    hooks), and a ``UserWarning`` names them (list them in ``keep_fp32`` to silence it).
+    Everything is decided before anything changes; a tie between a kept module and the
+    model's own (root) tensors, or tensors of different dtypes over one memory, raise
+    ``ValueError`` and leave the model as it was.
+
     Guards: a BatchNorm (or InstanceNorm) that ends up in ``dtype`` warns once
     (:class:`fastamp.health.AmpPitfallWarning`); with ``dtype=torch.float16`` an optimizer
     step on fp16 params that no grad scaler drives warns once per optimizer (see
@@ -122,28 +134,47 @@ def cast_model(
             )
     kinds_t = tuple(kinds)
 
-    kept_roots: list[nn.Module] = []
-    lowered_norms: list[str] = []
-
-    def visit(prefix: str, module: nn.Module, inside_kept: bool) -> None:
-        kept_here = not inside_kept and _is_kept(prefix, module, kinds_t, names, instances)
-        if kept_here:
-            kept_roots.append(module)
-        keep = inside_kept or kept_here
-        if not keep:
-            _cast_own_tensors(module, dtype)
-            if isinstance(module, nn.modules.batchnorm._NormBase) and (module.affine or module.track_running_stats):
-                lowered_norms.append(prefix or type(module).__name__)
-        for child_name, child in module.named_children():
-            visit(f"{prefix}.{child_name}" if prefix else child_name, child, keep)
-
-    visit("", model, False)
+    # Decide everything before changing anything: a tensor reached from a kept module and
+    # from a cast one (tied weights, shared buffers, a module at two paths, or two tensors
+    # over one memory) can have only one dtype, and the kept one wins: the cast modules
+    # holding it are kept too (their subtree, with the boundary hooks). Repeat until no
+    # such tie is left, since a newly kept subtree can hold further ties.
+    promoted: dict[str, list[str]] = {}
+    while True:
+        slots, kept_roots, lowered_norms = _walk(model, kinds_t, names, instances)
+        groups = _tie_groups(slots)
+        conflicts = [
+            g for g in groups if _needs_cast(g, dtype) and any(s.keep for s in g) and not all(s.keep for s in g)
+        ]
+        if not conflicts:
+            break
+        for g in conflicts:
+            kept = next(s for s in g if s.keep)
+            for s in g:
+                if s.keep:
+                    continue
+                if s.path == "":
+                    raise ValueError(
+                        f"fastamp.cast_model: {s.describe()} is tied to {kept.describe()} (kept fp32); keeping it "
+                        "fp32 would keep the whole model fp32. Untie them, move the tensor into a submodule, "
+                        f"or drop {kept.path!r} from keep_fp32"
+                    )
+                names.add(s.path)
+                promoted.setdefault(s.path, []).append(f"{s.describe()} is tied to {kept.describe()}")
+    for g in groups:
+        if _needs_cast(g, dtype) and not any(s.keep for s in g):
+            _check_castable(g, dtype)
+    for g in groups:
+        if _needs_cast(g, dtype) and not any(s.keep for s in g):
+            _cast_group(g, dtype)
 
     handles = list(getattr(model, "_fastamp_cast_handles", []))
     to_fp32 = _LOW
+    hooked: set[int] = set()
     for m in kept_roots:
-        if m is model:
+        if m is model or id(m) in hooked:
             continue
+        hooked.add(id(m))
         if _batchnorm_takes_low_precision(m, dtype):
             # fp32 weights and statistics, low-precision input and output in one kernel: no
             # fp32 copy of the activation is kept for backward (what autocast does too).
@@ -165,6 +196,15 @@ def cast_model(
         handles.append(model.register_forward_pre_hook(input_hook, with_kwargs=True))
     model._fastamp_cast_handles = handles
 
+    if promoted:
+        lines = "; ".join(f"{path!r} kept fp32 ({', '.join(why)})" for path, why in promoted.items())
+        warnings.warn(
+            f"fastamp.cast_model: tied tensors keep one dtype, and a tie with a kept-fp32 module keeps both "
+            f"sides fp32: {lines}. Add these modules to keep_fp32 to silence this, or untie the tensors to "
+            "cast them.",
+            UserWarning,
+            stacklevel=2,
+        )
     if lowered_norms:
         health.warn_norm_in_low_precision(lowered_norms, dtype, stacklevel=3)
     if dtype == torch.float16:
@@ -204,13 +244,151 @@ def _batchnorm_takes_low_precision(module: nn.Module, dtype: torch.dtype) -> boo
     return _MIXED_BN_OK[key]
 
 
+class _Slot:
+    """One place a tensor is registered: ``module._parameters[name]`` or ``module._buffers[name]`` at ``path``."""
+
+    __slots__ = ("path", "module", "kind", "name", "tensor", "keep")
+
+    def __init__(self, path: str, module: nn.Module, kind: str, name: str, tensor: Tensor, keep: bool) -> None:
+        self.path, self.module, self.kind, self.name, self.tensor, self.keep = path, module, kind, name, tensor, keep
+
+    def describe(self) -> str:
+        if self.path:
+            return f"{self.kind} '{self.path}.{self.name}'"
+        return f"{self.kind} '{self.name}' of the model itself"
+
+
+def _walk(
+    model: nn.Module, kinds: tuple[type, ...], names: set, instances: set
+) -> tuple[list[_Slot], list[nn.Module], list[str]]:
+    """Every tensor slot with whether its module is kept, the kept subtree roots, and the norms to be cast."""
+    slots: list[_Slot] = []
+    kept_roots: list[nn.Module] = []
+    lowered_norms: list[str] = []
+
+    def visit(prefix: str, module: nn.Module, inside_kept: bool) -> None:
+        kept_here = not inside_kept and _is_kept(prefix, module, kinds, names, instances)
+        if kept_here:
+            kept_roots.append(module)
+        keep = inside_kept or kept_here
+        for kind, table in (("parameter", module._parameters), ("buffer", module._buffers)):
+            for name, t in table.items():
+                if t is not None:
+                    slots.append(_Slot(prefix, module, kind, name, t, keep))
+        if not keep and isinstance(module, nn.modules.batchnorm._NormBase):
+            if module.affine or module.track_running_stats:
+                lowered_norms.append(prefix or type(module).__name__)
+        for child_name, child in module.named_children():
+            visit(f"{prefix}.{child_name}" if prefix else child_name, child, keep)
+
+    visit("", model, False)
+    return slots, kept_roots, lowered_norms
+
+
+def _byte_span(t: Tensor) -> tuple[Any, int, int] | None:
+    """``(storage key, first byte, end byte)`` of the memory ``t`` can reach, or None if it has none to share."""
+    if isinstance(t, nn.parameter.UninitializedTensorMixin) or t.numel() == 0 or t.device.type == "meta":
+        return None  # lazy modules' placeholders, empty and meta tensors hold no memory to share
+    try:
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # tensor subclasses without a plain storage
+        return None
+    if ptr == 0:
+        return None
+    extent = 1 + sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride()))
+    start = t.storage_offset() * t.element_size()
+    return (t.device, ptr), start, start + extent * t.element_size()
+
+
+def _tie_groups(slots: list[_Slot]) -> list[list[_Slot]]:
+    """Slots grouped by tie: the same tensor object, or tensors whose memory overlaps."""
+    parent = list(range(len(slots)))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    def union(i: int, j: int) -> None:
+        parent[find(i)] = find(j)
+
+    first_of: dict[int, int] = {}
+    spans: dict[Any, list[tuple[int, int, int]]] = {}
+    for i, s in enumerate(slots):
+        j = first_of.setdefault(id(s.tensor), i)
+        if j != i:
+            union(i, j)
+            continue
+        span = _byte_span(s.tensor)
+        if span is not None:
+            spans.setdefault(span[0], []).append((span[1], span[2], i))
+    for items in spans.values():
+        items.sort()
+        end, last = -1, -1
+        for lo, hi, i in items:
+            # interval overlap: conservative for interleaved strided views, which are tied then
+            if lo < end:
+                union(i, last)
+            if hi > end:
+                end, last = hi, i
+    groups: dict[int, list[_Slot]] = {}
+    for i, s in enumerate(slots):
+        groups.setdefault(find(i), []).append(s)
+    return list(groups.values())
+
+
+def _members(group: list[_Slot]) -> list[Tensor]:
+    seen: dict[int, Tensor] = {}
+    for s in group:
+        seen.setdefault(id(s.tensor), s.tensor)
+    return list(seen.values())
+
+
+def _needs_cast(group: list[_Slot], dtype: torch.dtype) -> bool:
+    return any(t.is_floating_point() and t.dtype != dtype for t in _members(group))
+
+
+def _check_castable(group: list[_Slot], dtype: torch.dtype) -> None:
+    members = _members(group)
+    if len(members) > 1 and len({t.dtype for t in members}) > 1:
+        by_dtype: dict[torch.dtype, _Slot] = {}
+        for s in group:
+            by_dtype.setdefault(s.tensor.dtype, s)
+        a, b = list(by_dtype.values())[:2]
+        raise ValueError(
+            f"fastamp.cast_model: {a.describe()} ({a.tensor.dtype}) and {b.describe()} ({b.tensor.dtype}) share "
+            f"memory with different dtypes; they cannot be cast to {dtype} and stay tied. Keep one of their "
+            "modules fp32 (keep_fp32), or untie them"
+        )
+
+
 @torch.no_grad()
-def _cast_own_tensors(module: nn.Module, dtype: torch.dtype) -> None:
-    for p in module._parameters.values():
-        if p is not None and p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype)
-            if p.grad is not None:
-                p.grad = p.grad.to(dtype)
-    for name, b in module._buffers.items():
-        if b is not None and b.is_floating_point() and b.dtype != dtype:
-            module._buffers[name] = b.to(dtype)
+def _cast_group(group: list[_Slot], dtype: torch.dtype) -> None:
+    """Cast the tensors of one tie group so that they stay tied: one new tensor per object, over one new memory."""
+    members = _members(group)
+    new: dict[int, Tensor] = {}
+    if len(members) == 1:
+        t = members[0]
+        new[id(t)] = t.data.to(dtype)
+    else:
+        # tensors over one memory: cast the span they cover once, and rebuild each as the
+        # same view (offset, sizes, strides) of the new memory
+        spans = [_byte_span(t) for t in members]
+        item = members[0].element_size()
+        lo = min(s[1] for s in spans if s is not None) // item
+        hi = max(s[2] for s in spans if s is not None) // item
+        ref = members[0]
+        flat = torch.empty(0, dtype=ref.dtype, device=ref.device)
+        flat.set_(ref.untyped_storage(), lo, (hi - lo,), (1,))
+        flat = flat.to(dtype)
+        for t in members:
+            new[id(t)] = flat.as_strided(t.shape, t.stride(), t.storage_offset() - lo)
+    for t in members:
+        if isinstance(t, nn.Parameter):
+            t.data = new[id(t)]
+            if t.grad is not None and t.grad.is_floating_point() and t.grad.dtype != dtype:
+                t.grad = t.grad.to(dtype)
+    for s in group:
+        if s.kind == "buffer" and not isinstance(s.tensor, nn.Parameter):
+            s.module._buffers[s.name] = new[id(s.tensor)]
