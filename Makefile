@@ -1,6 +1,8 @@
 # fastamp developer entry points. Every target sets itself up from nothing: a local
 # virtualenv (.venv) with pinned dependencies, then the C++ extension built in place.
-#   make test      - the whole test suite (what CI runs, via .ci/run)
+#   make test      - the whole test suite (what CI runs, via .ci/run): pytest, then the
+#                    CUDA-build tier (a CUDA torch in .venv-cuda, the extension built with
+#                    its CUDA kernels, imported and tested on CPU; skipped without nvcc)
 #   make compare   - the main job: end-to-end mixed-precision comparison (table + CSV + PNG)
 #   make bench     - the microbenchmarks (CSV + PNG under benchmarks/results/)
 #   make lint      - ruff
@@ -12,7 +14,7 @@ STAMP   = $(VENV)/.deps-stamp
 BUILD   = $(VENV)/.build-stamp
 SOURCES = $(shell find csrc -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.cuh' 2>/dev/null) setup.py
 
-.PHONY: env build test compare bench lint clean
+.PHONY: env build test test-cuda-build compare bench lint clean
 
 $(STAMP): requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +33,10 @@ build: $(BUILD)
 
 test: $(BUILD)
 	$(PY) -m pytest -q tests
+	$(MAKE) test-cuda-build
+
+test-cuda-build:
+	PYTHON=$(PYTHON) bash tests/_scripts/cuda_build_tier.sh
 
 compare: $(BUILD)
 	$(PY) -m fastamp.compare
@@ -43,4 +49,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check fastamp kernels tests benchmarks
 
 clean:
-	rm -rf build $(VENV) fastamp/_C*.so *.egg-info
+	rm -rf build $(VENV) .venv-cuda fastamp/_C*.so *.egg-info
