@@ -174,7 +174,7 @@ def _extensions():
 ext_modules, cmdclass = _extensions()
 
 setup(
-    packages=["fastamp", "fastamp.optim", "fastamp.kernels"],
+    packages=["fastamp", "fastamp.optim", "fastamp.compare", "fastamp.kernels"],
     package_dir={"fastamp.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

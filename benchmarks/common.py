@@ -1,8 +1,11 @@
 """Shared machinery of the fastamp microbenchmarks.
 
 Timing (interleaved rounds, median), a copy/triad bandwidth ceiling measured in the same
-run, the list of fastamp backends that can be timed on a device, correctness checks,
-machine description, progress bar, and CSV / Markdown / PNG output.
+run, the list of fastamp backends that can be timed on a device, correctness checks, and
+the benchmark's Markdown / PNG output. The machine description, device resolution and
+synchronisation, progress bar, and CSV / Markdown writers are shared with
+``fastamp-compare`` and live in :mod:`fastamp._harness`; they are imported here under
+their old names.
 
 Every benchmark script builds *providers*: a name, the bytes it moves per element
 (counted from what the implementation reads and writes, not from what an ideal kernel
@@ -13,13 +16,7 @@ one iteration. A provider that fails its check is reported and not timed.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import math
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -27,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+
+from fastamp._harness import Progress, machine_info, markdown_table, resolve_device, sync, write_csv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results")
@@ -65,15 +64,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
 
 
-def resolve_device(arg: str | None) -> torch.device:
-    if arg is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(arg)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda was requested but torch.cuda.is_available() is False")
-    return dev
-
-
 def parse_configs(args, device: torch.device) -> list[tuple[int, int]]:
     if args.configs:
         out = []
@@ -90,65 +80,6 @@ def parse_configs(args, device: torch.device) -> list[tuple[int, int]]:
     if device.type == "cuda":
         cfgs = cfgs + GPU_EXTRA
     return cfgs
-
-
-# ----------------------------------------------------------------------------------------
-# Machine description
-
-
-def _run(cmd: Sequence[str]) -> str:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, cwd=ROOT).stdout.strip()
-    except Exception:
-        return ""
-
-
-def cpu_model() -> str:
-    for line in _run(["lscpu"]).splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
-
-
-def git_commit() -> str:
-    sha = _run(["git", "rev-parse", "--short=12", "HEAD"]) or "unknown"
-    dirty = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-    return sha + ("-dirty" if dirty else "")
-
-
-def machine_info(device: torch.device) -> dict[str, str]:
-    """Date, machine, versions, commit and command line: the header of every result file."""
-    info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": f"{cpu_model()}, {os.cpu_count()} logical CPUs, torch threads {torch.get_num_threads()}, "
-        f"capability {torch.backends.cpu.get_cpu_capability()}",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "git_commit": git_commit(),
-        "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "device": str(device),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except Exception:
-        info["triton"] = "not importable"
-    try:
-        from fastamp import _ops
-
-        info["fastamp_build"] = (
-            str(_ops.build_info()) if _ops.NATIVE_LOADED else f"native not loaded: {_ops.NATIVE_ERROR}"
-        )
-    except Exception as e:
-        info["fastamp_build"] = f"unknown ({e})"
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = str(torch.version.cuda)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    if load is not None:
-        info["load_avg_at_start"] = " ".join(f"{x:.2f}" for x in load)
-    return info
 
 
 # ----------------------------------------------------------------------------------------
@@ -232,11 +163,6 @@ def assert_close(
 # Timing
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_once(fn: Callable[[], object], device: torch.device, inner: int) -> float:
     sync(device)
     t0 = time.perf_counter()
@@ -312,45 +238,6 @@ def measure_ceiling(device: torch.device, numel: int | None = None, rounds: int 
     }
 
 
-# ----------------------------------------------------------------------------------------
-# Progress
-
-
-class Progress:
-    """A plain stderr progress bar (redrawn in place on a terminal, one line per 10% otherwise)."""
-
-    def __init__(self, total: int, label: str = "", stream=None, enabled: bool = True):
-        self.total = max(1, total)
-        self.n = 0
-        self.label = label
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = getattr(self.stream, "isatty", lambda: False)()
-        self.t0 = time.perf_counter()
-        self._last_decile = -1
-
-    def update(self, k: int = 1, msg: str = "") -> None:
-        self.n = min(self.total, self.n + k)
-        if not self.enabled:
-            return
-        frac = self.n / self.total
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / frac - elapsed if frac > 0 else 0.0
-        width = 28
-        bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
-        line = f"{self.label} [{bar}] {self.n}/{self.total} {elapsed:5.0f}s eta {eta:4.0f}s {msg}"
-        if self.tty:
-            self.stream.write("\r" + line[:150].ljust(150))
-            if self.n == self.total:
-                self.stream.write("\n")
-        else:
-            decile = int(frac * 10)
-            if decile != self._last_decile or self.n == self.total:
-                self._last_decile = decile
-                self.stream.write(line + "\n")
-        self.stream.flush()
-
-
 def ratio_lines(rows: list[dict[str, object]], pairs: Sequence[tuple[str, str, str, str]], what: str) -> list[str]:
     """Markdown lines comparing median times of pairs of rows of the same provider at each config.
 
@@ -383,40 +270,6 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------------------
 # Output
-
-
-def fmt(v, digits: int = 3) -> str:
-    if v is None or v == "":
-        return "-"
-    if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf"
-        if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
-            return f"{v:.{digits}g}"
-        return f"{v:.{digits}f}" if abs(v) < 10 else f"{v:.{max(1, digits - 2)}f}"
-    return str(v)
-
-
-def markdown_table(rows: list[dict[str, object]], cols: Sequence[tuple[str, str]]) -> str:
-    head = "| " + " | ".join(h for _, h in cols) + " |"
-    sep = "|" + "|".join("---" for _ in cols) + "|"
-    body = ["| " + " | ".join(fmt(r.get(k)) for k, _ in cols) + " |" for r in rows]
-    return "\n".join([head, sep] + body)
-
-
-def write_csv(path: str, rows: list[dict[str, object]]) -> None:
-    keys: list[str] = []
-    for r in rows:
-        for k in r:
-            if k not in keys:
-                keys.append(k)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        for r in rows:
-            w.writerow(r)
 
 
 def header_lines(info: dict[str, str], ceiling: dict[str, float] | None = None) -> list[str]:

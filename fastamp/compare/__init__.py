@@ -1,0 +1,91 @@
+"""``fastamp-compare``: memory, speed and convergence of mixed-precision regimes, end to end.
+
+Trains small real models on data this module generates (no downloads) under each regime
+and prints, per model, the table practitioners choose by: peak memory, step time and speed
+ratio to fp32, final loss and convergence as a % of fp32, skipped steps and final loss
+scale. Writes a CSV of the table, a CSV of the per-step curves and a PNG (loss curves, loss
+scale over steps, memory and speed).
+
+Models:
+  ``gpt``  a GPT-style character-level transformer (token + position embeddings, causal
+           self-attention, LayerNorm, GELU MLP) on text from a small synthetic grammar.
+  ``cnn``  a small CNN with BatchNorm (the layer the AMP guides warn about in fp16) on
+           synthetic 10-class images, normalised (zero mean, std about 1.6).
+  ``cnn-raw12`` the same CNN on the same images delivered as raw 12-bit sensor values
+           (integers 0..4095, not normalised, as a camera RAW or a depth / medical sensor
+           gives them). The first convolution's outputs then have a variance near 1e6:
+           fine in fp16 as values, but above fp16's largest number (65504) as BatchNorm's
+           running variance. By default only the regimes that show the difference run
+           (fp32, torch-amp-fp16, fastamp-fp16, half-fp16-fastamp, pure-fp16).
+
+Regimes:
+  ``fp32``            fp32 params, ``torch.optim.AdamW(fused=True)``.
+  ``torch-amp-fp16``  fp32 params, ``autocast(fp16)`` + ``torch.amp.GradScaler`` + fused AdamW.
+  ``torch-amp-bf16``  fp32 params, ``autocast(bf16)`` + fused AdamW (bf16 needs no scaler).
+  ``fastamp-fp16``    ``fastamp.cast_model(model, fp16)`` (norm layers stay fp32, casts at their
+                      boundaries) + fp32 masters in ``fastamp.optim.AdamW`` + ``fastamp.Scaler``,
+                      under ``autocast(fp16)``.
+  ``fastamp-bf16``    ``cast_model(model, bf16)`` + fp32 masters, under ``autocast(bf16)``.
+  ``fastamp-bf16-remainder``  the same with ``master_weights="remainder"``: int16 remainders
+                      instead of fp32 masters (exact, 2 bytes per param less).
+  ``fastamp-bf16-sr`` the same without masters, ``stochastic_rounding=True, seed=0``.
+  ``fastamp-bf16-10B`` remainder masters + bf16 moments with stochastic rounding (10 bytes per
+                      param: param 2, remainder 2, moments 2 + 2, grad 2).
+  ``half-fp16-fastamp`` ``model.half()`` (BatchNorm / LayerNorm in fp16 too) with everything
+                      else as ``fastamp-fp16``: isolates what ``cast_model`` changes.
+  ``pure-fp16``       plain ``model.half()`` (BatchNorm and LayerNorm included), torch AdamW on the
+                      fp16 params, no masters, no scaler, no autocast: the guides' cautionary row.
+  ``pure-bf16``       the same in bf16.
+
+Usage::
+
+    fastamp-compare                                  # all models, all regimes, CPU-sized
+    python -m fastamp.compare --device cuda --size large --steps 600
+    fastamp-compare --model gpt --regimes fp32,torch-amp-bf16,fastamp-bf16 --steps 100
+
+Layout, in the order a run goes through it: ``data`` and ``models`` (what is trained),
+``regimes`` (how each regime sets the model and optimizer up), ``train`` (the loop, timed;
+``memory`` measures its peak on CPU), ``report`` (ratios to fp32, verdicts, Markdown),
+``plots`` (the PNG), ``cli`` (arguments and files; ``python -m fastamp.compare`` runs it).
+The machine header, progress bar and CSV / Markdown writers are ``fastamp._harness``, shared
+with the microbenchmarks.
+"""
+
+from fastamp.compare.cli import MODELS, SIZES, build_parser, main
+from fastamp.compare.data import _NUMBERS as _NUMBERS  # private; the tests use it
+from fastamp.compare.data import ImageData, TextData, synthetic_text
+from fastamp.compare.memory import CpuPeakMeter, live_bytes
+from fastamp.compare.models import SmallCNN, TinyGPT, bn_running_var_max
+from fastamp.compare.plots import plot
+from fastamp.compare.regimes import BN_DEMO_REGIMES, REGIME_INFO, REGIMES, build_regime
+from fastamp.compare.report import CONVERGENCE_RTOL, TABLE_COLS, markdown, summarise, verdicts
+from fastamp.compare.train import RegimeResult, train_regime
+from fastamp.compare.train import _lr_at as _lr_at  # private; the tests use it
+from fastamp.compare.train import _step_count as _step_count  # private; the tests use it
+
+__all__ = [
+    "BN_DEMO_REGIMES",
+    "CONVERGENCE_RTOL",
+    "MODELS",
+    "REGIMES",
+    "REGIME_INFO",
+    "SIZES",
+    "TABLE_COLS",
+    "CpuPeakMeter",
+    "ImageData",
+    "RegimeResult",
+    "SmallCNN",
+    "TextData",
+    "TinyGPT",
+    "bn_running_var_max",
+    "build_parser",
+    "build_regime",
+    "live_bytes",
+    "main",
+    "markdown",
+    "plot",
+    "summarise",
+    "synthetic_text",
+    "train_regime",
+    "verdicts",
+]

@@ -1,0 +1,81 @@
+"""Peak memory of a training step on CPU, measured from the allocator (CUDA has its own counters)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+
+def _storage_key(t: torch.Tensor):
+    s = t.untyped_storage()
+    return (s.device.type, s.data_ptr(), s.nbytes())
+
+
+def live_bytes(*objs: Any) -> int:
+    """Bytes of the distinct storages of every tensor reachable from ``objs`` (dicts/lists/modules/optimizers)."""
+    seen = set()
+    total = 0
+
+    def visit(o: Any) -> None:
+        nonlocal total
+        if isinstance(o, torch.Tensor):
+            for t in (o, o.grad) if o.grad is not None else (o,):
+                key = _storage_key(t)
+                if key not in seen and key[1] != 0:
+                    seen.add(key)
+                    total += key[2]
+        elif isinstance(o, nn.Module):
+            for t in list(o.parameters()) + list(o.buffers()):
+                visit(t)
+        elif isinstance(o, torch.optim.Optimizer):
+            for st in o.state.values():
+                visit(st)
+        elif isinstance(o, dict):
+            for v in o.values():
+                visit(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                visit(v)
+        elif o is not None and hasattr(o, "__dict__") and type(o).__module__.startswith(("torch.amp", "fastamp")):
+            visit(vars(o))
+
+    for o in objs:
+        visit(o)
+    return total
+
+
+class CpuPeakMeter:
+    """Peak bytes of torch's CPU allocator over one training step.
+
+    Measured, not computed: the live storages reachable from the model, optimizer, scaler
+    and batch at the start of the step (summed, deduplicated by storage), plus the highest
+    running total of every allocation and free made during the step, as recorded by
+    ``torch.profiler`` with ``profile_memory=True`` (activations, autocast weight copies,
+    grads, optimizer temporaries). Python objects and allocator caching are not counted.
+    """
+
+    method = (
+        "CPU: live tensor storages at step start (model, optimizer state, scaler, batch) + peak of "
+        "torch's CPU allocations during one full training step (torch.profiler, profile_memory=True)"
+    )
+
+    def __init__(self):
+        self.peak = None
+
+    def measure(self, step_fn: Callable[[], Any], *objs: Any) -> Any:
+        from torch.profiler import ProfilerActivity, profile
+
+        base = live_bytes(*objs)
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            out = step_fn()
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        events = [e for e in events if str(e.device_type()).endswith("CPU")]
+        events.sort(key=lambda e: e.start_ns())
+        cur = peak = 0
+        for e in events:
+            cur += e.nbytes()
+            peak = max(peak, cur)
+        self.peak = base + peak
+        return out

@@ -1,0 +1,121 @@
+"""The PNG: loss curves, loss scale over steps, and memory / speed / convergence per regime."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastamp.compare.train import RegimeResult
+
+
+def _smooth(v: list[float], k: int) -> list[float]:
+    out, acc, q = [], 0.0, []
+    for x in v:
+        if not math.isfinite(x):
+            out.append(float("nan"))
+            continue
+        q.append(x)
+        acc += x
+        if len(q) > k:
+            acc -= q.pop(0)
+        out.append(acc / len(q))
+    return out
+
+
+def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r.model for r in results))
+    colors = {
+        "fp32": "black",
+        "torch-amp-fp16": "tab:blue",
+        "torch-amp-bf16": "tab:cyan",
+        "fastamp-fp16": "tab:red",
+        "fastamp-bf16": "tab:orange",
+        "fastamp-bf16-remainder": "tab:brown",
+        "fastamp-bf16-sr": "tab:green",
+        "fastamp-bf16-10B": "tab:pink",
+        "half-fp16-fastamp": "tab:gray",
+        "pure-fp16": "tab:purple",
+        "pure-bf16": "tab:olive",
+    }
+    styles = {
+        "fp32": "-",
+        "torch-amp-fp16": "--",
+        "torch-amp-bf16": "--",
+        "fastamp-bf16-remainder": (0, (5, 1)),
+        "half-fp16-fastamp": "-.",
+        "pure-fp16": ":",
+        "pure-bf16": ":",
+    }
+    fig, axes = plt.subplots(len(models), 3, figsize=(18, 5.2 * len(models)), squeeze=False)
+    for mi, model in enumerate(models):
+        ax_l, ax_s, ax_m = axes[mi]
+        rs = [r for r in results if r.model == model and not r.error]
+        finite_all = [x for r in rs for x in r.losses if math.isfinite(x)]
+        for r in rs:
+            if not r.losses:
+                continue
+            k = max(1, len(r.losses) // 25)
+            ax_l.plot(
+                range(len(r.losses)),
+                _smooth(r.losses, k),
+                linestyle=styles.get(r.regime, "-"),
+                color=colors.get(r.regime),
+                label=r.regime + (f" ({r.nonfinite_losses} non-finite)" if r.nonfinite_losses else ""),
+                linewidth=1.4,
+            )
+            bad = next((i for i, v in enumerate(r.losses) if not math.isfinite(v)), None)
+            if bad is not None:
+                # mark where the loss first became inf/nan: the curve stops there
+                last = next((v for v in reversed(r.losses[:bad]) if math.isfinite(v)), r.losses[0])
+                ax_l.plot([bad], [last], "x", color=colors.get(r.regime), markersize=10, markeredgewidth=2)
+                ax_l.annotate(f"{r.regime}: non-finite from step {bad}", (bad, last), fontsize=7,
+                              xytext=(8, 4), textcoords="offset points", color=colors.get(r.regime))  # fmt: skip
+        if finite_all:
+            lo = min(finite_all)
+            hi = max(r.losses[0] for r in rs if r.losses and math.isfinite(r.losses[0]))
+            ax_l.set_ylim(lo * 0.9, hi * 1.15)
+        ax_l.set_title(f"{model}: training loss (moving average)")
+        ax_l.set_xlabel("step")
+        ax_l.set_ylabel("loss")
+        ax_l.grid(True, alpha=0.3)
+        ax_l.legend(fontsize=8)
+        any_scale = False
+        for r in rs:
+            if r.scales:
+                any_scale = True
+                ax_s.plot(range(len(r.scales)), r.scales, linestyle=styles.get(r.regime, "-"), color=colors.get(r.regime),
+                          label=f"{r.regime} (skipped {r.skipped_steps})", linewidth=1.4)  # fmt: skip
+        if any_scale and all(len(set(r.scales)) == 1 for r in rs if r.scales):
+            ax_s.annotate("no overflow: the scale never backed off", (0.02, 0.05), xycoords="axes fraction", fontsize=8)
+        ax_s.set_yscale("log", base=2)
+        ax_s.set_title(f"{model}: loss scale after each step (fp16 regimes with a scaler)")
+        ax_s.set_xlabel("step")
+        ax_s.set_ylabel("scale")
+        ax_s.grid(True, alpha=0.3, which="both")
+        if any_scale:
+            ax_s.legend(fontsize=8)
+        mrows = [r for r in rows if r["model"] == model and not r["error"] and math.isfinite(r["peak_mem_bytes"])]
+        names = [r["regime"] for r in mrows]
+        mem = [r["peak_mem_bytes"] / 2**20 for r in mrows]
+        bars = ax_m.barh(names, mem, color=[colors.get(n, "grey") for n in names])
+        for b, r in zip(bars, mrows):
+            ax_m.annotate(
+                f" {r['peak_mem']}, {r['speed_vs_fp32']} speed, conv {r['convergence_pct']}",
+                (b.get_width(), b.get_y() + b.get_height() / 2),
+                va="center",
+                fontsize=8,
+            )
+        ax_m.invert_yaxis()
+        ax_m.set_xlabel("peak memory (MiB)")
+        ax_m.set_title(f"{model}: peak memory, speed vs fp32, convergence")
+        if mem:
+            ax_m.set_xlim(0, max(mem) * 1.9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,95 @@
+"""The mixed-precision regimes compared, and how each one sets a model and its optimizer up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+# regime -> (low-precision dtype or None, one-line description for the report)
+REGIME_INFO: dict[str, tuple[torch.dtype | None, str]] = {
+    "fp32": (None, "fp32 params, torch.optim.AdamW(fused=True)"),
+    "torch-amp-fp16": (torch.float16, "fp32 params, autocast(fp16) + torch.amp.GradScaler + AdamW(fused=True)"),
+    "torch-amp-bf16": (torch.bfloat16, "fp32 params, autocast(bf16) + AdamW(fused=True), no scaler"),
+    "fastamp-fp16": (
+        torch.float16,
+        "fastamp.cast_model(model, fp16) (norm layers fp32, casts at their boundaries) + fastamp AdamW "
+        "(fp32 masters) + fastamp.Scaler, under autocast(fp16)",
+    ),
+    "fastamp-bf16": (torch.bfloat16, "fastamp.cast_model(model, bf16) + fastamp AdamW (fp32 masters), autocast(bf16)"),
+    "fastamp-bf16-remainder": (
+        torch.bfloat16,
+        'as fastamp-bf16 with AdamW(master_weights="remainder"): int16 remainders instead of fp32 masters',
+    ),
+    "fastamp-bf16-sr": (
+        torch.bfloat16,
+        "as fastamp-bf16 without masters: AdamW(stochastic_rounding=True, seed=0)",
+    ),
+    "fastamp-bf16-10B": (
+        torch.bfloat16,
+        'as fastamp-bf16 with AdamW(master_weights="remainder", state_dtype=bf16, stochastic_rounding=True, '
+        "seed=0): 10 bytes per param with the grad",
+    ),
+    "half-fp16-fastamp": (
+        torch.float16,
+        "plain model.half() (BatchNorm/LayerNorm params and running stats fp16) + fastamp AdamW (fp32 masters) "
+        "+ fastamp.Scaler, under autocast(fp16): fastamp-fp16 without cast_model",
+    ),
+    "pure-fp16": (
+        torch.float16,
+        "plain model.half() (norm layers included) + torch AdamW(fused=True) on fp16 params: no masters, "
+        "no scaler, no autocast",
+    ),
+    "pure-bf16": (torch.bfloat16, "plain model.to(bf16) + torch AdamW(fused=True): no masters, no autocast"),
+}
+REGIMES = tuple(REGIME_INFO)
+# The regimes cnn-raw12 runs unless --regimes names others: the BatchNorm demonstration.
+BN_DEMO_REGIMES = ("fp32", "torch-amp-fp16", "fastamp-fp16", "half-fp16-fastamp", "pure-fp16")
+
+
+def _regime_dtype(regime: str):
+    if regime not in REGIME_INFO:
+        raise ValueError(f"fastamp.compare: unknown regime {regime!r}; expected one of {REGIMES}")
+    return REGIME_INFO[regime][0]
+
+
+def build_regime(regime: str, model: nn.Module, lr: float, device: torch.device):
+    """Set ``model`` (changed in place) up for ``regime``.
+
+    Returns ``(optimizer, scaler or None, autocast dtype or None, input dtype or None)``.
+    """
+    import fastamp
+    from fastamp.optim import AdamW as FastAdamW
+
+    dtype = _regime_dtype(regime)
+    autocast_dtype = scaler = in_dtype = None
+    if regime == "fp32":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    elif regime.startswith("torch-amp"):
+        autocast_dtype = dtype
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+        if dtype == torch.float16:
+            scaler = torch.amp.GradScaler(device.type)
+    elif regime.startswith("fastamp") or regime == "half-fp16-fastamp":
+        autocast_dtype = dtype
+        if regime == "half-fp16-fastamp":
+            model.to(dtype)
+        else:
+            fastamp.cast_model(model, dtype)
+        kwargs: dict[str, Any] = {}
+        if regime == "fastamp-bf16-remainder":
+            kwargs = {"master_weights": "remainder"}
+        elif regime == "fastamp-bf16-sr":
+            kwargs = {"stochastic_rounding": True, "seed": 0}
+        elif regime == "fastamp-bf16-10B":
+            kwargs = {"master_weights": "remainder", "state_dtype": torch.bfloat16, "stochastic_rounding": True}
+            kwargs["seed"] = 0
+        opt = FastAdamW(model.parameters(), lr=lr, **kwargs)
+        if dtype == torch.float16:
+            scaler = fastamp.Scaler(device.type)
+    else:  # pure-*: the whole model, norm layers included, in low precision
+        model.to(dtype)
+        in_dtype = dtype
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    return opt, scaler, autocast_dtype, in_dtype

@@ -1,0 +1,191 @@
+"""From the runs to the table: ratios to fp32, the convergence verdicts, Markdown."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastamp._harness import markdown_table
+from fastamp.compare.train import RegimeResult
+
+
+def _fmt_bytes(b: float) -> str:
+    if not math.isfinite(b):
+        return "-"
+    return f"{b / 2**20:.2f} MiB"
+
+
+def _fmt(v: Any, nd: int = 3) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "nan"
+        return f"{v:.{nd}f}"
+    return str(v)
+
+
+TABLE_COLS = [
+    ("regime", "regime"),
+    ("peak_mem", "peak memory"),
+    ("mem_vs_fp32", "memory vs fp32"),
+    ("step_ms", "step (ms)"),
+    ("speed_vs_fp32", "speed vs fp32"),
+    ("final_loss", "final val loss"),
+    ("convergence_pct", "convergence % of fp32"),
+    ("skipped_steps", "skipped steps"),
+    ("final_scale", "final scale"),
+    ("nonfinite_losses", "non-finite losses"),
+]
+
+
+def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
+    """Fill the ratios to the fp32 row of the same model; return table rows."""
+    rows = []
+    by_model: dict[str, list[RegimeResult]] = {}
+    for r in results:
+        by_model.setdefault(r.model, []).append(r)
+    for model, rs in by_model.items():
+        base = next((r for r in rs if r.regime == "fp32" and not r.error), None)
+        for r in rs:
+            if base is not None:
+                r.speed_vs_fp32 = base.step_ms / r.step_ms if r.step_ms > 0 else float("nan")
+                drop_fp32 = base.initial_loss - base.final_loss
+                drop = r.initial_loss - r.final_loss
+                if math.isfinite(drop) and drop_fp32 > 0:
+                    r.convergence_pct = 100.0 * drop / drop_fp32
+            rows.append(
+                {
+                    "model": model,
+                    "regime": r.regime,
+                    "peak_mem": _fmt_bytes(r.peak_mem_bytes),
+                    "peak_mem_bytes": r.peak_mem_bytes,
+                    "mem_vs_fp32": (
+                        f"{r.peak_mem_bytes / base.peak_mem_bytes:.2f}x"
+                        if base is not None and math.isfinite(r.peak_mem_bytes) and base.peak_mem_bytes > 0
+                        else "-"
+                    ),
+                    "step_ms": _fmt(r.step_ms, 2),
+                    "speed_vs_fp32": (
+                        "-"
+                        if not math.isfinite(r.speed_vs_fp32)
+                        else f"{r.speed_vs_fp32:.2f}x"
+                        if r.speed_vs_fp32 >= 0.1
+                        else f"{r.speed_vs_fp32:.3f}x"
+                    ),
+                    "initial_loss": _fmt(r.initial_loss),
+                    "final_loss": _fmt(r.final_loss),
+                    "convergence_pct": f"{r.convergence_pct:.1f}%"
+                    if math.isfinite(r.convergence_pct)
+                    else "diverged"
+                    if not math.isfinite(r.final_loss)
+                    else "-",
+                    "skipped_steps": r.skipped_steps,
+                    "final_scale": f"{r.final_scale:g}" if isinstance(r.final_scale, float) else r.final_scale,
+                    "nonfinite_losses": r.nonfinite_losses,
+                    "bn_running_var_max": "-" if r.bn_var_max is None else f"{r.bn_var_max:.4g}",
+                    "error": r.error,
+                }
+            )
+    return rows
+
+
+# fastamp's rows are judged against torch.amp's with the same low-precision dtype: the final
+# validation loss must be within this relative budget. Both runs start from the same weights
+# and see the same batches; they differ only in rounding (fastamp stores the params and the
+# embedding/LayerNorm inputs in low precision, autocast keeps them fp32), which moves a short
+# training run's final loss by well under 1% in our runs; 3% leaves room for other seeds.
+# The stochastic-rounding and bf16-moment rows are held to the same budget: they trade
+# accuracy for memory, and the check says whether the trade cost more than that here.
+CONVERGENCE_RTOL = 0.03
+_PAIRS = (
+    ("fastamp-fp16", "torch-amp-fp16"),
+    ("fastamp-bf16", "torch-amp-bf16"),
+    ("fastamp-bf16-remainder", "torch-amp-bf16"),
+    ("fastamp-bf16-sr", "torch-amp-bf16"),
+    ("fastamp-bf16-10B", "torch-amp-bf16"),
+    ("half-fp16-fastamp", "fastamp-fp16"),
+)
+
+
+def _first_nonfinite(losses: list[float]) -> int | None:
+    return next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
+
+
+def verdicts(results: list[RegimeResult]) -> list[str]:
+    """One line per fastamp row vs its reference row, remainder vs fp32 master, and per pure low-precision row."""
+    out = []
+    by = {(r.model, r.regime): r for r in results if not r.error}
+    for model in dict.fromkeys(r.model for r in results):
+        for ours, theirs in _PAIRS:
+            a, b = by.get((model, ours)), by.get((model, theirs))
+            if a is None or b is None:
+                continue
+            rel = (a.final_loss - b.final_loss) / b.final_loss if b.final_loss else float("nan")
+            ok = math.isfinite(rel) and abs(rel) <= CONVERGENCE_RTOL
+            out.append(
+                f"{model}: {ours} final val loss {a.final_loss:.4f} vs {theirs} {b.final_loss:.4f} "
+                f"({100 * rel:+.2f}%): {'within' if ok else 'OUTSIDE'} the {100 * CONVERGENCE_RTOL:.0f}% tolerance"
+            )
+        a, b = by.get((model, "fastamp-bf16-remainder")), by.get((model, "fastamp-bf16"))
+        if a is not None and b is not None and a.losses and len(a.losses) == len(b.losses):
+            same = next((i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x != y), len(a.losses))
+            out.append(
+                f"{model}: fastamp-bf16-remainder vs fastamp-bf16 (fp32 masters): training losses bit-identical for "
+                f"{same} of {len(a.losses)} steps (same master update; at an exact rounding tie, about 1 element in "
+                f"65,536, the remainder's bf16 param is the neighbour away from zero, one ulp from the nearest-even "
+                f"one, and from then on the two runs see slightly different forwards)"
+            )
+        for pure in ("pure-fp16", "pure-bf16"):
+            r, base = by.get((model, pure)), by.get((model, "fp32"))
+            if r is None or base is None:
+                continue
+            if not math.isfinite(r.final_loss) or r.nonfinite_losses:
+                what = (
+                    f"diverged ({r.nonfinite_losses} non-finite training losses, the first at step "
+                    f"{_first_nonfinite(r.losses)})"
+                )
+            elif r.convergence_pct < 90:
+                what = f"stalls at {r.convergence_pct:.1f}% of fp32's loss reduction"
+            else:
+                what = f"reaches {r.convergence_pct:.1f}% of fp32's loss reduction"
+            out.append(f"{model}: {pure} (plain .to({pure[5:]}), no master weights, no scaler) {what}")
+        half, cast, pure = (by.get((model, k)) for k in ("half-fp16-fastamp", "fastamp-fp16", "pure-fp16"))
+        if half is not None and cast is not None:
+            rel = (half.final_loss - cast.final_loss) / cast.final_loss if cast.final_loss else float("nan")
+            if math.isfinite(rel) and abs(rel) <= CONVERGENCE_RTOL and not half.nonfinite_losses:
+                line = (
+                    f"{model}: norm layers in fp16 (model.half()) trained as well as cast_model's fp32 norm layers "
+                    f"here, with fp32 masters and a scaler (half-fp16-fastamp)"
+                )
+                if pure is not None and (pure.nonfinite_losses or not math.isfinite(pure.final_loss)):
+                    line += (
+                        "; so pure-fp16's failure comes with its optimizer (torch AdamW with fp16 state, no master, no "
+                        "scaler), not from the fp16 norm layers alone"
+                    )
+            else:
+                line = (
+                    f"{model}: norm layers in fp16 (model.half(), half-fp16-fastamp) broke the model: final val loss "
+                    f"{half.final_loss:.4f} vs {cast.final_loss:.4f} with cast_model's fp32 norm layers"
+                )
+                if half.bn_var_max is not None and not math.isfinite(half.bn_var_max) and not half.nonfinite_losses:
+                    line += (
+                        " (its training losses stayed finite: training normalises with each batch's own statistics; "
+                        "the fp16 running statistics that evaluation uses overflowed)"
+                    )
+            out.append(line)
+        bn = [r for r in results if r.model == model and not r.error and r.bn_var_max is not None]
+        if bn:
+            out.append(
+                f"{model}: largest BatchNorm running_var after training: "
+                + ", ".join(f"{r.regime} {r.bn_var_max:.4g}" for r in bn)
+                + " (fp16 holds at most 65504; cast_model keeps these statistics fp32, .half() stores them in fp16)"
+            )
+    return out
+
+
+def markdown(rows: list[dict[str, Any]], model: str) -> str:
+    mr = [r for r in rows if r["model"] == model]
+    cells = [
+        {k: r[k] if not r["error"] or k == "regime" else ("FAILED" if k == "peak_mem" else "") for k, _ in TABLE_COLS}
+        for r in mr
+    ]
+    return markdown_table(cells, TABLE_COLS, cell=str)
