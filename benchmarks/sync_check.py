@@ -85,11 +85,11 @@ def _run(config, backend, device, data, steps: int, mode: str, dim: int = 128):
         try:
             with _debug(mode if measured else None) as rec2:
                 if clip is not None:
-                    if isinstance(scaler, torch.amp.GradScaler):
+                    if isinstance(scaler, fastamp.Scaler):  # before GradScaler: fastamp.Scaler subclasses it
+                        scaler.clip_grad_norm_(opt, clip)
+                    else:
                         scaler.unscale_(opt)
                         torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-                    else:
-                        scaler.clip_grad_norm_(opt, clip)
                 scaler.step(opt)
                 scaler.update()
         except RuntimeError as e:

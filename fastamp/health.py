@@ -64,7 +64,11 @@ def _warn(key: str, message: str, stacklevel: int = 3) -> None:
 
 @dataclass
 class TensorStats:
-    """Health of one gradient tensor at the last check (values after unscaling)."""
+    """Health of one gradient tensor at the last check (values after unscaling).
+
+    ``dtype`` is the gradient's own dtype, which may differ from its param's (torch allows
+    fp32 grads on fp16 params through ``param.grad_dtype``).
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -193,8 +197,10 @@ class _StatsRows:
     params: list[Tensor]
     # index of each row's param in the optimizer's flattened param order; None: row i is param i
     positions: list[int] | None
-    # of what was checked (a DTensor grad's local shard, a sparse grad's values); None: the
-    # params' own (a dense grad has its param's dtype and shape), read when needed
+    # of what was checked (a DTensor grad's local shard, a sparse grad's values). dtypes are
+    # always the grads' own (an fp16 param may hold an fp32 grad: p.grad_dtype), since the
+    # guards judge a row by its dtype; None: the params' (only right when they match).
+    # shapes None: the params' own (a dense grad has its param's shape), read when needed
     grad_dtypes: list[torch.dtype] | None
     shapes: list[tuple[int, ...]] | None
     counts: Tensor

@@ -9,18 +9,25 @@ is on purpose and listed in the class docstring.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import numbers
 import operator
+import struct
+import sys
 import warnings
 import weakref
 from collections import abc, defaultdict
-from enum import Enum
 from itertools import repeat
 from typing import Any, Union
 
 import torch
 from torch import Tensor
+
+# torch's own enum, so that code inspecting ``scaler._per_optimizer_states[id(opt)]["stage"]``
+# (Lightning, Accelerate, torch's optimizers) compares against the object it imports.
+from torch.amp.grad_scaler import OptState
 
 from fastamp import backends, functional, health
 from fastamp.optim._common import local_of
@@ -28,16 +35,167 @@ from fastamp.optim._common import local_of
 __all__ = ["OptState", "Scaler"]
 
 
-class OptState(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
 def _refresh_per_optimizer_state() -> dict[str, Any]:
-    # "grad_scale_after_clip": set by a fused clip on a grads-untouched path; step() then
-    # hands it to an amp-aware optimizer as its grad_scale (scale / clip_coef, on device).
-    return {"stage": OptState.READY, "found_inf_per_device": {}, "grad_scale_after_clip": None}
+    # torch's form and keys only; fastamp's extras live in Scaler._per_optimizer_clip_scales
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+_COMPILE_HELP = (
+    "fastamp.Scaler.{name}() cannot be captured by torch.compile: it decides on the host what to run "
+    "(skip or step, unscale or not) and hands grad_scale/found_inf to the optimizer as attributes. "
+    "Outside fullgraph=True it runs eagerly at a graph break, with exactly the eager result. With "
+    "fullgraph=True, compile the model and loss (or the forward and backward) and call "
+    "scaler.unscale_ / clip_grad_norm_ / step / update outside the compiled function."
+)
+
+# (slot, method, name) of every entry point that runs eagerly under torch.compile; slot[0]
+# holds the dynamo-disabled twin of the method once torch._dynamo is imported.
+_EAGER_ENTRIES: list[tuple[list, Any, str]] = []
+_eager_ready = [False]
+
+
+def _prepare_eager_entries() -> None:
+    """Build the dynamo-disabled twin of every entry point (torch._dynamo must be imported).
+
+    Done outside any trace: dynamo refuses to trace ``torch.compiler.disable`` itself, and
+    importing torch._dynamo only for this would double ``import fastamp``'s time (any
+    ``torch.optim`` optimizer imports it anyway).
+    """
+    for slot, method, name in _EAGER_ENTRIES:
+        if slot[0] is None:
+            reason = _COMPILE_HELP.format(name=name)
+            try:
+                slot[0] = torch.compiler.disable(method, recursive=True, reason=reason)
+            except TypeError:  # torch < 2.7: no reason argument
+                slot[0] = torch.compiler.disable(method, recursive=True)
+    _eager_ready[0] = True
+
+
+def _maybe_prepare_eager_entries() -> None:
+    if not _eager_ready[0] and "torch._dynamo" in sys.modules:
+        _prepare_eager_entries()
+
+
+def _eager_under_compile(method):
+    """Make a Scaler method run eagerly, never traced, when torch.compile meets it.
+
+    Under dynamo the call becomes a graph break into the dynamo-disabled twin (so the whole
+    method, the optimizer's step included, runs as in eager mode; fullgraph=True then fails
+    at trace time, before anything ran, with :data:`_COMPILE_HELP` as the reason). In eager
+    mode, once torch._dynamo is imported, the twin is called too: a frame that dynamo chose
+    to run eagerly still has its callback installed, and would otherwise compile the
+    method's own frame piecewise (the bug this prevents: attributes set for the optimizer
+    lost across a graph break, an overflowed step applied). Costs ~1 us per call.
+    """
+    slot: list = [None]
+    name = method.__name__
+
+    def entry(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            eager = slot[0]
+            if eager is None:
+                # No twin yet (torch._dynamo was imported after the last eager call): refuse
+                # before anything ran; outside fullgraph dynamo then runs this frame eagerly.
+                raise RuntimeError(_COMPILE_HELP.format(name=name))
+            return eager(self, *args, **kwargs)
+        if slot[0] is None:
+            if "torch._dynamo" not in sys.modules:
+                return method(self, *args, **kwargs)
+            _prepare_eager_entries()
+        return slot[0](self, *args, **kwargs)
+
+    functools.update_wrapper(entry, method)
+    _EAGER_ENTRIES.append((slot, method, name))
+    return entry
+
+
+# ----------------------------------------------------------------------------- value checks
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+_DTYPE_OF = operator.attrgetter("dtype")
+_MISSING = object()
+
+
+def _to_fp32(v: float) -> float:
+    """``v`` rounded to fp32 (to nearest even, as ``torch.full`` / ``fill_`` store it); inf on overflow."""
+    try:
+        return struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        return math.copysign(math.inf, v)
+
+
+def _positive_fp32(where: str, name: str, v: Any) -> float:
+    """``v`` as a Python float if it is a real number, finite, > 0, and still so in fp32.
+
+    Refused: bools, non-reals, NaN, +-inf, 0 and negatives, values that overflow fp32 (1e39
+    is a finite double but inf in fp32) and positive values that round to 0 in fp32. numpy
+    scalars are accepted (``numbers.Real``).
+    """
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{where}: {name} must be a real number, got {type(v).__name__}")
+    f = float(v)
+    if math.isfinite(f) and f > 0 and 0 < _to_fp32(f) < math.inf:
+        return f
+    raise ValueError(
+        f"{where}: {name} must be finite, > 0 and representable in fp32 (at most {_FP32_MAX!r}, "
+        f"not rounding to 0), got {v!r}"
+    )
+
+
+def _int_in(where: str, name: str, v: Any, lo: int, hi: int, rule: str) -> int:
+    """``v`` as a Python int if it is an integer (``operator.index``: numpy ints too, not bools) in [lo, hi]."""
+    if not isinstance(v, bool):
+        try:
+            i = operator.index(v)
+        except TypeError:
+            i = None
+        if i is not None and lo <= i <= hi:
+            return i
+    raise ValueError(f"{where}: {name} must be {rule}, got {v!r}")
+
+
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+
+
+def _growth_factor(where: str, v: Any) -> float:
+    f = _positive_fp32(where, "growth_factor", v)
+    if not f > 1:
+        raise ValueError(f"{where}: growth_factor must be > 1, got {v!r}")
+    return f
+
+
+def _backoff_factor(where: str, v: Any) -> float:
+    f = _positive_fp32(where, "backoff_factor", v)
+    if not f < 1:
+        raise ValueError(f"{where}: backoff_factor must be in (0, 1), got {v!r}")
+    return f
+
+
+def _growth_interval(where: str, v: Any) -> int:
+    return _int_in(where, "growth_interval", v, 0, _INT64_MAX, "an int >= 0 (0: never grow)")
+
+
+def _hysteresis(where: str, v: Any) -> int:
+    return _int_in(where, "hysteresis", v, 1, _INT32_MAX, f"an int >= 1 (at most {_INT32_MAX})")
+
+
+def _scale_bounds(where: str, min_scale: Any, max_scale: Any) -> tuple[float | None, float | None]:
+    lo = None if min_scale is None else _positive_fp32(where, "min_scale", min_scale)
+    hi = None if max_scale is None else _positive_fp32(where, "max_scale", max_scale)
+    if lo is not None and hi is not None and lo > hi:
+        raise ValueError(f"{where}: min_scale ({lo!r}) must be <= max_scale ({hi!r})")
+    return lo, hi
+
+
+def _clamp(v: float, lo: float | None, hi: float | None) -> float:
+    if lo is not None and v < lo:
+        return lo
+    if hi is not None and v > hi:
+        return hi
+    return v
 
 
 class _PerDevice:
@@ -58,8 +216,16 @@ class _PerDevice:
 _SCALE_NONE_FIX = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
 
 
-class Scaler:
+class Scaler(torch.amp.GradScaler):
     """Dynamic loss scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``.
+
+    A subclass of ``torch.amp.GradScaler`` (``isinstance`` checks in libraries pass) that
+    overrides every one of its methods; torch's ``__init__`` is not called (the scale's
+    device is decided lazily), but every attribute torch's methods and outside code read
+    exists with torch's meaning, and the per-optimizer state is torch's
+    (``_per_optimizer_states[id(opt)]`` holds ``"stage"``, a ``torch.amp.grad_scaler.OptState``,
+    and ``"found_inf_per_device"``). With ``device=None``, ``_device`` is None until the
+    first :meth:`scale`.
 
     Replace ``torch.amp.GradScaler("cuda")`` with ``fastamp.Scaler("cuda")`` (or just
     ``fastamp.Scaler()``); every call of the usual loop works unchanged::
@@ -78,11 +244,23 @@ class Scaler:
         device: ``None`` (default) takes the device of the first tensor passed to
             :meth:`scale`. ``"cuda"`` on a machine without CUDA warns and disables the
             scaler, as torch does.
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch.
+        init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch, but
+            checked (torch checks only the two factors): ``init_scale``, ``growth_factor`` and
+            ``backoff_factor`` must be real numbers, finite, > 0 and representable in fp32
+            (the scale is an fp32 tensor: 1e39 is refused, it would be inf; 0 is refused, it
+            would make every step overflow forever), ``growth_factor > 1``,
+            ``backoff_factor < 1``; ``growth_interval`` an int >= 0 (0: never grow). numpy
+            scalars are accepted. The same rules hold for the setters,
+            :meth:`update` with ``new_scale`` and :meth:`load_state_dict`; a refused value
+            raises before anything is changed.
         hysteresis: number of consecutive overflow steps that back the scale off once
             (1 = torch's behaviour: every overflow backs off). Overflow steps are always
             skipped; the counter refills on every clean step.
-        min_scale, max_scale: optional bounds on the scale after backoff / growth.
+        min_scale, max_scale: optional bounds on the scale (each finite, > 0, representable
+            in fp32; ``min_scale <= max_scale``). They hold from the start: an ``init_scale``
+            outside them is clamped into them (so ``Scaler(max_scale=2.0**10)`` starts at
+            2^10, not at the default 2^16), as are a ``new_scale`` given to :meth:`update` and
+            a scale loaded by :meth:`load_state_dict`; backoff and growth stop at them.
         backend: force a kernel backend (``"native"``, ``"triton"``, ``"torch"``); default AUTO.
         track_stats: compute per-tensor gradient health statistics (non-finite, zero and
             fp16-underflow counts, max |g|) inside the existing check pass, kept on the device
@@ -116,6 +294,19 @@ class Scaler:
         (torch sums the per-device flags, and its fused kernels skip only on exactly 1).
       * Extras: :meth:`clip_grad_norm_`, :attr:`last_step_skipped`, :attr:`skipped_steps`,
         extra ``state_dict`` keys (ignored by torch's ``load_state_dict``).
+      * Values are validated (see Args); torch accepts a 0, negative or NaN scale.
+      * A :meth:`step` that raises (the optimizer's own ``step`` included) leaves no
+        ``grad_scale``/``found_inf`` attribute on the optimizer (torch leaves them, and a
+        later plain ``optimizer.step()`` then divides by the stale scale or skips); a
+        ``grad_scale`` the user had set is restored.
+
+    ``torch.compile``: :meth:`scale` can be compiled. :meth:`unscale_`,
+    :meth:`clip_grad_norm_`, :meth:`step`, :meth:`update` (and :meth:`state_dict`,
+    :meth:`load_state_dict`, :meth:`grad_stats`) cannot be captured in a graph: met inside a
+    compiled function they run eagerly at a graph break, giving exactly the eager result;
+    with ``fullgraph=True`` compilation fails at trace time, before anything ran, and the
+    error says to compile the model and loss (or forward and backward) instead and keep
+    these calls outside.
 
     Host syncs: none in :meth:`scale`, :meth:`unscale_`, :meth:`update`, :meth:`clip_grad_norm_`
     and :meth:`step` with amp-aware optimizers (``_step_supports_amp_scaling``, e.g.
@@ -142,28 +333,29 @@ class Scaler:
         process_group: Any | None = None,
         sharded: bool = False,
     ) -> None:
+        # torch.amp.GradScaler.__init__ is deliberately not called: it would fix the device
+        # type now ("cuda" by default); every attribute it sets is set here with its meaning.
         self._device: str | None = torch.device(device).type if device is not None else None
         self._enabled = enabled
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
+        _maybe_prepare_eager_entries()
         if not self._enabled:
             return
         if growth_factor <= 1.0:
             raise AssertionError("The growth factor must be > 1.0.")
         if backoff_factor >= 1.0:
             raise AssertionError("The backoff factor must be < 1.0.")
-        _check_scale_settings("fastamp.Scaler", init_scale, growth_factor, backoff_factor, growth_interval)
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ValueError(f"fastamp.Scaler: hysteresis must be an int >= 1, got {hysteresis!r}")
-        for name, v in (("min_scale", min_scale), ("max_scale", max_scale)):
-            if v is not None and not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
-                raise ValueError(f"fastamp.Scaler: {name} must be a positive number or None, got {v!r}")
-        if min_scale is not None and max_scale is not None and min_scale > max_scale:
-            raise ValueError(f"fastamp.Scaler: min_scale ({min_scale}) must be <= max_scale ({max_scale})")
+        where = "fastamp.Scaler"
+        init_scale, growth_factor, backoff_factor, growth_interval = _check_scale_settings(
+            where, "init_scale", init_scale, growth_factor, backoff_factor, growth_interval
+        )
+        hysteresis = _hysteresis(where, hysteresis)
+        min_scale, max_scale = _scale_bounds(where, min_scale, max_scale)
         if backend is not None:
             backends._check_name(backend)
-        self._init_scale = init_scale
+        self._init_scale = _clamp(init_scale, min_scale, max_scale)
         self._scale: Tensor | None = None
         self._growth_factor = growth_factor
         self._backoff_factor = backoff_factor
@@ -183,6 +375,10 @@ class Scaler:
         self._init_last_step_skipped = False
         self._last_step_skipped: Tensor | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
+        # id(optimizer) -> (its per-optimizer state dict, grad_scale): set by a fused clip on a
+        # grads-untouched path; step() hands it to an amp-aware optimizer as its grad_scale
+        # (scale / clip_coef, on device). Valid only while that state dict is the current one.
+        self._per_optimizer_clip_scales: dict[int, tuple[dict[str, Any], Tensor]] = {}
         self._track_stats = bool(track_stats)
         # (id(optimizer), device) -> the last check's statistics buffers for it
         self._stats: dict[tuple[int, torch.device], health._StatsRows] = {}
@@ -220,6 +416,10 @@ class Scaler:
         """
         if not self._enabled:
             return outputs
+        if not _eager_ready[0] and not torch.compiler.is_compiling():
+            # the usual place to notice that torch._dynamo got imported (torch.compile)
+            # before a compiled function meets an entry point: see _eager_under_compile
+            _maybe_prepare_eager_entries()
         if isinstance(outputs, Tensor):
             if self._scale is None:
                 self._lazy_init_scale_growth_tracker(outputs.device)
@@ -362,8 +562,11 @@ class Scaler:
             self._health.note_grads(grads)
         args = [grads, found_rep.get(device), inv_rep.get(device), write_back, compute_sumsq]
         if stats:
-            # dense grads have their param's dtype and shape: the rows read them from the params
-            args += self._stats_buffers(optimizer, device, params, positions, None, None, inv_rep.get(device))
+            # A dense grad has its param's shape (torch enforces it), but not always its dtype
+            # (fp32 grads on fp16 params: p.grad_dtype): each row is labelled, and judged by the
+            # pitfall guards, by its grad's own dtype. One attribute read per grad, in C.
+            dtypes = list(map(_DTYPE_OF, grads))
+            args += self._stats_buffers(optimizer, device, params, positions, dtypes, None, inv_rep.get(device))
         try:
             return {device: backends.get_impl(op, "native")(*args)}
         except (RuntimeError, TypeError):
@@ -391,6 +594,7 @@ class Scaler:
         self._last_stats_update = self._health.updates
         return counts, absmax
 
+    @_eager_under_compile
     def _unscale_grads_(self, optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool):
         """torch's hook: unscale every grad of ``optimizer`` in place; per-device found_inf."""
         return self._check_grads(
@@ -431,6 +635,7 @@ class Scaler:
     def _new_found_inf(self) -> Tensor:
         return torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
 
+    @_eager_under_compile
     def unscale_(self, optimizer) -> None:
         """Divide ``optimizer``'s grads by the scale in place (one fused pass), recording overflow.
 
@@ -456,6 +661,7 @@ class Scaler:
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
 
+    @_eager_under_compile
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, Tensor]:
         """Check (without touching) ``optimizer``'s grads; records and returns per-device found_inf.
 
@@ -481,6 +687,7 @@ class Scaler:
 
     # ------------------------------------------------------------------ fused clipping
 
+    @_eager_under_compile
     def clip_grad_norm_(
         self,
         optimizer,
@@ -517,7 +724,7 @@ class Scaler:
             return torch.nn.utils.clip_grad_norm_(
                 _params_with_grads(optimizer), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
             )
-        if optimizer_state["grad_scale_after_clip"] is not None:
+        if self._clip_grad_scale(optimizer, optimizer_state) is not None:
             raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
 
         ready = optimizer_state["stage"] is OptState.READY
@@ -545,7 +752,7 @@ class Scaler:
         total_sq = sumsq[devices[0]]
         for d in devices[1:]:
             total_sq = total_sq + sumsq[d].to(devices[0], non_blocking=True)
-        total_norm = total_sq.sqrt()
+        total_norm = _sqrt_fp32_exact(total_sq)
         if error_if_nonfinite and not bool(torch.isfinite(total_norm)):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
@@ -556,7 +763,7 @@ class Scaler:
         if amp_aware:
             # Fold the clip into the optimizer's grad_scale: it divides raw grads by it.
             base = self._scale.to(devices[0]) if ready else torch.ones_like(total_norm)
-            optimizer_state["grad_scale_after_clip"] = base / clip_coef
+            self._per_optimizer_clip_scales[id(optimizer)] = (optimizer_state, base / clip_coef)
         else:
             mul = (inv_scale.to(devices[0]) * clip_coef).float()
             refound, _ = self._check_grads(
@@ -578,6 +785,7 @@ class Scaler:
                 retval = optimizer.step(*args, **kwargs)
         return retval
 
+    @_eager_under_compile
     def step(self, optimizer, *args, **kwargs):
         """Call ``optimizer.step()`` unless this iteration's grads overflowed.
 
@@ -616,21 +824,18 @@ class Scaler:
                 ]
                 found_inf = torch.stack(flags).amax() if flags else torch.zeros_like(scale)
                 user_scale = getattr(optimizer, "grad_scale", None)
-                if optimizer_state["grad_scale_after_clip"] is not None:
-                    grad_scale = optimizer_state["grad_scale_after_clip"]
+                clip_scale = self._clip_grad_scale(optimizer, optimizer_state)
+                if clip_scale is not None:
+                    grad_scale = clip_scale
                     if user_scale is not None:
                         grad_scale = grad_scale * user_scale
                 elif optimizer_state["stage"] is OptState.UNSCALED:
                     grad_scale = user_scale
                 else:
                     grad_scale = scale * (user_scale if user_scale is not None else 1)
-                optimizer.grad_scale = grad_scale
-                optimizer.found_inf = found_inf
+                return self._step_with_attributes(optimizer, optimizer_state, grad_scale, found_inf, args, kwargs_)
             retval = optimizer.step(*args, **kwargs_)
             optimizer_state["stage"] = OptState.STEPPED
-            if not has_grad_scaler_kwarg:
-                del optimizer.grad_scale
-                del optimizer.found_inf
             return retval
 
         if optimizer_state["stage"] is OptState.READY:
@@ -641,28 +846,63 @@ class Scaler:
         optimizer_state["stage"] = OptState.STEPPED
         return retval
 
+    @staticmethod
+    def _step_with_attributes(optimizer, optimizer_state, grad_scale, found_inf, args, kwargs):
+        """torch's contract with amp-aware optimizers: ``grad_scale``/``found_inf`` set for one step.
+
+        On success both are deleted, as torch does (a ``grad_scale`` the user had set is
+        consumed). If anything raises, the optimizer's attributes are put back as they were:
+        left behind, they would make a later plain ``optimizer.step()`` divide by a stale
+        scale or skip silently.
+        """
+        saved = {k: getattr(optimizer, k, _MISSING) for k in ("grad_scale", "found_inf")}
+        done = False
+        try:
+            optimizer.grad_scale = grad_scale
+            optimizer.found_inf = found_inf
+            retval = optimizer.step(*args, **kwargs)
+            optimizer_state["stage"] = OptState.STEPPED
+            done = True
+        finally:
+            for k, v in saved.items():
+                if done or v is _MISSING:
+                    try:
+                        delattr(optimizer, k)
+                    except AttributeError:  # the optimizer's step removed it itself
+                        pass
+                else:
+                    setattr(optimizer, k, v)
+        return retval
+
+    def _clip_grad_scale(self, optimizer, optimizer_state) -> Tensor | None:
+        """The grad_scale a fused clip left for ``optimizer`` this iteration (None if none)."""
+        entry = self._per_optimizer_clip_scales.get(id(optimizer))
+        # only while the per-optimizer state it was made for is current (update(), or code
+        # outside that resets _per_optimizer_states, makes it stale)
+        if entry is None or entry[0] is not optimizer_state:
+            return None
+        return entry[1]
+
+    @_eager_under_compile
     def update(self, new_scale: Union[float, Tensor] | None = None) -> None:
         """Update the scale for the next iteration (on device, no host sync).
 
         Without ``new_scale``: backoff if any optimizer recorded an overflow this
         iteration, else count towards growth (torch's rule, plus hysteresis and bounds
         when configured); also updates :attr:`skipped_steps` and :attr:`last_step_skipped`.
-        With ``new_scale`` (a float, or a 1-element tensor on the scaler's device type): set
-        the scale to it; the growth tracker is left alone, as in torch.
+        With ``new_scale`` (a real number, numpy scalars included, or a 1-element tensor on
+        the scaler's device type): set the scale to it, clamped into ``[min_scale,
+        max_scale]``; the growth tracker is left alone, as in torch. ``new_scale`` must be
+        finite, > 0 and representable in fp32, else nothing changes and ValueError is raised;
+        a tensor ``new_scale`` is read once on the host for that check (one sync).
         """
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
-        found_infs = [
-            found_inf.to(device=_scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
-            for found_inf in state["found_inf_per_device"].values()
-        ]
         if new_scale is not None:
-            if isinstance(new_scale, (float, int)) and not isinstance(new_scale, bool):
-                if not (math.isfinite(new_scale) and new_scale >= 0):
-                    raise ValueError(f"fastamp.Scaler.update: new_scale must be finite and >= 0, got {new_scale!r}")
-                self._scale.fill_(float(new_scale))
+            where = "fastamp.Scaler.update"
+            if isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
+                value = _positive_fp32(where, "new_scale", new_scale)
             else:
                 reason = (
                     "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
@@ -676,7 +916,15 @@ class Scaler:
                     raise AssertionError(reason)
                 if new_scale.requires_grad is True:
                     raise AssertionError(reason)
-                self._scale.copy_(new_scale.reshape(()))
+                value = _positive_fp32(where, "new_scale", new_scale.item())
+        found_infs = [
+            found_inf.to(device=_scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if new_scale is not None:
+            # fill_ from the host value read above: the same fp32 rounding as torch's copy_
+            self._scale.fill_(_clamp(value, self._min_scale, self._max_scale))
         else:
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
@@ -701,6 +949,7 @@ class Scaler:
             self._last_step_skipped.copy_(skipped)
             self._skipped_steps.add_(skipped.to(torch.int64))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_clip_scales = {}
         if found_infs:
             self._health.on_update(self)
 
@@ -748,6 +997,7 @@ class Scaler:
             self._param_names[id(p)] = (weakref.ref(p), prefix + name)
         return self
 
+    @_eager_under_compile
     def grad_stats(self, model: torch.nn.Module | None = None) -> health.GradStats | None:
         """Per-tensor gradient statistics of the last checked iteration (syncs: reads the device buffers).
 
@@ -785,19 +1035,23 @@ class Scaler:
         return self._growth_factor
 
     def set_growth_factor(self, new_factor: float) -> None:
-        self._growth_factor = new_factor
+        """Set the growth factor (finite, > 1, representable in fp32; else ValueError, nothing changed)."""
+        self._growth_factor = _growth_factor("fastamp.Scaler.set_growth_factor", new_factor)
 
     def get_backoff_factor(self) -> float:
         return self._backoff_factor
 
     def set_backoff_factor(self, new_factor: float) -> None:
-        self._backoff_factor = new_factor
+        """Set the backoff factor (in (0, 1), representable in fp32; else ValueError, nothing changed)."""
+        self._backoff_factor = _backoff_factor("fastamp.Scaler.set_backoff_factor", new_factor)
 
     def get_growth_interval(self) -> int:
         return self._growth_interval
 
     def set_growth_interval(self, new_interval: int) -> None:
-        self._growth_interval = new_interval
+        """Set the growth interval (an int >= 0, numpy ints too; 0: never grow). As in torch, a
+        tracker already past a lowered interval never reaches it again until the next backoff."""
+        self._growth_interval = _growth_interval("fastamp.Scaler.set_growth_interval", new_interval)
 
     def _get_growth_tracker(self) -> int:
         if not self._enabled:
@@ -814,6 +1068,7 @@ class Scaler:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @_eager_under_compile
     def state_dict(self) -> dict[str, Any]:
         """torch's five keys with torch's types, plus fastamp's extra keys (syncs).
 
@@ -837,12 +1092,16 @@ class Scaler:
             "last_step_skipped": self.last_step_skipped,
         }
 
+    @_eager_under_compile
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of a ``fastamp.Scaler`` or a ``torch.amp.GradScaler``.
 
         Extra fastamp keys are optional (a torch state dict leaves hysteresis, bounds and
-        counters as configured / at their initial values). Everything is validated before
-        anything is changed.
+        counters as configured / at their initial values). Everything is validated as the
+        constructor validates it (scale, factors, interval, hysteresis, bounds with
+        ``min_scale <= max_scale``; ``_growth_tracker`` an int in [0, 2^31); ``_hysteresis_tracker``
+        in [0, hysteresis]; ``skipped_steps`` >= 0; ``last_step_skipped`` a bool) before anything
+        is changed. The loaded scale is clamped into the (loaded, else configured) bounds.
         """
         if not self._enabled:
             return
@@ -857,45 +1116,57 @@ class Scaler:
         ]
         if missing:
             raise KeyError(missing[0])
-        hysteresis = state_dict.get("hysteresis", self._hysteresis)
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ValueError(f"fastamp.Scaler.load_state_dict: hysteresis must be an int >= 1, got {hysteresis!r}")
         # everything is checked before anything is assigned (a bad dict leaves the scaler as it was)
         where = "fastamp.Scaler.load_state_dict"
-        _check_scale_settings(
+        scale, growth_factor, backoff_factor, growth_interval = _check_scale_settings(
             where,
+            "scale",
             state_dict["scale"],
             state_dict["growth_factor"],
             state_dict["backoff_factor"],
             state_dict["growth_interval"],
         )
-        for key in ("_growth_tracker", "_hysteresis_tracker", "skipped_steps"):
-            v = state_dict.get(key, 0)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{where}: {key} must be an int >= 0, got {v!r}")
-        for key in ("min_scale", "max_scale"):
-            v = state_dict.get(key)
-            if v is not None and not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
-                raise ValueError(f"{where}: {key} must be a positive number or None, got {v!r}")
-        self._init_scale = state_dict["scale"]
-        self._growth_factor = state_dict["growth_factor"]
-        self._backoff_factor = state_dict["backoff_factor"]
-        self._growth_interval = state_dict["growth_interval"]
-        self._init_growth_tracker = state_dict["_growth_tracker"]
+        hysteresis = _hysteresis(where, state_dict.get("hysteresis", self._hysteresis))
+        growth_tracker = _int_in(
+            where, "_growth_tracker", state_dict["_growth_tracker"], 0, _INT32_MAX, f"an int >= 0 and <= {_INT32_MAX}"
+        )
+        hysteresis_tracker = _int_in(
+            where,
+            "_hysteresis_tracker",
+            state_dict.get("_hysteresis_tracker", hysteresis),
+            0,
+            hysteresis,
+            f"an int >= 0 and <= hysteresis ({hysteresis})",
+        )
+        skipped_steps = _int_in(
+            where, "skipped_steps", state_dict.get("skipped_steps", 0), 0, _INT64_MAX, "an int >= 0"
+        )
+        last_skipped = state_dict.get("last_step_skipped", False)
+        if not isinstance(last_skipped, (bool, numbers.Integral)) or last_skipped not in (0, 1):
+            raise ValueError(f"{where}: last_step_skipped must be a bool, got {last_skipped!r}")
+        min_scale, max_scale = _scale_bounds(
+            where, state_dict.get("min_scale", self._min_scale), state_dict.get("max_scale", self._max_scale)
+        )
+        scale = _clamp(scale, min_scale, max_scale)
+        self._init_scale = scale
+        self._growth_factor = growth_factor
+        self._backoff_factor = backoff_factor
+        self._growth_interval = growth_interval
+        self._init_growth_tracker = growth_tracker
         self._hysteresis = hysteresis
-        self._init_hysteresis_tracker = state_dict.get("_hysteresis_tracker", hysteresis)
-        self._min_scale = state_dict.get("min_scale", self._min_scale)
-        self._max_scale = state_dict.get("max_scale", self._max_scale)
-        self._init_skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self._init_last_step_skipped = bool(state_dict.get("last_step_skipped", False))
+        self._init_hysteresis_tracker = hysteresis_tracker
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._init_skipped_steps = skipped_steps
+        self._init_last_step_skipped = bool(last_skipped)
         if self._scale is not None:
-            self._scale.fill_(state_dict["scale"])
+            self._scale.fill_(scale)
         if self._growth_tracker is not None:
-            self._growth_tracker.fill_(state_dict["_growth_tracker"])
+            self._growth_tracker.fill_(growth_tracker)
         if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+            self._hysteresis_tracker.fill_(hysteresis_tracker)
         if self._skipped_steps is not None:
-            self._skipped_steps.fill_(self._init_skipped_steps)
+            self._skipped_steps.fill_(skipped_steps)
         if self._last_step_skipped is not None:
             self._last_step_skipped.fill_(self._init_last_step_skipped)
 
@@ -915,6 +1186,7 @@ class Scaler:
             for k in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped_steps", "_last_step_skipped"):
                 state[k] = None
             # device statistics and weak references do not travel; the names and guards restart
+            state["_per_optimizer_clip_scales"] = {}
             state["_stats"] = {}
             state["_param_names"] = {}
             state["_health"] = health._Monitor()
@@ -924,23 +1196,33 @@ class Scaler:
         self.__dict__.update(state)
 
 
-def _check_scale_settings(where: str, scale, growth_factor, backoff_factor, growth_interval) -> None:
-    """Host-side checks of the scale settings torch leaves unchecked (a negative backoff, a NaN scale)."""
-    for name, v in (
-        ("init_scale" if where == "fastamp.Scaler" else "scale", scale),
-        ("growth_factor", growth_factor),
-        ("backoff_factor", backoff_factor),
-    ):
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(f"{where}: {name} must be a real number, got {type(v).__name__}")
-        if not math.isfinite(v) or v < 0:
-            raise ValueError(f"{where}: {name} must be finite and >= 0, got {v!r}")
-    if not 0 < backoff_factor < 1:
-        raise ValueError(f"{where}: backoff_factor must be in (0, 1), got {backoff_factor!r}")
-    if not growth_factor > 1:
-        raise ValueError(f"{where}: growth_factor must be > 1, got {growth_factor!r}")
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 0:
-        raise ValueError(f"{where}: growth_interval must be an int >= 0 (0: never grow), got {growth_interval!r}")
+def _check_scale_settings(
+    where: str, scale_name: str, scale, growth_factor, backoff_factor, growth_interval
+) -> tuple[float, float, float, int]:
+    """Host-side checks of the scale settings torch leaves unchecked; returns them as Python numbers.
+
+    Python numbers (not numpy scalars) are kept, so that :meth:`Scaler.state_dict` loads with
+    ``torch.load(weights_only=True)``.
+    """
+    return (
+        _positive_fp32(where, scale_name, scale),
+        _growth_factor(where, growth_factor),
+        _backoff_factor(where, backoff_factor),
+        _growth_interval(where, growth_interval),
+    )
+
+
+def _sqrt_fp32_exact(x: Tensor) -> Tensor:
+    """``sqrt`` of an fp32 tensor, correctly rounded on every machine.
+
+    torch's CPU fp32 ``sqrt`` is not correctly rounded everywhere (1 ulp off on ~20% of
+    inputs on AMD EPYC, its vectorised math library dispatches by CPU vendor); the fp64
+    square root rounded once to fp32 is (53 >= 2 * 24 + 2 bits: the double rounding is
+    innocuous for sqrt). MPS has no fp64: its own fp32 sqrt there.
+    """
+    if x.device.type == "mps":
+        return x.sqrt()
+    return x.double().sqrt().float()
 
 
 def _plain_grads(optimizer, allow_fp16: bool) -> tuple[list[Tensor], list[int] | None, list[Tensor]] | None:

@@ -348,14 +348,23 @@ def test_fp16_overflow_created_by_unscaling_is_caught():
 
 
 def test_zero_scale_does_not_poison_params():
-    """At scale 0 torch computes 0*inf = NaN unflagged and steps; fastamp skips."""
+    """At scale 0 torch computes 0*inf = NaN unflagged and steps; fastamp skips.
+
+    fastamp refuses init_scale=0 (issue 12), so both reach 0 the way a run does: by backoff
+    (the smallest fp32 subnormal halved rounds to 0).
+    """
     results = {}
     for cls in (torch.amp.GradScaler, fastamp.Scaler):
         p = torch.nn.Parameter(torch.ones(3))
-        s = cls("cpu", init_scale=0.0)
+        s = cls("cpu", init_scale=2.0**-149)
+        opt = torch.optim.SGD([p], lr=1.0)
+        s.scale(torch.ones(()))
+        p.grad = torch.full((3,), math.inf)
+        s.step(opt)
+        s.update()
+        assert s.get_scale() == 0.0
         s.scale(torch.ones(()))
         p.grad = torch.zeros(3)
-        opt = torch.optim.SGD([p], lr=1.0)
         s.step(opt)
         s.update()
         results[cls] = p.detach().clone()

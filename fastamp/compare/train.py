@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+import fastamp
 from fastamp._harness import sync
 from fastamp.compare.memory import CpuPeakMeter
 from fastamp.compare.models import bn_running_var_max
@@ -91,11 +92,11 @@ def train_regime(
         if scaler is not None:
             scaler.scale(loss).backward()
             if clip > 0:
-                if isinstance(scaler, torch.amp.GradScaler):
+                if isinstance(scaler, fastamp.Scaler):  # before GradScaler: fastamp.Scaler subclasses it
+                    scaler.clip_grad_norm_(opt, clip)
+                else:
                     scaler.unscale_(opt)
                     torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-                else:
-                    scaler.clip_grad_norm_(opt, clip)
             scaler.step(opt)
             scaler.update()
             scales.append(scaler._get_scale_async().detach().clone().reshape(()))
