@@ -6,6 +6,14 @@ say whether the agreement is bit for bit or within a tolerance (see
 available. All maths is fp32 (fp64 for fp64 tensors), rounded once on store; no function
 here reads a device value on the host.
 
+The per-element results are the same on every CPU: they use only operations that are exact
+or correctly rounded whatever torch dispatches to (IEEE ``+ - * /`` as separate kernels, never
+``add(alpha=)``/``addcdiv``/``lerp``, which may fuse a multiply-add on some instruction sets;
+conversions; comparisons; integer maths) and :func:`sqrt_rn` for square roots (torch's own
+CPU ``sqrt`` varies with the CPU vendor). Not covered: the sum of squares (a torch
+reduction, whose order follows the instruction set and thread count; within
+``tolerances.SUMSQ_RTOL``) and the fp32 step scalars of :func:`adamw_step_scalars` (see there).
+
 The per-element C++ twin of this file is ``csrc/fastamp_math.h``.
 """
 
@@ -30,11 +38,36 @@ __all__ = [
     "join_master",
     "sr_random16",
     "round_bf16_stochastic",
+    "sqrt_rn",
 ]
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def sqrt_rn(x: Tensor) -> Tensor:
+    """Correctly rounded square root of an fp32 (or fp16/bf16) tensor, the same on every CPU.
+
+    torch's CPU ``sqrt`` is not correctly rounded and its error depends on the CPU: its
+    vectorised kernels go through vendor-dispatched libraries (measured with torch 2.13:
+    fp32 one ulp off on ~17% of inputs on an AMD EPYC, ~0.7% on a Xeon; fp64 one ulp off on
+    ~1.3% on the EPYC; ``benchmarks/portable_ops_check.py``). So the root is taken in fp64
+    and rounded once. That is correctly rounded whenever the fp64 sqrt is merely faithful
+    (error below one fp64 ulp), not only when it is exact: the square root of an fp32 value
+    is never within 2 fp64 ulps of an fp32 rounding midpoint (a midpoint ``m`` has 25
+    significant bits, so ``m * m`` has 49-50 and differs from any 24-bit fp32 by at least
+    ``2**-50 * m * m``, which puts ``sqrt`` at least ``2**-51 * m`` from ``m``), so an error
+    of one fp64 ulp cannot move it across. ``tests/test_reference.py`` checks this on the
+    hardest inputs with the fp64 root pushed one ulp either way. This is what ``sqrtf``
+    (the native kernels) and ``tl.sqrt_rn`` (Triton) compute.
+
+    fp64 input is returned as ``x.sqrt()`` (fp64 has no wider type to round from); on MPS,
+    which has no fp64, fp32 ``sqrt`` is used.
+    """
+    if x.dtype == torch.float64 or x.device.type == "mps":
+        return x.sqrt()
+    return x.double().sqrt().to(x.dtype)
 
 
 def unscale_check_(
@@ -148,6 +181,15 @@ def adamw_step_scalars(
     tensor, ``grad_mul`` the factor applied to raw grads (``1/scale`` times the clip
     coefficient) or None for 1. Computed in fp64 on ``step``'s device (where the device
     supports fp64), rounded once to fp32: no host sync.
+
+    Every backend receives this one tensor, so their bit-exact agreement does not depend on
+    how it is computed. Across machines it can differ, rarely: torch's fp64 ``pow`` and
+    ``sqrt`` are not correctly rounded and their last bit varies with the CPU and library
+    (``pow(beta, step)`` here differs from a correctly rounded one on ~1 call in 1,800), and such a
+    difference survives the rounding to fp32 only when the fp64 value lies within an fp64
+    ulp of an fp32 rounding midpoint (``1 - beta**step`` amplifies it on early steps). It
+    was measured at 0 of 80,000 steps on an AMD EPYC (``benchmarks/portable_ops_check.py``).
+    A correctly rounded ``pow`` on the device would need far more than one kernel per step.
     """
     dev = step.device
     wide = torch.float32 if dev.type == "mps" else torch.float64
@@ -240,9 +282,7 @@ def adamw_(
             d = vmax
         else:
             d = vv
-        # torch's CPU fp32 sqrt is not correctly rounded (~0.7% of inputs 1 ulp off with the
-        # AVX-512 build); an fp64 sqrt rounded once to fp32 is, like sqrtf in the kernels.
-        denom = d.double().sqrt().float() / bc2_sqrt + eps_t
+        denom = sqrt_rn(d) / bc2_sqrt + eps_t
         pv = pv - (step_size * mv) / denom
         if keep is not None:
             pv = torch.where(keep, p32, pv)
@@ -437,7 +477,7 @@ def adamw_bf16_(
             d = vmax
         else:
             d = vv
-        denom = d.double().sqrt().float() / bc2_sqrt + eps_t
+        denom = sqrt_rn(d) / bc2_sqrt + eps_t
         pv = pv - (step_size * mv) / denom
         if use_rem:
             new_p, new_rem = split_master(pv)

@@ -7,7 +7,6 @@ compared within ``tolerances.ADAMW_GPU_RTOL`` (the kernel asks for correctly rou
 sqrt/division and no FMA contraction, so it is expected to be exact there too).
 """
 
-import contextlib
 import itertools
 import math
 import random
@@ -57,32 +56,6 @@ def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "
             f"{what}: {int((a != e).sum())} of {a.numel()} elements differ, first at {bad}: "
             f"{flat_a[bad].tolist()} vs {flat_e[bad].tolist()}"
         )
-
-
-@contextlib.contextmanager
-def _ieee_sqrt():
-    """Run the reference with a correctly rounded fp32 sqrt.
-
-    torch's vectorised CPU fp32 ``sqrt`` is not correctly rounded: measured with torch
-    2.13 (AVX512 build), about 0.7% of random fp32 inputs come out one ulp off (numpy's
-    and every GPU's sqrt are exact). The reference specifies fp32 maths with one rounding
-    per operation, so it is evaluated here with ``x.double().sqrt().float()``, which is
-    correctly rounded for fp32 inputs (an fp32 square root is never within 2^-51 relative
-    of an fp32 rounding midpoint, and fp64 sqrt is accurate to 2^-52). No-op for other
-    dtypes and devices.
-    """
-    orig = torch.Tensor.sqrt
-
-    def sqrt(self):
-        if self.dtype == torch.float32 and self.device.type == "cpu":
-            return orig(self.double()).float()
-        return orig(self)
-
-    torch.Tensor.sqrt = sqrt
-    try:
-        yield
-    finally:
-        torch.Tensor.sqrt = orig
 
 
 def _rand(n, dtype, device, gen, scale=1.0):
@@ -378,8 +351,7 @@ def test_adamw_matches_reference(device, p_dtype, g_dtype, master):
     state = _adamw_state(device, p_dtype, g_dtype, master, amsgrad, _ADAMW_SIZES, seed=k)
     ref = _clone_state(state)
     _adamw_steps(tadamw.adamw_, state, device, hyper, found_inf=0.0)
-    with _ieee_sqrt():
-        _adamw_steps(R.adamw_, ref, device, hyper, found_inf=0.0)
+    _adamw_steps(R.adamw_, ref, device, hyper, found_inf=0.0)
     _compare_adamw(state, ref, device)
     if master:
         for p, w in zip(state[0], state[2]):
@@ -395,8 +367,7 @@ def test_adamw_found_inf(device, found_inf, amsgrad, master):
     before = _clone_state(state)
     ref = _clone_state(state)
     _adamw_steps(tadamw.adamw_, state, device, hyper, found_inf)
-    with _ieee_sqrt():
-        _adamw_steps(R.adamw_, ref, device, hyper, found_inf)
+    _adamw_steps(R.adamw_, ref, device, hyper, found_inf)
     _compare_adamw(state, ref, device)
     if found_inf is not None and found_inf != 0:
         for la, lb in zip(state, before):
@@ -427,8 +398,7 @@ def test_adamw_mixed_dtypes_many_tiny_tensors(device):
     ref = _clone_state(state)
     hyper = (1e-2, 0.1, 0.9, 0.99, 1e-6, True, True)
     _adamw_steps(tadamw.adamw_, state, device, hyper, found_inf=None)
-    with _ieee_sqrt():
-        _adamw_steps(R.adamw_, ref, device, hyper, found_inf=None)
+    _adamw_steps(R.adamw_, ref, device, hyper, found_inf=None)
     _compare_adamw(state, ref, device)
 
 
@@ -535,6 +505,5 @@ def test_reachable_through_functional():
     functional.adamw_(
         params, grads, masters, m, v, vmax, scalars, found, beta1=0.9, beta2=0.999, eps=1e-8, backend="triton"
     )
-    with _ieee_sqrt():
-        R.adamw_(*ref, scalars, found, 0.9, 0.999, 1e-8, False, False)
+    R.adamw_(*ref, scalars, found, 0.9, 0.999, 1e-8, False, False)
     _compare_adamw(state, ref, dev)

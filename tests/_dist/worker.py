@@ -9,8 +9,10 @@ forward/backward and the reference's are the same kernels in the same order.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+import struct
 import sys
 import traceback
 
@@ -28,6 +30,7 @@ INJECT_IN_INPUT = (15,)  # steps where rank 1's input holds an inf (DDP's all-re
 SHARDED_INJECT = (10, 31)  # steps where one rank's own shard gets an inf
 CONTROL_STEPS = 6
 CONTROL_INJECT = 2
+EXACT_NORM_CASES = 200
 
 
 def make_model() -> torch.nn.Module:
@@ -194,19 +197,38 @@ def run_sharded_reference(max_norm: float, steps: int, inject: tuple, opt_kind: 
     return {"scales": scales, "skipped": skipped, "norms": torch.stack(norms), "params": params_of(model)}
 
 
+def _correctly_rounded_fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def run_exact_norm(rank: int):
-    """Dyadic grads (every square and partial sum exact): the sharded norm equals the 1-process one."""
-    g = torch.Generator().manual_seed(77)
-    full = [torch.randint(-16, 17, (n,), generator=g).float() / 8 for n in (1000, 37, 513, 64)]
-    mine = [torch.nn.Parameter(torch.zeros_like(t)) for i, t in enumerate(full) if i % WORLD == rank]
-    for p, t in zip(mine, [t for i, t in enumerate(full) if i % WORLD == rank]):
-        p.grad = t * 2.0**10  # still scaled
-    opt = torch.optim.SGD(mine, lr=0.1)
-    scaler = make_scaler(process_group=dist.group.WORLD, sharded=True)
-    scaler.scale(torch.ones(()))
-    norm = scaler.clip_grad_norm_(opt, 1e9)
-    ref = torch.linalg.vector_norm(torch.cat(full).double()).float()
-    return {"norm": norm, "reference": ref}
+    """Dyadic grads (every square and partial sum exact): the sharded norm is the correctly
+    rounded square root of the exact sum of squares, on every rank and every CPU.
+
+    The expected norms are computed without torch: the sum of squares as an integer, its
+    root with ``math.sqrt`` (IEEE, correctly rounded in fp64 on every x86-64) and then
+    rounded to fp32, which for a square root is the correctly rounded fp32 value. Many cases,
+    so that a sqrt that is wrong on a few percent of inputs (torch's fp32 sqrt: ~17% on an
+    AMD EPYC, ~0.7% on a Xeon) is caught.
+    """
+    norms, expected = [], []
+    for case in range(EXACT_NORM_CASES):
+        g = torch.Generator().manual_seed(77 + case)
+        sizes = (1000, 37, 513, 64) if case == 0 else tuple(torch.randint(1, 200, (4,), generator=g).tolist())
+        ints = [torch.randint(-16, 17, (n,), generator=g) for n in sizes]
+        shift = 0 if case == 0 else int(torch.randint(-6, 7, (), generator=g))
+        unit = 2.0 ** (shift - 3)  # grads k * 2**(shift-3): squares and sums exact in fp32
+        full = [k.float() * unit for k in ints]
+        mine = [torch.nn.Parameter(torch.zeros_like(t)) for i, t in enumerate(full) if i % WORLD == rank]
+        for p, t in zip(mine, [t for i, t in enumerate(full) if i % WORLD == rank]):
+            p.grad = t * 2.0**10  # still scaled
+        opt = torch.optim.SGD(mine, lr=0.1)
+        scaler = make_scaler(process_group=dist.group.WORLD, sharded=True)
+        scaler.scale(torch.ones(()))
+        norms.append(scaler.clip_grad_norm_(opt, 1e9).clone())
+        sum_k2 = sum(int(v) ** 2 for k in ints for v in k.tolist())  # < 2**53: exact as a double
+        expected.append(_correctly_rounded_fp32(math.sqrt(sum_k2)) * unit)
+    return {"norms": torch.stack(norms), "expected": torch.tensor(expected, dtype=torch.float32)}
 
 
 def run_no_grad_rank(rank: int):
