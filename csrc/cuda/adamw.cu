@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "../fastamp_math.h"
 #include "launchers.h"
@@ -17,8 +18,8 @@ namespace {
 using detail::kBlockSize;
 
 // Table rows: param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq.
-constexpr int kDepth = 6;
-using Table = detail::TableFor<kDepth>;
+constexpr int kDepth = kAdamWDepth;
+using Table = detail::TableView<kDepth>;
 
 // Elements per thread per iteration: one 16-byte access for the fp32 lists, 8 bytes for
 // 16-bit params/grads.
@@ -113,10 +114,18 @@ __device__ __forceinline__ void adamw_group(typename PE::storage_t* __restrict__
   }
 }
 
-// At most 64 registers (4 blocks per SM): memory-bound, so occupancy beats registers.
+// Register budget of both AdamW kernels: at least 2 blocks per SM (up to 128 registers).
+// Each element's IEEE division and square root have a slow path that ptxas emits as a
+// subroutine call, and values live across those calls spilled whenever the budget was
+// tight or unset: with nvcc 13.0, 4-16 bytes in some dtype variants at 64 (4 blocks), 80
+// (3 blocks) or no bound, none at 2 blocks on sm_80 and sm_90 (tests/test_cuda_ptxas.py
+// holds every variant to 0). Two blocks of 256 threads with 48-80 bytes of loads in flight
+// per thread still cover an SM's share of the bandwidth-latency product (~25 KB on H100).
+constexpr int kAdamWMinBlocks = 2;
+
 template <typename PE, typename GE>
-__global__ void __launch_bounds__(kBlockSize, 4)
-    adamw_kernel(const __grid_constant__ Table table, const float* __restrict__ step_scalars,
+__global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
+    adamw_kernel(const Table table, const float* __restrict__ step_scalars,
                  const float* __restrict__ found_inf, math::AdamWHyper hyper, bool amsgrad, bool maximize) {
   using PS = typename PE::storage_t;
   using GS = typename GE::storage_t;
@@ -128,15 +137,20 @@ __global__ void __launch_bounds__(kBlockSize, 4)
   s.decay = step_scalars[2];
   s.grad_mul = step_scalars[3];
 
-  for (int64_t chunk = blockIdx.x; chunk < table.num_chunks; chunk += gridDim.x) {
-    const detail::ChunkLocation loc = detail::locate_chunk(table, chunk);
-    const int t = loc.tensor;
-    PS* param = static_cast<PS*>(table.ptrs[0][t]);
-    const GS* grad = static_cast<const GS*>(table.ptrs[1][t]);
-    float* master = static_cast<float*>(table.ptrs[2][t]);
-    float* exp_avg = static_cast<float*>(table.ptrs[3][t]);
-    float* exp_avg_sq = static_cast<float*>(table.ptrs[4][t]);
-    float* max_exp_avg_sq = static_cast<float*>(table.ptrs[5][t]);
+  int64_t first = 0;
+  int64_t last = 0;
+  block_chunk_range(table.num_chunks, gridDim.x, blockIdx.x, &first, &last);
+  if (first >= last) return;
+  detail::ChunkWalker<kDepth> walk(table, first);
+  for (int64_t chunk = first; chunk < last; ++chunk) {
+    const detail::ChunkLocation loc = walk.locate(chunk);
+    void* const* row = table.entries[loc.tensor].ptrs;
+    PS* param = static_cast<PS*>(row[0]);
+    const GS* grad = static_cast<const GS*>(row[1]);
+    float* master = static_cast<float*>(row[2]);
+    float* exp_avg = static_cast<float*>(row[3]);
+    float* exp_avg_sq = static_cast<float*>(row[4]);
+    float* max_exp_avg_sq = static_cast<float*>(row[5]);
     // Chunk offsets are multiples of kVec, so aligned tensors stay aligned chunk by chunk.
     const bool aligned = detail::is_aligned_for_pack<PS, kVec>(param) && detail::is_aligned_for_pack<GS, kVec>(grad) &&
                          detail::is_aligned_for_pack<float, kVec>(exp_avg) &&
@@ -156,48 +170,35 @@ __global__ void __launch_bounds__(kBlockSize, 4)
 }
 
 template <typename PE, typename GE>
-cudaError_t adamw_combo(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars,
-                        const float* found_inf, const math::AdamWHyper& hyper, bool amsgrad, bool maximize,
-                        cudaStream_t stream) {
-  auto builder = detail::make_builder<kDepth>([&](const Table& table, int64_t) -> cudaError_t {
-    adamw_kernel<PE, GE><<<detail::grid_for_chunks(table.num_chunks), kBlockSize, 0, stream>>>(
-        table, step_scalars, found_inf, hyper, amsgrad, maximize);
-    return cudaGetLastError();
-  });
-  for (int64_t i = 0; i < num_tensors; ++i) {
-    const AdamWTensorRef& r = tensors[i];
-    if (r.param_dtype != PE::kDType || r.grad_dtype != GE::kDType || r.numel <= 0) continue;
-    void* ptrs[kDepth] = {r.param,     const_cast<void*>(r.grad), r.master, r.exp_avg,
-                          r.exp_avg_sq, amsgrad ? r.max_exp_avg_sq : nullptr};
-    const cudaError_t err = builder.add(ptrs, r.numel);
-    if (err != cudaSuccess) return err;
-  }
-  return builder.flush();
+cudaError_t launch_adamw(const PlannedLaunch& l, const Table& view, const float* step_scalars,
+                         const float* found_inf, const math::AdamWHyper& hyper, bool amsgrad, bool maximize,
+                         cudaStream_t stream) {
+  adamw_kernel<PE, GE><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, step_scalars, found_inf, hyper,
+                                                                              amsgrad, maximize);
+  return cudaGetLastError();
 }
 
 template <typename PE>
-cudaError_t adamw_param_dtype(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars,
+cudaError_t launch_adamw_grad(DType grad, const PlannedLaunch& l, const Table& view, const float* step_scalars,
                               const float* found_inf, const math::AdamWHyper& hyper, bool amsgrad, bool maximize,
                               cudaStream_t stream) {
-  cudaError_t err = adamw_combo<PE, detail::F32>(tensors, num_tensors, step_scalars, found_inf, hyper, amsgrad,
-                                                 maximize, stream);
-  if (err == cudaSuccess) {
-    err = adamw_combo<PE, detail::F16>(tensors, num_tensors, step_scalars, found_inf, hyper, amsgrad, maximize,
-                                       stream);
+  switch (grad) {
+    case DType::kFloat32:
+      return launch_adamw<PE, detail::F32>(l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
+    case DType::kFloat16:
+      return launch_adamw<PE, detail::F16>(l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
+    case DType::kBFloat16:
+      return launch_adamw<PE, detail::BF16>(l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
   }
-  if (err == cudaSuccess) {
-    err = adamw_combo<PE, detail::BF16>(tensors, num_tensors, step_scalars, found_inf, hyper, amsgrad, maximize,
-                                        stream);
-  }
-  return err;
+  return cudaErrorInvalidValue;
 }
 
 // ---- adamw_bf16_ ----
 
 // Table rows: param (bf16), grad, remainder (int16 or null), exp_avg, exp_avg_sq,
 // max_exp_avg_sq (moment dtype), and the tensor's RNG stream as a tag.
-constexpr int kBf16Depth = 7;
-using Bf16Table = detail::TableFor<kBf16Depth>;
+constexpr int kBf16Depth = kAdamWBf16Depth;
+using Bf16Table = detail::TableView<kBf16Depth>;
 
 // A moment rounded to its storage: fp32 as is; bf16 stochastically with random bits,
 // to nearest-even without.
@@ -212,8 +213,8 @@ __device__ __forceinline__ typename ME::storage_t store_moment(float x, bool sto
 }
 
 template <typename GE, typename ME>
-__global__ void __launch_bounds__(kBlockSize)
-    adamw_bf16_kernel(const __grid_constant__ Bf16Table table, const float* __restrict__ step_scalars,
+__global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
+    adamw_bf16_kernel(const Bf16Table table, const float* __restrict__ step_scalars,
                       const float* __restrict__ found_inf, const int64_t* __restrict__ rng, math::AdamWHyper hyper,
                       bool amsgrad, bool maximize) {
   using GS = typename GE::storage_t;
@@ -228,20 +229,25 @@ __global__ void __launch_bounds__(kBlockSize)
   const uint64_t seed = stochastic ? static_cast<uint64_t>(rng[0]) : 0u;
   const uint64_t counter = stochastic ? static_cast<uint64_t>(rng[1]) : 0u;
 
-  for (int64_t chunk = blockIdx.x; chunk < table.num_chunks; chunk += gridDim.x) {
-    const detail::ChunkLocation loc = detail::locate_chunk(table, chunk);
-    const int t = loc.tensor;
-    uint16_t* param = static_cast<uint16_t*>(table.ptrs[0][t]);
-    const GS* grad = static_cast<const GS*>(table.ptrs[1][t]);
-    int16_t* remainder = static_cast<int16_t*>(table.ptrs[2][t]);
-    MS* exp_avg = static_cast<MS*>(table.ptrs[3][t]);
-    MS* exp_avg_sq = static_cast<MS*>(table.ptrs[4][t]);
-    MS* max_exp_avg_sq = static_cast<MS*>(table.ptrs[5][t]);
+  int64_t first = 0;
+  int64_t last = 0;
+  block_chunk_range(table.num_chunks, gridDim.x, blockIdx.x, &first, &last);
+  if (first >= last) return;
+  detail::ChunkWalker<kBf16Depth> walk(table, first);
+  for (int64_t chunk = first; chunk < last; ++chunk) {
+    const detail::ChunkLocation loc = walk.locate(chunk);
+    void* const* row = table.entries[loc.tensor].ptrs;
+    uint16_t* param = static_cast<uint16_t*>(row[0]);
+    const GS* grad = static_cast<const GS*>(row[1]);
+    int16_t* remainder = static_cast<int16_t*>(row[2]);
+    MS* exp_avg = static_cast<MS*>(row[3]);
+    MS* exp_avg_sq = static_cast<MS*>(row[4]);
+    MS* max_exp_avg_sq = static_cast<MS*>(row[5]);
     const bool has_rem = remainder != nullptr;
     // Keys of the streams 4 * tensor_id + k (k: 0 param, 1 exp_avg, 2 exp_avg_sq, 3 max).
     uint32_t key[4] = {0u, 0u, 0u, 0u};
     if (stochastic) {
-      const uint32_t stream = detail::row_as_tag(table.ptrs[6][t]);
+      const uint32_t stream = detail::row_as_tag(row[6]);
       key[0] = math::sr_stream_key(seed, counter, stream);
       if constexpr (ME::kDType == DType::kBFloat16) {  // fp32 moments take no random bits
 #pragma unroll
@@ -301,41 +307,54 @@ __global__ void __launch_bounds__(kBlockSize)
 }
 
 template <typename GE, typename ME>
-cudaError_t adamw_bf16_combo(const AdamWBf16TensorRef* tensors, int64_t num_tensors, const float* step_scalars,
-                             const float* found_inf, const int64_t* rng, const math::AdamWHyper& hyper, bool amsgrad,
-                             bool maximize, cudaStream_t stream) {
-  auto builder = detail::make_builder<kBf16Depth>([&](const Bf16Table& table, int64_t) -> cudaError_t {
-    adamw_bf16_kernel<GE, ME><<<detail::grid_for_chunks(table.num_chunks), kBlockSize, 0, stream>>>(
-        table, step_scalars, found_inf, rng, hyper, amsgrad, maximize);
-    return cudaGetLastError();
-  });
-  for (int64_t i = 0; i < num_tensors; ++i) {
-    const AdamWBf16TensorRef& r = tensors[i];
-    if (r.grad_dtype != GE::kDType || r.numel <= 0) continue;
-    void* ptrs[kBf16Depth] = {r.param,      const_cast<void*>(r.grad),           r.remainder,
-                              r.exp_avg,    r.exp_avg_sq, amsgrad ? r.max_exp_avg_sq : nullptr,
-                              detail::tag_as_row(r.rng_stream)};
-    const cudaError_t err = builder.add(ptrs, r.numel);
-    if (err != cudaSuccess) return err;
-  }
-  return builder.flush();
+cudaError_t launch_adamw_bf16(const PlannedLaunch& l, const Bf16Table& view, const float* step_scalars,
+                              const float* found_inf, const int64_t* rng, const math::AdamWHyper& hyper, bool amsgrad,
+                              bool maximize, cudaStream_t stream) {
+  adamw_bf16_kernel<GE, ME><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, step_scalars, found_inf, rng,
+                                                                                   hyper, amsgrad, maximize);
+  return cudaGetLastError();
 }
 
 template <typename ME>
 cudaError_t adamw_bf16_moment(const AdamWBf16TensorRef* tensors, int64_t num_tensors, const float* step_scalars,
                               const float* found_inf, const int64_t* rng, const math::AdamWHyper& hyper, bool amsgrad,
-                              bool maximize, cudaStream_t stream) {
-  cudaError_t err = adamw_bf16_combo<detail::F32, ME>(tensors, num_tensors, step_scalars, found_inf, rng, hyper,
-                                                      amsgrad, maximize, stream);
-  if (err == cudaSuccess) {
-    err = adamw_bf16_combo<detail::F16, ME>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad,
-                                            maximize, stream);
+                              bool maximize, TableMemory& tables, cudaStream_t stream) {
+  bool capturing = false;
+  const cudaError_t err = detail::stream_is_capturing(stream, &capturing);
+  if (err != cudaSuccess) return err;
+  std::vector<DType> grad(static_cast<size_t>(num_tensors));
+  std::vector<int64_t> numel(static_cast<size_t>(num_tensors));
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    grad[i] = tensors[i].grad_dtype;
+    numel[i] = tensors[i].numel;
   }
-  if (err == cudaSuccess) {
-    err = adamw_bf16_combo<detail::BF16, ME>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad,
-                                             maximize, stream);
-  }
-  return err;
+  const LaunchPlan plan =
+      plan_adamw_bf16(grad.data(), numel.data(), num_tensors, capturing, detail::current_sm_count());
+  auto ptrs_of = [&](int64_t i, void** row) {
+    const AdamWBf16TensorRef& r = tensors[i];
+    row[0] = r.param;
+    row[1] = const_cast<void*>(r.grad);
+    row[2] = r.remainder;
+    row[3] = r.exp_avg;
+    row[4] = r.exp_avg_sq;
+    row[5] = amsgrad ? r.max_exp_avg_sq : nullptr;
+    row[6] = detail::tag_as_row(r.rng_stream);
+  };
+  auto launch = [&](const PlannedLaunch& l, const Bf16Table& view) -> cudaError_t {
+    switch (static_cast<DType>(l.group)) {
+      case DType::kFloat32:
+        return launch_adamw_bf16<detail::F32, ME>(l, view, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
+                                                  stream);
+      case DType::kFloat16:
+        return launch_adamw_bf16<detail::F16, ME>(l, view, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
+                                                  stream);
+      case DType::kBFloat16:
+        return launch_adamw_bf16<detail::BF16, ME>(l, view, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
+                                                   stream);
+    }
+    return cudaErrorInvalidValue;
+  };
+  return detail::run_plan<kBf16Depth>(plan, numel.data(), ptrs_of, capturing, tables, stream, launch);
 }
 
 math::AdamWHyper make_hyper(double beta1, double beta2, double eps) {
@@ -353,32 +372,60 @@ math::AdamWHyper make_hyper(double beta1, double beta2, double eps) {
 
 cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars,
                   const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
-                  cudaStream_t stream) {
+                  TableMemory& tables, cudaStream_t stream) {
   const math::AdamWHyper hyper = make_hyper(beta1, beta2, eps);
-  cudaError_t err =
-      adamw_param_dtype<detail::F32>(tensors, num_tensors, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
-  if (err == cudaSuccess) {
-    err = adamw_param_dtype<detail::F16>(tensors, num_tensors, step_scalars, found_inf, hyper, amsgrad, maximize,
-                                         stream);
+  bool capturing = false;
+  const cudaError_t err = detail::stream_is_capturing(stream, &capturing);
+  if (err != cudaSuccess) return err;
+  std::vector<DType> param(static_cast<size_t>(num_tensors));
+  std::vector<DType> grad(static_cast<size_t>(num_tensors));
+  std::vector<int64_t> numel(static_cast<size_t>(num_tensors));
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    param[i] = tensors[i].param_dtype;
+    grad[i] = tensors[i].grad_dtype;
+    numel[i] = tensors[i].numel;
   }
-  if (err == cudaSuccess) {
-    err = adamw_param_dtype<detail::BF16>(tensors, num_tensors, step_scalars, found_inf, hyper, amsgrad, maximize,
-                                          stream);
-  }
-  return err;
+  const LaunchPlan plan =
+      plan_adamw(param.data(), grad.data(), numel.data(), num_tensors, capturing, detail::current_sm_count());
+  auto ptrs_of = [&](int64_t i, void** row) {
+    const AdamWTensorRef& r = tensors[i];
+    row[0] = r.param;
+    row[1] = const_cast<void*>(r.grad);
+    row[2] = r.master;
+    row[3] = r.exp_avg;
+    row[4] = r.exp_avg_sq;
+    row[5] = amsgrad ? r.max_exp_avg_sq : nullptr;
+  };
+  auto launch = [&](const PlannedLaunch& l, const Table& view) -> cudaError_t {
+    const auto grad = static_cast<DType>(l.group % 3);
+    switch (static_cast<DType>(l.group / 3)) {
+      case DType::kFloat32:
+        return launch_adamw_grad<detail::F32>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize,
+                                              stream);
+      case DType::kFloat16:
+        return launch_adamw_grad<detail::F16>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize,
+                                              stream);
+      case DType::kBFloat16:
+        return launch_adamw_grad<detail::BF16>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize,
+                                               stream);
+    }
+    return cudaErrorInvalidValue;
+  };
+  return detail::run_plan<kDepth>(plan, numel.data(), ptrs_of, capturing, tables, stream, launch);
 }
 
 cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, DType moment_dtype,
                        const float* step_scalars, const float* found_inf, const int64_t* rng, double beta1,
-                       double beta2, double eps, bool amsgrad, bool maximize, cudaStream_t stream) {
+                       double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
+                       cudaStream_t stream) {
   const math::AdamWHyper hyper = make_hyper(beta1, beta2, eps);
   if (moment_dtype == DType::kBFloat16) {
     return adamw_bf16_moment<detail::BF16>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad,
-                                           maximize, stream);
+                                           maximize, tables, stream);
   }
   if (moment_dtype != DType::kFloat32) return cudaErrorInvalidValue;
   return adamw_bf16_moment<detail::F32>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
-                                        stream);
+                                        tables, stream);
 }
 
 }  // namespace cuda

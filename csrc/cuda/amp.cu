@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "../fastamp_math.h"
 #include "launchers.h"
@@ -14,19 +15,21 @@ namespace cuda {
 namespace {
 
 using detail::kBlockSize;
+using detail::TableView;
 
 constexpr int kUnscaleIlp = 4;  // vectors in flight per thread
 
-// One block per chunk (grid-stride over the launch's chunks). Each thread walks groups of
-// VEC consecutive elements: group j = base + threadIdx.x + k * kBlockSize. A full group of
-// an aligned tensor is one 16-byte access, anything else is element by element, but the
-// groups, and the order a thread accumulates their squares in, do not depend on the path,
-// so the per-chunk sum of squares has the same bits whatever the tensor's alignment.
+// A block takes a contiguous range of its launch's chunks (launch_plan.h), one chunk at a
+// time. Each thread walks groups of VEC consecutive elements: group j = base + threadIdx.x
+// + k * kBlockSize. A full group of an aligned tensor is one 16-byte access, anything else
+// is element by element, but the groups, and the order a thread accumulates their squares
+// in, do not depend on the path, so the per-chunk sum of squares has the same bits
+// whatever the tensor's alignment (and whichever block runs the chunk).
 // STATS: table rows 1 and 2 point at the tensor's counts row (int64 x 3) and absmax (fp32);
 // each block adds its chunk's totals there with integer atomics (exact in any order).
 template <typename E, bool STATS, typename Table>
 __global__ void __launch_bounds__(kBlockSize)
-    unscale_check_kernel(const __grid_constant__ Table table, float* __restrict__ found_inf,
+    unscale_check_kernel(const Table table, float* __restrict__ found_inf,
                          const float* __restrict__ inv_scale_ptr, double* __restrict__ partials,
                          int64_t first_chunk, bool write_back, bool compute_sumsq) {
   using S = typename E::storage_t;
@@ -36,9 +39,15 @@ __global__ void __launch_bounds__(kBlockSize)
   __shared__ detail::HealthCounts stats_smem[STATS ? kBlockSize / 32 : 1];
 
   const float inv_scale = *inv_scale_ptr;
-  for (int64_t chunk = blockIdx.x; chunk < table.num_chunks; chunk += gridDim.x) {
-    const detail::ChunkLocation loc = detail::locate_chunk(table, chunk);
-    S* base_ptr = static_cast<S*>(table.ptrs[0][loc.tensor]);
+  int64_t first = 0;
+  int64_t last = 0;
+  block_chunk_range(table.num_chunks, gridDim.x, blockIdx.x, &first, &last);
+  if (first >= last) return;
+  detail::ChunkWalker<Table::kDepth> walk(table, first);
+  for (int64_t chunk = first; chunk < last; ++chunk) {
+    const detail::ChunkLocation loc = walk.locate(chunk);
+    void* const* row = table.entries[loc.tensor].ptrs;
+    S* base_ptr = static_cast<S*>(row[0]);
     const bool vec_ok = detail::is_aligned_for_pack<S, VEC>(base_ptr);
     S* data = base_ptr + loc.offset;
     const int64_t n = loc.n;
@@ -118,13 +127,13 @@ __global__ void __launch_bounds__(kBlockSize)
     if constexpr (STATS) {
       const detail::HealthCounts total = detail::block_reduce_health(stats, stats_smem);
       if (threadIdx.x == 0) {
-        auto* counts = static_cast<unsigned long long*>(table.ptrs[1][loc.tensor]);
+        auto* counts = static_cast<unsigned long long*>(row[1]);
         if (total.nonfinite) atomicAdd(counts + 0, static_cast<unsigned long long>(total.nonfinite));
         if (total.zeros) atomicAdd(counts + 1, static_cast<unsigned long long>(total.zeros));
         if (total.underflow) atomicAdd(counts + 2, static_cast<unsigned long long>(total.underflow));
         // absmax starts at +0.0 and only ever holds non-negative finite floats, whose bits
         // order as the values do.
-        if (total.absmax_bits) atomicMax(static_cast<unsigned int*>(table.ptrs[2][loc.tensor]), total.absmax_bits);
+        if (total.absmax_bits) atomicMax(static_cast<unsigned int*>(row[2]), total.absmax_bits);
       }
     }
   }
@@ -147,49 +156,59 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32
                      growth_interval, hysteresis, min_scale, max_scale);
 }
 
-// STATS false: plain unscale_check (table depth 1); true: rows for counts and absmax too.
-template <typename E, bool STATS>
-cudaError_t unscale_check_dtype(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
-                                bool write_back, bool compute_sumsq, double* partials, int64_t* counts,
-                                float* absmax, int64_t* chunks_done, cudaStream_t stream) {
-  constexpr int kDepth = STATS ? 3 : 1;
-  const int64_t first = *chunks_done;
-  using Table = detail::TableFor<kDepth>;
-  auto builder = detail::make_builder<kDepth>([&](const Table& table, int64_t chunks_before) -> cudaError_t {
-    unscale_check_kernel<E, STATS, Table><<<detail::grid_for_chunks(table.num_chunks), kBlockSize, 0, stream>>>(
-        table, found_inf, inv_scale, partials, first + chunks_before, write_back, compute_sumsq);
-    return cudaGetLastError();
-  });
-  for (int64_t i = 0; i < num_grads; ++i) {
-    if (grads[i].dtype != E::kDType || grads[i].numel <= 0) continue;
-    void* ptrs[3] = {grads[i].data, STATS ? counts + 3 * i : nullptr, STATS ? absmax + i : nullptr};
-    const cudaError_t err = builder.add(ptrs, grads[i].numel);
-    if (err != cudaSuccess) return err;
-    *chunks_done += num_chunks(grads[i].numel);
-  }
-  return builder.flush();
+template <typename E, bool STATS, int DEPTH>
+cudaError_t launch_unscale_check(const PlannedLaunch& l, const TableView<DEPTH>& view, float* found_inf,
+                                 const float* inv_scale, bool write_back, bool compute_sumsq, double* partials,
+                                 cudaStream_t stream) {
+  unscale_check_kernel<E, STATS, TableView<DEPTH>><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(
+      view, found_inf, inv_scale, partials, l.first_chunk, write_back, compute_sumsq);
+  return cudaGetLastError();
 }
 
+// STATS false: plain unscale_check (table depth 1); true: rows for counts and absmax too.
 template <bool STATS>
 cudaError_t unscale_check_all(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
                               bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
-                              int64_t* counts, float* absmax, cudaStream_t stream) {
+                              int64_t* counts, float* absmax, TableMemory& tables, cudaStream_t stream) {
+  constexpr int kDepth = STATS ? kUnscaleStatsDepth : kUnscaleDepth;
+  bool capturing = false;
+  cudaError_t err = detail::stream_is_capturing(stream, &capturing);
+  if (err != cudaSuccess) return err;
+  std::vector<DType> dtype(static_cast<size_t>(num_grads));
+  std::vector<int64_t> numel(static_cast<size_t>(num_grads));
+  for (int64_t i = 0; i < num_grads; ++i) {
+    dtype[i] = grads[i].dtype;
+    numel[i] = grads[i].numel;
+  }
   // Chunk ordinals (and so the partials' order) follow dtype, then list order: fixed for a
-  // given list, whatever the launch boundaries.
-  int64_t chunks = 0;
-  cudaError_t err = unscale_check_dtype<detail::F32, STATS>(grads, num_grads, found_inf, inv_scale, write_back,
-                                                            compute_sumsq, partials, counts, absmax, &chunks, stream);
-  if (err == cudaSuccess) {
-    err = unscale_check_dtype<detail::F16, STATS>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq,
-                                                  partials, counts, absmax, &chunks, stream);
-  }
-  if (err == cudaSuccess) {
-    err = unscale_check_dtype<detail::BF16, STATS>(grads, num_grads, found_inf, inv_scale, write_back,
-                                                   compute_sumsq, partials, counts, absmax, &chunks, stream);
-  }
+  // given list.
+  const LaunchPlan plan =
+      plan_unscale_check(dtype.data(), numel.data(), num_grads, STATS, capturing, detail::current_sm_count());
+  auto ptrs_of = [&](int64_t i, void** row) {
+    row[0] = grads[i].data;
+    if constexpr (STATS) {
+      row[1] = counts + 3 * i;
+      row[2] = absmax + i;
+    }
+  };
+  auto launch = [&](const PlannedLaunch& l, const TableView<kDepth>& view) -> cudaError_t {
+    switch (static_cast<DType>(l.group)) {
+      case DType::kFloat32:
+        return launch_unscale_check<detail::F32, STATS>(l, view, found_inf, inv_scale, write_back, compute_sumsq,
+                                                        partials, stream);
+      case DType::kFloat16:
+        return launch_unscale_check<detail::F16, STATS>(l, view, found_inf, inv_scale, write_back, compute_sumsq,
+                                                        partials, stream);
+      case DType::kBFloat16:
+        return launch_unscale_check<detail::BF16, STATS>(l, view, found_inf, inv_scale, write_back, compute_sumsq,
+                                                         partials, stream);
+    }
+    return cudaErrorInvalidValue;
+  };
+  err = detail::run_plan<kDepth>(plan, numel.data(), ptrs_of, capturing, tables, stream, launch);
   if (err != cudaSuccess) return err;
   if (compute_sumsq) {
-    sumsq_finalize_kernel<<<1, kBlockSize, 0, stream>>>(partials, chunks, sumsq_out);
+    sumsq_finalize_kernel<<<1, kBlockSize, 0, stream>>>(partials, plan.total_chunks, sumsq_out);
     return cudaGetLastError();
   }
   return cudaMemsetAsync(sumsq_out, 0, sizeof(float), stream);
@@ -207,14 +226,14 @@ int64_t unscale_check_num_partials(const GradRef* grads, int64_t num_grads) {
 
 cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
                           bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
-                          cudaStream_t stream) {
+                          TableMemory& tables, cudaStream_t stream) {
   return unscale_check_all<false>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq, partials,
-                                  sumsq_out, nullptr, nullptr, stream);
+                                  sumsq_out, nullptr, nullptr, tables, stream);
 }
 
 cudaError_t unscale_check_stats(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
                                 bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
-                                int64_t* counts, float* absmax, cudaStream_t stream) {
+                                int64_t* counts, float* absmax, TableMemory& tables, cudaStream_t stream) {
   if (num_grads > 0) {
     // Overwrite semantics: the kernel only accumulates; all-zero bits are 0 and +0.0f.
     cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * 3 * static_cast<size_t>(num_grads), stream);
@@ -222,7 +241,7 @@ cudaError_t unscale_check_stats(const GradRef* grads, int64_t num_grads, float* 
     if (err != cudaSuccess) return err;
   }
   return unscale_check_all<true>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq, partials,
-                                 sumsq_out, counts, absmax, stream);
+                                 sumsq_out, counts, absmax, tables, stream);
 }
 
 cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, const float* found_inf,

@@ -1,7 +1,8 @@
 // CUDA registrations of fastamp's native ops: validation and the current stream here, the
 // kernels behind the torch-free interface of launchers.h (amp.cu, adamw.cu, sgd.cu). Built only
 // when setup.py finds nvcc and a CUDA-enabled torch. Nothing here reads a device value on
-// the host; temporaries come from torch's caching allocator on the current stream.
+// the host; temporaries (the launch table included) come from torch's caching allocators
+// on the current stream.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -59,6 +60,40 @@ void check_launch(const char* op, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, "fastamp::", op, ": CUDA error: ", cudaGetErrorString(err));
 }
 
+// The launch table of one op call, from torch's caching allocators. The device buffer is
+// allocated on the current stream, where every kernel reading it is enqueued, so freeing
+// it when the op returns is stream-ordered (no record_stream needed); during graph capture
+// it comes from the capture's private pool. The pinned staging buffer is copied with
+// copy_(non_blocking=true), which records an event so the host allocator reuses it only
+// once the copy has run.
+class TorchTableMemory final : public TableMemory {
+ public:
+  explicit TorchTableMemory(const at::Device& device) : device_(device) {}
+
+  void* device(size_t bytes) override {
+    device_table_ = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().device(device_).dtype(at::kByte));
+    return device_table_.data_ptr();
+  }
+
+  void* staging(size_t bytes) override {
+    staging_ = at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    return staging_.data_ptr();
+  }
+
+  cudaError_t upload(cudaStream_t stream) override {
+    TORCH_INTERNAL_ASSERT(stream == c10::cuda::getCurrentCUDAStream(device_.index()).stream(),
+                          "fastamp: launch tables are uploaded on the current stream");
+    TORCH_INTERNAL_ASSERT(device_table_.numel() == staging_.numel(), "fastamp: launch table buffers differ in size");
+    device_table_.copy_(staging_, /*non_blocking=*/true);
+    return cudaSuccess;
+  }
+
+ private:
+  at::Device device_;
+  at::Tensor device_table_;
+  at::Tensor staging_;
+};
+
 // unscale_check_ and, with counts/absmax, unscale_check_stats_.
 at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Tensor& found_inf,
                               const at::Tensor& inv_scale, bool write_back, bool compute_sumsq,
@@ -96,6 +131,7 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  TorchTableMemory tables(device);
   at::Tensor sumsq = at::empty({}, found_inf.options());
   at::Tensor partials;
   double* partials_ptr = nullptr;
@@ -110,10 +146,11 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
     check_launch(op, unscale_check_stats(refs.data(), num_grads, found_inf.data_ptr<float>(),
                                          inv_scale.data_ptr<float>(), write_back, compute_sumsq, partials_ptr,
                                          sumsq.data_ptr<float>(), num_grads > 0 ? counts->data_ptr<int64_t>() : nullptr,
-                                         num_grads > 0 ? absmax->data_ptr<float>() : nullptr, stream));
+                                         num_grads > 0 ? absmax->data_ptr<float>() : nullptr, tables, stream));
   } else {
     check_launch(op, unscale_check(refs.data(), num_grads, found_inf.data_ptr<float>(), inv_scale.data_ptr<float>(),
-                                   write_back, compute_sumsq, partials_ptr, sumsq.data_ptr<float>(), stream));
+                                   write_back, compute_sumsq, partials_ptr, sumsq.data_ptr<float>(), tables,
+                                   stream));
   }
   return sumsq;
 }
@@ -210,8 +247,9 @@ void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  TorchTableMemory tables(device);
   check_launch(op, adamw(refs.data(), static_cast<int64_t>(refs.size()), step_scalars.data_ptr<float>(),
-                         found_inf_ptr, beta1, beta2, eps, amsgrad, maximize, stream));
+                         found_inf_ptr, beta1, beta2, eps, amsgrad, maximize, tables, stream));
 }
 
 // Shared checks of the optimizer ops: list lengths, step_scalars, found_inf and rng.
@@ -310,8 +348,9 @@ void adamw_bf16_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const DType mdt = moment_type == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  TorchTableMemory tables(device);
   check_launch(op, adamw_bf16(refs.data(), static_cast<int64_t>(refs.size()), mdt, step_scalars.data_ptr<float>(),
-                              found_inf_ptr, rng_ptr, beta1, beta2, eps, amsgrad, maximize, stream));
+                              found_inf_ptr, rng_ptr, beta1, beta2, eps, amsgrad, maximize, tables, stream));
 }
 
 void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList momentum_buffers,
@@ -381,8 +420,9 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList master
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  TorchTableMemory tables(device);
   check_launch(op, sgd(refs.data(), static_cast<int64_t>(refs.size()), kind, step_scalars.data_ptr<float>(),
-                       found_inf_ptr, rng_ptr, momentum, dampening, weight_decay, nesterov, maximize, stream));
+                       found_inf_ptr, rng_ptr, momentum, dampening, weight_decay, nesterov, maximize, tables, stream));
 }
 
 }  // namespace

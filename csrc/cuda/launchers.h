@@ -3,24 +3,40 @@
 // Raw device pointers, 64-bit sizes, a dtype enum and a stream: no torch, ATen or c10
 // header, so the kernels compile with bare nvcc (tests/test_cuda_compile.py) and the torch
 // binding (csrc/cuda/bindings.cpp) stays a thin validation layer. Every launcher only
-// enqueues work on `stream` (no host sync, no allocation) and returns the first CUDA error
-// it saw (cudaSuccess otherwise). Semantics are those of fastamp/reference.py.
+// enqueues work on `stream` (no host sync; its one launch table comes from the caller's
+// TableMemory) and returns the first CUDA error it saw (cudaSuccess otherwise). The
+// launches it makes are those of csrc/cuda/launch_plan.h. Semantics are those of
+// fastamp/reference.py.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
+#include <cstddef>
 #include <cstdint>
+
+#include "launch_plan.h"
 
 namespace fastamp {
 namespace cuda {
 
-enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// Memory for the launch table of one op call, provided by the caller (the binding uses
+// torch's caching allocators), so the kernels stay torch-free. The launcher asks at most
+// once per call for device() and, unless the stream is capturing a CUDA graph, staging()
+// then upload(), all before its first kernel. The methods may throw (allocation failure).
+class TableMemory {
+ public:
+  // `bytes` of device memory on the current device, valid for all work the launcher
+  // enqueues on `stream` (stream-ordered: reusable only by work enqueued after it there).
+  virtual void* device(size_t bytes) = 0;
+  // `bytes` (the device buffer's size) of page-locked host memory to pack the table in.
+  virtual void* staging(size_t bytes) = 0;
+  // Enqueues a non-blocking copy of the whole staging buffer into the device buffer on
+  // `stream` and keeps the staging buffer from reuse until the stream has run the copy.
+  virtual cudaError_t upload(cudaStream_t stream) = 0;
 
-// Elements handled by one block at a time. A multiple of every vector width, so each
-// chunk of an aligned tensor starts aligned. sum-of-squares partials are per chunk.
-constexpr int64_t kChunkSize = 65536;
-
-inline int64_t num_chunks(int64_t numel) { return (numel + kChunkSize - 1) / kChunkSize; }
+ protected:
+  ~TableMemory() = default;
+};
 
 // ---- fastamp::unscale_check_ ----
 
@@ -40,7 +56,7 @@ int64_t unscale_check_num_partials(const GradRef* grads, int64_t num_grads);
 // and across chunks), so it is reproducible run to run and independent of alignment.
 cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
                           bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
-                          cudaStream_t stream);
+                          TableMemory& tables, cudaStream_t stream);
 
 // fastamp::unscale_check_stats_: unscale_check plus per-tensor health statistics written in
 // the same pass. counts: int64 [num_grads, 3] (non-finite, zeros, fp16 underflow), absmax:
@@ -48,7 +64,7 @@ cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_
 // per chunk with integer atomics: exact, so the result is the same every run).
 cudaError_t unscale_check_stats(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
                                 bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
-                                int64_t* counts, float* absmax, cudaStream_t stream);
+                                int64_t* counts, float* absmax, TableMemory& tables, cudaStream_t stream);
 
 // ---- fastamp::update_scale_ ----
 
@@ -76,7 +92,7 @@ struct AdamWTensorRef {
 // launcher groups them, one multi-tensor launch sequence per combination.
 cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars,
                   const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
-                  cudaStream_t stream);
+                  TableMemory& tables, cudaStream_t stream);
 
 // ---- fastamp::adamw_bf16_ ----
 
@@ -97,7 +113,7 @@ struct AdamWBf16TensorRef {
 // are rounded stochastically, otherwise to nearest-even. Other arguments as adamw.
 cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, DType moment_dtype,
                        const float* step_scalars, const float* found_inf, const int64_t* rng, double beta1,
-                       double beta2, double eps, bool amsgrad, bool maximize, cudaStream_t stream);
+                       double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables, cudaStream_t stream);
 
 // ---- fastamp::sgd_ ----
 
@@ -119,7 +135,7 @@ struct SgdTensorRef {
 // rounded stochastically. found_inf: null or 1 fp32; non-zero (NaN included) skips all.
 cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind master_kind, const float* step_scalars,
                 const float* found_inf, const int64_t* rng, double momentum, double dampening, double weight_decay,
-                bool nesterov, bool maximize, cudaStream_t stream);
+                bool nesterov, bool maximize, TableMemory& tables, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fastamp

@@ -1,19 +1,24 @@
 // Multi-tensor apply for fastamp's CUDA kernels: one launch covers many tensors.
 //
-// The host packs up to MAX_TENSORS tensors into a ChunkTable passed by value as a kernel
-// argument (kept under the 4 KB argument limit every CUDA device accepts, so no H2D copy,
-// no allocation, CUDA-graph safe). Each tensor is cut into chunks of kChunkSize elements;
-// the table stores, per tensor, its pointers, numel and the ordinal of its first chunk, and
-// blocks walk the launch's chunks grid-stride, finding a chunk's tensor by binary search.
-// A launch therefore covers any number of chunks (huge tensors need one launch) and only
-// the tensor count splits launches. Sizes and offsets are 64-bit throughout.
+// The launch plan (csrc/cuda/launch_plan.h) gives each non-empty tensor of an op call one
+// entry (pointers, numel, first chunk) in a table in device memory, one launch per dtype
+// combination. Each tensor is cut into chunks of kChunkSize elements; a block takes a
+// contiguous range of its launch's chunks, finds the first chunk's tensor by binary search
+// and walks on from there. The table is uploaded once per op call: copied from pinned
+// memory without blocking (the caller's TableMemory keeps both buffers alive until the
+// stream is past them), or, while the stream is capturing a CUDA graph, written by fill
+// kernels that carry it as kernel arguments, so the graph owns its contents. Sizes and
+// offsets are 64-bit throughout.
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #include "../fastamp_math.h"
+#include "launch_plan.h"
 #include "launchers.h"
 
 #if defined(__USE_FAST_MATH__)
@@ -24,9 +29,7 @@ namespace fastamp {
 namespace cuda {
 namespace detail {
 
-constexpr int kBlockSize = 256;
-// Leaves room for the other kernel arguments under the 4096-byte limit.
-constexpr size_t kMaxTableBytes = 3968;
+using cuda::kBlockSize;
 
 // ---- element types: storage <-> fp32 through fastamp_math.h, bit-exact with the CPU ----
 
@@ -54,8 +57,6 @@ struct BF16 {
   static __device__ __forceinline__ bool stored_finite(uint16_t s) { return (s & 0x7f80u) != 0x7f80u; }
 };
 
-inline size_t dtype_size(DType d) { return d == DType::kFloat32 ? 4 : 2; }
-
 // N elements loaded/stored as one naturally aligned access (16 bytes for 4 fp32 or 8 halves).
 template <typename S, int N>
 struct alignas(sizeof(S) * N) Pack {
@@ -67,112 +68,96 @@ __device__ __forceinline__ bool is_aligned_for_pack(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) % sizeof(Pack<S, N>)) == 0;
 }
 
-// ---- the chunk table ----
+// ---- running a launch plan (csrc/cuda/launch_plan.h) ----
 
-template <int DEPTH, int MAX_TENSORS>
-struct ChunkTable {
-  void* ptrs[DEPTH][MAX_TENSORS];
-  int64_t numel[MAX_TENSORS];
-  int64_t chunk_start[MAX_TENSORS];  // first chunk ordinal of each tensor within this launch
-  int64_t num_chunks;                // chunks in this launch
-  int32_t num_tensors;
+using cuda::ChunkLocation;
+using cuda::ChunkWalker;
+using cuda::TableView;
+
+// One fill kernel's share of a table under stream capture: the bytes travel as a kernel
+// argument, which the graph copies into its node when the launch is captured, so nothing
+// on the host has to outlive the capture.
+struct TableFill {
+  uint4* dst;
+  int64_t words;  // 16-byte words to write (<= kFillPayloadBytes / 16)
+  uint4 data[kFillPayloadBytes / 16];
 };
+static_assert(sizeof(TableFill) <= 32764, "a table fill exceeds the kernel-argument space");
 
-// The largest tensor count whose table fits the kernel-argument budget.
-template <int DEPTH>
-constexpr int max_tensors_for_depth() {
-  return static_cast<int>((kMaxTableBytes - 16) / (sizeof(void*) * DEPTH + 2 * sizeof(int64_t)));
+// Each translation unit keeps its own copy (internal linkage), so the header can define it.
+namespace {
+__global__ void __launch_bounds__(kBlockSize) table_fill_kernel(const __grid_constant__ TableFill fill) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kBlockSize;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * kBlockSize + threadIdx.x; w < fill.words; w += stride) {
+    fill.dst[w] = fill.data[w];
+  }
+}
+}  // namespace
+
+// Whether `stream` is capturing into a CUDA graph (then no host memory may be the source of
+// a copy: the graph would read it again at every replay, long after it was recycled).
+inline cudaError_t stream_is_capturing(cudaStream_t stream, bool* capturing) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  const cudaError_t err = cudaStreamIsCapturing(stream, &status);
+  *capturing = err == cudaSuccess && status != cudaStreamCaptureStatusNone;
+  return err;
 }
 
-template <int DEPTH>
-using TableFor = ChunkTable<DEPTH, max_tensors_for_depth<DEPTH>()>;
-
-struct ChunkLocation {
-  int32_t tensor;
-  int64_t offset;  // element offset of the chunk within its tensor
-  int64_t n;       // elements in this chunk (1..kChunkSize)
-};
-
-// Empty tensors are never put in a table, so chunk_start is strictly increasing.
-template <int DEPTH, int MAX_TENSORS>
-__device__ __forceinline__ ChunkLocation locate_chunk(const ChunkTable<DEPTH, MAX_TENSORS>& table, int64_t chunk) {
-  int32_t lo = 0;
-  int32_t hi = table.num_tensors - 1;
-  while (lo < hi) {
-    const int32_t mid = (lo + hi + 1) >> 1;
-    if (table.chunk_start[mid] <= chunk) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  ChunkLocation loc;
-  loc.tensor = lo;
-  loc.offset = (chunk - table.chunk_start[lo]) * kChunkSize;
-  const int64_t left = table.numel[lo] - loc.offset;
-  loc.n = left < kChunkSize ? left : kChunkSize;
-  return loc;
-}
-
-// Fills tables tensor by tensor and hands each full (or final) one to
-// `launch(const TableFor<DEPTH>& table, int64_t chunks_before)` (chunks_before: chunks of
-// the tables launched earlier by this builder), which enqueues a kernel and returns
-// cudaGetLastError().
-template <int DEPTH, typename Launch>
-class ChunkTableBuilder {
- public:
-  static constexpr int kMaxTensors = max_tensors_for_depth<DEPTH>();
-  using Table = TableFor<DEPTH>;
-  static_assert(sizeof(Table) <= kMaxTableBytes, "chunk table exceeds the kernel-argument budget");
-
-  explicit ChunkTableBuilder(Launch launch) : launch_(launch) { reset(); }
-
-  cudaError_t add(void* const* ptrs, int64_t numel) {
-    if (numel <= 0) return cudaSuccess;
-    const int32_t t = table_.num_tensors;
-    for (int d = 0; d < DEPTH; ++d) table_.ptrs[d][t] = ptrs[d];
-    table_.numel[t] = numel;
-    table_.chunk_start[t] = table_.num_chunks;
-    table_.num_chunks += num_chunks(numel);
-    table_.num_tensors = t + 1;
-    if (table_.num_tensors == kMaxTensors) return flush();
-    return cudaSuccess;
-  }
-
-  cudaError_t flush() {
-    if (table_.num_tensors == 0) return cudaSuccess;
-    const cudaError_t err = launch_(table_, chunks_before_);
-    chunks_before_ += table_.num_chunks;
-    reset();
-    return err;
-  }
-
- private:
-  void reset() {
-    table_.num_chunks = 0;
-    table_.num_tensors = 0;
-  }
-
-  Launch launch_;
-  Table table_;
-  int64_t chunks_before_ = 0;
-};
-
-template <int DEPTH, typename Launch>
-ChunkTableBuilder<DEPTH, Launch> make_builder(Launch launch) {
-  return ChunkTableBuilder<DEPTH, Launch>(launch);
-}
-
-// Enough blocks to fill the device (grid-stride beyond that); never more than there are chunks.
-inline int grid_for_chunks(int64_t chunks) {
+// SMs of the current device, for sizing grids (a guess only if the query fails).
+inline int64_t current_sm_count() {
   int device = 0;
   int sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
-    sms = 132;
+    return 132;
   }
-  const int64_t cap = static_cast<int64_t>(sms) * (2048 / kBlockSize);
-  return static_cast<int>(chunks < cap ? chunks : cap);
+  return sms;
+}
+
+// Packs the plan's table, puts it in device memory from `memory` (one copy from pinned
+// staging memory, or fill kernels under capture), then calls
+// `launch(const PlannedLaunch&, const TableView<DEPTH>&)` for each planned launch, which
+// enqueues its kernel on `stream` and returns cudaGetLastError().
+template <int DEPTH, typename PtrsOf, typename Launch>
+cudaError_t run_plan(const LaunchPlan& plan, const int64_t* numel, PtrsOf ptrs_of, bool capturing,
+                     TableMemory& memory, cudaStream_t stream, Launch launch) {
+  if (plan.launches.empty()) return cudaSuccess;
+  if (plan.entry_bytes != sizeof(TableEntry<DEPTH>)) return cudaErrorInvalidValue;
+  const size_t buffer_bytes = table_buffer_bytes(plan.table_bytes);
+  auto* table = static_cast<TableEntry<DEPTH>*>(memory.device(buffer_bytes));
+  if (table == nullptr) return cudaErrorMemoryAllocation;
+  cudaError_t err = cudaSuccess;
+  if (capturing) {
+    // The packed table only has to live until each fill's arguments are recorded.
+    std::vector<TableEntry<DEPTH>> host(plan.entry_tensor.size());
+    pack_table<DEPTH>(plan, numel, ptrs_of, host.data());
+    const auto* src = reinterpret_cast<const char*>(host.data());
+    auto* dst = reinterpret_cast<char*>(table);
+    TableFill fill{};
+    for (const FillSegment& seg : fill_segments(plan.table_bytes)) {
+      const size_t real = seg.bytes < plan.table_bytes - seg.offset ? seg.bytes : plan.table_bytes - seg.offset;
+      fill.dst = reinterpret_cast<uint4*>(dst + seg.offset);
+      fill.words = static_cast<int64_t>(seg.bytes / 16);
+      std::memset(fill.data, 0, seg.bytes);
+      std::memcpy(fill.data, src + seg.offset, real);
+      const int blocks = static_cast<int>((fill.words + kBlockSize - 1) / kBlockSize);
+      table_fill_kernel<<<blocks, kBlockSize, 0, stream>>>(fill);
+      err = cudaGetLastError();
+      if (err != cudaSuccess) return err;
+    }
+  } else {
+    void* staging = memory.staging(buffer_bytes);
+    if (staging == nullptr) return cudaErrorMemoryAllocation;
+    pack_table<DEPTH>(plan, numel, ptrs_of, staging);
+    std::memset(static_cast<char*>(staging) + plan.table_bytes, 0, buffer_bytes - plan.table_bytes);
+    err = memory.upload(stream);
+  }
+  for (size_t k = 0; k < plan.launches.size() && err == cudaSuccess; ++k) {
+    const PlannedLaunch& l = plan.launches[k];
+    const TableView<DEPTH> view{table + l.first_entry, l.num_tensors, l.num_chunks};
+    err = launch(l, view);
+  }
+  return err;
 }
 
 // Fixed-shape block reduction (warp shuffles, then warps in order): the same inputs give

@@ -4,6 +4,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "../fastamp_math.h"
 #include "launchers.h"
@@ -17,15 +18,15 @@ using detail::kBlockSize;
 
 // Table rows: param, grad, master (fp32, int16 remainder or null), momentum buffer (fp32
 // or null), and the tensor's RNG stream as a tag.
-constexpr int kDepth = 5;
-using Table = detail::TableFor<kDepth>;
+constexpr int kDepth = kSgdDepth;
+using Table = detail::TableView<kDepth>;
 
 // Elements per thread per iteration: one 16-byte access for fp32 lists.
 constexpr int kVec = 4;
 
 template <typename PE, typename GE>
 __global__ void __launch_bounds__(kBlockSize)
-    sgd_kernel(const __grid_constant__ Table table, MasterKind master_kind, const float* __restrict__ step_scalars,
+    sgd_kernel(const Table table, MasterKind master_kind, const float* __restrict__ step_scalars,
                const float* __restrict__ found_inf, const int64_t* __restrict__ rng, math::SgdHyper hyper) {
   using PS = typename PE::storage_t;
   using GS = typename GE::storage_t;
@@ -43,16 +44,20 @@ __global__ void __launch_bounds__(kBlockSize)
   const uint64_t seed = stochastic ? static_cast<uint64_t>(rng[0]) : 0u;
   const uint64_t counter = stochastic ? static_cast<uint64_t>(rng[1]) : 0u;
 
-  for (int64_t chunk = blockIdx.x; chunk < table.num_chunks; chunk += gridDim.x) {
-    const detail::ChunkLocation loc = detail::locate_chunk(table, chunk);
-    const int t = loc.tensor;
-    PS* param = static_cast<PS*>(table.ptrs[0][t]);
-    const GS* grad = static_cast<const GS*>(table.ptrs[1][t]);
-    float* master = fp32_master ? static_cast<float*>(table.ptrs[2][t]) : nullptr;
-    int16_t* remainder = rem_master ? static_cast<int16_t*>(table.ptrs[2][t]) : nullptr;
-    float* buf = hyper.has_momentum ? static_cast<float*>(table.ptrs[3][t]) : nullptr;
-    const uint32_t key =
-        stochastic ? math::sr_stream_key(seed, counter, detail::row_as_tag(table.ptrs[4][t])) : 0u;
+  int64_t first = 0;
+  int64_t last = 0;
+  block_chunk_range(table.num_chunks, gridDim.x, blockIdx.x, &first, &last);
+  if (first >= last) return;
+  detail::ChunkWalker<kDepth> walk(table, first);
+  for (int64_t chunk = first; chunk < last; ++chunk) {
+    const detail::ChunkLocation loc = walk.locate(chunk);
+    void* const* row = table.entries[loc.tensor].ptrs;
+    PS* param = static_cast<PS*>(row[0]);
+    const GS* grad = static_cast<const GS*>(row[1]);
+    float* master = fp32_master ? static_cast<float*>(row[2]) : nullptr;
+    int16_t* remainder = rem_master ? static_cast<int16_t*>(row[2]) : nullptr;
+    float* buf = hyper.has_momentum ? static_cast<float*>(row[3]) : nullptr;
+    const uint32_t key = stochastic ? math::sr_stream_key(seed, counter, detail::row_as_tag(row[4])) : 0u;
     const bool aligned = detail::is_aligned_for_pack<PS, kVec>(param) && detail::is_aligned_for_pack<GS, kVec>(grad) &&
                          (!fp32_master || detail::is_aligned_for_pack<float, kVec>(master)) &&
                          (!rem_master || detail::is_aligned_for_pack<int16_t, kVec>(remainder)) &&
@@ -111,45 +116,33 @@ __global__ void __launch_bounds__(kBlockSize)
 }
 
 template <typename PE, typename GE>
-cudaError_t sgd_combo(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
-                      const float* step_scalars, const float* found_inf, const int64_t* rng,
-                      const math::SgdHyper& hyper, cudaStream_t stream) {
-  auto builder = detail::make_builder<kDepth>([&](const Table& table, int64_t) -> cudaError_t {
-    sgd_kernel<PE, GE><<<detail::grid_for_chunks(table.num_chunks), kBlockSize, 0, stream>>>(
-        table, master_kind, step_scalars, found_inf, rng, hyper);
-    return cudaGetLastError();
-  });
-  for (int64_t i = 0; i < num_tensors; ++i) {
-    const SgdTensorRef& r = tensors[i];
-    if (r.param_dtype != PE::kDType || r.grad_dtype != GE::kDType || r.numel <= 0) continue;
-    void* ptrs[kDepth] = {r.param, const_cast<void*>(r.grad), master_kind == MasterKind::kNone ? nullptr : r.master,
-                          hyper.has_momentum ? r.momentum_buffer : nullptr, detail::tag_as_row(r.rng_stream)};
-    const cudaError_t err = builder.add(ptrs, r.numel);
-    if (err != cudaSuccess) return err;
-  }
-  return builder.flush();
+cudaError_t launch_sgd(const PlannedLaunch& l, const Table& view, MasterKind master_kind, const float* step_scalars,
+                       const float* found_inf, const int64_t* rng, const math::SgdHyper& hyper, cudaStream_t stream) {
+  sgd_kernel<PE, GE><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, master_kind, step_scalars, found_inf,
+                                                                            rng, hyper);
+  return cudaGetLastError();
 }
 
 template <typename PE>
-cudaError_t sgd_param_dtype(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
+cudaError_t launch_sgd_grad(DType grad, const PlannedLaunch& l, const Table& view, MasterKind master_kind,
                             const float* step_scalars, const float* found_inf, const int64_t* rng,
                             const math::SgdHyper& hyper, cudaStream_t stream) {
-  cudaError_t err =
-      sgd_combo<PE, detail::F32>(tensors, num_tensors, master_kind, step_scalars, found_inf, rng, hyper, stream);
-  if (err == cudaSuccess) {
-    err = sgd_combo<PE, detail::F16>(tensors, num_tensors, master_kind, step_scalars, found_inf, rng, hyper, stream);
+  switch (grad) {
+    case DType::kFloat32:
+      return launch_sgd<PE, detail::F32>(l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+    case DType::kFloat16:
+      return launch_sgd<PE, detail::F16>(l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+    case DType::kBFloat16:
+      return launch_sgd<PE, detail::BF16>(l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
   }
-  if (err == cudaSuccess) {
-    err = sgd_combo<PE, detail::BF16>(tensors, num_tensors, master_kind, step_scalars, found_inf, rng, hyper, stream);
-  }
-  return err;
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
 
 cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind master_kind, const float* step_scalars,
                 const float* found_inf, const int64_t* rng, double momentum, double dampening, double weight_decay,
-                bool nesterov, bool maximize, cudaStream_t stream) {
+                bool nesterov, bool maximize, TableMemory& tables, cudaStream_t stream) {
   // Rounded from doubles exactly as the reference's _f32(momentum), _f32(1.0 - dampening), ...
   math::SgdHyper hyper;
   hyper.momentum = static_cast<float>(momentum);
@@ -159,16 +152,41 @@ cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind mas
   hyper.has_weight_decay = weight_decay != 0.0;
   hyper.nesterov = nesterov;
   hyper.maximize = maximize;
-  cudaError_t err =
-      sgd_param_dtype<detail::F32>(tensors, num_tensors, master_kind, step_scalars, found_inf, rng, hyper, stream);
-  if (err == cudaSuccess) {
-    err = sgd_param_dtype<detail::F16>(tensors, num_tensors, master_kind, step_scalars, found_inf, rng, hyper, stream);
+  bool capturing = false;
+  const cudaError_t err = detail::stream_is_capturing(stream, &capturing);
+  if (err != cudaSuccess) return err;
+  std::vector<DType> param(static_cast<size_t>(num_tensors));
+  std::vector<DType> grad(static_cast<size_t>(num_tensors));
+  std::vector<int64_t> numel(static_cast<size_t>(num_tensors));
+  for (int64_t i = 0; i < num_tensors; ++i) {
+    param[i] = tensors[i].param_dtype;
+    grad[i] = tensors[i].grad_dtype;
+    numel[i] = tensors[i].numel;
   }
-  if (err == cudaSuccess) {
-    err =
-        sgd_param_dtype<detail::BF16>(tensors, num_tensors, master_kind, step_scalars, found_inf, rng, hyper, stream);
-  }
-  return err;
+  const LaunchPlan plan =
+      plan_sgd(param.data(), grad.data(), numel.data(), num_tensors, capturing, detail::current_sm_count());
+  auto ptrs_of = [&](int64_t i, void** row) {
+    const SgdTensorRef& r = tensors[i];
+    row[0] = r.param;
+    row[1] = const_cast<void*>(r.grad);
+    row[2] = master_kind == MasterKind::kNone ? nullptr : r.master;
+    row[3] = hyper.has_momentum ? r.momentum_buffer : nullptr;
+    row[4] = detail::tag_as_row(r.rng_stream);
+  };
+  auto launch = [&](const PlannedLaunch& l, const Table& view) -> cudaError_t {
+    const auto grad = static_cast<DType>(l.group % 3);
+    switch (static_cast<DType>(l.group / 3)) {
+      case DType::kFloat32:
+        return launch_sgd_grad<detail::F32>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+      case DType::kFloat16:
+        return launch_sgd_grad<detail::F16>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+      case DType::kBFloat16:
+        return launch_sgd_grad<detail::BF16>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper,
+                                             stream);
+    }
+    return cudaErrorInvalidValue;
+  };
+  return detail::run_plan<kDepth>(plan, numel.data(), ptrs_of, capturing, tables, stream, launch);
 }
 
 }  // namespace cuda
