@@ -5,7 +5,7 @@
 #                    its CUDA kernels, imported and tested on CPU; skipped without nvcc)
 #   make compare   - the main job: end-to-end mixed-precision comparison (table + CSV + PNG)
 #   make bench     - the microbenchmarks (CSV + PNG under benchmarks/results/)
-#   make lint      - ruff
+#   make lint      - ruff (check + format) and clang-format on csrc/ (.clang-format)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -45,8 +45,10 @@ bench: $(BUILD)
 	PYTHON=$(abspath $(PY)) bash benchmarks/run_all.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fastamp kernels tests benchmarks
-	$(VENV)/bin/ruff format --check fastamp kernels tests benchmarks
+	$(VENV)/bin/ruff check fastamp kernels tests benchmarks setup.py
+	$(VENV)/bin/ruff format --check fastamp kernels tests benchmarks setup.py
+	find csrc -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.inc' | \
+		xargs $(VENV)/bin/clang-format --dry-run --Werror
 
 clean:
 	rm -rf build $(VENV) .venv-cuda fastamp/_C*.so *.egg-info

@@ -125,7 +125,9 @@ def _extensions():
         _log("torch is not importable: not building fastamp._C; install torch first and use --no-build-isolation")
         return [], {}
 
-    sources = _rel(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp")))
+    sources = _rel(
+        glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cpu", "*.cpp"))
+    )
     cxx_flags = ["-O3", "-std=c++17", "-fno-math-errno", "-ffp-contract=off", "-DFASTAMP_WITH_CPU=1"]
     if sys.platform.startswith("linux"):
         cxx_flags.append("-fopenmp")
@@ -147,7 +149,9 @@ def _extensions():
     if with_cuda:
         release = ".".join(map(str, _nvcc_release(_find_nvcc())))
         reason = f"torch CUDA {torch_cuda}, nvcc {release} in CUDA_HOME={cpp_extension.CUDA_HOME}"
-        cu = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp"))
+        cu = glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")) + glob.glob(
+            os.path.join(ROOT, "csrc", "cuda", "*.cpp")
+        )
         sources += _rel(cu)
         cxx_flags.append("-DFASTAMP_WITH_CUDA=1")
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")

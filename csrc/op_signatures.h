@@ -21,9 +21,9 @@ namespace signature {
 using unscale_check_ = at::Tensor(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
                                   bool write_back, bool compute_sumsq);
 
-using unscale_check_stats_ = at::Tensor(at::TensorList grads, const at::Tensor& found_inf,
-                                        const at::Tensor& inv_scale, bool write_back, bool compute_sumsq,
-                                        const at::Tensor& counts, const at::Tensor& absmax);
+using unscale_check_stats_ = at::Tensor(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                                        bool write_back, bool compute_sumsq, const at::Tensor& counts,
+                                        const at::Tensor& absmax);
 
 using update_scale_ = void(const at::Tensor& scale, const at::Tensor& growth_tracker,
                            const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf, double growth_factor,
@@ -38,13 +38,13 @@ using adamw_ = void(at::TensorList params, at::TensorList grads, at::TensorList 
 using adamw_bf16_ = void(at::TensorList params, at::TensorList grads, at::TensorList remainders,
                          at::TensorList exp_avgs, at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                          const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
-                         const std::optional<at::Tensor>& rng, int64_t rng_base, double beta1, double beta2,
-                         double eps, bool amsgrad, bool maximize);
+                         const std::optional<at::Tensor>& rng, int64_t rng_base, double beta1, double beta2, double eps,
+                         bool amsgrad, bool maximize);
 
-using sgd_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters,
-                  at::TensorList momentum_buffers, const at::Tensor& step_scalars,
-                  const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& rng, int64_t rng_base,
-                  double momentum, double dampening, double weight_decay, bool nesterov, bool maximize);
+using sgd_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList momentum_buffers,
+                  const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+                  const std::optional<at::Tensor>& rng, int64_t rng_base, double momentum, double dampening,
+                  double weight_decay, bool nesterov, bool maximize);
 
 }  // namespace signature
 }  // namespace fastamp

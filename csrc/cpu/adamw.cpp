@@ -42,7 +42,7 @@ struct AdamWArgs {
 struct AdamWChunk {
   void* param;
   const void* grad;
-  float* master;          // nullptr without master weights
+  float* master;  // nullptr without master weights
   float* exp_avg;
   float* exp_avg_sq;
   float* max_exp_avg_sq;  // nullptr without amsgrad
@@ -52,8 +52,8 @@ struct AdamWChunk {
 struct AdamWBf16Chunk {
   c10::BFloat16* param;
   const void* grad;
-  int16_t* remainder;    // nullptr without remainders
-  void* exp_avg;         // moments: float or c10::BFloat16 (the kernel's M)
+  int16_t* remainder;  // nullptr without remainders
+  void* exp_avg;       // moments: float or c10::BFloat16 (the kernel's M)
   void* exp_avg_sq;
   void* max_exp_avg_sq;  // nullptr without amsgrad
   uint64_t index0;       // flat index of the chunk's first element in its tensor (RNG counter)
@@ -197,18 +197,21 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n, "fastamp::adamw_: got ", n, " params but ", grads.size(), " grads");
   TORCH_CHECK(exp_avgs.size() == n, "fastamp::adamw_: got ", n, " params but ", exp_avgs.size(), " exp_avgs");
-  TORCH_CHECK(exp_avg_sqs.size() == n, "fastamp::adamw_: got ", n, " params but ", exp_avg_sqs.size(),
-              " exp_avg_sqs");
-  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::adamw_: masters must be empty or have one tensor per "
-              "param, got ", masters.size(), " masters for ", n, " params");
-  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "fastamp::adamw_: amsgrad needs one max_exp_avg_sqs tensor per "
-              "param, got ", max_exp_avg_sqs.size(), " for ", n, " params");
+  TORCH_CHECK(exp_avg_sqs.size() == n, "fastamp::adamw_: got ", n, " params but ", exp_avg_sqs.size(), " exp_avg_sqs");
+  TORCH_CHECK(masters.empty() || masters.size() == n,
+              "fastamp::adamw_: masters must be empty or have one tensor per "
+              "param, got ",
+              masters.size(), " masters for ", n, " params");
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n,
+              "fastamp::adamw_: amsgrad needs one max_exp_avg_sqs tensor per "
+              "param, got ",
+              max_exp_avg_sqs.size(), " for ", n, " params");
   TORCH_CHECK(step_scalars.device().is_cpu(), "fastamp::adamw_: step_scalars must be a CPU tensor, got device ",
               step_scalars.device());
   TORCH_CHECK(step_scalars.scalar_type() == at::kFloat && step_scalars.numel() == 4 && step_scalars.is_contiguous(),
               "fastamp::adamw_: step_scalars must be a contiguous float32 tensor of 4 elements "
-              "[step_size, bc2_sqrt, decay, grad_mul], got dtype ", step_scalars.scalar_type(), " and shape ",
-              step_scalars.sizes());
+              "[step_size, bc2_sqrt, decay, grad_mul], got dtype ",
+              step_scalars.scalar_type(), " and shape ", step_scalars.sizes());
   if (found_inf) {
     TORCH_CHECK(found_inf->device().is_cpu(), "fastamp::adamw_: found_inf must be a CPU tensor, got device ",
                 found_inf->device());
@@ -267,11 +270,11 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
       const AdamWChunk& b = bases[static_cast<size_t>(ch.tensor)];
       const int64_t o = ch.begin;
       const AdamWChunk ptrs{static_cast<char*>(b.param) + o * static_cast<int64_t>(param_size),
-                          static_cast<const char*>(b.grad) + o * static_cast<int64_t>(grad_size),
-                          b.master ? b.master + o : nullptr,
-                          b.exp_avg + o,
-                          b.exp_avg_sq + o,
-                          b.max_exp_avg_sq ? b.max_exp_avg_sq + o : nullptr};
+                            static_cast<const char*>(b.grad) + o * static_cast<int64_t>(grad_size),
+                            b.master ? b.master + o : nullptr,
+                            b.exp_avg + o,
+                            b.exp_avg_sq + o,
+                            b.max_exp_avg_sq ? b.max_exp_avg_sq + o : nullptr};
       fn(ptrs, ch.len, args);
     }
   });
@@ -319,18 +322,22 @@ AdamWBf16ChunkFn pick_bf16_kernel(at::ScalarType grad_dtype, Isa isa, bool rem, 
 
 void adamw_bf16_cpu(at::TensorList params, at::TensorList grads, at::TensorList remainders, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, const at::Tensor& step_scalars,
-                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& rng,
-                    int64_t rng_base, double beta1, double beta2, double eps, bool amsgrad, bool maximize) {
+                    const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& rng, int64_t rng_base,
+                    double beta1, double beta2, double eps, bool amsgrad, bool maximize) {
   constexpr const char* op = "adamw_bf16_";
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n, "fastamp::adamw_bf16_: got ", n, " params but ", grads.size(), " grads");
   TORCH_CHECK(exp_avgs.size() == n, "fastamp::adamw_bf16_: got ", n, " params but ", exp_avgs.size(), " exp_avgs");
   TORCH_CHECK(exp_avg_sqs.size() == n, "fastamp::adamw_bf16_: got ", n, " params but ", exp_avg_sqs.size(),
               " exp_avg_sqs");
-  TORCH_CHECK(remainders.empty() || remainders.size() == n, "fastamp::adamw_bf16_: remainders must be empty or "
-              "have one tensor per param, got ", remainders.size(), " remainders for ", n, " params");
-  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "fastamp::adamw_bf16_: amsgrad needs one max_exp_avg_sqs "
-              "tensor per param, got ", max_exp_avg_sqs.size(), " for ", n, " params");
+  TORCH_CHECK(remainders.empty() || remainders.size() == n,
+              "fastamp::adamw_bf16_: remainders must be empty or "
+              "have one tensor per param, got ",
+              remainders.size(), " remainders for ", n, " params");
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n,
+              "fastamp::adamw_bf16_: amsgrad needs one max_exp_avg_sqs "
+              "tensor per param, got ",
+              max_exp_avg_sqs.size(), " for ", n, " params");
   check_step_scalars(op, step_scalars, 4, "[step_size, bc2_sqrt, decay, grad_mul]");
   check_found_inf(op, found_inf);
   check_rng(op, rng);
@@ -348,8 +355,10 @@ void adamw_bf16_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
     check_list_tensor(op, "params", i, p, p, at::kBFloat16);
     check_list_tensor(op, "grads", i, grads[i], p, std::nullopt);
     const at::ScalarType gdt = grads[i].scalar_type();
-    TORCH_CHECK(is_kernel_float(gdt), "fastamp::adamw_bf16_: grads[", i, "] must be float32, float16 or bfloat16, "
-                "got ", gdt);
+    TORCH_CHECK(is_kernel_float(gdt), "fastamp::adamw_bf16_: grads[", i,
+                "] must be float32, float16 or bfloat16, "
+                "got ",
+                gdt);
     grad_slots[i] = static_cast<int8_t>(gdt == at::kFloat ? 0 : (gdt == at::kHalf ? 1 : 2));
     check_list_tensor(op, "exp_avgs", i, exp_avgs[i], p, moment_dtype);
     check_list_tensor(op, "exp_avg_sqs", i, exp_avg_sqs[i], p, moment_dtype);

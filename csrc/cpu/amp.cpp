@@ -241,8 +241,7 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
   for (size_t i = 0; i < ntensors; ++i) {
     const at::Tensor& g = grads[i];
     TORCH_CHECK(g.defined(), "fastamp::", op, ": grads[", i, "] is undefined");
-    TORCH_CHECK(g.device().is_cpu(), "fastamp::", op, ": grads[", i, "] must be a CPU tensor, got device ",
-                g.device());
+    TORCH_CHECK(g.device().is_cpu(), "fastamp::", op, ": grads[", i, "] must be a CPU tensor, got device ", g.device());
     TORCH_CHECK(g.layout() == at::kStrided, "fastamp::", op, ": grads[", i,
                 "] must be a dense (strided) tensor, got layout ", g.layout());
     const int slot = dtype_slot(g.scalar_type());
@@ -270,8 +269,8 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
                 absmax->device());
     TORCH_CHECK(absmax->scalar_type() == at::kFloat, "fastamp::", op, ": absmax must have dtype Float, got ",
                 absmax->scalar_type());
-    TORCH_CHECK(absmax->dim() == 1 && absmax->size(0) == ngrads, "fastamp::", op, ": absmax must have shape [",
-                ngrads, "] (one entry per grad), got ", absmax->sizes());
+    TORCH_CHECK(absmax->dim() == 1 && absmax->size(0) == ngrads, "fastamp::", op, ": absmax must have shape [", ngrads,
+                "] (one entry per grad), got ", absmax->sizes());
     TORCH_CHECK(absmax->is_contiguous(), "fastamp::", op, ": absmax must be contiguous, got strides ",
                 absmax->strides());
   }
@@ -303,7 +302,9 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
   int64_t* cnt = stats ? counts->data_ptr<int64_t>() : nullptr;
   float* amax = stats ? absmax->data_ptr<float>() : nullptr;
   std::unique_ptr<ChunkStats[]> chunk_stats(stats ? new ChunkStats[chunks.size()] : nullptr);
-  auto whole_tensor = [&](const Chunk& ch) { return ch.begin == 0 && ch.len == numels[static_cast<size_t>(ch.tensor)]; };
+  auto whole_tensor = [&](const Chunk& ch) {
+    return ch.begin == 0 && ch.len == numels[static_cast<size_t>(ch.tensor)];
+  };
   std::atomic<bool> any_bad{false};
   parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
     bool bad = false;
@@ -324,7 +325,8 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
         // next chunk while this one runs.
         int64_t next_bytes = 0;
         const char* next = chunk_base(c + 1, &next_bytes);
-        for (int64_t o = 0; o < std::min<int64_t>(next_bytes, kNextChunkPrefetchBytes); o += 64) prefetch_line(next + o);
+        for (int64_t o = 0; o < std::min<int64_t>(next_bytes, kNextChunkPrefetchBytes); o += 64)
+          prefetch_line(next + o);
       }
       double lanes[16] = {};
       ChunkStats st{};
@@ -380,8 +382,7 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
 
 at::Tensor unscale_check_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
                              bool write_back, bool compute_sumsq) {
-  return unscale_check_impl("unscale_check_", grads, found_inf, inv_scale, write_back, compute_sumsq, nullptr,
-                            nullptr);
+  return unscale_check_impl("unscale_check_", grads, found_inf, inv_scale, write_back, compute_sumsq, nullptr, nullptr);
 }
 
 at::Tensor unscale_check_stats_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
@@ -399,9 +400,9 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
   check_flag_tensor(op, "growth_tracker", growth_tracker, at::kInt);
   check_flag_tensor(op, "hysteresis_tracker", hysteresis_tracker, at::kInt);
   check_flag_tensor(op, "found_inf", found_inf, at::kFloat);
-  math::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(), hysteresis_tracker.data_ptr<int32_t>(),
-                     *found_inf.data_ptr<float>(), growth_factor, backoff_factor, growth_interval, hysteresis,
-                     min_scale, max_scale);
+  math::update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+                     hysteresis_tracker.data_ptr<int32_t>(), *found_inf.data_ptr<float>(), growth_factor,
+                     backoff_factor, growth_interval, hysteresis, min_scale, max_scale);
 }
 
 std::string cpu_isa() { return isa_name(active_isa()); }

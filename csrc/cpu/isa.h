@@ -36,10 +36,10 @@
 #else
 // GCC 12 reports -Wmaybe-uninitialized inside its own AVX-512 intrinsics (their
 // _mm512_undefined_* placeholders); the values are always defined.
-#define FASTAMP_ISA_BEGIN_AVX2                                                       \
+#define FASTAMP_ISA_BEGIN_AVX2                                                                    \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,f16c\")") _Pragma("GCC diagnostic push") \
       _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
-#define FASTAMP_ISA_BEGIN_AVX512                                                              \
+#define FASTAMP_ISA_BEGIN_AVX512                                                                                   \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx2,f16c\")") _Pragma("GCC diagnostic push") \
       _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
 #define FASTAMP_ISA_END _Pragma("GCC diagnostic pop") _Pragma("GCC pop_options")

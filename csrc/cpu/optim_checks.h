@@ -16,16 +16,16 @@ inline bool is_kernel_float(at::ScalarType t) { return t == at::kFloat || t == a
 
 // One tensor of an op's list: defined, CPU, dense, of `dtype` (when given), contiguous, and
 // with as many elements as params[i].
-inline void check_list_tensor(const char* op, const char* list, size_t i, const at::Tensor& t,
-                              const at::Tensor& param, std::optional<at::ScalarType> dtype) {
+inline void check_list_tensor(const char* op, const char* list, size_t i, const at::Tensor& t, const at::Tensor& param,
+                              std::optional<at::ScalarType> dtype) {
   TORCH_CHECK(t.defined(), "fastamp::", op, ": ", list, "[", i, "] is undefined");
   TORCH_CHECK(t.device().is_cpu(), "fastamp::", op, ": ", list, "[", i, "] must be a CPU tensor, got device ",
               t.device());
   TORCH_CHECK(t.layout() == at::kStrided, "fastamp::", op, ": ", list, "[", i,
               "] must be a dense (strided) tensor, got layout ", t.layout());
   if (dtype) {
-    TORCH_CHECK(t.scalar_type() == *dtype, "fastamp::", op, ": ", list, "[", i, "] must have dtype ", *dtype,
-                ", got ", t.scalar_type());
+    TORCH_CHECK(t.scalar_type() == *dtype, "fastamp::", op, ": ", list, "[", i, "] must have dtype ", *dtype, ", got ",
+                t.scalar_type());
   }
   TORCH_CHECK(t.is_contiguous(), "fastamp::", op, ": ", list, "[", i, "] must be contiguous, got strides ",
               t.strides());
@@ -58,16 +58,15 @@ inline void check_rng(const char* op, const std::optional<at::Tensor>& rng) {
   if (!rng) return;
   TORCH_CHECK(rng->device().is_cpu(), "fastamp::", op, ": rng must be a CPU tensor, got device ", rng->device());
   TORCH_CHECK(rng->scalar_type() == at::kLong && rng->numel() == 2 && rng->is_contiguous(), "fastamp::", op,
-              ": rng must be a contiguous int64 tensor of 2 elements [seed, counter], got dtype ",
-              rng->scalar_type(), " and shape ", rng->sizes());
+              ": rng must be a contiguous int64 tensor of 2 elements [seed, counter], got dtype ", rng->scalar_type(),
+              " and shape ", rng->sizes());
 }
 
 // math::sr_stream_key of stream 4 * (rng_base + i) + k (reference.sr_random16 keeps the low
 // 32 bits of the stream, as this uint32 arithmetic does).
 inline uint32_t rng_key(const at::Tensor& rng, int64_t rng_base, size_t i, uint32_t k) {
   const int64_t* r = rng.data_ptr<int64_t>();
-  const uint32_t stream =
-      static_cast<uint32_t>((static_cast<uint64_t>(rng_base) + static_cast<uint64_t>(i)) * 4u) + k;
+  const uint32_t stream = static_cast<uint32_t>((static_cast<uint64_t>(rng_base) + static_cast<uint64_t>(i)) * 4u) + k;
   return math::sr_stream_key(static_cast<uint64_t>(r[0]), static_cast<uint64_t>(r[1]), stream);
 }
 

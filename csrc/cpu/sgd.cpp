@@ -170,8 +170,10 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
   const size_t n = params.size();
   const bool has_momentum = momentum != 0.0;
   TORCH_CHECK(grads.size() == n, "fastamp::sgd_: got ", n, " params but ", grads.size(), " grads");
-  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::sgd_: masters must be empty or have one tensor per "
-              "param, got ", masters.size(), " masters for ", n, " params");
+  TORCH_CHECK(masters.empty() || masters.size() == n,
+              "fastamp::sgd_: masters must be empty or have one tensor per "
+              "param, got ",
+              masters.size(), " masters for ", n, " params");
   TORCH_CHECK(!has_momentum || momentum_buffers.size() == n, "fastamp::sgd_: momentum=", momentum,
               " needs one momentum_buffers tensor per param, got ", momentum_buffers.size(), " for ", n, " params");
   check_step_scalars(op, step_scalars, 3, "[lr, grad_mul, is_first]");
@@ -183,8 +185,10 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
   if (!masters.empty()) {
     TORCH_CHECK(masters[0].defined(), "fastamp::sgd_: masters[0] is undefined");
     master_dtype = masters[0].scalar_type();
-    TORCH_CHECK(master_dtype == at::kFloat || master_dtype == at::kShort, "fastamp::sgd_: masters must be float32 "
-                "(fp32 master weights) or int16 (remainders of bfloat16 params), got ", master_dtype);
+    TORCH_CHECK(master_dtype == at::kFloat || master_dtype == at::kShort,
+                "fastamp::sgd_: masters must be float32 "
+                "(fp32 master weights) or int16 (remainders of bfloat16 params), got ",
+                master_dtype);
     kind = master_dtype == at::kFloat ? kMasterFp32 : kMasterRemainder;
   }
   std::vector<int64_t> numels(n);
@@ -198,8 +202,10 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
                 "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
     if (kind != kMasterNone) {
       check_list_tensor(op, "masters", i, masters[i], p, master_dtype);
-      TORCH_CHECK(kind != kMasterRemainder || p.scalar_type() == at::kBFloat16, "fastamp::sgd_: int16 remainder "
-                  "masters need bfloat16 params, but params[", i, "] is ", p.scalar_type());
+      TORCH_CHECK(kind != kMasterRemainder || p.scalar_type() == at::kBFloat16,
+                  "fastamp::sgd_: int16 remainder "
+                  "masters need bfloat16 params, but params[",
+                  i, "] is ", p.scalar_type());
     }
     if (has_momentum) check_list_tensor(op, "momentum_buffers", i, momentum_buffers[i], p, at::kFloat);
     numels[i] = p.numel();
@@ -209,8 +215,13 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
   const float* sc = step_scalars.data_ptr<float>();
   SgdArgs args;
   args.s = math::SgdStepScalars{sc[0], sc[1], sc[2]};
-  args.h = math::SgdHyper{static_cast<float>(momentum), static_cast<float>(1.0 - dampening),
-                          static_cast<float>(weight_decay), has_momentum, weight_decay != 0.0, nesterov, maximize};
+  args.h = math::SgdHyper{static_cast<float>(momentum),
+                          static_cast<float>(1.0 - dampening),
+                          static_cast<float>(weight_decay),
+                          has_momentum,
+                          weight_decay != 0.0,
+                          nesterov,
+                          maximize};
 
   const Isa isa = active_isa();
   std::vector<SgdChunk> bases(n);

@@ -27,12 +27,11 @@ constexpr int kVec = 4;
 
 template <typename PE, typename GE>
 __device__ __forceinline__ void adamw_group(typename PE::storage_t* __restrict__ param,
-                                            const typename GE::storage_t* __restrict__ grad,
-                                            float* __restrict__ master, float* __restrict__ exp_avg,
-                                            float* __restrict__ exp_avg_sq, float* __restrict__ max_exp_avg_sq,
-                                            int64_t e0, int count, bool vectorised,
-                                            const math::AdamWStepScalars& s, const math::AdamWHyper& h,
-                                            bool amsgrad, bool maximize) {
+                                            const typename GE::storage_t* __restrict__ grad, float* __restrict__ master,
+                                            float* __restrict__ exp_avg, float* __restrict__ exp_avg_sq,
+                                            float* __restrict__ max_exp_avg_sq, int64_t e0, int count, bool vectorised,
+                                            const math::AdamWStepScalars& s, const math::AdamWHyper& h, bool amsgrad,
+                                            bool maximize) {
   using PS = typename PE::storage_t;
   using GS = typename GE::storage_t;
   PS p_raw[kVec];
@@ -125,8 +124,8 @@ constexpr int kAdamWMinBlocks = 2;
 
 template <typename PE, typename GE>
 __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
-    adamw_kernel(const Table table, const float* __restrict__ step_scalars,
-                 const float* __restrict__ found_inf, math::AdamWHyper hyper, bool amsgrad, bool maximize) {
+    adamw_kernel(const Table table, const float* __restrict__ step_scalars, const float* __restrict__ found_inf,
+                 math::AdamWHyper hyper, bool amsgrad, bool maximize) {
   using PS = typename PE::storage_t;
   using GS = typename GE::storage_t;
   // The skip decision stays on the device: a non-zero (or NaN) flag means nothing is written.
@@ -163,18 +162,17 @@ __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
       const int64_t left = loc.n - local;
       const int count = left < kVec ? static_cast<int>(left) : kVec;
       const int64_t e0 = loc.offset + local;
-      adamw_group<PE, GE>(param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, e0, count,
-                          aligned && count == kVec, s, hyper, amsgrad, maximize);
+      adamw_group<PE, GE>(param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, e0, count, aligned && count == kVec,
+                          s, hyper, amsgrad, maximize);
     }
   }
 }
 
 template <typename PE, typename GE>
-cudaError_t launch_adamw(const PlannedLaunch& l, const Table& view, const float* step_scalars,
-                         const float* found_inf, const math::AdamWHyper& hyper, bool amsgrad, bool maximize,
-                         cudaStream_t stream) {
-  adamw_kernel<PE, GE><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, step_scalars, found_inf, hyper,
-                                                                              amsgrad, maximize);
+cudaError_t launch_adamw(const PlannedLaunch& l, const Table& view, const float* step_scalars, const float* found_inf,
+                         const math::AdamWHyper& hyper, bool amsgrad, bool maximize, cudaStream_t stream) {
+  adamw_kernel<PE, GE>
+      <<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, step_scalars, found_inf, hyper, amsgrad, maximize);
   return cudaGetLastError();
 }
 
@@ -254,12 +252,11 @@ __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
         for (int k = 1; k < 4; ++k) key[k] = math::sr_stream_key(seed, counter, stream + static_cast<uint32_t>(k));
       }
     }
-    const bool aligned = detail::is_aligned_for_pack<uint16_t, kVec>(param) &&
-                         detail::is_aligned_for_pack<GS, kVec>(grad) &&
-                         (!has_rem || detail::is_aligned_for_pack<int16_t, kVec>(remainder)) &&
-                         detail::is_aligned_for_pack<MS, kVec>(exp_avg) &&
-                         detail::is_aligned_for_pack<MS, kVec>(exp_avg_sq) &&
-                         (!amsgrad || detail::is_aligned_for_pack<MS, kVec>(max_exp_avg_sq));
+    const bool aligned =
+        detail::is_aligned_for_pack<uint16_t, kVec>(param) && detail::is_aligned_for_pack<GS, kVec>(grad) &&
+        (!has_rem || detail::is_aligned_for_pack<int16_t, kVec>(remainder)) &&
+        detail::is_aligned_for_pack<MS, kVec>(exp_avg) && detail::is_aligned_for_pack<MS, kVec>(exp_avg_sq) &&
+        (!amsgrad || detail::is_aligned_for_pack<MS, kVec>(max_exp_avg_sq));
     const int64_t groups = (loc.n + kVec - 1) / kVec;
     for (int64_t j = threadIdx.x; j < groups; j += kBlockSize) {
       const int64_t local = j * kVec;
@@ -289,8 +286,9 @@ __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
           if (has_rem) {
             math::split_master(p, &p_raw[e], &r_raw[e]);
           } else {
-            p_raw[e] = stochastic ? math::float_to_bf16_bits_sr(p, math::sr_random16(key[0], static_cast<uint64_t>(index)))
-                                  : math::float_to_bf16_bits(p);
+            p_raw[e] = stochastic
+                           ? math::float_to_bf16_bits_sr(p, math::sr_random16(key[0], static_cast<uint64_t>(index)))
+                           : math::float_to_bf16_bits(p);
           }
           m_raw[e] = store_moment<ME>(m, stochastic, key[1], index);
           v_raw[e] = store_moment<ME>(v, stochastic, key[2], index);
@@ -311,7 +309,7 @@ cudaError_t launch_adamw_bf16(const PlannedLaunch& l, const Bf16Table& view, con
                               const float* found_inf, const int64_t* rng, const math::AdamWHyper& hyper, bool amsgrad,
                               bool maximize, cudaStream_t stream) {
   adamw_bf16_kernel<GE, ME><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, step_scalars, found_inf, rng,
-                                                                                   hyper, amsgrad, maximize);
+                                                                                 hyper, amsgrad, maximize);
   return cudaGetLastError();
 }
 
@@ -370,9 +368,9 @@ math::AdamWHyper make_hyper(double beta1, double beta2, double eps) {
 
 }  // namespace
 
-cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars,
-                  const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
-                  TableMemory& tables, cudaStream_t stream) {
+cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars, const float* found_inf,
+                  double beta1, double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
+                  cudaStream_t stream) {
   const math::AdamWHyper hyper = make_hyper(beta1, beta2, eps);
   bool capturing = false;
   const cudaError_t err = detail::stream_is_capturing(stream, &capturing);
@@ -400,11 +398,9 @@ cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const floa
     const auto grad = static_cast<DType>(l.group % 3);
     switch (static_cast<DType>(l.group / 3)) {
       case DType::kFloat32:
-        return launch_adamw_grad<detail::F32>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize,
-                                              stream);
+        return launch_adamw_grad<detail::F32>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
       case DType::kFloat16:
-        return launch_adamw_grad<detail::F16>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize,
-                                              stream);
+        return launch_adamw_grad<detail::F16>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
       case DType::kBFloat16:
         return launch_adamw_grad<detail::BF16>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize,
                                                stream);
@@ -420,8 +416,8 @@ cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, D
                        cudaStream_t stream) {
   const math::AdamWHyper hyper = make_hyper(beta1, beta2, eps);
   if (moment_dtype == DType::kBFloat16) {
-    return adamw_bf16_moment<detail::BF16>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad,
-                                           maximize, tables, stream);
+    return adamw_bf16_moment<detail::BF16>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
+                                           tables, stream);
   }
   if (moment_dtype != DType::kFloat32) return cudaErrorInvalidValue;
   return adamw_bf16_moment<detail::F32>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad, maximize,

@@ -29,9 +29,8 @@ constexpr int kUnscaleIlp = 4;  // vectors in flight per thread
 // each block adds its chunk's totals there with integer atomics (exact in any order).
 template <typename E, bool STATS, typename Table>
 __global__ void __launch_bounds__(kBlockSize)
-    unscale_check_kernel(const Table table, float* __restrict__ found_inf,
-                         const float* __restrict__ inv_scale_ptr, double* __restrict__ partials,
-                         int64_t first_chunk, bool write_back, bool compute_sumsq) {
+    unscale_check_kernel(const Table table, float* __restrict__ found_inf, const float* __restrict__ inv_scale_ptr,
+                         double* __restrict__ partials, int64_t first_chunk, bool write_back, bool compute_sumsq) {
   using S = typename E::storage_t;
   constexpr int VEC = 16 / static_cast<int>(sizeof(S));
   using P = detail::Pack<S, VEC>;
@@ -168,8 +167,8 @@ cudaError_t launch_unscale_check(const PlannedLaunch& l, const TableView<DEPTH>&
 // STATS false: plain unscale_check (table depth 1); true: rows for counts and absmax too.
 template <bool STATS>
 cudaError_t unscale_check_all(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
-                              bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
-                              int64_t* counts, float* absmax, TableMemory& tables, cudaStream_t stream) {
+                              bool write_back, bool compute_sumsq, double* partials, float* sumsq_out, int64_t* counts,
+                              float* absmax, TableMemory& tables, cudaStream_t stream) {
   constexpr int kDepth = STATS ? kUnscaleStatsDepth : kUnscaleDepth;
   bool capturing = false;
   cudaError_t err = detail::stream_is_capturing(stream, &capturing);
@@ -225,8 +224,8 @@ int64_t unscale_check_num_partials(const GradRef* grads, int64_t num_grads) {
 }
 
 cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
-                          bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
-                          TableMemory& tables, cudaStream_t stream) {
+                          bool write_back, bool compute_sumsq, double* partials, float* sumsq_out, TableMemory& tables,
+                          cudaStream_t stream) {
   return unscale_check_all<false>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq, partials,
                                   sumsq_out, nullptr, nullptr, tables, stream);
 }
@@ -240,8 +239,8 @@ cudaError_t unscale_check_stats(const GradRef* grads, int64_t num_grads, float* 
     if (err == cudaSuccess) err = cudaMemsetAsync(absmax, 0, sizeof(float) * static_cast<size_t>(num_grads), stream);
     if (err != cudaSuccess) return err;
   }
-  return unscale_check_all<true>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq, partials,
-                                 sumsq_out, counts, absmax, tables, stream);
+  return unscale_check_all<true>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq, partials, sumsq_out,
+                                 counts, absmax, tables, stream);
 }
 
 cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, const float* found_inf,

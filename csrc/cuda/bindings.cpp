@@ -51,8 +51,8 @@ void check_list_tensor(const char* op, const char* what, int64_t i, const at::Te
               device);
   TORCH_CHECK(t.is_contiguous(), "fastamp::", op, ": ", what, "[", i, "] must be contiguous");
   if (numel >= 0) {
-    TORCH_CHECK(t.numel() == numel, "fastamp::", op, ": ", what, "[", i, "] has ", t.numel(),
-                " elements but params[", i, "] has ", numel);
+    TORCH_CHECK(t.numel() == numel, "fastamp::", op, ": ", what, "[", i, "] has ", t.numel(), " elements but params[",
+                i, "] has ", numel);
   }
 }
 
@@ -149,16 +149,14 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
                                          num_grads > 0 ? absmax->data_ptr<float>() : nullptr, tables, stream));
   } else {
     check_launch(op, unscale_check(refs.data(), num_grads, found_inf.data_ptr<float>(), inv_scale.data_ptr<float>(),
-                                   write_back, compute_sumsq, partials_ptr, sumsq.data_ptr<float>(), tables,
-                                   stream));
+                                   write_back, compute_sumsq, partials_ptr, sumsq.data_ptr<float>(), tables, stream));
   }
   return sumsq;
 }
 
 at::Tensor unscale_check_cuda(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
                               bool write_back, bool compute_sumsq) {
-  return unscale_check_impl("unscale_check_", grads, found_inf, inv_scale, write_back, compute_sumsq, nullptr,
-                            nullptr);
+  return unscale_check_impl("unscale_check_", grads, found_inf, inv_scale, write_back, compute_sumsq, nullptr, nullptr);
 }
 
 at::Tensor unscale_check_stats_cuda(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
@@ -169,8 +167,8 @@ at::Tensor unscale_check_stats_cuda(at::TensorList grads, const at::Tensor& foun
 }
 
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& hysteresis_tracker,
-                       const at::Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
-                       int64_t hysteresis, double min_scale, double max_scale) {
+                       const at::Tensor& found_inf, double growth_factor, double backoff_factor,
+                       int64_t growth_interval, int64_t hysteresis, double min_scale, double max_scale) {
   constexpr const char* op = "update_scale_";
   TORCH_CHECK(scale.is_cuda(), "fastamp::", op, ": scale must be a CUDA tensor, got device ", scale.device());
   const at::Device device = scale.device();
@@ -198,8 +196,8 @@ void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
   TORCH_CHECK(exp_avg_sqs.size() == n, "fastamp::", op, ": expected ", n, " exp_avg_sqs, got ", exp_avg_sqs.size());
   TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " masters, got ",
               masters.size());
-  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "fastamp::", op, ": amsgrad needs ", n,
-              " max_exp_avg_sqs, got ", max_exp_avg_sqs.size());
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "fastamp::", op, ": amsgrad needs ", n, " max_exp_avg_sqs, got ",
+              max_exp_avg_sqs.size());
   TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
               ": params[0] must be a CUDA tensor, got device ", params[0].device());
   const at::Device device = params[0].device();
@@ -248,8 +246,8 @@ void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   TorchTableMemory tables(device);
-  check_launch(op, adamw(refs.data(), static_cast<int64_t>(refs.size()), step_scalars.data_ptr<float>(),
-                         found_inf_ptr, beta1, beta2, eps, amsgrad, maximize, tables, stream));
+  check_launch(op, adamw(refs.data(), static_cast<int64_t>(refs.size()), step_scalars.data_ptr<float>(), found_inf_ptr,
+                         beta1, beta2, eps, amsgrad, maximize, tables, stream));
 }
 
 // Shared checks of the optimizer ops: list lengths, step_scalars, found_inf and rng.
@@ -294,10 +292,10 @@ void adamw_bf16_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
   TORCH_CHECK(exp_avgs.size() == n, "fastamp::", op, ": expected ", n, " exp_avgs, got ", exp_avgs.size());
   TORCH_CHECK(exp_avg_sqs.size() == n, "fastamp::", op, ": expected ", n, " exp_avg_sqs, got ", exp_avg_sqs.size());
-  TORCH_CHECK(remainders.empty() || remainders.size() == n, "fastamp::", op, ": expected 0 or ", n,
-              " remainders, got ", remainders.size());
-  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "fastamp::", op, ": amsgrad needs ", n,
-              " max_exp_avg_sqs, got ", max_exp_avg_sqs.size());
+  TORCH_CHECK(remainders.empty() || remainders.size() == n, "fastamp::", op, ": expected 0 or ", n, " remainders, got ",
+              remainders.size());
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == n, "fastamp::", op, ": amsgrad needs ", n, " max_exp_avg_sqs, got ",
+              max_exp_avg_sqs.size());
   TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
               ": params[0] must be a CUDA tensor, got device ", params[0].device());
   const at::Device device = params[0].device();
@@ -407,8 +405,8 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList master
     if (has_momentum) {
       const at::Tensor& b = momentum_buffers[k];
       check_list_tensor(op, "momentum_buffers", i, b, device, numel);
-      TORCH_CHECK(b.scalar_type() == at::kFloat, "fastamp::", op, ": momentum_buffers[", i,
-                  "] must be float32, got ", b.scalar_type());
+      TORCH_CHECK(b.scalar_type() == at::kFloat, "fastamp::", op, ": momentum_buffers[", i, "] must be float32, got ",
+                  b.scalar_type());
       r.momentum_buffer = numel > 0 ? b.data_ptr<float>() : nullptr;
     }
     r.numel = numel;

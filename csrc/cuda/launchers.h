@@ -55,8 +55,8 @@ int64_t unscale_check_num_partials(const GradRef* grads, int64_t num_grads);
 // The sum of squares is reduced in a fixed order (per-thread fp32, then fp64 per chunk
 // and across chunks), so it is reproducible run to run and independent of alignment.
 cudaError_t unscale_check(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
-                          bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
-                          TableMemory& tables, cudaStream_t stream);
+                          bool write_back, bool compute_sumsq, double* partials, float* sumsq_out, TableMemory& tables,
+                          cudaStream_t stream);
 
 // fastamp::unscale_check_stats_: unscale_check plus per-tensor health statistics written in
 // the same pass. counts: int64 [num_grads, 3] (non-finite, zeros, fp16 underflow), absmax:
@@ -75,13 +75,13 @@ cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hystere
 // ---- fastamp::adamw_ ----
 
 struct AdamWTensorRef {
-  void* param;              // param_dtype, rewritten (rounded to nearest-even from fp32)
-  const void* grad;         // grad_dtype, read only
-  float* master;            // fp32 master or null (then the param itself is the fp32 value)
-  float* exp_avg;           // fp32
-  float* exp_avg_sq;        // fp32
-  float* max_exp_avg_sq;    // fp32, used only with amsgrad
-  int64_t numel;            // shared by all of the above
+  void* param;            // param_dtype, rewritten (rounded to nearest-even from fp32)
+  const void* grad;       // grad_dtype, read only
+  float* master;          // fp32 master or null (then the param itself is the fp32 value)
+  float* exp_avg;         // fp32
+  float* exp_avg_sq;      // fp32
+  float* max_exp_avg_sq;  // fp32, used only with amsgrad
+  int64_t numel;          // shared by all of the above
   DType param_dtype;
   DType grad_dtype;
 };
@@ -90,22 +90,22 @@ struct AdamWTensorRef {
 // (reference.adamw_step_scalars). found_inf: null, or 1 fp32 read on device: non-zero
 // (NaN included) skips the whole update. Tensors may mix dtype combinations; the
 // launcher groups them, one multi-tensor launch sequence per combination.
-cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars,
-                  const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
-                  TableMemory& tables, cudaStream_t stream);
+cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars, const float* found_inf,
+                  double beta1, double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
+                  cudaStream_t stream);
 
 // ---- fastamp::adamw_bf16_ ----
 
 struct AdamWBf16TensorRef {
-  uint16_t* param;        // bf16 bits, rewritten
-  const void* grad;       // grad_dtype, read only
-  int16_t* remainder;     // int16 master remainder, or null (no master)
-  void* exp_avg;          // moment dtype (fp32 or bf16, the launch's moment_dtype)
-  void* exp_avg_sq;       // moment dtype
-  void* max_exp_avg_sq;   // moment dtype, used only with amsgrad
-  int64_t numel;          // shared by all of the above
+  uint16_t* param;       // bf16 bits, rewritten
+  const void* grad;      // grad_dtype, read only
+  int16_t* remainder;    // int16 master remainder, or null (no master)
+  void* exp_avg;         // moment dtype (fp32 or bf16, the launch's moment_dtype)
+  void* exp_avg_sq;      // moment dtype
+  void* max_exp_avg_sq;  // moment dtype, used only with amsgrad
+  int64_t numel;         // shared by all of the above
   DType grad_dtype;
-  uint32_t rng_stream;    // low 32 bits of 4 * (rng_base + list index); see reference.sr_random16
+  uint32_t rng_stream;  // low 32 bits of 4 * (rng_base + list index); see reference.sr_random16
 };
 
 // moment_dtype: kFloat32 or kBFloat16. rng: null, or int64 [seed, counter] read on device;
@@ -120,14 +120,14 @@ cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, D
 enum class MasterKind : int32_t { kNone = 0, kFloat32 = 1, kRemainder = 2 };
 
 struct SgdTensorRef {
-  void* param;              // param_dtype, rewritten
-  const void* grad;         // grad_dtype, read only
-  void* master;             // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params) or null
-  float* momentum_buffer;   // fp32, used only when momentum != 0
-  int64_t numel;            // shared by all of the above
+  void* param;             // param_dtype, rewritten
+  const void* grad;        // grad_dtype, read only
+  void* master;            // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params) or null
+  float* momentum_buffer;  // fp32, used only when momentum != 0
+  int64_t numel;           // shared by all of the above
   DType param_dtype;
   DType grad_dtype;
-  uint32_t rng_stream;      // low 32 bits of 4 * (rng_base + list index)
+  uint32_t rng_stream;  // low 32 bits of 4 * (rng_base + list index)
 };
 
 // step_scalars: 3 fp32 on device, [lr, grad_mul, is_first] (reference.sgd_step_scalars).

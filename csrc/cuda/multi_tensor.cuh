@@ -119,8 +119,8 @@ inline int64_t current_sm_count() {
 // `launch(const PlannedLaunch&, const TableView<DEPTH>&)` for each planned launch, which
 // enqueues its kernel on `stream` and returns cudaGetLastError().
 template <int DEPTH, typename PtrsOf, typename Launch>
-cudaError_t run_plan(const LaunchPlan& plan, const int64_t* numel, PtrsOf ptrs_of, bool capturing,
-                     TableMemory& memory, cudaStream_t stream, Launch launch) {
+cudaError_t run_plan(const LaunchPlan& plan, const int64_t* numel, PtrsOf ptrs_of, bool capturing, TableMemory& memory,
+                     cudaStream_t stream, Launch launch) {
   if (plan.launches.empty()) return cudaSuccess;
   if (plan.entry_bytes != sizeof(TableEntry<DEPTH>)) return cudaErrorInvalidValue;
   const size_t buffer_bytes = table_buffer_bytes(plan.table_bytes);

@@ -118,8 +118,8 @@ __global__ void __launch_bounds__(kBlockSize)
 template <typename PE, typename GE>
 cudaError_t launch_sgd(const PlannedLaunch& l, const Table& view, MasterKind master_kind, const float* step_scalars,
                        const float* found_inf, const int64_t* rng, const math::SgdHyper& hyper, cudaStream_t stream) {
-  sgd_kernel<PE, GE><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, master_kind, step_scalars, found_inf,
-                                                                            rng, hyper);
+  sgd_kernel<PE, GE>
+      <<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, master_kind, step_scalars, found_inf, rng, hyper);
   return cudaGetLastError();
 }
 
@@ -181,8 +181,7 @@ cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind mas
       case DType::kFloat16:
         return launch_sgd_grad<detail::F16>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
       case DType::kBFloat16:
-        return launch_sgd_grad<detail::BF16>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper,
-                                             stream);
+        return launch_sgd_grad<detail::BF16>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
     }
     return cudaErrorInvalidValue;
   };
