@@ -84,9 +84,30 @@ def unscale_check_(
                 f"{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
                 f"{tuple(absmax.shape)} on {absmax.device}"
             )
+    chosen = backends.resolve("unscale_check_stats_" if want_stats else op, dev, backend)
+    return _unscale_check(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax, chosen)
+
+
+def _unscale_check(
+    grads: Sequence[Tensor],
+    found_inf: Tensor,
+    inv_scale: Tensor,
+    write_back: bool,
+    compute_sumsq: bool,
+    counts: Tensor | None,
+    absmax: Tensor | None,
+    backend: str,
+) -> Tensor:
+    """:func:`unscale_check_` past its argument checks, on the already resolved ``backend``.
+
+    The Scaler's check pass calls it directly: it makes ``found_inf``, ``inv_scale`` and the
+    statistics buffers itself, and resolves the backend once per device.
+    """
+    op = "unscale_check_"
+    dev = found_inf.device
+    want_stats = counts is not None
     fast = _native_fast_path(
         "unscale_check_stats_" if want_stats else op,
-        dev,
         backend,
         (list(grads), found_inf, inv_scale, write_back, compute_sumsq) + ((counts, absmax) if want_stats else ()),
     )
@@ -120,13 +141,13 @@ def unscale_check_(
             strided_copies.append((vals, tmp))
     if want_stats:
         stats_op = "unscale_check_stats_"
-        impl = backends.get_impl(stats_op, backends.resolve(stats_op, dev, backend))
+        impl = backends.get_impl(stats_op, backend)
         c_d = torch.empty((len(dense), 3), dtype=torch.int64, device=dev)
         a_d = torch.empty((len(dense),), dtype=torch.float32, device=dev)
         total = impl(dense, found_inf, inv_scale, write_back, compute_sumsq, c_d, a_d)
         _scatter_rows(counts, absmax, dense_idx, c_d, a_d)
     else:
-        impl = backends.get_impl(op, backends.resolve(op, dev, backend))
+        impl = backends.get_impl(op, backend)
         total = impl(dense, found_inf, inv_scale, write_back, compute_sumsq)
     if write_back:
         for orig, tmp in strided_copies:
@@ -149,17 +170,18 @@ def unscale_check_(
 _NOT_RUN = object()
 
 
-def _native_fast_path(op: str, dev: torch.device, backend: str | None, args: tuple):
-    """Call the native kernel straight away when it is the chosen backend.
+def _native_fast_path(op: str, backend: str, args: tuple | list):
+    """Call the native kernel straight away when it is the chosen (resolved) ``backend``.
 
     The C++ op validates every grad (device, dtype, layout, contiguity) before it touches
     anything, so the common case (dense contiguous fp32/fp16/bf16 grads) skips the
     per-grad Python checks, which cost more than the kernel with thousands of small
     tensors. Anything it rejects (fp64, sparse or strided grads, bad input) goes through the
-    Python path below, which handles the first three and raises a clear error for the rest.
+    caller's Python path, which handles the first three and raises a clear error for the
+    rest. The one place that tries native first: the ops here and the Scaler's check pass.
     Returns the kernel's result, or ``_NOT_RUN`` when the caller must take its Python path.
     """
-    if backends.resolve(op, dev, backend) != "native":
+    if backend != "native":
         return _NOT_RUN
     try:
         return backends.get_impl(op, "native")(*args)
@@ -263,10 +285,11 @@ def _call_adam(op: str, dev: torch.device, backend: str | None, args: tuple) -> 
     tensor itself before touching anything), the per-tensor Python checks only when it is not
     taken or refuses the input. ``args``: the op's arguments, the six tensor lists first and
     ``amsgrad`` second to last."""
-    if _native_fast_path(op, dev, backend, args) is not _NOT_RUN:
+    backend = backends.resolve(op, dev, backend)
+    if _native_fast_path(op, backend, args) is not _NOT_RUN:
         return
     _check_adam_inputs(op, dev, *args[:6], args[-2])
-    backends.get_impl(op, backends.resolve(op, dev, backend))(*args)
+    backends.get_impl(op, backend)(*args)
 
 
 def adamw_(

@@ -5,21 +5,25 @@ order and defaults (except ``device=None``), the same per-optimizer state machin
 messages, the same ``update()`` trajectory bit for bit with default options, the same
 ``state_dict`` keys, and the private hooks other libraries call. Where fastamp differs it
 is on purpose and listed in the class docstring.
+
+This module is that contract and its state machine. The work, stage by stage of one
+iteration (scale, check pass, device scalars, step, update), lives beside it:
+
+  _grad_check.py      the check pass: grads gathered by device, the one-call native path,
+                      the per-grad path, the statistics buffers
+  _device_scalars.py  inv_scale, found_inf folding, the norm, the clip coefficient, grad_scale
+  _dist.py            the all-reduce of the flags (and the squared norm) over a process group
+  _scaler_checks.py   the checks of the settings (constructor, setters, update, state dicts)
+  _compile.py         the entry points run eagerly under torch.compile
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import math
-import numbers
-import operator
-import struct
-import sys
 import warnings
 import weakref
 from collections import abc, defaultdict
-from itertools import repeat
 from typing import Any, Union
 
 import torch
@@ -30,7 +34,39 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from fastamp import backends, functional, health
-from fastamp.optim._common import local_of
+from fastamp._compile import (
+    _EAGER_ENTRIES,  # noqa: F401 (the eager twins, which tests reach through this module)
+    _eager_ready,
+    _eager_under_compile,
+    _maybe_prepare_eager_entries,
+)
+from fastamp._device_scalars import (
+    _any_found,
+    _clip_coef,
+    _combined_found_inf,
+    _fold_found_inf,
+    _grad_scale_after_clip,
+    _inv_scale,
+    _merge_found,
+    _new_found_inf,
+    _PerDevice,
+    _step_grad_scale,
+    _total_norm,
+    _unscale_clip_mul,
+)
+from fastamp._dist import _all_reduce_clip_check, _all_reduce_flags, _check_process_group
+from fastamp._grad_check import _check_grads, _grads_by_device, _params_with_grads
+from fastamp._scaler_checks import (
+    _backoff_factor,
+    _check_new_scale,
+    _check_scale_settings,
+    _check_state_dict,
+    _clamp,
+    _growth_factor,
+    _growth_interval,
+    _hysteresis,
+    _scale_bounds,
+)
 
 __all__ = ["OptState", "Scaler"]
 
@@ -40,179 +76,9 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-# ----------------------------------------------------------------------------- torch.compile
-
-_COMPILE_HELP = (
-    "fastamp.Scaler.{name}() cannot be captured by torch.compile: it decides on the host what to run "
-    "(skip or step, unscale or not) and hands grad_scale/found_inf to the optimizer as attributes. "
-    "Outside fullgraph=True it runs eagerly at a graph break, with exactly the eager result. With "
-    "fullgraph=True, compile the model and loss (or the forward and backward) and call "
-    "scaler.unscale_ / clip_grad_norm_ / step / update outside the compiled function."
-)
-
-# (slot, method, name) of every entry point that runs eagerly under torch.compile; slot[0]
-# holds the dynamo-disabled twin of the method once torch._dynamo is imported.
-_EAGER_ENTRIES: list[tuple[list, Any, str]] = []
-_eager_ready = [False]
-
-
-def _prepare_eager_entries() -> None:
-    """Build the dynamo-disabled twin of every entry point (torch._dynamo must be imported).
-
-    Done outside any trace: dynamo refuses to trace ``torch.compiler.disable`` itself, and
-    importing torch._dynamo only for this would double ``import fastamp``'s time (any
-    ``torch.optim`` optimizer imports it anyway).
-    """
-    for slot, method, name in _EAGER_ENTRIES:
-        if slot[0] is None:
-            reason = _COMPILE_HELP.format(name=name)
-            try:
-                slot[0] = torch.compiler.disable(method, recursive=True, reason=reason)
-            except TypeError:  # torch < 2.7: no reason argument
-                slot[0] = torch.compiler.disable(method, recursive=True)
-    _eager_ready[0] = True
-
-
-def _maybe_prepare_eager_entries() -> None:
-    if not _eager_ready[0] and "torch._dynamo" in sys.modules:
-        _prepare_eager_entries()
-
-
-def _eager_under_compile(method):
-    """Make a Scaler method run eagerly, never traced, when torch.compile meets it.
-
-    Under dynamo the call becomes a graph break into the dynamo-disabled twin (so the whole
-    method, the optimizer's step included, runs as in eager mode; fullgraph=True then fails
-    at trace time, before anything ran, with :data:`_COMPILE_HELP` as the reason). In eager
-    mode, once torch._dynamo is imported, the twin is called too: a frame that dynamo chose
-    to run eagerly still has its callback installed, and would otherwise compile the
-    method's own frame piecewise (the bug this prevents: attributes set for the optimizer
-    lost across a graph break, an overflowed step applied). Costs ~1 us per call.
-    """
-    slot: list = [None]
-    name = method.__name__
-
-    def entry(self, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            eager = slot[0]
-            if eager is None:
-                # No twin yet (torch._dynamo was imported after the last eager call): refuse
-                # before anything ran; outside fullgraph dynamo then runs this frame eagerly.
-                raise RuntimeError(_COMPILE_HELP.format(name=name))
-            return eager(self, *args, **kwargs)
-        if slot[0] is None:
-            if "torch._dynamo" not in sys.modules:
-                return method(self, *args, **kwargs)
-            _prepare_eager_entries()
-        return slot[0](self, *args, **kwargs)
-
-    functools.update_wrapper(entry, method)
-    _EAGER_ENTRIES.append((slot, method, name))
-    return entry
-
-
-# ----------------------------------------------------------------------------- value checks
-
-_FP32_MAX = float(torch.finfo(torch.float32).max)
-_DTYPE_OF = operator.attrgetter("dtype")
 _MISSING = object()
-
-
-def _to_fp32(v: float) -> float:
-    """``v`` rounded to fp32 (to nearest even, as ``torch.full`` / ``fill_`` store it); inf on overflow."""
-    try:
-        return struct.unpack("f", struct.pack("f", v))[0]
-    except OverflowError:
-        return math.copysign(math.inf, v)
-
-
-def _positive_fp32(where: str, name: str, v: Any) -> float:
-    """``v`` as a Python float if it is a real number, finite, > 0, and still so in fp32.
-
-    Refused: bools, non-reals, NaN, +-inf, 0 and negatives, values that overflow fp32 (1e39
-    is a finite double but inf in fp32) and positive values that round to 0 in fp32. numpy
-    scalars are accepted (``numbers.Real``).
-    """
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        raise TypeError(f"{where}: {name} must be a real number, got {type(v).__name__}")
-    f = float(v)
-    if math.isfinite(f) and f > 0 and 0 < _to_fp32(f) < math.inf:
-        return f
-    raise ValueError(
-        f"{where}: {name} must be finite, > 0 and representable in fp32 (at most {_FP32_MAX!r}, "
-        f"not rounding to 0), got {v!r}"
-    )
-
-
-def _int_in(where: str, name: str, v: Any, lo: int, hi: int, rule: str) -> int:
-    """``v`` as a Python int if it is an integer (``operator.index``: numpy ints too, not bools) in [lo, hi]."""
-    if not isinstance(v, bool):
-        try:
-            i = operator.index(v)
-        except TypeError:
-            i = None
-        if i is not None and lo <= i <= hi:
-            return i
-    raise ValueError(f"{where}: {name} must be {rule}, got {v!r}")
-
-
-_INT32_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
-
-
-def _growth_factor(where: str, v: Any) -> float:
-    f = _positive_fp32(where, "growth_factor", v)
-    if not f > 1:
-        raise ValueError(f"{where}: growth_factor must be > 1, got {v!r}")
-    return f
-
-
-def _backoff_factor(where: str, v: Any) -> float:
-    f = _positive_fp32(where, "backoff_factor", v)
-    if not f < 1:
-        raise ValueError(f"{where}: backoff_factor must be in (0, 1), got {v!r}")
-    return f
-
-
-def _growth_interval(where: str, v: Any) -> int:
-    return _int_in(where, "growth_interval", v, 0, _INT64_MAX, "an int >= 0 (0: never grow)")
-
-
-def _hysteresis(where: str, v: Any) -> int:
-    return _int_in(where, "hysteresis", v, 1, _INT32_MAX, f"an int >= 1 (at most {_INT32_MAX})")
-
-
-def _scale_bounds(where: str, min_scale: Any, max_scale: Any) -> tuple[float | None, float | None]:
-    lo = None if min_scale is None else _positive_fp32(where, "min_scale", min_scale)
-    hi = None if max_scale is None else _positive_fp32(where, "max_scale", max_scale)
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"{where}: min_scale ({lo!r}) must be <= max_scale ({hi!r})")
-    return lo, hi
-
-
-def _clamp(v: float, lo: float | None, hi: float | None) -> float:
-    if lo is not None and v < lo:
-        return lo
-    if hi is not None and v > hi:
-        return hi
-    return v
-
-
-class _PerDevice:
-    """Lazily copies one tensor to each device it is asked for (non-blocking)."""
-
-    def __init__(self, master: Tensor) -> None:
-        self.master = master
-        self.copies: dict[torch.device, Tensor] = {}
-
-    def get(self, device: torch.device) -> Tensor:
-        t = self.copies.get(device)
-        if t is None:
-            t = self.master.to(device=device, non_blocking=True, copy=True)
-            self.copies[device] = t
-        return t
-
-
+# the check pass of torch's _check_inf_per_device: grads read, not written
+_CHECK_INF = {"allow_fp16": True, "write_back": False, "compute_sumsq": False, "stats": True}
 _SCALE_NONE_FIX = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
 
 
@@ -450,190 +316,22 @@ class Scaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ the fused check
 
     def _grads_by_device(self, optimizer, allow_fp16: bool, owners=None) -> dict[torch.device, list[Tensor]]:
-        per_device: dict[torch.device, list[Tensor]] = defaultdict(list)
-        position = -1
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                position += 1
-                if not isinstance(param, Tensor):
-                    raise AssertionError(f"expected param to be torch.Tensor, got {type(param).__name__}")
-                grad = param.grad
-                if grad is None:
-                    continue
-                if not allow_fp16 and grad.dtype == torch.float16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                if grad.is_sparse and grad.dtype is torch.float16:
-                    # duplicate indices are summed by coalescing, which can itself overflow:
-                    # check what the optimizer will really see (as torch does).
-                    grad = param.grad = grad.coalesce()
-                # FSDP2 grads are DTensors: each rank checks (and unscales in place) its own shard;
-                # process_group then makes the flag and, with sharded=True, the norm global.
-                if type(grad) is not Tensor:
-                    grad = local_of(grad)
-                device = grad.device
-                per_device[device].append(grad)
-                if owners is not None:
-                    owners[device].append((param, position))
-        return per_device
-
-    def _check_grads(
-        self,
-        optimizer,
-        inv_scale: Tensor,
-        found_inf: Tensor,
-        *,
-        allow_fp16: bool,
-        write_back: bool,
-        compute_sumsq: bool,
-        stats: bool = False,
-    ) -> tuple[dict[torch.device, Tensor], dict[torch.device, Tensor]]:
-        """One fused pass per device: non-finite check, optional unscale, optional sum of squares.
-
-        ``stats`` (with ``track_stats``): the same pass also writes the per-tensor health
-        statistics into this optimizer's buffers for that device.
-        """
-        inv_rep, found_rep = _PerDevice(inv_scale), _PerDevice(found_inf)
-        stats = stats and self._track_stats
-        with torch.no_grad():
-            plain = self._check_plain(
-                optimizer,
-                inv_rep,
-                found_rep,
-                allow_fp16=allow_fp16,
-                write_back=write_back,
-                compute_sumsq=compute_sumsq,
-                stats=stats,
-            )
-            if plain is not None:
-                return found_rep.copies, plain
-        sumsq: dict[torch.device, Tensor] = {}
-        owners: dict[torch.device, list] | None = defaultdict(list) if stats else None
-        with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer, allow_fp16, owners).items():
-                if self._health.wants_dtypes():
-                    self._health.note_grads(grads)
-                counts = absmax = None
-                if stats:
-                    own = owners[device]
-                    counts, absmax = self._stats_buffers(
-                        optimizer,
-                        device,
-                        [p for p, _ in own],
-                        [i for _, i in own],
-                        [g.dtype for g in grads],
-                        [tuple((g._values() if g.is_sparse else g).shape) for g in grads],
-                        inv_rep.get(device),
-                    )
-                sumsq[device] = functional.unscale_check_(
-                    grads,
-                    found_rep.get(device),
-                    inv_rep.get(device),
-                    write_back=write_back,
-                    compute_sumsq=compute_sumsq,
-                    counts=counts,
-                    absmax=absmax,
-                    backend=self._backend,
-                )
-        return found_rep.copies, sumsq
-
-    def _check_plain(
-        self, optimizer, inv_rep, found_rep, *, allow_fp16: bool, write_back: bool, compute_sumsq: bool, stats: bool
-    ) -> dict[torch.device, Tensor] | None:
-        """The common case: one native kernel call and no Python work per grad beyond reading it.
-
-        Dense ``torch.Tensor`` grads on one device with the native backend. The kernel checks
-        every grad (device, layout, dtype, contiguity) before it touches anything, so grads on
-        several devices, sparse, strided or fp64 grads make it refuse and the per-grad path of
-        ``_check_grads`` runs instead (which handles them or raises its error). With many
-        small tensors that per-grad Python would cost more than the kernel. Returns the sum
-        of squares per device, or None for the per-grad path.
-        """
-        plain = _plain_grads(optimizer, allow_fp16)
-        if plain is None:
-            return None
-        params, positions, grads = plain
-        if not grads:
-            return {}
-        device = grads[0].device
-        op = "unscale_check_stats_" if stats else "unscale_check_"
-        if backends.resolve(op, device, self._backend) != "native":
-            return None
-        if self._health.wants_dtypes():
-            self._health.note_grads(grads)
-        args = [grads, found_rep.get(device), inv_rep.get(device), write_back, compute_sumsq]
-        if stats:
-            # A dense grad has its param's shape (torch enforces it), but not always its dtype
-            # (fp32 grads on fp16 params: p.grad_dtype): each row is labelled, and judged by the
-            # pitfall guards, by its grad's own dtype. One attribute read per grad, in C.
-            dtypes = list(map(_DTYPE_OF, grads))
-            args += self._stats_buffers(optimizer, device, params, positions, dtypes, None, inv_rep.get(device))
-        try:
-            return {device: backends.get_impl(op, "native")(*args)}
-        except (RuntimeError, TypeError):
-            return None
-
-    def _stats_buffers(
-        self, optimizer, device, params, positions, dtypes, shapes, inv_scale: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """This optimizer's statistics buffers on ``device`` (reused while the row count is unchanged).
-
-        ``params``: the param of each row; ``positions``, ``dtypes``, ``shapes``: see
-        :class:`fastamp.health._StatsRows` (None: derived from the params).
-        """
-        key = (id(optimizer), device)
-        old = self._stats.get(key)
-        n = len(params)
-        if old is not None and old.counts.shape[0] == n and old.optimizer() is optimizer:
-            counts, absmax = old.counts, old.absmax
-        else:
-            counts = torch.zeros((n, 3), dtype=torch.int64, device=device)
-            absmax = torch.zeros((n,), dtype=torch.float32, device=device)
-        self._stats[key] = health._StatsRows(
-            weakref.ref(optimizer), params, positions, dtypes, shapes, counts, absmax, inv_scale
-        )
-        self._last_stats_update = self._health.updates
-        return counts, absmax
+        # the per-grad path of the check pass gathers through here (see fastamp._grad_check)
+        return _grads_by_device(optimizer, allow_fp16, owners)
 
     @_eager_under_compile
     def _unscale_grads_(self, optimizer, inv_scale: Tensor, found_inf: Tensor, allow_fp16: bool):
         """torch's hook: unscale every grad of ``optimizer`` in place; per-device found_inf."""
-        return self._check_grads(
-            optimizer, inv_scale, found_inf, allow_fp16=allow_fp16, write_back=True, compute_sumsq=False, stats=True
+        return _check_grads(
+            self,
+            optimizer,
+            inv_scale,
+            found_inf,
+            allow_fp16=allow_fp16,
+            write_back=True,
+            compute_sumsq=False,
+            stats=True,
         )[0]
-
-    def _all_reduce_flags(
-        self, found: dict[torch.device, Tensor], sumsq: Tensor | None = None
-    ) -> tuple[dict[torch.device, Tensor], Tensor | None]:
-        """All-reduce this rank's overflow flags (and a partial squared norm) over the process group.
-
-        One collective on the scale's device, no host sync: the per-device flags are combined
-        into one, summed over the ranks with ``sumsq`` in the same fp64 buffer, and clamped to
-        0/1 (so a fused kernel that skips only on exactly 1 still skips). Returns the global
-        flag on every device ``found`` had (on the scale's device when it had none) and the
-        global ``sumsq`` (fp32). Without a process group, returns its inputs unchanged.
-        """
-        if self._process_group is None:
-            return found, sumsq
-        import torch.distributed as dist
-
-        dev = self._scale.device
-        wide = torch.float32 if dev.type == "mps" else torch.float64
-        flags = [f.to(dev, non_blocking=True).reshape(()) for f in found.values()]
-        flag = torch.stack(flags).ne(0).any().to(wide) if flags else torch.zeros((), dtype=wide, device=dev)
-        buf = flag.reshape(1) if sumsq is None else torch.stack([flag, sumsq.to(dev).reshape(()).to(wide)])
-        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self._process_group)
-        global_flag = buf[0].clamp(max=1.0).to(torch.float32)
-        out = {d: global_flag.to(d, non_blocking=True) for d in found} if found else {dev: global_flag}
-        return out, (None if sumsq is None else buf[1].to(torch.float32))
-
-    def _inv_scale(self) -> Tensor:
-        # fp64 reciprocal rounded to fp32, as torch ("FP32 division can be imprecise").
-        if self._scale.device.type == "mps":
-            return self._scale.reciprocal()
-        return self._scale.double().reciprocal().float()
-
-    def _new_found_inf(self) -> Tensor:
-        return torch.full((), 0.0, dtype=torch.float32, device=self._scale.device)
 
     @_eager_under_compile
     def unscale_(self, optimizer) -> None:
@@ -648,9 +346,11 @@ class Scaler(torch.amp.GradScaler):
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         self._check_can_unscale(optimizer_state)
-        inv_scale = self._inv_scale()
-        optimizer_state["found_inf_per_device"] = self._all_reduce_flags(
-            self._unscale_grads_(optimizer, inv_scale, self._new_found_inf(), True)
+        inv_scale = _inv_scale(self._scale)
+        optimizer_state["found_inf_per_device"] = _all_reduce_flags(
+            self._process_group,
+            self._scale,
+            self._unscale_grads_(optimizer, inv_scale, _new_found_inf(self._scale), True),
         )[0]
         optimizer_state["stage"] = OptState.UNSCALED
 
@@ -669,16 +369,8 @@ class Scaler(torch.amp.GradScaler):
         inverse scale in registers, so overflow created by unscaling is caught too.
         """
         self._check_scale_growth_tracker("_check_inf_per_device")
-        found, _ = self._check_grads(
-            optimizer,
-            self._inv_scale(),
-            self._new_found_inf(),
-            allow_fp16=True,
-            write_back=False,
-            compute_sumsq=False,
-            stats=True,
-        )
-        found = self._all_reduce_flags(found)[0]
+        found, _ = _check_grads(self, optimizer, _inv_scale(self._scale), _new_found_inf(self._scale), **_CHECK_INF)
+        found = _all_reduce_flags(self._process_group, self._scale, found)[0]
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
@@ -731,48 +423,37 @@ class Scaler(torch.amp.GradScaler):
         amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
         # READY: grads still scaled; read them once with the real inverse scale.
         # UNSCALED: the user already unscaled them; read them as they are.
-        inv_scale = self._inv_scale() if ready else torch.ones((), dtype=torch.float32, device=self._scale.device)
-        found_inf = self._new_found_inf()
-        found, sumsq = self._check_grads(
-            optimizer, inv_scale, found_inf, allow_fp16=True, write_back=False, compute_sumsq=True, stats=ready
+        inv_scale = _inv_scale(self._scale) if ready else torch.ones((), dtype=torch.float32, device=self._scale.device)
+        found_inf = _new_found_inf(self._scale)
+        found, sumsq = _check_grads(
+            self, optimizer, inv_scale, found_inf, allow_fp16=True, write_back=False, compute_sumsq=True, stats=ready
         )
-        if self._process_group is not None:
-            # Every rank joins the collective, even one without grads. Sharded: the global
-            # squared norm is the sum of the ranks' partial sums (same collective as the flag).
-            local_sq = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-            for part in sumsq.values():
-                local_sq = local_sq + part.to(local_sq.device, non_blocking=True)
-            found, global_sq = self._all_reduce_flags(found, local_sq if self._sharded else None)
-            sumsq = {local_sq.device: global_sq if self._sharded else local_sq}
+        found, sumsq = _all_reduce_clip_check(self._process_group, self._sharded, self._scale, found, sumsq)
         if ready:
             optimizer_state["found_inf_per_device"] = found
         if not sumsq:
             return torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        devices = list(sumsq)
-        total_sq = sumsq[devices[0]]
-        for d in devices[1:]:
-            total_sq = total_sq + sumsq[d].to(devices[0], non_blocking=True)
-        total_norm = _sqrt_fp32_exact(total_sq)
+        total_norm = _total_norm(sumsq)
         if error_if_nonfinite and not bool(torch.isfinite(total_norm)):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
                 "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
                 "`error_if_nonfinite=False`"
             )
-        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        clip_coef = _clip_coef(max_norm, total_norm)
         if amp_aware:
             # Fold the clip into the optimizer's grad_scale: it divides raw grads by it.
-            base = self._scale.to(devices[0]) if ready else torch.ones_like(total_norm)
-            self._per_optimizer_clip_scales[id(optimizer)] = (optimizer_state, base / clip_coef)
+            grad_scale = _grad_scale_after_clip(self._scale if ready else None, clip_coef)
+            self._per_optimizer_clip_scales[id(optimizer)] = (optimizer_state, grad_scale)
         else:
-            mul = (inv_scale.to(devices[0]) * clip_coef).float()
-            refound, _ = self._check_grads(
-                optimizer, mul, self._new_found_inf(), allow_fp16=True, write_back=True, compute_sumsq=False
+            mul = _unscale_clip_mul(inv_scale, clip_coef)
+            refound, _ = _check_grads(
+                self, optimizer, mul, _new_found_inf(self._scale), allow_fp16=True, write_back=True, compute_sumsq=False
             )
             if ready:
                 # the write pass can flag more (a value that overflows fp16 when rounded back)
-                merged = {d: torch.maximum(f, refound[d]) if d in refound else f for d, f in found.items()}
-                optimizer_state["found_inf_per_device"] = self._all_reduce_flags(merged)[0]
+                merged = _merge_found(found, refound)
+                optimizer_state["found_inf_per_device"] = _all_reduce_flags(self._process_group, self._scale, merged)[0]
         optimizer_state["stage"] = OptState.UNSCALED
         return total_norm
 
@@ -816,23 +497,21 @@ class Scaler(torch.amp.GradScaler):
                 )
                 kwargs_.update({"grad_scaler": self})
             else:
-                if optimizer_state["stage"] is OptState.READY:
-                    self._check_inf_per_device(optimizer)
                 scale = self._scale
-                flags = [
-                    t.to(scale.device, non_blocking=True) for t in optimizer_state["found_inf_per_device"].values()
-                ]
-                found_inf = torch.stack(flags).amax() if flags else torch.zeros_like(scale)
+                if optimizer_state["stage"] is OptState.READY:
+                    hook = self._check_inf_per_device
+                    if getattr(hook, "__func__", None) is not Scaler._check_inf_per_device:
+                        hook(optimizer)  # overridden: torch's step calls the hook
+                    else:  # the hook's own pass, without its eager entry: step runs eagerly already
+                        found, _ = _check_grads(self, optimizer, _inv_scale(scale), _new_found_inf(scale), **_CHECK_INF)
+                        found = _all_reduce_flags(self._process_group, scale, found)[0]
+                        optimizer_state["found_inf_per_device"] = found
+                found_inf = _fold_found_inf(optimizer_state["found_inf_per_device"], scale)
                 user_scale = getattr(optimizer, "grad_scale", None)
                 clip_scale = self._clip_grad_scale(optimizer, optimizer_state)
-                if clip_scale is not None:
-                    grad_scale = clip_scale
-                    if user_scale is not None:
-                        grad_scale = grad_scale * user_scale
-                elif optimizer_state["stage"] is OptState.UNSCALED:
-                    grad_scale = user_scale
-                else:
-                    grad_scale = scale * (user_scale if user_scale is not None else 1)
+                grad_scale = _step_grad_scale(
+                    scale, clip_scale, user_scale, optimizer_state["stage"] is OptState.UNSCALED
+                )
                 return self._step_with_attributes(optimizer, optimizer_state, grad_scale, found_inf, args, kwargs_)
             retval = optimizer.step(*args, **kwargs_)
             optimizer_state["stage"] = OptState.STEPPED
@@ -900,23 +579,7 @@ class Scaler(torch.amp.GradScaler):
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            where = "fastamp.Scaler.update"
-            if isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
-                value = _positive_fp32(where, "new_scale", new_scale)
-            else:
-                reason = (
-                    "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
-                    "torch.FloatTensor with requires_grad=False."
-                )
-                if not isinstance(new_scale, Tensor):
-                    raise AssertionError(reason)
-                if new_scale.device.type != self._device:
-                    raise AssertionError(reason)
-                if new_scale.numel() != 1:
-                    raise AssertionError(reason)
-                if new_scale.requires_grad is True:
-                    raise AssertionError(reason)
-                value = _positive_fp32(where, "new_scale", new_scale.item())
+            value = _check_new_scale(new_scale, self._device)
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True)
             for state in self._per_optimizer_states.values()
@@ -928,14 +591,11 @@ class Scaler(torch.amp.GradScaler):
         else:
             if len(found_infs) == 0:
                 raise AssertionError("No inf checks were recorded prior to update.")
-            found_inf_combined = found_infs[0]
-            for extra in found_infs[1:]:
-                found_inf_combined = found_inf_combined + extra
             functional.update_scale_(
                 _scale,
                 _growth_tracker,
                 self._hysteresis_tracker,
-                found_inf_combined.reshape(()),
+                _combined_found_inf(found_infs),
                 self._growth_factor,
                 self._backoff_factor,
                 self._growth_interval,
@@ -945,7 +605,7 @@ class Scaler(torch.amp.GradScaler):
                 backend=self._backend,
             )
         if found_infs:
-            skipped = torch.stack([f.reshape(()) for f in found_infs]).ne(0).any()
+            skipped = _any_found(found_infs)
             self._last_step_skipped.copy_(skipped)
             self._skipped_steps.add_(skipped.to(torch.int64))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -1105,68 +765,17 @@ class Scaler(torch.amp.GradScaler):
         """
         if not self._enabled:
             return
-        if len(state_dict) == 0:
-            raise RuntimeError(
-                "The source state dict is empty, possibly because it was saved from a disabled instance of GradScaler."
-            )
-        missing = [
-            k
-            for k in ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-            if k not in state_dict
-        ]
-        if missing:
-            raise KeyError(missing[0])
         # everything is checked before anything is assigned (a bad dict leaves the scaler as it was)
-        where = "fastamp.Scaler.load_state_dict"
-        scale, growth_factor, backoff_factor, growth_interval = _check_scale_settings(
-            where,
-            "scale",
-            state_dict["scale"],
-            state_dict["growth_factor"],
-            state_dict["backoff_factor"],
-            state_dict["growth_interval"],
-        )
-        hysteresis = _hysteresis(where, state_dict.get("hysteresis", self._hysteresis))
-        growth_tracker = _int_in(
-            where, "_growth_tracker", state_dict["_growth_tracker"], 0, _INT32_MAX, f"an int >= 0 and <= {_INT32_MAX}"
-        )
-        hysteresis_tracker = _int_in(
-            where,
-            "_hysteresis_tracker",
-            state_dict.get("_hysteresis_tracker", hysteresis),
-            0,
-            hysteresis,
-            f"an int >= 0 and <= hysteresis ({hysteresis})",
-        )
-        skipped_steps = _int_in(
-            where, "skipped_steps", state_dict.get("skipped_steps", 0), 0, _INT64_MAX, "an int >= 0"
-        )
-        last_skipped = state_dict.get("last_step_skipped", False)
-        if not isinstance(last_skipped, (bool, numbers.Integral)) or last_skipped not in (0, 1):
-            raise ValueError(f"{where}: last_step_skipped must be a bool, got {last_skipped!r}")
-        min_scale, max_scale = _scale_bounds(
-            where, state_dict.get("min_scale", self._min_scale), state_dict.get("max_scale", self._max_scale)
-        )
-        scale = _clamp(scale, min_scale, max_scale)
-        self._init_scale = scale
-        self._growth_factor = growth_factor
-        self._backoff_factor = backoff_factor
-        self._growth_interval = growth_interval
-        self._init_growth_tracker = growth_tracker
-        self._hysteresis = hysteresis
-        self._init_hysteresis_tracker = hysteresis_tracker
-        self._min_scale = min_scale
-        self._max_scale = max_scale
-        self._init_skipped_steps = skipped_steps
-        self._init_last_step_skipped = bool(last_skipped)
+        for name, value in _check_state_dict(state_dict, self._hysteresis, self._min_scale, self._max_scale).items():
+            setattr(self, name, value)
         if self._scale is not None:
-            self._scale.fill_(scale)
+            self._scale.fill_(self._init_scale)
         if self._growth_tracker is not None:
-            self._growth_tracker.fill_(growth_tracker)
+            self._growth_tracker.fill_(self._init_growth_tracker)
         if self._hysteresis_tracker is not None:
-            self._hysteresis_tracker.fill_(hysteresis_tracker)
+            self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
         if self._skipped_steps is not None:
-            self._skipped_steps.fill_(skipped_steps)
+            self._skipped_steps.fill_(self._init_skipped_steps)
         if self._last_step_skipped is not None:
             self._last_step_skipped.fill_(self._init_last_step_skipped)
 
@@ -1194,79 +803,3 @@ class Scaler(torch.amp.GradScaler):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-
-
-def _check_scale_settings(
-    where: str, scale_name: str, scale, growth_factor, backoff_factor, growth_interval
-) -> tuple[float, float, float, int]:
-    """Host-side checks of the scale settings torch leaves unchecked; returns them as Python numbers.
-
-    Python numbers (not numpy scalars) are kept, so that :meth:`Scaler.state_dict` loads with
-    ``torch.load(weights_only=True)``.
-    """
-    return (
-        _positive_fp32(where, scale_name, scale),
-        _growth_factor(where, growth_factor),
-        _backoff_factor(where, backoff_factor),
-        _growth_interval(where, growth_interval),
-    )
-
-
-def _sqrt_fp32_exact(x: Tensor) -> Tensor:
-    """``sqrt`` of an fp32 tensor, correctly rounded on every machine.
-
-    torch's CPU fp32 ``sqrt`` is not correctly rounded everywhere (1 ulp off on ~20% of
-    inputs on AMD EPYC, its vectorised math library dispatches by CPU vendor); the fp64
-    square root rounded once to fp32 is (53 >= 2 * 24 + 2 bits: the double rounding is
-    innocuous for sqrt). MPS has no fp64: its own fp32 sqrt there.
-    """
-    if x.device.type == "mps":
-        return x.sqrt()
-    return x.double().sqrt().float()
-
-
-def _plain_grads(optimizer, allow_fp16: bool) -> tuple[list[Tensor], list[int] | None, list[Tensor]] | None:
-    """``(params with a grad, their positions, their grads)`` without a Python call per param.
-
-    ``positions`` (in the optimizer's flattened param order) is None when every param has a
-    grad. None when the per-param loop of ``Scaler._grads_by_device`` is needed: a
-    non-tensor param, a grad that is not a plain ``torch.Tensor`` (DTensor), or fp16 grads
-    where they are refused (that loop raises the error).
-    """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not all(map(isinstance, params, repeat(Tensor))):
-        return None
-    grads = [p.grad for p in params]
-    positions = None
-    if any(map(operator.is_, grads, repeat(None))):
-        positions = [i for i, g in enumerate(grads) if g is not None]
-        params = [params[i] for i in positions]
-        grads = [grads[i] for i in positions]
-    if grads and set(map(type, grads)) != {Tensor}:
-        return None
-    if not allow_fp16 and torch.float16 in {g.dtype for g in grads}:
-        return None
-    return params, positions, grads
-
-
-def _check_process_group(process_group: Any, sharded: Any) -> Any:
-    if not isinstance(sharded, bool):
-        raise TypeError(f"fastamp.Scaler: sharded must be a bool, got {sharded!r}")
-    if process_group is None:
-        if sharded:
-            raise ValueError("fastamp.Scaler: sharded=True needs a process_group to sum the squared norm over")
-        return None
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        raise RuntimeError("fastamp.Scaler: a process_group was given but torch.distributed is not available")
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"fastamp.Scaler: process_group must be a torch.distributed ProcessGroup (e.g. dist.group.WORLD after "
-            f"init_process_group), got {type(process_group).__name__}"
-        )
-    return process_group
-
-
-def _params_with_grads(optimizer) -> list[Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"] if isinstance(p, Tensor) and p.grad is not None]

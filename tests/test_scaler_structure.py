@@ -1,0 +1,154 @@
+"""The Scaler's path to its check kernel: how many Python frames, how many backend resolutions.
+
+``scaler.step`` with an amp-aware optimizer reaches the check kernel through its eager entry,
+``Scaler.step``, the check pass and the one native-first helper shared with
+``fastamp.functional`` (before the split: through a second eager entry, the
+``_check_inf_per_device`` hook, ``_check_grads`` and ``_check_plain``). torch's
+``torch.compiler.disable`` wrapper adds one frame per eager entry once torch._dynamo is imported
+(constructing any ``torch.optim`` optimizer imports it). The backend is resolved once per check
+pass and device, also when the native kernel refuses its input and the per-grad path runs
+(before: up to three times).
+"""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fastamp
+from fastamp import backends
+
+_CHECK_OPS = ("unscale_check_", "unscale_check_stats_")
+_NATIVE = backends.available("native", "unscale_check_", "cpu")[0]
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return fastamp.cast_model(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), torch.float16)
+
+
+def _backward(model, scaler, *, strided=False):
+    model.zero_grad(set_to_none=True)
+    scaler.scale(model(torch.randn(4, 8, dtype=torch.float16)).float().square().mean()).backward()
+    if strided:  # same values, not contiguous: the native kernel refuses, the per-grad path runs
+        model[0].weight.grad = model[0].weight.grad.t().contiguous().t()
+
+
+@pytest.fixture
+def kernel_frames(monkeypatch):
+    """Frames between ``caller`` and each check kernel call, as (file, function) from the outermost."""
+    calls = []
+    real = backends.get_impl
+
+    def get_impl(op, backend):
+        impl = real(op, backend)
+        if op not in _CHECK_OPS:
+            return impl
+
+        def kernel(*args):
+            frames, f = [], sys._getframe(1)
+            while f is not None and f.f_code is not _caller.__code__:
+                frames.append((f.f_code.co_filename, f.f_code.co_name))
+                f = f.f_back
+            calls.append((backend, frames[::-1]))
+            return impl(*args)
+
+        return kernel
+
+    monkeypatch.setattr(backends, "get_impl", get_impl)
+    return calls
+
+
+@pytest.fixture
+def resolutions(monkeypatch):
+    """The check ops ``backends.resolve`` was asked about, in order."""
+    asked = []
+    real = backends.resolve
+
+    def resolve(op, device, backend=None):
+        if op in _CHECK_OPS:
+            asked.append(op)
+        return real(op, device, backend)
+
+    monkeypatch.setattr(backends, "resolve", resolve)
+    return asked
+
+
+def _caller(fn, *args):
+    return fn(*args)
+
+
+def _is_torch_disable_wrapper(frame):
+    filename, name = frame
+    return name == "_fn" and filename.replace("\\", "/").endswith("torch/_dynamo/eval_frame.py")
+
+
+@pytest.mark.skipif(not _NATIVE, reason="the one-call path needs fastamp._C")
+@pytest.mark.parametrize("track_stats", [False, True], ids=["plain", "stats"])
+def test_step_reaches_the_check_kernel_in_four_frames(kernel_frames, track_stats):
+    model = _model()
+    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = fastamp.Scaler(init_scale=2.0**8, track_stats=track_stats)
+    _backward(model, scaler)
+    _caller(scaler.step, opt)
+    scaler.update()
+    assert len(kernel_frames) == 1
+    backend, frames = kernel_frames[0]
+    ours = [name for filename, name in frames if not _is_torch_disable_wrapper((filename, name))]
+    assert backend == "native"
+    assert ours == ["entry", "step", "_check_grads", "_native_fast_path"], frames
+    assert len(frames) - len(ours) <= 1, frames  # torch's disable wrapper of the one eager entry
+
+
+@pytest.mark.filterwarnings("ignore::fastamp.health.AmpPitfallWarning")  # SGD on fp16 params, on purpose
+@pytest.mark.parametrize("strided", [False, True], ids=["one_call", "per_grad"])
+@pytest.mark.parametrize("track_stats", [False, True], ids=["plain", "stats"])
+def test_backend_resolved_once_per_check(resolutions, strided, track_stats):
+    model = _model()
+    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = fastamp.Scaler(init_scale=2.0**8, track_stats=track_stats)
+    _backward(model, scaler, strided=strided)
+    scaler.step(opt)
+    assert resolutions == ["unscale_check_stats_" if track_stats else "unscale_check_"]
+    scaler.update()
+
+    resolutions.clear()
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    _backward(model, scaler, strided=strided)
+    scaler.unscale_(sgd)
+    assert len(resolutions) == 1
+    scaler.update()
+
+    resolutions.clear()
+    _backward(model, scaler, strided=strided)
+    scaler.clip_grad_norm_(sgd, 1e-3)  # an ordinary optimizer: a check pass, then an unscale+clip pass
+    assert len(resolutions) == 2
+    scaler.step(sgd)
+    scaler.update()
+
+
+def test_functional_unscale_check_resolves_once_when_the_native_kernel_refuses(resolutions):
+    grads = [torch.ones(4, 4).t(), torch.ones(3, dtype=torch.float64)]  # strided, fp64: the Python path
+    found_inf = torch.zeros(())
+    total = fastamp.functional.unscale_check_(grads, found_inf, torch.full((), 0.5), compute_sumsq=True)
+    assert resolutions == ["unscale_check_"]
+    assert total.item() == 16 * 0.25 + 3 * 0.25 and found_inf.item() == 0.0
+
+
+def test_step_still_calls_an_overridden_check_inf_hook():
+    """torch's step calls _check_inf_per_device: a subclass that overrides it is still called."""
+    seen = []
+
+    class Logged(fastamp.Scaler):
+        def _check_inf_per_device(self, optimizer):
+            seen.append(optimizer)
+            return super()._check_inf_per_device(optimizer)
+
+    model = _model()
+    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = Logged(init_scale=2.0**8)
+    _backward(model, scaler)
+    scaler.step(opt)
+    scaler.update()
+    assert seen == [opt] and scaler.last_step_skipped is False
