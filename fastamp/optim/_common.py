@@ -13,6 +13,7 @@ import math
 import numbers
 import operator
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from copy import deepcopy
@@ -114,19 +115,46 @@ def check_lowbit_options(opt_name: str, group: dict[str, Any], where: str) -> No
         )
 
 
-def validate_lr(opt_name: str, lr: Any, check_value: bool) -> None:
-    """torch.optim's lr checks and messages; a tensor lr's value is checked only when asked (it syncs)."""
+FP32_MAX = 3.4028234663852886e38
+
+
+def at(message: str, where: str) -> str:
+    """``message`` with the place of the bad value; bare for the defaults, as torch words it."""
+    return message if where in ("the defaults", "") else f"{message} (in {where})"
+
+
+def check_hyper(opt_name: str, name: str, value: Any, where: str, invalid: str, *, upper: float | None = None) -> float:
+    """Refuse a hyperparameter that is not a real number in ``[0, upper)`` (``[0, inf)`` without one).
+
+    torch's own checks (``not 0.0 <= value``) let inf through, and SGD's let NaN through
+    (``value < 0`` is False for NaN); either would silently wreck the params. Values beyond
+    fp32's range are refused too: the kernels compute in fp32, where they become inf.
+    ``invalid`` is torch's message prefix (``"Invalid epsilon value"``); returns the value
+    as a float.
+    """
+    check_real_number(opt_name, name, value)
+    try:
+        v = float(value)
+    except OverflowError:
+        v = math.inf
+    if not (0.0 <= v <= FP32_MAX) or (upper is not None and not v < upper):
+        raise ValueError(at(f"{invalid}: {value}", where))
+    return v
+
+
+def validate_lr(opt_name: str, lr: Any, check_value: bool, where: str = "the defaults") -> None:
+    """torch.optim's lr checks and messages, plus finiteness; a tensor lr's value is checked only when asked (it syncs)."""
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not lr.is_floating_point():
             raise TypeError(f"{opt_name}: a Tensor lr must be floating point, got {lr.dtype}")
-        if check_value and not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
+        if check_value:
+            v = float(lr)
+            if not 0.0 <= v <= FP32_MAX:
+                raise ValueError(at(f"Invalid learning rate: {lr}", where))
         return
-    check_real_number(opt_name, "lr", lr)
-    if not 0.0 <= lr:
-        raise ValueError(f"Invalid learning rate: {lr}")
+    check_hyper(opt_name, "lr", lr, where, "Invalid learning rate")
 
 
 def check_backend_arg(opt_name: str, backend: Any) -> Any:
@@ -247,19 +275,24 @@ class StepCohorts:
     from equal counts and took part in the same ``step()`` calls carry the same token
     (their counts were incremented by the same on-device ``found_inf`` flags), and only
     params with equal tokens share a launch. In the usual case (every param has a grad
-    every step) there is one cohort.
+    every step) there is one cohort. A count the host knows by value (just created, just
+    loaded, or read after a write from outside) gets the token of that value.
     """
 
     def __init__(self) -> None:
-        self.fresh = object()
         self._token: dict[int, object] = {}
         self._remap: dict[object, object] = {}
+        self._by_value: dict[float, object] = {}
 
     def begin_step(self) -> None:
         self._remap = {}
+        self._by_value = {}
 
-    def get(self, p: Tensor) -> object:
-        return self._token.get(id(p), self.fresh)
+    def get(self, p: Tensor) -> object | None:
+        return self._token.get(id(p))
+
+    def of_value(self, value: float) -> object:
+        return self._by_value.setdefault(value, object())
 
     def advance(self, p: Tensor, token: object) -> None:
         new = self._remap.get(token)
@@ -273,6 +306,67 @@ class StepCohorts:
         by_value: dict[float, object] = {}
         for p, value in params_and_steps:
             self._token[id(p)] = by_value.setdefault(value, object())
+
+
+class StateTable(defaultdict):
+    """``optimizer.state`` that tells its optimizer when an entry is assigned or removed.
+
+    The launch plan holds each param's state dict; ``opt.state[p] = {}`` (a layer's state
+    reset by a new dict) or ``del opt.state[p]`` must not leave it updating the old dict,
+    and must not keep the old tensors alive. Any change of the table drops the plan; the
+    next step plans again. Pickles and copies as a plain ``defaultdict(dict)``.
+    """
+
+    def __init__(self, *args: Any, owner: Any = None) -> None:
+        super().__init__(*args)
+        self._owner = None if owner is None else weakref.ref(owner)
+
+    def _changed(self) -> None:
+        owner = None if self._owner is None else self._owner()
+        if owner is not None:
+            owner._plan = None
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def pop(self, *args: Any) -> Any:
+        self._changed()
+        return super().pop(*args)
+
+    def popitem(self) -> Any:
+        self._changed()
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        if key not in self:
+            self._changed()
+        return super().setdefault(key, default)
+
+    def __ior__(self, other: Any) -> StateTable:
+        self.update(other)
+        return self
+
+    def __reduce__(self) -> Any:
+        return (defaultdict, (self.default_factory,), None, None, iter(self.items()))
+
+    def __copy__(self) -> defaultdict:
+        return defaultdict(self.default_factory, self)
+
+    def __deepcopy__(self, memo: dict) -> defaultdict:
+        return defaultdict(self.default_factory, deepcopy(dict(self), memo))
 
 
 _INT_STATE: dict[str, tuple[torch.dtype, Callable[[Tensor], tuple[int, ...]]]] = {
@@ -432,20 +526,121 @@ def params_with_state(opt: torch.optim.Optimizer) -> list[Tensor]:
     return [p for g in opt.param_groups for p in g["params"] if len(opt.state.get(p, {})) > 0]
 
 
+def where_of(gi: int, i: int, p: Tensor) -> str:
+    """How errors name a param: its place in ``param_groups`` and its shape."""
+    return f"param {i} of param group {gi} (shape {tuple(p.shape)})"
+
+
+def _span(t: Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` that ``t``'s elements lie within, or None when it has none."""
+    n = t.numel()
+    if n == 0:
+        return None
+    start = t.data_ptr()
+    if start == 0:  # no storage (meta)
+        return None
+    if t.is_contiguous():
+        return start, start + n * t.element_size()
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _elements_overlap(a: Tensor, span_a: tuple[int, int], b: Tensor, span_b: tuple[int, int]) -> bool:
+    """Whether two tensors whose spans intersect share a byte (exact for strided views)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    lo, hi = min(span_a[0], span_b[0]), max(span_a[1], span_b[1])
+    if hi - lo > 1 << 28:
+        return True  # too large to mark; the spans intersect, so refuse rather than guess
+    # Only sizes and strides matter: mark a's bytes in a host buffer covering both spans.
+    mark = torch.zeros(hi - lo, dtype=torch.uint8)
+
+    def cover(t: Tensor, start: int) -> Tensor:
+        isz = t.element_size()
+        return torch.as_strided(mark, (*t.shape, isz), (*(s * isz for s in t.stride()), 1), start - lo)
+
+    try:
+        cover(a, span_a[0]).fill_(1)
+    except RuntimeError:  # a overlaps itself (a zero stride): no element-wise update can be right
+        return True
+    return bool(cover(b, span_b[0]).any())
+
+
+def check_no_shared_memory(opt_name: str, param_groups: Sequence[dict[str, Any]]) -> None:
+    """Refuse params of one optimizer whose memory overlaps (two Parameters over one storage).
+
+    torch updates such params one after the other, so both updates land (how they combine
+    depends on torch's code path). A fused launch cannot: threads update both at once from
+    stale reads, a strided param is updated through a contiguous copy written back over
+    the other's update, and each param keeps its own master and moments, which can never
+    agree with one shared storage. Params that are disjoint views of one buffer (a flat
+    parameter buffer, interleaved columns) are fine. The same param object twice is torch's
+    duplicate check. Costs a few attribute reads per param and a sort of their addresses.
+    """
+    places = [(gi, i) for gi, group in enumerate(param_groups) for i in range(len(group["params"]))]
+    params = [p for group in param_groups for p in group["params"]]
+    ts = [local_of(p) for p in params] if any(map(is_dtensor, params)) else params
+    starts = list(map(Tensor.data_ptr, ts))
+    sizes = list(map(_NBYTES, ts))
+    dense = list(map(Tensor.is_contiguous, ts))
+    devices = list(map(Tensor.get_device, ts))
+    spans = []
+    for k, (start, size) in enumerate(zip(starts, sizes)):
+        if size == 0 or start == 0:  # no elements, or no storage (meta)
+            continue
+        end = start + size if dense[k] else _span(ts[k])[1]
+        spans.append((devices[k], start, end, k))
+    spans.sort()
+    device, reach = None, 0
+    for dev, start, end, _ in spans:
+        if dev == device and start < reach:
+            break
+        if dev != device:
+            device, reach = dev, end
+        else:
+            reach = max(reach, end)
+    else:
+        return  # no two address ranges intersect
+    active: list[tuple[int, int, int, int]] = []
+    for dev, start, end, k in spans:
+        active = [a for a in active if a[0] == dev and a[2] > start]
+        for _, a_start, a_end, ak in active:
+            if _elements_overlap(ts[ak], (a_start, a_end), ts[k], (start, end)):
+                first, second = sorted((ak, k), key=places.__getitem__)
+                (gi, i), (gj, j) = places[first], places[second]
+                raise ValueError(
+                    f"{opt_name}: {where_of(gi, i, params[first])} and {where_of(gj, j, params[second])} share "
+                    "memory (two Parameters over one storage, such as a weight and its transposed view, or "
+                    "overlapping views). A fused step would lose one of their updates, and each would keep its "
+                    "own master and moments. Tie them as one Parameter (e.g. `head.weight = emb.weight`, which "
+                    "torch.optim also updates once), or give each its own storage (`.clone()`)."
+                )
+        active.append((dev, start, end, k))
+
+
+_NBYTES = operator.attrgetter("nbytes")
+_get_step = operator.itemgetter("step")
+
+
 class _Run:
     """One kernel call of a launch plan: its params, where their grads sit, their states.
 
-    Built once per plan; :meth:`refresh` fills the per-step lists (this step's grads, the
-    masters read from the states, contiguous copies of strided params).
+    Built once per plan. ``planned`` holds, per state key the launch reads, the tensors it
+    was planned with; every step checks (by identity, a C-level pass) that the states still
+    hold them, so a tensor replaced by assignment is validated by a new plan before any
+    kernel runs. :meth:`refresh` fills the per-step lists (this step's grads, contiguous
+    copies of strided params).
     """
 
     __slots__ = (
         "op",
         "kind",
+        "keys",
         "params",
         "grads",
         "states",
-        "masters",
+        "planned",
+        "launch",
         "ids",
         "gidx",
         "strided",
@@ -453,14 +648,16 @@ class _Run:
         "rng",
         "rng_base",
         "dtensor",
+        "whole",
     )
 
-    def __init__(self, op: str, kind: str) -> None:
-        self.op, self.kind = op, kind
+    def __init__(self, op: str, kind: str, keys: tuple[str, ...] = ()) -> None:
+        self.op, self.kind, self.keys = op, kind, keys
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[dict[str, Any]] = []
-        self.masters: list[Tensor] = []
+        self.planned: dict[str, list[Tensor]] = {}
+        self.launch: dict[str, list[Tensor]] = {}  # what the kernels get: local shards of DTensor state
         self.ids: list[int] = []
         self.gidx: list[int] = []  # position of each param in its group (where its grad is gathered)
         self.strided: list[tuple[int, Tensor]] = []  # (position in this run, param) of non-contiguous params
@@ -468,6 +665,7 @@ class _Run:
         self.rng: Tensor | None = None
         self.rng_base = 0
         self.dtensor = False  # DTensor params (FSDP2): the kernels get the local shards
+        self.whole = False  # holds every param of its group, in order: takes the group's grads as they are
 
     def add(self, p: Tensor, pos: int, st: dict[str, Any], sr_id: int | None) -> None:
         if is_dtensor(p):
@@ -481,15 +679,40 @@ class _Run:
         if sr_id is not None:
             self.ids.append(sr_id)
 
+    def seal(self, group_size: int) -> None:
+        """Record the state tensors the launch reads, once the states are complete."""
+        self.whole = self.gidx == list(range(group_size))
+        for key in self.keys:
+            tensors = [st[key] for st in self.states]
+            self.planned[key] = tensors
+            self.launch[key] = [local_of(t) for t in tensors] if self.dtensor else tensors
+        if self.ids:
+            self.rng = self.launch["rng"][0]
+            self.rng_base = self.ids[0]
+
+    def intact(self) -> bool:
+        """Whether every state still holds the planned tensors (none replaced or removed)."""
+        try:
+            for key, tensors in self.planned.items():
+                if not all(map(operator.is_, map(operator.itemgetter(key), self.states), tensors)):
+                    return False
+        except KeyError:
+            return False
+        return True
+
+    @property
+    def masters(self) -> list[Tensor]:
+        if self.kind == "fp32":
+            return self.launch["master_param"]
+        if self.kind == "remainder":
+            return self.launch["master_remainder"]
+        return []
+
     def refresh(self, grads: list[Tensor]) -> None:
         """This step's lists; ``grads`` are the group's grads (contiguous, checked by the caller)."""
-        self.grads = [grads[i] for i in self.gidx]
+        self.grads = grads if self.whole else [grads[i] for i in self.gidx]
         if self.dtensor:
             self.grads = [local_of(g) for g in self.grads]
-        if self.kind == "fp32":
-            self.masters = self.state_list("master_param")
-        elif self.kind == "remainder":
-            self.masters = self.state_list("master_remainder")
         self.copy_back = []
         for pos, p in self.strided:
             tmp = p.detach().contiguous()
@@ -498,28 +721,27 @@ class _Run:
 
     def state_list(self, key: str) -> list[Tensor]:
         """``state[key]`` of every param, as the tensors the kernels update (local shards of DTensors)."""
-        if self.dtensor:
-            return [local_of(st[key]) for st in self.states]
-        return [st[key] for st in self.states]
+        return self.launch[key]
 
     def release(self) -> None:
         """Drop this step's lists after the launch, so that the plan keeps no grad alive."""
-        self.grads, self.masters, self.copy_back = [], [], []
+        self.grads, self.copy_back = [], []
         for pos, p in self.strided:
             self.params[pos] = p
 
     def split(self) -> list[_Run]:
         """Runs whose stochastic-rounding tensor ids are consecutive (the kernel numbers them base + i)."""
-        if not self.ids:
+        ids = self.ids
+        if not ids or ids[-1] - ids[0] == len(ids) - 1:
             return [self]
         runs, start = [], 0
-        for i in range(1, len(self.ids) + 1):
-            if i == len(self.ids) or self.ids[i] != self.ids[i - 1] + 1:
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[i - 1] + 1:
                 r = _Run(self.op, self.kind)
-                for name in ("params", "grads", "states", "masters"):
-                    setattr(r, name, getattr(self, name)[start:i] if getattr(self, name) else [])
-                r.rng = self.states[start]["rng"]
-                r.rng_base = self.ids[start]
+                r.params, r.grads, r.states = self.params[start:i], self.grads[start:i], self.states[start:i]
+                r.launch = {key: tensors[start:i] for key, tensors in self.launch.items()}
+                r.rng = r.launch["rng"][0]
+                r.rng_base = ids[start]
                 r.dtensor = self.dtensor
                 runs.append(r)
                 start = i
@@ -530,10 +752,13 @@ class _Bucket:
     """Params of one group on one device whose step counts are equal (one set of step scalars).
 
     Their ``step`` tensors are 0-dim views of one buffer, so a step increments them all in
-    one op; the views are checked each step to still be the state's ``step`` tensors.
+    one op. Each step checks that the states still hold these views (identity) and that
+    nobody wrote to them (the buffer's version counter, shared by its views, moved only by
+    the optimizer's own increment): ``state[p]["step"].zero_()`` or a replaced ``step``
+    leads to a new plan that reads the counts.
     """
 
-    __slots__ = ("dev", "runs", "steps", "step_buf", "states", "rngs")
+    __slots__ = ("dev", "runs", "steps", "step_buf", "states", "rngs", "known")
 
     def __init__(self, dev: torch.device) -> None:
         self.dev = dev
@@ -542,36 +767,77 @@ class _Bucket:
         self.step_buf: Tensor | None = None
         self.states: list[dict[str, Any]] = []
         self.rngs: list[Tensor] = []
+        self.known: list[Any] = [None, 0]  # the optimizer's record of step_buf: [weakref, expected version]
 
-    def share_steps(self, states: list[dict[str, Any]]) -> None:
+    def share_steps(self, states: list[dict[str, Any]], remember: Callable[[Tensor], list[Any]]) -> None:
         """Make the ``step`` tensors of ``states`` (equal values) views of one buffer."""
         if not states:
             return
         buf = torch.stack([st["step"].reshape(()) for st in states])
         self.step_buf, self.states = buf, states
-        self.steps = [buf[i] for i in range(len(states))]
+        self.steps = list(buf.unbind(0))
         for st, view in zip(states, self.steps):
             st["step"] = view
+        self.known = remember(buf)
 
-    def steps_intact(self) -> bool:
-        """Whether the states still hold the planned ``step`` views (not replaced by assignment)."""
-        return all(map(operator.is_, [st.get("step") for st in self.states], self.steps))
+    def intact(self) -> bool:
+        """Whether the step views are untouched and every run's state tensors are the planned ones."""
+        if self.step_buf is not None:
+            if self.step_buf._version != self.known[1]:
+                return False
+            try:
+                if not all(map(operator.is_, map(_get_step, self.states), self.steps)):
+                    return False
+            except KeyError:
+                return False
+        return all(run.intact() for run in self.runs.values())
 
 
 class _GroupPlan:
     """The launches of one param group, and what they assumed about it."""
 
-    __slots__ = ("group", "params", "key", "param_dtypes", "grad_dtypes", "buckets", "remainder", "versions")
+    __slots__ = (
+        "group",
+        "params",
+        "key",
+        "param_dtypes",
+        "grad_sig",
+        "ptrs",
+        "dtensor",
+        "strided_grads",
+        "buckets",
+        "remainder",
+        "versions",
+    )
 
     def __init__(self, group: dict[str, Any], key: tuple) -> None:
         self.group = group
         self.params: list[Tensor] = list(group["params"])
         self.key = key
         self.param_dtypes = [p.dtype for p in self.params]
-        self.grad_dtypes = [None if p.grad is None else p.grad.dtype for p in self.params]
+        grads = [p.grad for p in self.params]
+        self.grad_sig = self.grad_signature(grads)
+        self.dtensor = any(map(is_dtensor, self.params))
+        self.ptrs = self.data_ptrs(self.params)
+        self.strided_grads = [i for i, g in enumerate(grads) if g is not None and not g.is_contiguous()]
         self.buckets: list[_Bucket] = []
         self.remainder: list[Tensor] = []  # params with remainder masters, in plan order
         self.versions: list[int] | None = None  # their ``_version`` after the last step
+
+    @staticmethod
+    def grad_signature(grads: list[Tensor | None]) -> list[Any]:
+        """Per grad: None, its dtype when dense and contiguous, ``(dtype,)`` when strided (one pass).
+
+        Raises RuntimeError for a sparse grad (no ``is_contiguous``).
+        """
+        return [None if g is None else g.dtype if g.is_contiguous() else (g.dtype,) for g in grads]
+
+    def data_ptrs(self, params: list[Tensor]) -> list[int]:
+        # A param's storage changes with `.data = ...` (a resize, `model.to(memory_format=...)`,
+        # a dtype or device move) without any version counter noticing; its address shows it.
+        if self.dtensor:
+            return [local_of(p).data_ptr() for p in params]
+        return list(map(Tensor.data_ptr, params))
 
 
 class _Plan:
@@ -590,10 +856,11 @@ class FusedOptimizer(torch.optim.Optimizer):
     """The step loop, master-weight bookkeeping and state_dict shared by fastamp's optimizers.
 
     A subclass defines its update through a few hooks: ``_validate_group``, ``_kernel_op``,
-    ``_init_state`` (its own state: moments, buffers, ``step``), ``_extra_key``,
-    ``_uses_rng``, ``_scalars`` and ``_launch``; ``_COUNT_BEFORE`` says whether ``step`` is
-    incremented before the step scalars are computed (AdamW: bias corrections use the new
-    count) or after (SGD: ``is_first`` uses the count of applied steps before this one).
+    ``_init_state`` (its own state: moments, buffers, ``step``), ``_moment_keys``,
+    ``_extra_key``, ``_uses_rng``, ``_hyper``, ``_scalars`` and ``_launch``;
+    ``_COUNT_BEFORE`` says whether ``step`` is incremented before the step scalars are
+    computed (AdamW: bias corrections use the new count) or after (SGD: ``is_first`` uses
+    the count of applied steps before this one).
 
     Master bookkeeping (see :func:`master_kind`): an fp32 master is created from the param;
     a remainder starts at 0 (master == param). A loaded ``master_param`` for a param in
@@ -607,23 +874,38 @@ class FusedOptimizer(torch.optim.Optimizer):
     remainder. ``param.data.copy_(...)`` and other writes through ``.data`` bypass version
     counters and cannot be detected: call :meth:`reset_master_weights` after them.
 
+    Atomic steps: a step validates everything it is about to use, in every group (params,
+    grads, every state tensor, step counts, hyperparameters, params sharing memory, the
+    backend) before it changes anything; an error names the param by group, index and shape.
+
     Launch plan: a step groups the params with a grad into kernel launches and keeps that
     plan; later steps reuse it while it fits, checking per param only a few attribute reads
-    (which params have a grad, param and grad dtypes, dense contiguous grads), so a step over
-    tens of thousands of small params costs little host time. Which params have a grad, a
-    dtype, a group's layout settings (``master_weights``, ``stochastic_rounding``, ``seed``,
-    and the subclass's, see ``_plan_key``), ``add_param_group``, ``load_state_dict`` and
-    :meth:`reset_master_weights` lead to a new plan; ``lr``, betas, ``eps``, ``weight_decay``
-    and the like are read at every step, and state tensors replaced by assignment
-    (``opt.state[p]["exp_avg"] = t``) are read from the state at every step. Replacing a
-    param's whole state dict (``opt.state[p] = {...}``) is not seen: load state with
-    ``load_state_dict``. The ``step`` tensors of the params of one launch are 0-dim views of
-    one buffer (one add per step, not one per param); they are saved, exported and loaded
-    as ordinary per-param counts.
+    and identity tests (which params have a grad, param and grad dtypes, grad layouts, the
+    params' storage addresses, that each state still holds the planned tensors), so a step
+    over tens of thousands of small params costs little host time. Anything else leads to a
+    new plan, validated in full: a param replaced or resized through ``.data``, a layout
+    change (``model.to(memory_format=torch.channels_last)``), a state tensor replaced by
+    assignment (``opt.state[p]["exp_avg"] = t``), a state dict assigned or removed
+    (``opt.state[p] = {}``, ``del opt.state[p]``), a layout setting of a group
+    (``master_weights``, ``stochastic_rounding``, ``seed``, and the subclass's, see
+    ``_plan_key``), ``add_param_group``, ``load_state_dict`` and :meth:`reset_master_weights`.
+    ``lr``, betas, ``eps``, ``weight_decay`` and the like are read (and validated) at every
+    step.
+
+    Step counts: the ``step`` tensors of the params of one launch are 0-dim views of one
+    buffer (one add per step, not one per param); they are saved, exported and loaded as
+    ordinary per-param counts. Each param's bias correction uses its own count, as in
+    torch: a ``step`` replaced (``state[p]["step"] = torch.tensor(0.)``) or written in place
+    (``.zero_()``, ``.fill_()``, ``+=``; these move the version counter the views share)
+    is seen at the next step, which then reads the counts it can no longer vouch for (one
+    host read) and regroups the launches. Writes through ``.data`` (of a step, a state
+    tensor or a grad) bypass version counters and identity and are not seen; a same-address
+    rebind of a param (``p.data = p.data.t()``) is not either.
     """
 
     _NAME = "FusedOptimizer"
     _COUNT_BEFORE = True
+    _STEP_REQUIRED = False  # a non-empty state must hold a ``step`` (AdamW: bias corrections)
     _step_supports_amp_scaling = True
 
     # ---- hooks -------------------------------------------------------------------------
@@ -633,14 +915,23 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
         raise NotImplementedError
 
-    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> None:
+    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
+        """Create missing state; returns the value of a ``step`` it created (None if it created none)."""
         raise NotImplementedError
+
+    def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state keys of the update's own buffers (shaped like the param, floating point)."""
+        return ()
 
     def _extra_key(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> tuple:
         return ()
 
     def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
         return kind == "sr"
+
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The group as the kernels read it this step (e.g. tensor betas read as floats)."""
+        return group
 
     def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
         raise NotImplementedError
@@ -654,6 +945,22 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._cohorts = StepCohorts()
         self._param_versions: dict[int, int] = {}
         self._plan: _Plan | None = None
+        self._known_steps: dict[int, list[Any]] = {}
+        self._step_of: dict[int, Tensor] = {}  # id(param) -> the step tensor it was given
+        # torch's __init__ adds the groups one by one: check shared memory once at the end
+        # (once per group would cost groups x params, e.g. one group per param)
+        self._constructing = True
+
+    def _finish_init(self) -> None:
+        """The checks deferred during ``__init__``, and the tracked state table."""
+        self._constructing = False
+        check_no_shared_memory(self._NAME, self.param_groups)
+        self._track_state()
+
+    def _track_state(self) -> None:
+        """Make ``self.state`` a :class:`StateTable` owned by this optimizer."""
+        self.state = StateTable(dict, self.state, owner=self)
+        self._plan = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -673,12 +980,14 @@ class FusedOptimizer(torch.optim.Optimizer):
                         "duplicate params are not allowed"
                     )
                 seen[id(p)] = i
+            if not getattr(self, "_constructing", False):
+                check_no_shared_memory(self._NAME, self.param_groups)
         except Exception:
             self.param_groups.pop()
             raise
 
     def _prepare_group(self, group: dict[str, Any]) -> None:
-        """Normalise a new group in place (e.g. tensor betas to floats) before validation."""
+        """Normalise a new group in place before validation."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -689,27 +998,67 @@ class FusedOptimizer(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("backend", None)
         self._param_versions = {}
-        self._plan = None
+        self._known_steps = {}
+        self._step_of = {}
         for group in self.param_groups:
             for k, v in self._group_setdefaults().items():
                 group.setdefault(k, v)
+        self._track_state()
         self._rebuild_cohorts()
 
     def _group_setdefaults(self) -> dict[str, Any]:
         return {"maximize": False, "master_weights": None, "stochastic_rounding": False, "seed": 0}
 
+    def _remember_steps(self, t: Tensor) -> list[Any]:
+        """Vouch for the step count(s) in ``t`` as they are now: ``[weakref, version]``, updated by each increment."""
+        known = self._known_steps
+        key = id(t)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            entry = known.get(key)
+            if entry is not None and entry[0] is ref:
+                del known[key]
+
+        entry = [weakref.ref(t, forget), t._version]
+        known[key] = entry
+        return entry
+
+    def _step_trusted(self, p: Tensor, step: Any) -> bool:
+        """Whether ``step`` is the count this optimizer gave ``p`` and nobody wrote since.
+
+        The counts it gives out are views of buffers it remembers (``_remember_steps``), so
+        an in-place write to any of them moves the buffer's version counter.
+        """
+        if self._step_of.get(id(p)) is not step:
+            return False
+        base = step._base
+        entry = self._known_steps.get(id(base))
+        return entry is not None and entry[0]() is base and base._version == entry[1]
+
     def _rebuild_cohorts(self) -> None:
-        """Cohort tokens from the stored step counts (one read per device, off the hot path)."""
+        """Cohort tokens from the stored step counts (one read per device, off the hot path).
+
+        The counts become 0-dim views of one fp32 buffer per device, which this optimizer
+        then vouches for as a whole (one version counter to check, one record rather than one
+        per param). Counts that are not fp32 0-dim tensors on their param's device get no
+        token and are read at the next step.
+        """
         self._cohorts = StepCohorts()
-        by_device: dict[torch.device, list[Tensor]] = {}
+        self._step_of = {}
+        by_device: dict[torch.device, list[tuple[Tensor, dict[str, Any]]]] = {}
         for p in params_with_state(self):
-            step = self.state[p].get("step")
-            if isinstance(step, Tensor):
-                by_device.setdefault(step.device, []).append(p)
+            st = self.state[p]
+            step = st.get("step")
+            if type(step) is Tensor and step.dtype == torch.float32 and step.numel() == 1 and step.device == p.device:
+                by_device.setdefault(step.device, []).append((p, st))
         pairs = []
-        for plist in by_device.values():
-            values = torch.stack([self.state[p]["step"].reshape(()).float() for p in plist]).cpu().tolist()
-            pairs.extend(zip(plist, values))
+        for entries in by_device.values():
+            buf = torch.stack([st["step"].detach().reshape(()) for _, st in entries])
+            for (p, st), view in zip(entries, buf.unbind(0)):
+                st["step"] = view
+                self._step_of[id(p)] = view
+            self._remember_steps(buf)
+            pairs.extend(zip((p for p, _ in entries), buf.cpu().tolist()))
         self._cohorts.rebuild(pairs)
 
     # ---- masters -----------------------------------------------------------------------
@@ -785,6 +1134,152 @@ class FusedOptimizer(torch.optim.Optimizer):
                     ids[id(p)] = len(ids)
         return ids
 
+    # ---- validation ----------------------------------------------------------------------
+    def _check_state_tensor(
+        self,
+        gi: int,
+        i: int,
+        p: Tensor,
+        key: str,
+        t: Any,
+        dtype: torch.dtype | None,
+        shape: tuple | None = None,
+        contiguous: bool = False,
+    ) -> None:
+        """Refuse a state tensor the kernels cannot use for ``p``, naming the param and the key."""
+        if (
+            type(t) is Tensor
+            and type(p) is Tensor
+            and (t.is_floating_point() if dtype is None else t.dtype == dtype)
+            and t.shape == (p.shape if shape is None else shape)
+            and t.device == p.device
+            and (not contiguous or t.is_contiguous())
+        ):
+            return
+        if not isinstance(t, Tensor):
+            raise ValueError(
+                f"{self._NAME}: {where_of(gi, i, p)}: its state {key!r} must be a tensor, got {type(t).__name__}"
+            )
+        if dtype is None:
+            if not t.is_floating_point():
+                raise ValueError(
+                    f"{self._NAME}: {where_of(gi, i, p)}: its state {key!r} must be a real floating point "
+                    f"tensor, got {t.dtype}"
+                )
+        elif t.dtype != dtype:
+            raise ValueError(f"{self._NAME}: {where_of(gi, i, p)}: its state {key!r} must be {dtype}, got {t.dtype}")
+        want = tuple(p.shape) if shape is None else shape
+        if tuple(t.shape) != want:
+            raise ValueError(
+                f"{self._NAME}: {where_of(gi, i, p)}: its state {key!r} has shape {tuple(t.shape)}, expected "
+                f"{want}. Was the param resized or replaced (`.data = ...`) after its state was created? Reset "
+                "its state (`del opt.state[p]`) or restore the param."
+            )
+        if t.device != p.device:
+            raise ValueError(
+                f"{self._NAME}: {where_of(gi, i, p)}: its state {key!r} is on {t.device} but the param is on "
+                f"{p.device}; move the model before building the optimizer, or load the state again"
+            )
+        if shape is None and is_dtensor(t) != is_dtensor(p):  # a fixed-shape state (rng) is never sharded
+            raise ValueError(
+                f"{self._NAME}: {where_of(gi, i, p)}: its state {key!r} is "
+                f"{'a DTensor' if is_dtensor(t) else 'a plain tensor'} but the param is "
+                f"{'a DTensor' if is_dtensor(p) else 'a plain tensor'}"
+            )
+        if contiguous and not local_of(t).is_contiguous():
+            raise ValueError(f"{self._NAME}: {where_of(gi, i, p)}: its state {key!r} must be contiguous")
+
+    def _check_state(
+        self,
+        gi: int,
+        i: int,
+        p: Tensor,
+        st: dict[str, Any],
+        group: dict[str, Any],
+        kind: str,
+        moment_keys: tuple[str, ...],
+    ) -> bool:
+        """Validate the state the next launch of ``p`` reads (changes nothing).
+
+        Returns whether its ``step`` is a count the optimizer cannot vouch for (written from
+        outside, or not its own tensor), whose value must be read.
+        """
+        step = st.get("step")
+        if step is None:
+            if self._STEP_REQUIRED:
+                raise ValueError(
+                    f"{self._NAME}: {where_of(gi, i, p)}: its state has no 'step' (keys {sorted(st)}); reset the "
+                    "whole state (`opt.state[p].clear()`) or set its step count"
+                )
+            untrusted = False
+        else:
+            untrusted = not self._step_trusted(p, step)
+            if untrusted and not (
+                (isinstance(step, numbers.Real) and not isinstance(step, bool))
+                or (
+                    isinstance(step, Tensor)
+                    and step.numel() == 1
+                    and not step.is_complex()
+                    and step.dtype != torch.bool
+                    and not is_dtensor(step)
+                )
+            ):
+                raise ValueError(
+                    f"{self._NAME}: {where_of(gi, i, p)}: its state 'step' must be a number or a 1-element real "
+                    f"tensor, got {_fmt_shape(step) if isinstance(step, Tensor) else type(step).__name__}"
+                    + (f" {step.dtype}" if isinstance(step, Tensor) else "")
+                )
+        shape, device = p.shape, p.device
+        for key in moment_keys:
+            t = st.get(key)
+            # the common case inline: a rebuild at tens of thousands of params checks every state
+            if t is not None and not (
+                type(t) is Tensor and t.shape == shape and t.device == device and t.is_floating_point()
+            ):
+                self._check_state_tensor(gi, i, p, key, t, None)
+        if kind == "fp32" or kind == "remainder":
+            t = st.get("master_param")
+            if t is not None and not (
+                type(t) is Tensor
+                and t.dtype == torch.float32
+                and t.shape == shape
+                and t.device == device
+                and t.is_contiguous()
+            ):
+                self._check_state_tensor(gi, i, p, "master_param", t, torch.float32, contiguous=True)
+            t = st.get("master_remainder")
+            if t is not None:
+                self._check_state_tensor(gi, i, p, "master_remainder", t, torch.int16, contiguous=True)
+        if "rng" in st and self._uses_rng(group, p, st, kind):
+            self._check_state_tensor(gi, i, p, "rng", st["rng"], torch.int64, (2,), contiguous=True)
+        return untrusted
+
+    def _read_steps(self, untrusted: list[tuple[int, int, Tensor, Any]]) -> dict[int, float]:
+        """The values of step counts written from outside (one host read per device), validated."""
+        values: dict[int, float] = {}
+        by_device: dict[torch.device, list[tuple[int, int, Tensor, Tensor]]] = {}
+        for gi, i, p, step in untrusted:
+            if isinstance(step, Tensor):
+                by_device.setdefault(step.device, []).append((gi, i, p, step))
+            else:
+                try:
+                    value = float(step)
+                except OverflowError:
+                    value = math.inf
+                values[id(p)] = self._step_value(gi, i, p, value)
+        for entries in by_device.values():
+            read = torch.stack([s.detach().reshape(()).to(torch.float64) for *_, s in entries]).cpu().tolist()
+            for (gi, i, p, _), v in zip(entries, read):
+                values[id(p)] = self._step_value(gi, i, p, v)
+        return values
+
+    def _step_value(self, gi: int, i: int, p: Tensor, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(
+                f"{self._NAME}: {where_of(gi, i, p)}: its state 'step' must be finite and >= 0, got {value}"
+            )
+        return value
+
     # ---- the step ------------------------------------------------------------------------
     def _plan_key(self, group: dict[str, Any]) -> tuple:
         """The group settings that decide how its params are laid out in launches.
@@ -794,42 +1289,72 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         return (group["master_weights"], group["stochastic_rounding"], group["seed"])
 
-    def _collect(self) -> list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]]:
-        """Every (group, [(index, param, grad)]) to update, fully validated; changes nothing."""
+    def _launch_keys(self, group: dict[str, Any], kind: str, use_rng: bool) -> tuple[str, ...]:
+        keys = self._moment_keys(group)
+        if kind == "fp32":
+            keys += ("master_param",)
+        elif kind == "remainder":
+            keys += ("master_remainder",)
+        if use_rng:
+            keys += ("rng",)
+        return keys
+
+    def _collect(self) -> tuple[list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]], dict[int, float]]:
+        """Every (group, [(index, param, grad)]) to update and the step counts to read, fully validated.
+
+        Checks everything the launches will use, in every group, and changes nothing: a
+        failing step leaves params, grads and state as they were. Returns the work and the
+        values of step counts written from outside since the optimizer last vouched for them.
+        """
         from fastamp import backends
 
         work = []
         needed: set[tuple[str, torch.device]] = set()
+        untrusted: list[tuple[int, int, Tensor, Any]] = []
+        state = self.state
         for gi, group in enumerate(self.param_groups):
-            self._validate_group(group, f"param group {gi}")
             items = []
+            moment_keys = self._moment_keys(group)
             for i, p in enumerate(group["params"]):
                 g = p.grad
                 if g is None:
                     continue
                 if p.dtype not in PARAM_DTYPES:
-                    check_param_dtype(self._NAME, p, f"param {i} of param group {gi}")
-                check_grad(self._NAME, p, g, f"param {i} of param group {gi}")
-                if is_dtensor(p) and self._kind(group, p) == "remainder":
+                    check_param_dtype(self._NAME, p, where_of(gi, i, p))
+                if (
+                    g.layout is not torch.strided
+                    or g.dtype not in GRAD_DTYPES
+                    or g.device != p.device
+                    or g.shape != p.shape
+                ):
+                    check_grad(self._NAME, p, g, where_of(gi, i, p))
+                kind = self._kind(group, p)
+                if is_dtensor(p) and kind == "remainder":
                     raise NotImplementedError(
-                        f"{self._NAME}: param {i} of param group {gi} is a DTensor (FSDP2) with "
+                        f"{self._NAME}: {where_of(gi, i, p)} is a DTensor (FSDP2) with "
                         "master_weights='remainder', which is not supported yet; use master_weights=True "
                         "(fp32 masters, sharded like the param) or stochastic_rounding=True"
                     )
+                st = state.get(p)
+                if st and self._check_state(gi, i, p, st, group, kind, moment_keys):
+                    untrusted.append((gi, i, p, st["step"]))
                 items.append((i, p, g))
-                needed.add((self._kernel_op(group, p, self._kind(group, p)), p.device))
+                needed.add((self._kernel_op(group, p, kind), p.device))
             work.append((group, items))
+        check_no_shared_memory(self._NAME, self.param_groups)
         for op, dev in sorted(needed, key=str):
             backends.resolve(op, dev, self.backend)
-        return work
+        return work, self._read_steps(untrusted)
 
-    def _build_plan(self, work: list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]]) -> _Plan:
+    def _build_plan(
+        self, work: list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]], step_values: dict[int, float]
+    ) -> _Plan:
         """Create missing state and masters and group the params with a grad into launches.
 
-        Called when there is no plan or it no longer fits (first step, a param gained or
-        lost its grad, a grad or param dtype changed, a layout setting of a group changed,
-        state was loaded). Advances the step cohorts of the params it plans: the plan is
-        executed right after.
+        Called when there is no plan or it no longer fits (see ``_gather``), after
+        ``_collect`` validated everything. Advances the step cohorts of the params it plans:
+        the plan is executed right after. ``step_values``: counts read from the host (written
+        from outside), which replace those params' step tensors and decide their cohorts.
         """
         plan = _Plan()
         cohorts = self._cohorts
@@ -840,13 +1365,23 @@ class FusedOptimizer(torch.optim.Optimizer):
             # (device, cohort) -> bucket
             buckets: dict[Any, _Bucket] = {}
             step_states: dict[Any, list[dict[str, Any]]] = {}
+            step_params: dict[Any, list[int]] = {}
             for pos, p, g in items:
                 st = self.state.get(p)
                 if st is None:
                     st = {}
-                token = cohorts.get(p) if len(st) else cohorts.fresh
+                token = None
+                if st:
+                    value = step_values.get(id(p))
+                    if value is not None:
+                        st["step"] = torch.full((), value, dtype=torch.float32, device=p.device)
+                        token = cohorts.of_value(value)
+                    else:
+                        token = cohorts.get(p)
                 kind = self._kind(group, p)
-                self._init_state(p, st, group, kind)
+                created = self._init_state(p, st, group, kind)
+                if created is not None:
+                    token = cohorts.of_value(created)
                 self._init_master(p, st, kind)
                 if kind == "remainder":
                     self._resync_if_written(p, st, "a param")
@@ -856,15 +1391,17 @@ class FusedOptimizer(torch.optim.Optimizer):
                     rng = torch.zeros(2, dtype=torch.int64, device=p.device)
                     rng[0] = int(group["seed"])
                     st["rng"] = rng
-                if st:
+                if st and self.state.get(p) is not st:
                     self.state[p] = st
                 cohorts.advance(p, token)
                 bucket = buckets.get((p.device, token))
                 if bucket is None:
                     bucket = buckets[(p.device, token)] = _Bucket(p.device)
                     step_states[(p.device, token)] = []
+                    step_params[(p.device, token)] = []
                 if "step" in st:
                     step_states[(p.device, token)].append(st)
+                    step_params[(p.device, token)].append(id(p))
                 sr_id = None
                 if use_rng:
                     bucket.rngs.append(st["rng"])
@@ -875,12 +1412,15 @@ class FusedOptimizer(torch.optim.Optimizer):
                 key = (op, p.dtype, g.dtype, kind, use_rng) + self._extra_key(group, p, st, kind)
                 run = bucket.runs.get(key)
                 if run is None:
-                    run = bucket.runs[key] = _Run(op, kind)
+                    run = bucket.runs[key] = _Run(op, kind, self._launch_keys(group, kind, use_rng))
                 run.add(p, pos, st, sr_id)
                 plan.needed.add((op, p.device))
             for key, bucket in buckets.items():
                 # Every step in a bucket holds the same value (see StepCohorts).
-                bucket.share_steps(step_states[key])
+                bucket.share_steps(step_states[key], self._remember_steps)
+                self._step_of.update(zip(step_params[key], bucket.steps))
+                for run in bucket.runs.values():
+                    run.seal(len(gp.params))
             gp.buckets = list(buckets.values())
             plan.groups.append(gp)
         plan.state = self.state
@@ -890,11 +1430,14 @@ class FusedOptimizer(torch.optim.Optimizer):
     def _gather(self, plan: _Plan | None) -> list[list[Tensor | None]] | None:
         """This step's grads of every group, or None when ``plan`` does not fit this step.
 
-        Per param this costs a few attribute reads (no Python call per param), which is what
-        makes a step with tens of thousands of small params cheap. It checks what can change
-        between steps without the optimizer noticing: which params have a grad, param and
-        grad dtypes, that grads are dense and contiguous, the params of each group, the
-        groups' layout settings, and that the ``step`` tensors are still the planned ones.
+        Per param this costs a few attribute reads and identity tests (no Python call per
+        param), which is what makes a step with tens of thousands of small params cheap. It
+        checks what can change between steps without the optimizer noticing: the params of
+        each group and their storage addresses, which params have a grad, param and grad
+        dtypes, grad layouts (dense; strided ones as planned, copied here), the groups'
+        layout settings, that the ``step`` tensors are the planned ones and unwritten, and
+        that every state still holds the planned tensors. Assignments to ``self.state``
+        itself drop the plan (:class:`StateTable`).
         """
         if (
             plan is None
@@ -911,17 +1454,21 @@ class FusedOptimizer(torch.optim.Optimizer):
             if self._plan_key(group) != gp.key:
                 return None
             grads = [p.grad for p in params]
-            if [None if g is None else g.dtype for g in grads] != gp.grad_dtypes:
-                return None
-            if [p.dtype for p in params] != gp.param_dtypes:
-                return None
             try:
-                if not all([g.is_contiguous() for g in grads if g is not None]):
+                if gp.grad_signature(grads) != gp.grad_sig:
                     return None
             except RuntimeError:  # sparse grads have no is_contiguous: the full checks name them
                 return None
-            if not all(b.steps_intact() for b in gp.buckets):
+            if [p.dtype for p in params] != gp.param_dtypes:
                 return None
+            if gp.data_ptrs(params) != gp.ptrs:
+                return None
+            if not all(b.intact() for b in gp.buckets):
+                return None
+            for i in gp.strided_grads:
+                # a grad laid out unlike the param (channels_last vs contiguous): the kernels
+                # read grads in the param's logical order
+                grads[i] = grads[i].contiguous()
             out.append(grads)
         return out
 
@@ -940,6 +1487,8 @@ class FusedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
 
+        if type(self.state) is not StateTable:
+            self._track_state()
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, f"param group {gi}")
         amp = AmpInputs(self._NAME, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
@@ -947,16 +1496,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         grads = self._gather(plan)
         if grads is None:
             self._plan = None
-            work = self._collect()
+            work, step_values = self._collect()
             if not any(items for _, items in work):
                 return loss
-            plan = self._build_plan(work)
+            plan = self._build_plan(work, step_values)
             grads = self._gather(plan)
-            if grads is None:  # only non-contiguous grads (copied below) get here
-                grads = [[p.grad for p in group["params"]] for group, _ in work]
-                grads = [[g if g is None or g.is_contiguous() else g.contiguous() for g in gl] for gl in grads]
-            else:
-                self._plan = plan
+            if grads is None:
+                raise RuntimeError(f"{self._NAME}: internal error: a new launch plan does not fit its own step")
+            self._plan = plan
         else:
             for op, dev in plan.needed:
                 backends.resolve(op, dev, self.backend)
@@ -972,7 +1519,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for gp, grads in zip(plan.groups, grads_per_group):
             if not gp.buckets:
                 continue
-            group = gp.group
+            group = self._hyper(gp.group)
             if gp.remainder and gp.versions is not None:
                 versions = [p._version for p in gp.remainder]
                 if versions != gp.versions:
@@ -1003,6 +1550,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                         run.release()
                 if b.step_buf is not None:
                     b.step_buf.add_(1.0 if inc is None else inc)
+                    b.known[1] = b.step_buf._version
                 if b.rngs:
                     delta = rng_inc.get(dev)
                     if delta is None:
@@ -1061,12 +1609,3 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._param_versions = {}
         self._plan = None
         self._rebuild_cohorts()
-
-
-def _count(steps: list[Tensor], inc: Tensor | None) -> None:
-    if not steps:
-        return
-    if inc is None:
-        torch._foreach_add_(steps, 1.0)
-    else:
-        torch._foreach_add_(steps, [inc] * len(steps))

@@ -17,21 +17,16 @@ _FP32_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
 def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
-    """torch.optim.Adam's checks and messages, applied to every group (torch checks only the defaults)."""
-    _common.validate_lr(_NAME, group["lr"], check_tensor_lr)
-    eps, betas, wd = group["eps"], group["betas"], group["weight_decay"]
-    _common.check_real_number(_NAME, "eps", eps)
-    if not 0.0 <= eps:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"{_NAME}: betas must be a pair (beta1, beta2), got {betas!r}")
-    for i, b in enumerate(betas):
-        _common.check_real_number(_NAME, f"betas[{i}]", b)
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
-    _common.check_real_number(_NAME, "weight_decay", wd)
-    if not 0.0 <= wd:
-        raise ValueError(f"Invalid weight_decay value: {wd}")
+    """torch.optim.Adam's checks and messages, applied to every group (torch checks only the defaults).
+
+    Stricter than torch where torch lets a value through that would silently wreck the
+    run: inf ``lr``/``eps``/``weight_decay`` (and values beyond fp32's range). Tensor betas
+    are read here (a host read, a sync for device tensors), as at every step.
+    """
+    _common.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
+    _common.check_hyper(_NAME, "eps", group["eps"], where, "Invalid epsilon value")
+    _betas(group["betas"], where)
+    _common.check_hyper(_NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value")
     for flag in ("amsgrad", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
@@ -51,12 +46,33 @@ def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = F
         )
 
 
-def _as_float_betas(betas: Any) -> Any:
-    # torch accepts 1-element tensor betas; the kernels take Python floats, so convert once
-    # here (construction time) rather than syncing at every step.
-    if isinstance(betas, (tuple, list)) and len(betas) == 2:
-        return tuple(float(b) if isinstance(b, Tensor) and b.numel() == 1 else b for b in betas)
-    return betas
+def _betas(betas: Any, where: str) -> tuple[float, float]:
+    """The betas as floats, validated as torch validates them.
+
+    Like torch.optim.AdamW, betas are both numbers or both 1-element tensors (mixed pairs
+    are refused with torch's message). Tensor betas are kept as given and read at every
+    step, so an in-place change (``beta.fill_(0.95)``) takes effect at the next step, as
+    in torch; the fused kernels take them as numbers, so each step reads them on the host.
+    """
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{_NAME}: betas must be a pair (beta1, beta2), got {betas!r}")
+    values = []
+    for i, b in enumerate(betas):
+        if isinstance(b, Tensor):
+            if b.numel() != 1:
+                raise ValueError(f"Tensor betas[{i}] must be 1-element")
+            if not b.is_floating_point():
+                raise TypeError(f"{_NAME}: a Tensor betas[{i}] must be floating point, got {b.dtype}")
+            v = float(b)
+        else:
+            _common.check_real_number(_NAME, f"betas[{i}]", b)
+            v = float(b)
+        if not 0.0 <= v < 1.0:
+            raise ValueError(_common.at(f"Invalid beta parameter at index {i}: {b}", where))
+        values.append(v)
+    if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):
+        raise ValueError(_common.at("betas must be either both floats or both Tensors", where))
+    return values[0], values[1]
 
 
 class AdamW(_common.FusedOptimizer):
@@ -88,10 +104,17 @@ class AdamW(_common.FusedOptimizer):
         params (iterable): params or dicts defining param groups (as in torch.optim).
         lr (float or Tensor, optional): learning rate (default: 1e-3). A 1-element tensor
             lr may live on any device; it is copied to each param device without blocking.
-        betas (Tuple[float, float], optional): coefficients of the running averages of the
-            gradient and its square (default: (0.9, 0.999)).
-        eps (float, optional): added to the denominator (default: 1e-8).
-        weight_decay (float, optional): decoupled weight decay coefficient (default: 1e-2).
+        betas (Tuple[float, float] or Tuple[Tensor, Tensor], optional): coefficients of the
+            running averages of the gradient and its square (default: (0.9, 0.999)), each in
+            [0, 1). As in torch, both numbers or both 1-element tensors; tensor betas are kept
+            and read at every step, so an in-place change takes effect at the next step (the
+            kernels take numbers: the read is a host sync for device tensors).
+        eps (float, optional): added to the denominator (default: 1e-8); finite, >= 0.
+        weight_decay (float, optional): decoupled weight decay coefficient (default: 1e-2);
+            finite, >= 0. Every hyperparameter is validated at construction, in
+            ``add_param_group``, in ``load_state_dict`` and at every step (a group edited
+            between steps), before anything changes; unlike torch, inf ``lr``/``eps``/
+            ``weight_decay`` and values beyond fp32's range are refused.
         amsgrad (bool, optional): use the AMSGrad variant (default: False).
         maximize (bool, optional): maximize the objective (default: False).
         master_weights (bool, None or "remainder", optional): ``None`` (default) or ``True``:
@@ -151,16 +174,37 @@ class AdamW(_common.FusedOptimizer):
 
     .. note::
         ``step()`` does not synchronise with the device. Exceptions: a CPU param whose
-        ``lr``/``grad_scale``/``found_inf`` lives on a GPU (the copy to the CPU blocks), and
-        the first ``step()`` after unpickling or ``copy.deepcopy`` (the step counts are read
-        once to know which params can share a launch).
+        ``lr``/``grad_scale``/``found_inf`` lives on a GPU (the copy to the CPU blocks),
+        tensor betas on a device (read at every step), the first ``step()`` after
+        unpickling or ``copy.deepcopy``, and the first ``step()`` after a ``step`` count
+        was written from outside (the counts are read once to know which params can share
+        a launch).
 
     .. note::
         Params whose ``step`` counts are equal (known on the host: same starting count, same
         ``step()`` calls with a grad) are updated in one launch per (device, param dtype,
         grad dtype, master kind, moment dtype), with the step scalars computed from the
         first param's count. A param skipped because its grad was None keeps its own count,
-        as in torch.
+        as in torch, and so does a param whose state was reset: ``state[p]["step"]``
+        replaced or written in place (``.zero_()``, ``.fill_()``, ``+=``), ``state[p]``
+        replaced, cleared or deleted, a partial state dict loaded, a param group added. The
+        next step sees the write (identity and version counter of the step tensors),
+        reads the counts it can no longer vouch for, and bias-corrects each param with its
+        own count. Writes through ``.data`` bypass version counters and are not seen.
+
+    .. note::
+        Two Parameters over one storage (a weight and its transposed view as separate
+        Parameters, or overlapping views) are refused at construction, in
+        ``add_param_group`` and at ``step()`` (if made so later), naming both: a fused
+        update cannot give both updates, and each would keep its own master and moments.
+        Tie weights as one Parameter object (torch.optim updates it once); disjoint views
+        of one buffer are fine.
+
+    .. note::
+        A step validates everything it will use, in every group (params, grads, every state
+        tensor, step counts, hyperparameters, shared memory, the backend) before it changes
+        anything: a step that raises leaves params, grads and state bit-identical, and the
+        error names the param by group, index and shape.
 
     .. note::
         The master is the value being optimised. If you change a low-precision param in
@@ -184,6 +228,7 @@ class AdamW(_common.FusedOptimizer):
 
     _NAME = _NAME
     _COUNT_BEFORE = True
+    _STEP_REQUIRED = True
     _step_supports_amp_scaling = True
 
     def __init__(
@@ -204,7 +249,7 @@ class AdamW(_common.FusedOptimizer):
     ) -> None:
         defaults = {
             "lr": lr,
-            "betas": _as_float_betas(betas),
+            "betas": betas,
             "eps": eps,
             "weight_decay": weight_decay,
             "amsgrad": amsgrad,
@@ -218,13 +263,11 @@ class AdamW(_common.FusedOptimizer):
         _validate_group(defaults, "the defaults", check_tensor_lr=True)
         super().__init__(params, defaults)
         self._step_supports_amp_scaling = True
+        self._finish_init()
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
         _validate_group(group, where, check_tensor_lr)
-
-    def _prepare_group(self, group: dict[str, Any]) -> None:
-        group["betas"] = _as_float_betas(group["betas"])
 
     def _group_setdefaults(self) -> dict[str, Any]:
         return {**super()._group_setdefaults(), "amsgrad": False, "state_dtype": torch.float32}
@@ -249,19 +292,31 @@ class AdamW(_common.FusedOptimizer):
     def _extra_key(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> tuple:
         return (st["exp_avg"].dtype,)
 
-    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> None:
+    def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        betas = group["betas"]
+        if isinstance(betas[0], Tensor):
+            return {**group, "betas": _betas(betas, "")}
+        return group
+
+    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
         mdt = self._moment_dtype(group, p, kind)
+        created = None
         if len(st) == 0:
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-        for key in keys:
+            created = 0.0
+        for key in self._moment_keys(group):
             t = st.get(key)
             if t is None:
                 st[key] = _common.state_zeros(p, mdt)
-            elif t.dtype != mdt:
+            elif t.dtype != mdt or not t.is_contiguous():
                 # the group's state_dtype or master kind changed (or a state dict of the other
-                # kind was loaded): convert once, rounding to nearest-even when narrowing
-                st[key] = t.to(mdt).contiguous()
+                # kind was loaded, or a strided moment assigned): convert once, rounding to
+                # nearest-even when narrowing
+                st[key] = _common.state_copy(p, t, mdt)
+        return created
 
     def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
         beta1, beta2 = group["betas"]

@@ -16,19 +16,22 @@ _NAME = "SGD"
 
 
 def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
-    """torch.optim.SGD's checks and messages, applied to every group (torch checks only the defaults)."""
-    _common.validate_lr(_NAME, group["lr"], check_tensor_lr)
-    for name in ("momentum", "dampening", "weight_decay"):
-        _common.check_real_number(_NAME, name, group[name])
-    if not 0.0 <= group["momentum"]:
-        raise ValueError(f"Invalid momentum value: {group['momentum']}")
-    if not 0.0 <= group["weight_decay"]:
-        raise ValueError(f"Invalid weight_decay value: {group['weight_decay']}")
+    """torch.optim.SGD's checks and messages, applied to every group (torch checks only the defaults).
+
+    Stricter than torch where torch lets a value through that would silently wreck the
+    run: NaN ``momentum``/``weight_decay`` (torch tests ``value < 0``, which NaN passes),
+    inf anywhere (and values beyond fp32's range), and a NaN, inf or negative
+    ``dampening`` (torch does not check it).
+    """
+    _common.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
+    _common.check_hyper(_NAME, "momentum", group["momentum"], where, "Invalid momentum value")
+    _common.check_hyper(_NAME, "dampening", group["dampening"], where, "Invalid dampening value")
+    _common.check_hyper(_NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value")
     for flag in ("nesterov", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-        raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+        raise ValueError(_common.at("Nesterov momentum requires a momentum and zero dampening", where))
     _common.check_lowbit_options(_NAME, group, where)
 
 
@@ -56,9 +59,13 @@ class SGD(_common.FusedOptimizer):
     Args:
         params (iterable): params or dicts defining param groups (as in torch.optim).
         lr (float or Tensor, optional): learning rate (default: 1e-3).
-        momentum (float, optional): momentum factor (default: 0).
-        dampening (float, optional): dampening for momentum (default: 0).
-        weight_decay (float, optional): L2 penalty added to the gradient (default: 0).
+        momentum (float, optional): momentum factor (default: 0); finite, >= 0.
+        dampening (float, optional): dampening for momentum (default: 0); finite, >= 0.
+        weight_decay (float, optional): L2 penalty added to the gradient (default: 0);
+            finite, >= 0. Every hyperparameter is validated at construction, in
+            ``add_param_group``, in ``load_state_dict`` and at every step, before anything
+            changes; unlike torch, NaN ``momentum``/``weight_decay``, inf values and a bad
+            ``dampening`` (which torch does not check) are refused.
         nesterov (bool, optional): Nesterov momentum (default: False); needs ``momentum > 0``
             and ``dampening == 0``.
         maximize (bool, optional): maximize the objective (default: False).
@@ -79,6 +86,9 @@ class SGD(_common.FusedOptimizer):
     first applied step's grad (``step == 0``), so a first step skipped on overflow leaves it
     uninitialised exactly as torch's skipped ``step()`` does, with no host sync. Masters and
     ``rng`` as in :class:`fastamp.optim.AdamW`.
+
+    Shared storage, atomic steps, state resets (``state[p]`` replaced, cleared or deleted;
+    ``step`` written) and layout changes are handled as in :class:`fastamp.optim.AdamW`.
 
     Amp: the ``grad_scale``/``found_inf`` protocol of :class:`fastamp.optim.AdamW`
     (``_step_supports_amp_scaling = True``): any non-zero ``found_inf`` skips the step on the
@@ -129,6 +139,7 @@ class SGD(_common.FusedOptimizer):
         _validate_group(defaults, "the defaults", check_tensor_lr=True)
         super().__init__(params, defaults)
         self._step_supports_amp_scaling = True
+        self._finish_init()
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
@@ -143,17 +154,22 @@ class SGD(_common.FusedOptimizer):
     def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
         return "sgd_"
 
-    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> None:
+    def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
         if group["momentum"] == 0:
-            return
+            return None
+        created = None
         if "step" not in st:
-            initialised = "momentum_buffer" in st
-            st["step"] = torch.full((), 1.0 if initialised else 0.0, dtype=torch.float32, device=p.device)
+            created = 1.0 if "momentum_buffer" in st else 0.0
+            st["step"] = torch.full((), created, dtype=torch.float32, device=p.device)
         buf = st.get("momentum_buffer")
         if buf is None:
             st["momentum_buffer"] = _common.fp32_zeros_like(p)
         elif buf.dtype != torch.float32 or not buf.is_contiguous():
             st["momentum_buffer"] = _common.state_copy(p, buf, torch.float32)
+        return created
 
     def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
         step = steps[0] if steps else torch.zeros((), dtype=torch.float32, device=dev)
