@@ -25,7 +25,7 @@ from torch import Tensor
 
 from fastamp import backends, functional, health
 from fastamp._device_scalars import _PerDevice
-from fastamp.optim._common import local_of
+from fastamp._dtensor import local_of
 
 _DTYPE_OF = operator.attrgetter("dtype")
 

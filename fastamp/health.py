@@ -338,13 +338,13 @@ class _ScalerStep:
 
 
 def _keeps_fp32_master(optimizer, p: Tensor) -> bool:
-    from fastamp.optim import _common
+    from fastamp.optim import _masters
 
     if not getattr(type(optimizer), "__module__", "").startswith("fastamp.optim"):
         return False
     for g in optimizer.param_groups:
         if any(q is p for q in g["params"]):
-            return _common.uses_master(g.get("master_weights"), p.dtype, bool(g.get("stochastic_rounding", False)))
+            return _masters.uses_master(g.get("master_weights"), p.dtype, bool(g.get("stochastic_rounding", False)))
     return False
 
 

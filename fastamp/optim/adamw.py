@@ -8,7 +8,9 @@ import torch
 from torch import Tensor
 
 from fastamp import functional, reference
-from fastamp.optim import _common
+from fastamp.optim import _checks, _masters, _state_dict
+from fastamp.optim._base import FusedOptimizer
+from fastamp.optim._plan import _Run
 
 __all__ = ["AdamW"]
 
@@ -23,14 +25,14 @@ def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = F
     run: inf ``lr``/``eps``/``weight_decay`` (and values beyond fp32's range). Tensor betas
     are read here (a host read, a sync for device tensors), as at every step.
     """
-    _common.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
-    _common.check_hyper(_NAME, "eps", group["eps"], where, "Invalid epsilon value")
+    _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
+    _checks.check_hyper(_NAME, "eps", group["eps"], where, "Invalid epsilon value")
     _betas(group["betas"], where)
-    _common.check_hyper(_NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value")
+    _checks.check_hyper(_NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value")
     for flag in ("amsgrad", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
-    _common.check_lowbit_options(_NAME, group, where)
+    _checks.check_lowbit_options(_NAME, group, where)
     sdt = group["state_dtype"]
     if sdt not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{_NAME}: state_dtype must be torch.float32 or torch.bfloat16, got {sdt!r} in {where}")
@@ -65,17 +67,17 @@ def _betas(betas: Any, where: str) -> tuple[float, float]:
                 raise TypeError(f"{_NAME}: a Tensor betas[{i}] must be floating point, got {b.dtype}")
             v = float(b)
         else:
-            _common.check_real_number(_NAME, f"betas[{i}]", b)
+            _checks.check_real_number(_NAME, f"betas[{i}]", b)
             v = float(b)
         if not 0.0 <= v < 1.0:
-            raise ValueError(_common.at(f"Invalid beta parameter at index {i}: {b}", where))
+            raise ValueError(_checks.at(f"Invalid beta parameter at index {i}: {b}", where))
         values.append(v)
     if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):
-        raise ValueError(_common.at("betas must be either both floats or both Tensors", where))
+        raise ValueError(_checks.at("betas must be either both floats or both Tensors", where))
     return values[0], values[1]
 
 
-class AdamW(_common.FusedOptimizer):
+class AdamW(FusedOptimizer):
     r"""Fused AdamW with exact master weights for fp16/bf16 params, amp-aware and sync-free.
 
     The update is :class:`torch.optim.AdamW`'s (decoupled weight decay, bias corrections,
@@ -310,19 +312,19 @@ class AdamW(_common.FusedOptimizer):
         for key in self._moment_keys(group):
             t = st.get(key)
             if t is None:
-                st[key] = _common.state_zeros(p, mdt)
+                st[key] = _masters.state_zeros(p, mdt)
             elif t.dtype != mdt or not t.is_contiguous():
                 # the group's state_dtype or master kind changed (or a state dict of the other
                 # kind was loaded, or a strided moment assigned): convert once, rounding to
                 # nearest-even when narrowing
-                st[key] = _common.state_copy(p, t, mdt)
+                st[key] = _masters.state_copy(p, t, mdt)
         return created
 
     def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
         beta1, beta2 = group["betas"]
         return reference.adamw_step_scalars(lr, steps[0], beta1, beta2, group["weight_decay"], grad_mul)
 
-    def _launch(self, group: dict[str, Any], run: _common._Run, scalars: Tensor, found_inf: Tensor | None) -> None:
+    def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
         beta1, beta2 = group["betas"]
         m = run.state_list("exp_avg")
         v = run.state_list("exp_avg_sq")
@@ -361,17 +363,17 @@ class AdamW(_common.FusedOptimizer):
             return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
 
         def drop_state_keys(p: Tensor, group: dict[str, Any]):
-            kind = _common.master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
+            kind = _masters.master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
             return () if kind in ("fp32", "remainder") else ("master_param", "master_remainder")
 
         def state_dtype(p: Tensor, group: dict[str, Any], key: str) -> torch.dtype:
             if key == "master_param":
                 return torch.float32
             g = {**group, "state_dtype": group.get("state_dtype", torch.float32)}
-            kind = _common.master_kind(g.get("master_weights"), p.dtype, g.get("stochastic_rounding", False))
+            kind = _masters.master_kind(g.get("master_weights"), p.dtype, g.get("stochastic_rounding", False))
             return self._moment_dtype(g, p, kind)
 
-        _common.load_state_dict(
+        _state_dict.load_state_dict(
             self,
             state_dict,
             opt_name=_NAME,

@@ -8,7 +8,9 @@ import torch
 from torch import Tensor
 
 from fastamp import functional, reference
-from fastamp.optim import _common
+from fastamp.optim import _checks, _masters, _state_dict
+from fastamp.optim._base import FusedOptimizer
+from fastamp.optim._plan import _Run
 
 __all__ = ["SGD"]
 
@@ -23,19 +25,19 @@ def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = F
     inf anywhere (and values beyond fp32's range), and a NaN, inf or negative
     ``dampening`` (torch does not check it).
     """
-    _common.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
-    _common.check_hyper(_NAME, "momentum", group["momentum"], where, "Invalid momentum value")
-    _common.check_hyper(_NAME, "dampening", group["dampening"], where, "Invalid dampening value")
-    _common.check_hyper(_NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value")
+    _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
+    _checks.check_hyper(_NAME, "momentum", group["momentum"], where, "Invalid momentum value")
+    _checks.check_hyper(_NAME, "dampening", group["dampening"], where, "Invalid dampening value")
+    _checks.check_hyper(_NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value")
     for flag in ("nesterov", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
-        raise ValueError(_common.at("Nesterov momentum requires a momentum and zero dampening", where))
-    _common.check_lowbit_options(_NAME, group, where)
+        raise ValueError(_checks.at("Nesterov momentum requires a momentum and zero dampening", where))
+    _checks.check_lowbit_options(_NAME, group, where)
 
 
-class SGD(_common.FusedOptimizer):
+class SGD(FusedOptimizer):
     r"""Fused SGD (momentum, dampening, Nesterov, weight decay) with exact masters, amp-aware and sync-free.
 
     The update is :class:`torch.optim.SGD`'s, done in one fused pass per group of tensors
@@ -166,16 +168,16 @@ class SGD(_common.FusedOptimizer):
             st["step"] = torch.full((), created, dtype=torch.float32, device=p.device)
         buf = st.get("momentum_buffer")
         if buf is None:
-            st["momentum_buffer"] = _common.fp32_zeros_like(p)
+            st["momentum_buffer"] = _masters.fp32_zeros_like(p)
         elif buf.dtype != torch.float32 or not buf.is_contiguous():
-            st["momentum_buffer"] = _common.state_copy(p, buf, torch.float32)
+            st["momentum_buffer"] = _masters.state_copy(p, buf, torch.float32)
         return created
 
     def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
         step = steps[0] if steps else torch.zeros((), dtype=torch.float32, device=dev)
         return reference.sgd_step_scalars(lr, step, grad_mul)
 
-    def _launch(self, group: dict[str, Any], run: _common._Run, scalars: Tensor, found_inf: Tensor | None) -> None:
+    def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
         bufs = run.state_list("momentum_buffer") if group["momentum"] != 0 else []
         functional.sgd_(
             run.params,
@@ -211,10 +213,10 @@ class SGD(_common.FusedOptimizer):
             state_dict = {**state_dict, "state": cleaned}
 
         def drop_state_keys(p: Tensor, group: dict[str, Any]):
-            kind = _common.master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
+            kind = _masters.master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
             return () if kind in ("fp32", "remainder") else ("master_param", "master_remainder")
 
-        _common.load_state_dict(
+        _state_dict.load_state_dict(
             self,
             state_dict,
             opt_name=_NAME,

@@ -1,0 +1,531 @@
+"""The step loop shared by fastamp's fused optimizers (AdamW, SGD): :class:`FusedOptimizer`.
+
+It validates a whole step before changing anything, groups the params with a grad into
+kernel launches (:mod:`fastamp.optim._plan`), keeps that plan while it fits, and keeps the
+step counts of one launch as views of one buffer. Validation, masters and state dicts live
+in :mod:`._checks`, :mod:`._masters` and :mod:`._state_dict`.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from fastamp._dtensor import is_dtensor
+from fastamp.optim._checks import (
+    GRAD_DTYPES,
+    PARAM_DTYPES,
+    _StateValidation,
+    check_backend_arg,
+    check_grad,
+    check_no_shared_memory,
+    check_param_dtype,
+    where_of,
+)
+from fastamp.optim._masters import _MasterWeights
+from fastamp.optim._plan import AmpInputs, StateTable, StepCohorts, _Bucket, _GroupPlan, _Plan, _Run, _to_device
+from fastamp.optim._state_dict import _StateDictExport, params_with_state
+
+
+class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.optim.Optimizer):
+    """The step loop, master-weight bookkeeping and state_dict shared by fastamp's optimizers.
+
+    A subclass defines its update through a few hooks: ``_validate_group``, ``_kernel_op``,
+    ``_init_state`` (its own state: moments, buffers, ``step``), ``_moment_keys``,
+    ``_extra_key``, ``_uses_rng``, ``_hyper``, ``_scalars`` and ``_launch``;
+    ``_COUNT_BEFORE`` says whether ``step`` is incremented before the step scalars are
+    computed (AdamW: bias corrections use the new count) or after (SGD: ``is_first`` uses
+    the count of applied steps before this one).
+
+    Master bookkeeping (see :func:`master_kind`): an fp32 master is created from the param;
+    a remainder starts at 0 (master == param). A loaded ``master_param`` for a param in
+    remainder mode is split at the next step (the param is set to the master's top half);
+    a loaded ``master_remainder`` for a param in fp32 mode is joined with the param.
+
+    Remainder masters and foreign writes: after each step the param's autograd version
+    counter (``p._version``) is recorded. If the param was written since (``param.copy_``,
+    ``model.load_state_dict``, an in-place op), the next step warns and re-syncs the master
+    to the param (remainder := 0), instead of joining the new top half with a stale
+    remainder. ``param.data.copy_(...)`` and other writes through ``.data`` bypass version
+    counters and cannot be detected: call :meth:`reset_master_weights` after them.
+
+    Atomic steps: a step validates everything it is about to use, in every group (params,
+    grads, every state tensor, step counts, hyperparameters, params sharing memory, the
+    backend) before it changes anything; an error names the param by group, index and shape.
+
+    Launch plan: a step groups the params with a grad into kernel launches and keeps that
+    plan; later steps reuse it while it fits, checking per param only a few attribute reads
+    and identity tests (which params have a grad, param and grad dtypes, grad layouts, the
+    params' storage addresses, that each state still holds the planned tensors), so a step
+    over tens of thousands of small params costs little host time. Anything else leads to a
+    new plan, validated in full: a param replaced or resized through ``.data``, a layout
+    change (``model.to(memory_format=torch.channels_last)``), a state tensor replaced by
+    assignment (``opt.state[p]["exp_avg"] = t``), a state dict assigned or removed
+    (``opt.state[p] = {}``, ``del opt.state[p]``), a layout setting of a group
+    (``master_weights``, ``stochastic_rounding``, ``seed``, and the subclass's, see
+    ``_plan_key``), ``add_param_group``, ``load_state_dict`` and :meth:`reset_master_weights`.
+    ``lr``, betas, ``eps``, ``weight_decay`` and the like are read (and validated) at every
+    step.
+
+    Step counts: the ``step`` tensors of the params of one launch are 0-dim views of one
+    buffer (one add per step, not one per param); they are saved, exported and loaded as
+    ordinary per-param counts. Each param's bias correction uses its own count, as in
+    torch: a ``step`` replaced (``state[p]["step"] = torch.tensor(0.)``) or written in place
+    (``.zero_()``, ``.fill_()``, ``+=``; these move the version counter the views share)
+    is seen at the next step, which then reads the counts it can no longer vouch for (one
+    host read) and regroups the launches. Writes through ``.data`` (of a step, a state
+    tensor or a grad) bypass version counters and identity and are not seen; a same-address
+    rebind of a param (``p.data = p.data.t()``) is not either.
+    """
+
+    _NAME = "FusedOptimizer"
+    _COUNT_BEFORE = True
+    _STEP_REQUIRED = False  # a non-empty state must hold a ``step`` (AdamW: bias corrections)
+    _step_supports_amp_scaling = True
+
+    # ---- hooks -------------------------------------------------------------------------
+    def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
+        raise NotImplementedError
+
+    def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
+        raise NotImplementedError
+
+    def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
+        """Create missing state; returns the value of a ``step`` it created (None if it created none)."""
+        raise NotImplementedError
+
+    def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
+        """The state keys of the update's own buffers (shaped like the param, floating point)."""
+        return ()
+
+    def _extra_key(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> tuple:
+        return ()
+
+    def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
+        return kind == "sr"
+
+    def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
+        """The group as the kernels read it this step (e.g. tensor betas read as floats)."""
+        return group
+
+    def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
+        raise NotImplementedError
+
+    def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
+        raise NotImplementedError
+
+    # ---- construction / pickling ---------------------------------------------------------
+    def _setup(self, backend: Any) -> None:
+        self.backend = check_backend_arg(self._NAME, backend)
+        self._cohorts = StepCohorts()
+        self._param_versions: dict[int, int] = {}
+        self._plan: _Plan | None = None
+        self._known_steps: dict[int, list[Any]] = {}
+        self._step_of: dict[int, Tensor] = {}  # id(param) -> the step tensor it was given
+        # torch's __init__ adds the groups one by one: check shared memory once at the end
+        # (once per group would cost groups x params, e.g. one group per param)
+        self._constructing = True
+
+    def _finish_init(self) -> None:
+        """The checks deferred during ``__init__``, and the tracked state table."""
+        self._constructing = False
+        check_no_shared_memory(self._NAME, self.param_groups)
+        self._track_state()
+
+    def _track_state(self) -> None:
+        """Make ``self.state`` a :class:`StateTable` owned by this optimizer."""
+        self.state = StateTable(dict, self.state, owner=self)
+        self._plan = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        self._plan = None
+        group = self.param_groups[-1]
+        gi = len(self.param_groups) - 1
+        try:
+            self._prepare_group(group)
+            self._validate_group(group, f"param group {gi}", check_tensor_lr=True)
+            seen: dict[int, int] = {}
+            for i, p in enumerate(group["params"]):
+                check_param_dtype(self._NAME, p, f"param {i} of param group {gi}")
+                if id(p) in seen:
+                    # torch only warns; a fused launch would update the param twice per step
+                    raise ValueError(
+                        f"{self._NAME}: param {i} of param group {gi} is the same tensor as param {seen[id(p)]}; "
+                        "duplicate params are not allowed"
+                    )
+                seen[id(p)] = i
+            if not getattr(self, "_constructing", False):
+                check_no_shared_memory(self._NAME, self.param_groups)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _prepare_group(self, group: dict[str, Any]) -> None:
+        """Normalise a new group in place before validation."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["backend"] = self.backend
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self.__dict__.setdefault("backend", None)
+        self._param_versions = {}
+        self._known_steps = {}
+        self._step_of = {}
+        for group in self.param_groups:
+            for k, v in self._group_setdefaults().items():
+                group.setdefault(k, v)
+        self._track_state()
+        self._rebuild_cohorts()
+
+    def _group_setdefaults(self) -> dict[str, Any]:
+        return {"maximize": False, "master_weights": None, "stochastic_rounding": False, "seed": 0}
+
+    def _remember_steps(self, t: Tensor) -> list[Any]:
+        """Vouch for the step count(s) in ``t`` as they are now: ``[weakref, version]``, updated by each increment."""
+        known = self._known_steps
+        key = id(t)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            entry = known.get(key)
+            if entry is not None and entry[0] is ref:
+                del known[key]
+
+        entry = [weakref.ref(t, forget), t._version]
+        known[key] = entry
+        return entry
+
+    def _step_trusted(self, p: Tensor, step: Any) -> bool:
+        """Whether ``step`` is the count this optimizer gave ``p`` and nobody wrote since.
+
+        The counts it gives out are views of buffers it remembers (``_remember_steps``), so
+        an in-place write to any of them moves the buffer's version counter.
+        """
+        if self._step_of.get(id(p)) is not step:
+            return False
+        base = step._base
+        entry = self._known_steps.get(id(base))
+        return entry is not None and entry[0]() is base and base._version == entry[1]
+
+    def _rebuild_cohorts(self) -> None:
+        """Cohort tokens from the stored step counts (one read per device, off the hot path).
+
+        The counts become 0-dim views of one fp32 buffer per device, which this optimizer
+        then vouches for as a whole (one version counter to check, one record rather than one
+        per param). Counts that are not fp32 0-dim tensors on their param's device get no
+        token and are read at the next step.
+        """
+        self._cohorts = StepCohorts()
+        self._step_of = {}
+        by_device: dict[torch.device, list[tuple[Tensor, dict[str, Any]]]] = {}
+        for p in params_with_state(self):
+            st = self.state[p]
+            step = st.get("step")
+            if type(step) is Tensor and step.dtype == torch.float32 and step.numel() == 1 and step.device == p.device:
+                by_device.setdefault(step.device, []).append((p, st))
+        pairs = []
+        for entries in by_device.values():
+            buf = torch.stack([st["step"].detach().reshape(()) for _, st in entries])
+            for (p, st), view in zip(entries, buf.unbind(0)):
+                st["step"] = view
+                self._step_of[id(p)] = view
+            self._remember_steps(buf)
+            pairs.extend(zip((p for p, _ in entries), buf.cpu().tolist()))
+        self._cohorts.rebuild(pairs)
+
+    # ---- the step ------------------------------------------------------------------------
+    def _plan_key(self, group: dict[str, Any]) -> tuple:
+        """The group settings that decide how its params are laid out in launches.
+
+        A change of any of them rebuilds the launch plan at the next step; the other
+        hyperparameters are read at every step.
+        """
+        return (group["master_weights"], group["stochastic_rounding"], group["seed"])
+
+    def _launch_keys(self, group: dict[str, Any], kind: str, use_rng: bool) -> tuple[str, ...]:
+        keys = self._moment_keys(group)
+        if kind == "fp32":
+            keys += ("master_param",)
+        elif kind == "remainder":
+            keys += ("master_remainder",)
+        if use_rng:
+            keys += ("rng",)
+        return keys
+
+    def _collect(self) -> tuple[list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]], dict[int, float]]:
+        """Every (group, [(index, param, grad)]) to update and the step counts to read, fully validated.
+
+        Checks everything the launches will use, in every group, and changes nothing: a
+        failing step leaves params, grads and state as they were. Returns the work and the
+        values of step counts written from outside since the optimizer last vouched for them.
+        """
+        from fastamp import backends
+
+        work = []
+        needed: set[tuple[str, torch.device]] = set()
+        untrusted: list[tuple[int, int, Tensor, Any]] = []
+        state = self.state
+        for gi, group in enumerate(self.param_groups):
+            items = []
+            moment_keys = self._moment_keys(group)
+            for i, p in enumerate(group["params"]):
+                g = p.grad
+                if g is None:
+                    continue
+                if p.dtype not in PARAM_DTYPES:
+                    check_param_dtype(self._NAME, p, where_of(gi, i, p))
+                if (
+                    g.layout is not torch.strided
+                    or g.dtype not in GRAD_DTYPES
+                    or g.device != p.device
+                    or g.shape != p.shape
+                ):
+                    check_grad(self._NAME, p, g, where_of(gi, i, p))
+                kind = self._kind(group, p)
+                if is_dtensor(p) and kind == "remainder":
+                    raise NotImplementedError(
+                        f"{self._NAME}: {where_of(gi, i, p)} is a DTensor (FSDP2) with "
+                        "master_weights='remainder', which is not supported yet; use master_weights=True "
+                        "(fp32 masters, sharded like the param) or stochastic_rounding=True"
+                    )
+                st = state.get(p)
+                if st and self._check_state(gi, i, p, st, group, kind, moment_keys):
+                    untrusted.append((gi, i, p, st["step"]))
+                items.append((i, p, g))
+                needed.add((self._kernel_op(group, p, kind), p.device))
+            work.append((group, items))
+        check_no_shared_memory(self._NAME, self.param_groups)
+        for op, dev in sorted(needed, key=str):
+            backends.resolve(op, dev, self.backend)
+        return work, self._read_steps(untrusted)
+
+    def _build_plan(
+        self, work: list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]], step_values: dict[int, float]
+    ) -> _Plan:
+        """Create missing state and masters and group the params with a grad into launches.
+
+        Called when there is no plan or it no longer fits (see ``_gather``), after
+        ``_collect`` validated everything. Advances the step cohorts of the params it plans:
+        the plan is executed right after. ``step_values``: counts read from the host (written
+        from outside), which replace those params' step tensors and decide their cohorts.
+        """
+        plan = _Plan()
+        cohorts = self._cohorts
+        cohorts.begin_step()
+        sr_ids: dict[int, int] | None = None
+        for group, items in work:
+            gp = _GroupPlan(group, self._plan_key(group))
+            # (device, cohort) -> bucket
+            buckets: dict[Any, _Bucket] = {}
+            step_states: dict[Any, list[dict[str, Any]]] = {}
+            step_params: dict[Any, list[int]] = {}
+            for pos, p, g in items:
+                st = self.state.get(p)
+                if st is None:
+                    st = {}
+                token = None
+                if st:
+                    value = step_values.get(id(p))
+                    if value is not None:
+                        st["step"] = torch.full((), value, dtype=torch.float32, device=p.device)
+                        token = cohorts.of_value(value)
+                    else:
+                        token = cohorts.get(p)
+                kind = self._kind(group, p)
+                created = self._init_state(p, st, group, kind)
+                if created is not None:
+                    token = cohorts.of_value(created)
+                self._init_master(p, st, kind)
+                if kind == "remainder":
+                    self._resync_if_written(p, st, "a param")
+                    gp.remainder.append(p)
+                use_rng = self._uses_rng(group, p, st, kind)
+                if use_rng and "rng" not in st:
+                    rng = torch.zeros(2, dtype=torch.int64, device=p.device)
+                    rng[0] = int(group["seed"])
+                    st["rng"] = rng
+                if st and self.state.get(p) is not st:
+                    self.state[p] = st
+                cohorts.advance(p, token)
+                bucket = buckets.get((p.device, token))
+                if bucket is None:
+                    bucket = buckets[(p.device, token)] = _Bucket(p.device)
+                    step_states[(p.device, token)] = []
+                    step_params[(p.device, token)] = []
+                if "step" in st:
+                    step_states[(p.device, token)].append(st)
+                    step_params[(p.device, token)].append(id(p))
+                sr_id = None
+                if use_rng:
+                    bucket.rngs.append(st["rng"])
+                    if sr_ids is None:
+                        sr_ids = self._bf16_ids()
+                    sr_id = sr_ids[id(p)]
+                op = self._kernel_op(group, p, kind)
+                key = (op, p.dtype, g.dtype, kind, use_rng) + self._extra_key(group, p, st, kind)
+                run = bucket.runs.get(key)
+                if run is None:
+                    run = bucket.runs[key] = _Run(op, kind, self._launch_keys(group, kind, use_rng))
+                run.add(p, pos, st, sr_id)
+                plan.needed.add((op, p.device))
+            for key, bucket in buckets.items():
+                # Every step in a bucket holds the same value (see StepCohorts).
+                bucket.share_steps(step_states[key], self._remember_steps)
+                self._step_of.update(zip(step_params[key], bucket.steps))
+                for run in bucket.runs.values():
+                    run.seal(len(gp.params))
+            gp.buckets = list(buckets.values())
+            plan.groups.append(gp)
+        plan.state = self.state
+        plan.n_state = len(self.state)
+        return plan
+
+    def _gather(self, plan: _Plan | None) -> list[list[Tensor | None]] | None:
+        """This step's grads of every group, or None when ``plan`` does not fit this step.
+
+        Per param this costs a few attribute reads and identity tests (no Python call per
+        param), which is what makes a step with tens of thousands of small params cheap. It
+        checks what can change between steps without the optimizer noticing: the params of
+        each group and their storage addresses, which params have a grad, param and grad
+        dtypes, grad layouts (dense; strided ones as planned, copied here), the groups'
+        layout settings, that the ``step`` tensors are the planned ones and unwritten, and
+        that every state still holds the planned tensors. Assignments to ``self.state``
+        itself drop the plan (:class:`StateTable`).
+        """
+        if (
+            plan is None
+            or self.state is not plan.state
+            or len(self.state) != plan.n_state
+            or len(self.param_groups) != len(plan.groups)
+        ):
+            return None
+        out = []
+        for group, gp in zip(self.param_groups, plan.groups):
+            params = group["params"]
+            if group is not gp.group or len(params) != len(gp.params) or not all(map(operator.is_, params, gp.params)):
+                return None
+            if self._plan_key(group) != gp.key:
+                return None
+            grads = [p.grad for p in params]
+            try:
+                if gp.grad_signature(grads) != gp.grad_sig:
+                    return None
+            except RuntimeError:  # sparse grads have no is_contiguous: the full checks name them
+                return None
+            if [p.dtype for p in params] != gp.param_dtypes:
+                return None
+            if gp.data_ptrs(params) != gp.ptrs:
+                return None
+            if not all(b.intact() for b in gp.buckets):
+                return None
+            for i in gp.strided_grads:
+                # a grad laid out unlike the param (channels_last vs contiguous): the kernels
+                # read grads in the param's logical order
+                grads[i] = grads[i].contiguous()
+            out.append(grads)
+        return out
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None):
+        """Perform a single optimization step.
+
+        Args:
+            closure (Callable, optional): a closure that reevaluates the model and returns
+                the loss (not allowed when a grad scaler drives the step, as in torch).
+        """
+        from fastamp import backends
+
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        if type(self.state) is not StateTable:
+            self._track_state()
+        for gi, group in enumerate(self.param_groups):
+            self._validate_group(group, f"param group {gi}")
+        amp = AmpInputs(self._NAME, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        plan = self._plan
+        grads = self._gather(plan)
+        if grads is None:
+            self._plan = None
+            work, step_values = self._collect()
+            if not any(items for _, items in work):
+                return loss
+            plan = self._build_plan(work, step_values)
+            grads = self._gather(plan)
+            if grads is None:
+                raise RuntimeError(f"{self._NAME}: internal error: a new launch plan does not fit its own step")
+            self._plan = plan
+        else:
+            for op, dev in plan.needed:
+                backends.resolve(op, dev, self.backend)
+        try:
+            self._execute(plan, grads, amp)
+        except BaseException:
+            self._plan = None
+            raise
+        return loss
+
+    def _execute(self, plan: _Plan, grads_per_group: list[list[Tensor | None]], amp: AmpInputs) -> None:
+        rng_inc: dict[torch.device, Tensor] = {}
+        for gp, grads in zip(plan.groups, grads_per_group):
+            if not gp.buckets:
+                continue
+            group = self._hyper(gp.group)
+            if gp.remainder and gp.versions is not None:
+                versions = [p._version for p in gp.remainder]
+                if versions != gp.versions:
+                    self._resync_written(gp, versions)
+            lr_per_device: dict[torch.device, Any] = {}
+            lr = group["lr"]
+            for b in gp.buckets:
+                dev = b.dev
+                grad_mul, found_inf, inc = amp.on(dev)
+                if dev not in lr_per_device:
+                    lr_per_device[dev] = _to_device(lr, dev) if isinstance(lr, Tensor) else lr
+                steps = []
+                if b.steps:
+                    # every view of the bucket's buffer holds the same count
+                    first = b.steps[0]
+                    if self._COUNT_BEFORE:
+                        first = first + (1.0 if inc is None else inc)
+                    steps = [first]
+                scalars = self._scalars(group, lr_per_device[dev], steps, grad_mul, dev)
+                for run in b.runs.values():
+                    run.refresh(grads)
+                    try:
+                        for part in run.split():
+                            self._launch(group, part, scalars, found_inf)
+                        for p, tmp in run.copy_back:
+                            p.copy_(tmp)
+                    finally:
+                        run.release()
+                if b.step_buf is not None:
+                    b.step_buf.add_(1.0 if inc is None else inc)
+                    b.known[1] = b.step_buf._version
+                if b.rngs:
+                    delta = rng_inc.get(dev)
+                    if delta is None:
+                        delta = rng_inc[dev] = torch.zeros(2, dtype=torch.int64, device=dev)
+                        if inc is None:
+                            delta[1] = 1
+                        else:
+                            delta[1].copy_(inc)
+                    torch._foreach_add_(b.rngs, [delta] * len(b.rngs))
+            if gp.remainder:
+                gp.versions = [p._version for p in gp.remainder]
+                self._param_versions.update(zip(map(id, gp.remainder), gp.versions))
+
+    def _resync_written(self, gp: _GroupPlan, versions: list[int]) -> None:
+        """Re-sync the remainder masters of params written since the last step (see the class doc)."""
+        for p, now, seen in zip(gp.remainder, versions, gp.versions):
+            if now != seen:
+                self._resync_if_written(p, self.state[p], "a param")

@@ -1,0 +1,140 @@
+"""Master weights of fastamp's fused optimizers: which master a param gets (fp32 copy, int16
+remainder, none with stochastic rounding), how state is created like its param, and the
+bookkeeping that creates, converts and re-syncs masters (:class:`_MasterWeights`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastamp.optim._checks import LOW_PRECISION_DTYPES
+
+
+def master_kind(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bool = False) -> str:
+    """How a param of ``dtype`` is stored under a group's ``master_weights`` / ``stochastic_rounding``.
+
+    ``"fp32"``: an fp32 master in ``state["master_param"]``; ``"remainder"``: a bf16 param
+    whose exact fp32 master is ``join_master(param, state["master_remainder"])`` (int16);
+    ``"sr"``: a bf16 param without master, rounded stochastically; ``"none"``: updated in
+    place (fp32 maths, rounded to nearest-even once per step).
+
+    ``True``: fp32 masters for fp16/bf16 params. ``None``: the same, except that bf16 params
+    go without a master when ``stochastic_rounding`` is on. ``"remainder"``: int16
+    remainders for bf16 params, fp32 masters for fp16 params (an fp16 value is not the top
+    half of an fp32 one). ``False``: no masters. An fp32 param is its own master under
+    every setting (not an error, so one group may mix dtypes).
+    """
+    if dtype not in LOW_PRECISION_DTYPES:
+        return "none"
+    sr = bool(stochastic_rounding) and dtype == torch.bfloat16
+    if master_weights is True:
+        return "fp32"
+    if isinstance(master_weights, str):  # "remainder"
+        return "remainder" if dtype == torch.bfloat16 else "fp32"
+    if master_weights is None and not sr:
+        return "fp32"
+    return "sr" if sr else "none"
+
+
+def uses_master(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bool = False) -> bool:
+    """Whether a param of ``dtype`` keeps an exact fp32 master (fp32 copy or int16 remainder)."""
+    return master_kind(master_weights, dtype, stochastic_rounding) in ("fp32", "remainder")
+
+
+def state_zeros(p: Tensor, dtype: torch.dtype) -> Tensor:
+    """Contiguous zeros shaped like ``p``; a DTensor with ``p``'s mesh and placements for a DTensor ``p``."""
+    return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
+
+
+def fp32_zeros_like(p: Tensor) -> Tensor:
+    return state_zeros(p, torch.float32)
+
+
+def state_copy(p: Tensor, value: Tensor, dtype: torch.dtype) -> Tensor:
+    """A contiguous ``dtype`` copy of ``value`` laid out like ``p`` (a DTensor like ``p`` for a DTensor ``p``)."""
+    return torch.empty_like(p, dtype=dtype, memory_format=torch.contiguous_format).copy_(value)
+
+
+def fp32_copy_of(p: Tensor) -> Tensor:
+    """A contiguous fp32 copy of ``p`` (exact: fp16/bf16 values are fp32 values)."""
+    return state_copy(p, p.detach(), torch.float32)
+
+
+class _MasterWeights:
+    """The master-weight bookkeeping of :class:`~fastamp.optim._base.FusedOptimizer` (see its doc)."""
+
+    def _kind(self, group: dict[str, Any], p: Tensor) -> str:
+        return master_kind(group["master_weights"], p.dtype, group["stochastic_rounding"])
+
+    @torch.no_grad()
+    def reset_master_weights(self) -> None:
+        """Re-sync every master to its param (call after changing params outside the optimizer).
+
+        fp32 masters become copies of the params; remainders become 0 (master == param).
+        Needed after writes that bypass autograd version counters (``param.data.copy_``);
+        other in-place writes are detected for remainder masters at the next step.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if not st:
+                    continue
+                if "master_param" in st:
+                    st["master_param"].copy_(p.detach())
+                if "master_remainder" in st:
+                    st["master_remainder"].zero_()
+                    self._param_versions[id(p)] = p._version
+        self._plan = None
+
+    def _init_master(self, p: Tensor, st: dict[str, Any], kind: str) -> None:
+        from fastamp import reference
+
+        if kind == "fp32":
+            if "master_param" not in st:
+                rem = st.pop("master_remainder", None)
+                if rem is not None and p.dtype == torch.bfloat16:
+                    st["master_param"] = reference.join_master(p.detach(), rem).contiguous()
+                else:
+                    st["master_param"] = fp32_copy_of(p)
+            st.pop("master_remainder", None)
+        elif kind == "remainder":
+            if "master_remainder" not in st:
+                master = st.pop("master_param", None)
+                if master is not None:
+                    hi, rem = reference.split_master(master)
+                    p.copy_(hi)
+                    st["master_remainder"] = rem.contiguous()
+                else:
+                    st["master_remainder"] = state_zeros(p, torch.int16)
+            st.pop("master_param", None)
+        else:
+            st.pop("master_param", None)
+            st.pop("master_remainder", None)
+
+    def _resync_if_written(self, p: Tensor, st: dict[str, Any], where: str) -> None:
+        seen = self._param_versions.get(id(p))
+        if seen is not None and p._version != seen:
+            warnings.warn(
+                f"{self._NAME}: {where} (bf16, master_weights='remainder') was written outside the optimizer "
+                "since its last step; its master is re-synced to the param (remainder := 0). Call "
+                "reset_master_weights() after such writes to silence this.",
+                stacklevel=3,
+            )
+            st["master_remainder"].zero_()
+
+    def _bf16_ids(self) -> dict[int, int]:
+        """Stochastic-rounding tensor id of each bf16 param: its index among the optimizer's bf16 params.
+
+        Stable across runs and data-parallel ranks (param order), and fp32/fp16 params in
+        between do not split a launch.
+        """
+        ids: dict[int, int] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype == torch.bfloat16 and id(p) not in ids:
+                    ids[id(p)] = len(ids)
+        return ids

@@ -1,0 +1,217 @@
+"""``state_dict`` and ``load_state_dict`` of fastamp's fused optimizers.
+
+A load keeps fp32 state fp32 (torch's casts it to the param's dtype) and validates the whole
+dict before anything changes; an export can give remainder masters as fp32 masters.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections import defaultdict
+from collections.abc import Sequence
+from copy import deepcopy
+from itertools import chain
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from fastamp._dtensor import is_dtensor
+from fastamp.optim._checks import _fmt_shape
+from fastamp.optim._masters import fp32_copy_of, state_copy
+
+_INT_STATE: dict[str, tuple[torch.dtype, Callable[[Tensor], tuple[int, ...]]]] = {
+    "master_remainder": (torch.int16, lambda p: tuple(p.shape)),
+    "rng": (torch.int64, lambda p: (2,)),
+}
+
+
+def load_state_dict(
+    opt: torch.optim.Optimizer,
+    state_dict: dict[str, Any],
+    *,
+    opt_name: str,
+    required_group_keys: Sequence[str],
+    validate_group: Callable[[dict[str, Any], str], None],
+    required_state_keys: Callable[[dict[str, Any]], Sequence[str]],
+    fp32_state_keys: Sequence[str],
+    group_defaults: Callable[[dict[str, Any]], dict[str, Any]],
+    drop_state_keys: Callable[[Tensor, dict[str, Any]], Sequence[str]],
+    state_dtype: Callable[[Tensor, dict[str, Any], str], torch.dtype] | None = None,
+) -> dict[Tensor, float]:
+    """``Optimizer.load_state_dict`` that keeps fp32 state fp32 and validates first.
+
+    torch's version casts every floating state tensor to its param's dtype, which would
+    round a bf16 param's fp32 master and moments to bf16. Here the tensors named in
+    ``fp32_state_keys`` become fresh contiguous fp32 copies on the param's device, ``step``
+    an fp32 0-dim tensor on the param's device; other state is copied to the param's
+    device as is. ``state_dtype(p, group, key)``, when given, names the dtype a key of
+    ``fp32_state_keys`` is stored in instead (bf16 moments). ``master_remainder`` must be an
+    int16 tensor of the param's shape, ``rng`` an int64 ``[seed, counter]`` pair. The whole dict is checked before anything changes. Load pre/post hooks
+    run as in torch. Returns the loaded step value of each param with state.
+    """
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        keys = list(state_dict.keys()) if isinstance(state_dict, dict) else type(state_dict).__name__
+        raise ValueError(f"{opt_name}.load_state_dict: expected a dict with 'state' and 'param_groups', got {keys}")
+    state_dict = state_dict.copy()
+    for pre_hook in opt._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(opt, state_dict)
+        if result is not None:
+            state_dict = result
+
+    groups = opt.param_groups
+    saved_groups = deepcopy(state_dict["param_groups"])
+    if len(groups) != len(saved_groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    if any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+        raise ValueError(
+            "loaded state dict contains a parameter group that doesn't match the size of optimizer's group"
+        )
+    for gi, sg in enumerate(saved_groups):
+        missing = [k for k in required_group_keys if k not in sg]
+        if missing:
+            raise ValueError(
+                f"{opt_name}.load_state_dict: param group {gi} of the loaded state dict has no {missing} "
+                f"(its keys: {sorted(k for k in sg if k != 'params')}); was it saved by another optimizer?"
+            )
+        for k, v in group_defaults(groups[gi]).items():
+            sg.setdefault(k, v)
+        validate_group(sg, f"loaded param group {gi}")
+
+    id_map = dict(
+        zip(chain.from_iterable(s["params"] for s in saved_groups), chain.from_iterable(g["params"] for g in groups))
+    )
+    group_of = {pid: sg for sg in saved_groups for pid in sg["params"]}
+    new_state: dict[Any, Any] = defaultdict(dict)
+    steps: dict[Tensor, float] = {}
+    for k, v in state_dict["state"].items():
+        if k not in id_map:
+            new_state[k] = v
+            continue
+        p = id_map[k]
+        where = f"the state of param {k!r}"
+        if not isinstance(v, dict):
+            raise ValueError(f"{opt_name}.load_state_dict: {where} must be a dict, got {type(v).__name__}")
+        if len(v) == 0:
+            continue
+        missing = [key for key in required_state_keys(group_of[k]) if key not in v]
+        if missing:
+            raise ValueError(
+                f"{opt_name}.load_state_dict: {where} has no {missing} (its keys: {sorted(v)}); "
+                "was it saved by another optimizer?"
+            )
+        entry: dict[str, Any] = {}
+        dropped = set(drop_state_keys(p, group_of[k]))
+        for key, value in v.items():
+            if key in dropped:
+                continue
+            if key == "step":
+                if isinstance(value, Tensor):
+                    if value.numel() != 1:
+                        raise ValueError(
+                            f"{opt_name}.load_state_dict: {where}: 'step' must have one element, got {_fmt_shape(value)}"
+                        )
+                    step_value = float(value)
+                elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+                    step_value = float(value)
+                else:
+                    raise ValueError(
+                        f"{opt_name}.load_state_dict: {where}: 'step' must be a number or tensor, got {type(value).__name__}"
+                    )
+                if not math.isfinite(step_value) or step_value < 0:
+                    raise ValueError(
+                        f"{opt_name}.load_state_dict: {where}: 'step' must be finite and >= 0, got {step_value}"
+                    )
+                entry[key] = torch.full((), step_value, dtype=torch.float32, device=p.device)
+                steps[p] = step_value
+            elif key in fp32_state_keys:
+                if not isinstance(value, Tensor) or not value.is_floating_point() or value.is_complex():
+                    raise ValueError(
+                        f"{opt_name}.load_state_dict: {where}: {key!r} must be a real floating point tensor, got {value!r:.80}"
+                    )
+                if value.shape != p.shape:
+                    raise ValueError(
+                        f"{opt_name}.load_state_dict: {where}: {key!r} has shape {tuple(value.shape)} "
+                        f"but the param has shape {tuple(p.shape)}"
+                    )
+                dt = torch.float32 if state_dtype is None else state_dtype(p, group_of[k], key)
+                if is_dtensor(p) != is_dtensor(value):
+                    raise ValueError(
+                        f"{opt_name}.load_state_dict: {where}: {key!r} is "
+                        f"{'a DTensor' if is_dtensor(value) else 'a plain tensor'} but the param is "
+                        f"{'a DTensor' if is_dtensor(p) else 'a plain tensor'}; load sharded state into the "
+                        "same sharding (torch.distributed.checkpoint.state_dict.set_optimizer_state_dict hands "
+                        "over DTensors)"
+                    )
+                entry[key] = state_copy(p, value, dt)
+            elif key in _INT_STATE:
+                dt, shape_of = _INT_STATE[key]
+                if not isinstance(value, Tensor) or value.dtype != dt or tuple(value.shape) != shape_of(p):
+                    raise ValueError(
+                        f"{opt_name}.load_state_dict: {where}: {key!r} must be a {dt} tensor of shape "
+                        f"{shape_of(p)}, got {value.dtype if isinstance(value, Tensor) else type(value).__name__} "
+                        f"{_fmt_shape(value)}"
+                    )
+                entry[key] = value.to(device=p.device, copy=True).contiguous()
+            elif isinstance(value, Tensor):
+                entry[key] = value.to(device=p.device, copy=True)
+            else:
+                entry[key] = deepcopy(value)
+        new_state[p] = entry
+
+    for g, sg in zip(groups, saved_groups):
+        sg["params"] = g["params"]
+        if "param_names" in g and "param_names" not in sg:
+            sg["param_names"] = g["param_names"]
+    opt.__setstate__({"state": new_state, "param_groups": saved_groups})
+    for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
+        post_hook(opt)
+    return steps
+
+
+def params_with_state(opt: torch.optim.Optimizer) -> list[Tensor]:
+    return [p for g in opt.param_groups for p in g["params"] if len(opt.state.get(p, {})) > 0]
+
+
+class _StateDictExport:
+    """``state_dict`` of :class:`~fastamp.optim._base.FusedOptimizer` (remainder masters exported as is or as fp32)."""
+
+    def state_dict(self, master_format: str = "native") -> dict[str, Any]:
+        """The optimizer state, as torch's ``state_dict()``.
+
+        Args:
+            master_format (str): ``"native"`` (default) keeps remainder masters as the int16
+                ``master_remainder`` they are stored as (exact only together with the bf16
+                params of the model's own state dict, saved at the same time). ``"fp32"``
+                exports them as an fp32 ``master_param`` (the exact master: for other tools,
+                or to load into an optimizer with ``master_weights=True``); both forms load.
+        """
+        if master_format not in ("native", "fp32"):
+            raise ValueError(
+                f"{self._NAME}.state_dict: master_format must be 'native' or 'fp32', got {master_format!r}"
+            )
+        sd = super().state_dict()
+        if master_format == "fp32":
+            from fastamp import reference
+
+            params = [p for g in self.param_groups for p in g["params"]]
+            for idx, st in list(sd["state"].items()):
+                if not (isinstance(idx, int) and isinstance(st, dict) and "master_remainder" in st):
+                    continue
+                p = params[idx].detach()
+                st = dict(st)
+                rem = st.pop("master_remainder")
+                seen = self._param_versions.get(id(params[idx]))
+                if seen is not None and params[idx]._version != seen:
+                    master = fp32_copy_of(p)  # what the next step would re-sync to
+                else:
+                    master = reference.join_master(p, rem)
+                st["master_param"] = master
+                sd["state"][idx] = st
+        return sd
+
+    def _after_load(self) -> None:
+        self._param_versions = {}
+        self._plan = None
+        self._rebuild_cohorts()
