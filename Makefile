@@ -1,6 +1,6 @@
 # fastamp developer entry points. Every target sets itself up from nothing: a local
 # virtualenv (.venv) with pinned dependencies, then the C++ extension built in place.
-#   make test      - the whole test suite (what CI runs, via .ci/run): pytest, then the
+#   make test      - the whole test suite (what CI runs, via .ci/run): lint, pytest, then the
 #                    CUDA-build tier (a CUDA torch in .venv-cuda, the extension built with
 #                    its CUDA kernels, imported and tested on CPU; skipped without nvcc)
 #   make compare   - the main job: end-to-end mixed-precision comparison (table + CSV + PNG)
@@ -32,6 +32,7 @@ $(BUILD): $(STAMP) $(SOURCES)
 build: $(BUILD)
 
 test: $(BUILD)
+	$(MAKE) lint
 	$(PY) -m pytest -q tests
 	$(MAKE) test-cuda-build
 
