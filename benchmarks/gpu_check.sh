@@ -8,6 +8,7 @@
 #   build      pip install --no-build-isolation --no-deps -e . (CUDA extension, TORCH_CUDA_ARCH_LIST)
 #              falling back to `setup.py build_ext --inplace`
 #   fastamp_env  python -m fastamp.env (what was built, what AUTO picks)
+#   cost_model benchmarks/gpu_cost_model.py --measure: device copy bandwidth and each path's floor
 #   sync       benchmarks/sync_check.py: host syncs per fastamp step (set_sync_debug_mode)
 #   pytest     pytest -x -q tests (the whole suite, on CUDA)
 #   bench_step, bench_unscale, bench_adamw   microbenchmarks at GPU size (native + triton)
@@ -63,6 +64,7 @@ if ! run_stage build 200 "$PY" -m pip install --no-build-isolation --no-deps -v 
 fi
 
 run_stage fastamp_env 30 "$PY" -m fastamp.env
+run_stage cost_model 30 "$PY" benchmarks/gpu_cost_model.py --measure --out "$OUT/results/gpu_cost_model.md"
 run_stage sync 45 "$PY" benchmarks/sync_check.py --out "$OUT/results"
 run_stage pytest 150 "$PY" -m pytest -x -q tests -p no:cacheprovider --durations=15 --junitxml="$OUT/results/pytest.xml"
 GPU_CONFIGS=256x4096,256x262144,256x1048576,20000x256

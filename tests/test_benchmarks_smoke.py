@@ -14,6 +14,7 @@ import bench_adamw  # noqa: E402
 import bench_step  # noqa: E402
 import bench_unscale  # noqa: E402
 import common  # noqa: E402
+import gpu_cost_model  # noqa: E402
 
 
 def _read_csv(path):
@@ -174,3 +175,16 @@ def test_sync_check_dry_run_on_cpu(tmp_path):
     res = json.loads((tmp_path / "sync_check.json").read_text())["results"]
     assert {r["config"] for r in res} == set(sync_check.CONFIGS)
     assert all(r["error_mode"] == "ok" and not r["warn_mode_error"] for r in res)
+
+
+def test_gpu_cost_model_bytes_match_the_benchmarks(tmp_path):
+    """The floors use the benchmarks' own byte counts: the whole bf16 step moves 30 B/param, torch's 48."""
+    by_name = {name: nbytes for name, nbytes, _ in gpu_cost_model.rows()}
+    assert by_name["torch fp32 step (GradScaler + clip_grad_norm_ + AdamW(fused))"] == 48
+    assert by_name["fastamp step, bf16"] == 30
+    assert by_name["fastamp AdamW alone, bf16-10B"] == 18
+    out = tmp_path / "model.md"
+    text = gpu_cost_model.main(["--bandwidth-gbs", "1000", "--sizes", "1e9", "--out", str(out)])
+    # 1e9 params x 30 B at 1,000 GB/s = 30 ms
+    assert "| fastamp step, bf16 | 30 | 30.000 |" in text
+    assert out.read_text() == text
