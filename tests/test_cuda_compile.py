@@ -76,32 +76,59 @@ def _bindings_cmd(stub_dir: Path):
     return [*cmd, str(CUDA_DIR / "bindings.cpp")], None
 
 
+_CU_RESULTS: dict = {}
+
+
+def _communicate(proc):
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        out = f"timed out after {TIMEOUT_S}s\n{out}"
+    return proc.returncode, out
+
+
+def compile_cu_files(make_dir):
+    """Compile every .cu for sm_80 + sm_90 with ``-Xptxas -v``, once per test session, in parallel.
+
+    ``make_dir()`` gives the folder for the objects. Returns {file name: (returncode, nvcc +
+    ptxas output, object path)}. This module checks the
+    objects, tests/test_cuda_ptxas.py the ptxas report of the same compile (one compile of each
+    file for both, not two).
+    """
+    if not _CU_RESULTS:
+        out_dir = make_dir()
+        procs = {
+            src.name: subprocess.Popen(
+                [*_nvcc_cmd(src, out_dir / (src.stem + ".o")), "-Xptxas", "-v"],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for src in CU_FILES
+        }
+        for name, proc in procs.items():
+            rc, out = _communicate(proc)
+            _CU_RESULTS[name] = (rc, out, out_dir / (Path(name).stem + ".o"))
+    return _CU_RESULTS
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Compile every .cu for sm_80 + sm_90 and syntax-check bindings.cpp, all at once.
+    """Every .cu compiled for sm_80 + sm_90, and bindings.cpp syntax-checked alongside.
 
     Returns {file name: (returncode or a skip reason string, output, object path)}.
     """
     if NVCC is None:
         pytest.skip("nvcc not found")
-    out_dir = tmp_path_factory.mktemp("cuda_objs")
-    cmds = {src.name: _nvcc_cmd(src, out_dir / (src.stem + ".o")) for src in CU_FILES}
-    bind_cmd, bind_skip = _bindings_cmd(out_dir / "stub")
+    bind_cmd, bind_skip = _bindings_cmd(tmp_path_factory.mktemp("stub"))
+    bind_proc = None
     if bind_cmd is not None:
-        cmds["bindings.cpp"] = bind_cmd
-    procs = {
-        name: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for name, cmd in cmds.items()
-    }
-    results = {"bindings.cpp": (bind_skip, "", None)}
-    for name, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            out = f"timed out after {TIMEOUT_S}s\n{out}"
-        results[name] = (proc.returncode, out, out_dir / (Path(name).stem + ".o"))
+        bind_proc = subprocess.Popen(bind_cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    results = dict(compile_cu_files(lambda: tmp_path_factory.mktemp("cuda_objs")))
+    results["bindings.cpp"] = (bind_skip, "", None) if bind_proc is None else (*_communicate(bind_proc), None)
     return results
 
 

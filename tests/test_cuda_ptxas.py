@@ -1,7 +1,8 @@
 """Register use and spills of every CUDA kernel, from ``ptxas -v``, for machines without a GPU.
 
-Each ``csrc/cuda/*.cu`` is compiled once for sm_80 and sm_90 with setup.py's flags (the
-command of test_cuda_compile.py) plus ``-Xptxas -v``, all files in parallel. Every kernel
+Each ``csrc/cuda/*.cu`` is compiled once for sm_80 and sm_90 with setup.py's flags plus
+``-Xptxas -v``, all files in parallel, by test_cuda_compile.py's session-wide compile (the
+same objects its tests check). Every kernel
 instantiation must report 0 spill bytes on both archs: a spill is a local-memory round trip
 per thread in a memory-bound kernel. The figures (registers, stack, spills per kernel and
 arch) are recorded in benchmarks/results/cuda_ptxas.md; regenerate it with
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cuda_compile import CU_FILES, NVCC, ROOT, TIMEOUT_S, _nvcc_cmd, requires_nvcc
+from test_cuda_compile import NVCC, ROOT, compile_cu_files, requires_nvcc
 
 RESULTS = ROOT / "benchmarks" / "results" / "cuda_ptxas.md"
 ARCHS = ("sm_80", "sm_90")
@@ -80,36 +81,12 @@ def readable(mangled):
     return out[:end].replace(" >", ">")
 
 
-def compile_all(out_dir):
-    """Compile every .cu for both archs with ``-Xptxas -v`` in parallel; {file name: (returncode, output)}."""
-    procs = {
-        src.name: subprocess.Popen(
-            [*_nvcc_cmd(src, out_dir / (src.stem + ".o")), "-Xptxas", "-v"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for src in CU_FILES
-    }
-    results = {}
-    for name, proc in procs.items():
-        try:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-            out = f"timed out after {TIMEOUT_S}s\n{out}"
-        results[name] = (proc.returncode, out)
-    return results
-
-
 @pytest.fixture(scope="module")
 def ptxas(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc not found")
-    compiled = compile_all(tmp_path_factory.mktemp("ptxas_objs"))
-    return {name: (rc, out, parse_ptxas(out)) for name, (rc, out) in compiled.items()}
+    compiled = compile_cu_files(lambda: tmp_path_factory.mktemp("cuda_objs"))
+    return {name: (rc, out, parse_ptxas(out)) for name, (rc, out, _obj) in compiled.items()}
 
 
 @requires_nvcc
@@ -189,8 +166,8 @@ def main(argv):
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = compile_all(Path(tmp))
-    results = {name: (rc, out, parse_ptxas(out)) for name, (rc, out) in compiled.items()}
+        compiled = compile_cu_files(lambda: Path(tmp))
+    results = {name: (rc, out, parse_ptxas(out)) for name, (rc, out, _obj) in compiled.items()}
     for name, (rc, out, _) in results.items():
         if rc != 0:
             print(f"nvcc failed on {name}:\n{out[-6000:]}", file=sys.stderr)

@@ -87,7 +87,7 @@ print("[cuda-build tier] every op has a CPU and a CUDA kernel;", fastamp.__file_
 # The tests that run the built library on CPU and the Triton kernels under this triton's
 # interpreter. CUDA-device tests skip with their reason. -P: import the installed fastamp.
 t2=$(date +%s)
-"$VENV/bin/python" -P -m pytest -q -p no:cacheprovider -o addopts="" -rfE -W ignore::UserWarning \
+"$VENV/bin/python" -P -m pytest -q -p no:cacheprovider -o addopts="" -rfE -W ignore::UserWarning -W ignore::DeprecationWarning \
     tests/test_native_cpu.py tests/test_triton.py tests/test_triton_lowbit.py tests/test_adamw_amp.py \
     tests/test_cuda.py tests/test_cuda_lowbit.py
 say "tests ran in $(($(date +%s) - t2))s; tier total $(($(date +%s) - t0))s"
