@@ -7,10 +7,20 @@ int64 tensor on the device, laid out as::
     [ptrs of kind 0 (n_tensors), ..., ptrs of kind K-1, numel (n_tensors),
      chunk -> tensor index (n_chunks), chunk -> first element (n_chunks)]
 
-so a launch needs one host-to-device copy, from pinned memory with ``non_blocking`` on
-CUDA (no host sync), and tables are cached by their content.
+so a launch needs one host-to-device copy, from pinned memory without blocking on CUDA (no
+host sync). See :func:`build_table` for when tables are cached and how they stay valid under
+CUDA-graph capture and across streams.
+
+Memory access: a chunk is ``CHUNK`` elements and starts at a multiple of ``CHUNK``; a program
+walks it in blocks of ``BLOCK``. Full blocks are loaded and stored without a mask, only the
+last partial block of a tensor is masked, and when every tensor of a launch is 16-byte
+aligned (``ALIGNED``) the pointers read from the table carry a ``tl.multiple_of(ptr, 16)``
+hint. Together they let Triton emit 16-byte vector loads and stores (``ld.global.v4``): a
+pointer cast from an int64 has no known alignment, and a mask against a bound read from
+memory hides that a block is full. ``tests/test_triton_aot.py`` checks the PTX for it.
 """
 
+import contextlib
 import math
 import struct
 from collections import OrderedDict
@@ -31,74 +41,219 @@ KIND_F64 = 3
 KIND_I16 = 4
 DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: KIND_BF16, torch.float64: KIND_F64}
 
-# Triton >= 3.2 has correctly rounded sqrt/division; plain `tl.sqrt` and `/` lower to
-# approximate PTX instructions on NVIDIA GPUs. Older Triton falls back (documented drift).
+# How fp32 square roots and divisions round, the constexpr RN of the kernels that use them:
+#   2: inline PTX `sqrt.rn.f32` / `div.rn.f32` (NVIDIA GPUs): IEEE, subnormals kept. Triton 3.2
+#      and 3.3 lower tl.sqrt_rn / tl.div_rn to `sqrt.rn.ftz.f32` / `div.rn.ftz.f32`, which flush
+#      subnormals to zero (seen in their PTX by tests/test_triton_aot.py; 3.6 and 3.9 do not).
+#   1: tl.sqrt_rn / tl.div_rn: the interpreter (numpy, exact) and other GPUs.
+#   0: plain tl.sqrt and `/`, approximate on NVIDIA GPUs: Triton without the _rn functions
+#      (older than 3.2; documented drift).
 HAS_RN = hasattr(tl, "sqrt_rn") and hasattr(tl, "div_rn")
+RN = 0 if not HAS_RN else 1 if interpreted() or torch.version.hip else 2
 
 # Compile option: no FMA contraction, so every fp32 operation rounds once, as in the reference.
 LAUNCH_OPTS = {} if interpreted() else {"enable_fp_fusion": False}
 
+# GPU launch shape: BLOCK 512 with 4 warps, 4 elements per thread and stream: one 16-byte
+# vector of an fp32 stream, one 8-byte vector of a 16-bit stream, two 16-byte ones of an fp64
+# stream. Chosen with tests/test_triton_aot.py, which compiles every specialisation for sm_80
+# and sm_90 and reads ptxas's report (Triton 3.9): 16 elements per thread (BLOCK 2048, 4
+# warps, the old shape) hit the 255-register cap and spilled up to ~520 bytes per thread in
+# the AdamW kernels; 8 per thread (BLOCK 1024, 4 warps) still spilled 4-12 bytes in 22 of
+# 1412 compiles (at 56-96 registers: ptxas's allocator, not the cap) and took 170-190
+# registers with stochastic rounding; 4 per thread in CTAs of 8 warps spilled 4-8 bytes in 2
+# (ptxas held them at 64 registers); 4 per thread in CTAs of 4 warps spills in none.
+_GPU_CHUNK = 16384
+_GPU_SHAPES = {
+    "unscale_check": (512, 4),
+    "adamw": (512, 4),
+    "adamw_bf16": (512, 4),
+    "sgd": (512, 4),
+}
+_INTERPRETER_CHUNK, _INTERPRETER_BLOCK = 4096, 1024
+
 
 def chunk_config() -> tuple:
-    """``(CHUNK, BLOCK)``: elements per program and per inner iteration.
+    """``(CHUNK, BLOCK)``: elements per program and per inner iteration (the default block).
 
     The interpreter pays per program and per operation, not per element, so it gets large
-    blocks; a GPU gets chunks small enough to fill every SM on a few large tensors.
+    blocks; a GPU gets chunks small enough to fill every SM on a few large tensors, walked in
+    blocks sized per kernel (:func:`launch_config`).
     """
     if interpreted():
-        return 4096, 1024
-    return 16384, 2048
+        return _INTERPRETER_CHUNK, _INTERPRETER_BLOCK
+    return _GPU_CHUNK, _GPU_SHAPES["adamw"][0]
+
+
+def launch_config(kernel: str) -> tuple:
+    """``(CHUNK, BLOCK, options)`` for one of the streaming kernels; ``options`` go to the launch."""
+    if interpreted():
+        return _INTERPRETER_CHUNK, _INTERPRETER_BLOCK, {}
+    block, num_warps = _GPU_SHAPES[kernel]
+    return _GPU_CHUNK, block, {**LAUNCH_OPTS, "num_warps": num_warps}
+
+
+# Launch arguments Triton must not specialise on: counts, flags and settings (a value of 1 or
+# a multiple of 16 would otherwise compile another variant) and pointers to tables and
+# scalars, whose alignment does not matter. Data pointers are read from the table, and
+# ALIGNED says what holds for them. So the compiled variants are exactly the constexpr ones.
+NO_SPECIALIZE = (
+    "n_tensors",
+    "n_chunks",
+    "table_ptr",
+    "step_scalars_ptr",
+    "found_inf_ptr",
+    "inv_scale_ptr",
+    "rng_ptr",
+    "partial_ptr",
+    "chunk_counts_ptr",
+    "chunk_absmax_ptr",
+    "counts_ptr",
+    "absmax_ptr",
+    "scale_ptr",
+    "growth_tracker_ptr",
+    "hysteresis_tracker_ptr",
+    "growth_factor_bits",
+    "backoff_factor_bits",
+    "growth_interval",
+    "hysteresis",
+    "check_found_inf",
+    "maximize",
+    "lerp_small",
+    "nesterov",
+    "has_weight_decay",
+)
+
+
+def jit_launched(fn):
+    """``triton.jit`` for a launched kernel: no specialisation on the arguments in NO_SPECIALIZE."""
+    import inspect
+
+    names = [n for n in inspect.signature(fn).parameters if n in NO_SPECIALIZE]
+    return triton.jit(fn, do_not_specialize=names)
+
+
+def is_aligned(*tensors) -> bool:
+    """Every tensor's data starts on a 16-byte boundary (fresh allocations do; views may not)."""
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def device_guard(device: torch.device):
+    """Make ``device`` current for a launch: Triton launches on the current device and stream."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 @triton.jit
-def sqrt_rn(x, HAS_RN: tl.constexpr):
-    if HAS_RN:
+def sqrt_rn(x, RN: tl.constexpr):
+    """fp32 square root, correctly rounded when RN > 0 (see RN)."""
+    if RN == 2:
+        return tl.inline_asm_elementwise("sqrt.rn.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+    elif RN == 1:
         return tl.sqrt_rn(x)
     else:
         return tl.sqrt(x)
 
 
 @triton.jit
-def div_rn(x, y, HAS_RN: tl.constexpr):
-    if HAS_RN:
+def div_rn(x, y, RN: tl.constexpr):
+    """fp32 division, correctly rounded when RN > 0 (see RN)."""
+    if RN == 2:
+        return tl.inline_asm_elementwise(
+            "div.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32, is_pure=True, pack=1
+        )
+    elif RN == 1:
         return tl.div_rn(x, y)
     else:
         return x / y
 
 
 @triton.jit
-def chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR: tl.constexpr):
-    """Decode program ``pid``'s entry of a :func:`build_table` table: (tensor, chunk start, tensor numel)."""
+def chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR: tl.constexpr, CHUNK: tl.constexpr):
+    """Decode program ``pid``'s entry of a :func:`build_table` table: (tensor, chunk start, tensor numel).
+
+    Chunk starts are multiples of CHUNK (:func:`build_table`), which the hint passes on.
+    """
     t = tl.load(table_ptr + (N_PTR + 1) * n_tensors + pid)
     start = tl.load(table_ptr + (N_PTR + 1) * n_tensors + n_chunks + pid)
     numel = tl.load(table_ptr + N_PTR * n_tensors + t)
-    return t, start, numel
+    return t, tl.multiple_of(start, CHUNK), numel
 
 
 @triton.jit
-def load_ptr(table_ptr, slot, KIND: tl.constexpr):
-    """The pointer stored at ``table_ptr[slot]``, typed for a tensor of dtype kind ``KIND``."""
+def block_index(off, BLOCK: tl.constexpr):
+    """Element indices ``off + [0, BLOCK)`` of a block; ``off`` is a multiple of BLOCK (chunk start + k * BLOCK)."""
+    return tl.multiple_of(off + tl.arange(0, BLOCK), BLOCK)
+
+
+@triton.jit
+def chunk_end(start, numel, found_inf_ptr, check_found_inf, CHUNK: tl.constexpr):
+    """End of the chunk; ``start`` (an empty chunk) when ``check_found_inf`` and ``*found_inf_ptr`` != 0 (NaN too).
+
+    ``found_inf_ptr`` must point at readable memory even when it is not checked.
+    """
+    end = tl.minimum(start + CHUNK, numel)
+    skip = (check_found_inf != 0) & (tl.load(found_inf_ptr) != 0)
+    return tl.where(skip, start, end)
+
+
+@triton.jit
+def load_ptr(table_ptr, slot, KIND: tl.constexpr, ALIGNED: tl.constexpr):
+    """The pointer stored at ``table_ptr[slot]``, typed for a tensor of dtype kind ``KIND``.
+
+    ``ALIGNED``: the launcher checked that the tensor's data is 16-byte aligned.
+    """
     raw = tl.load(table_ptr + slot)
     if KIND == 0:
-        return raw.to(tl.pointer_type(tl.float32))
+        ptr = raw.to(tl.pointer_type(tl.float32))
     elif KIND == 1:
-        return raw.to(tl.pointer_type(tl.float16))
+        ptr = raw.to(tl.pointer_type(tl.float16))
     elif KIND == 2:
-        return raw.to(tl.pointer_type(tl.uint16))
+        ptr = raw.to(tl.pointer_type(tl.uint16))
     elif KIND == 3:
-        return raw.to(tl.pointer_type(tl.float64))
+        ptr = raw.to(tl.pointer_type(tl.float64))
     else:
-        return raw.to(tl.pointer_type(tl.int16))
+        ptr = raw.to(tl.pointer_type(tl.int16))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+# Memory helpers: MASKED is False for full blocks (no mask, so 16-byte vector accesses are
+# possible) and True for the last, partial block of a tensor. Each holds its tl.load/tl.store
+# itself (no deeper helper), so the PTX line info names the calling line: the AOT tier reads
+# it to tell the streams apart.
 
 
 @triton.jit
-def load_f32(ptr, idx, mask, KIND: tl.constexpr):
-    """Load elements and convert them to fp32 (exact for fp16/bf16; RNE for fp64)."""
-    if KIND == 2:
-        bits = tl.load(ptr + idx, mask=mask, other=0).to(tl.uint32)
-        return (bits << 16).to(tl.float32, bitcast=True)
+def load_raw(ptr, idx, mask, MASKED: tl.constexpr):
+    """Elements as stored (masked lanes read 0)."""
+    if MASKED:
+        return tl.load(ptr + idx, mask=mask, other=0)
     else:
-        return tl.load(ptr + idx, mask=mask, other=0).to(tl.float32)
+        return tl.load(ptr + idx)
+
+
+@triton.jit
+def load_f32(ptr, idx, mask, KIND: tl.constexpr, MASKED: tl.constexpr):
+    """Load elements and convert them to fp32 (exact for fp16/bf16; RNE for fp64); masked lanes read 0."""
+    if MASKED:
+        raw = tl.load(ptr + idx, mask=mask, other=0)
+    else:
+        raw = tl.load(ptr + idx)
+    if KIND == 2:
+        return (raw.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return raw.to(tl.float32)
+
+
+@triton.jit
+def store_raw(ptr, idx, x, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr + idx, x, mask=mask)
+    else:
+        tl.store(ptr + idx, x)
 
 
 @triton.jit
@@ -116,22 +271,25 @@ def is_finite_f32(x):
 
 
 @triton.jit
-def store_from_f32(ptr, idx, x, mask, KIND: tl.constexpr):
+def store_from_f32(ptr, idx, x, mask, KIND: tl.constexpr, MASKED: tl.constexpr):
     """Round fp32 ``x`` once to the tensor's dtype and store it; returns the stored value's finiteness."""
     if KIND == 0:
-        tl.store(ptr + idx, x, mask=mask)
-        return is_finite_f32(x)
+        y = x
+        finite = is_finite_f32(x)
     elif KIND == 1:
-        h = x.to(tl.float16)
-        tl.store(ptr + idx, h, mask=mask)
-        return is_finite_f32(h.to(tl.float32))
+        y = x.to(tl.float16)
+        finite = is_finite_f32(y.to(tl.float32))
     elif KIND == 2:
-        b = f32_to_bf16_bits(x)
-        tl.store(ptr + idx, b, mask=mask)
-        return (b & 0x7F80) != 0x7F80
+        y = f32_to_bf16_bits(x)
+        finite = (y & 0x7F80) != 0x7F80
     else:
-        tl.store(ptr + idx, x.to(tl.float64), mask=mask)
-        return is_finite_f32(x)
+        y = x.to(tl.float64)
+        finite = is_finite_f32(x)
+    if MASKED:
+        tl.store(ptr + idx, y, mask=mask)
+    else:
+        tl.store(ptr + idx, y)
+    return finite
 
 
 # ---- low-bit master state: the twins of reference.sr_random16 / split_master / join_master ----
@@ -166,13 +324,24 @@ def sr_stream_key(base_key, tensor_id, K: tl.constexpr):
 
 
 @triton.jit
-def sr_random16(key, idx):
-    """16 random bits (uint32) for the int64 flat element indices ``idx`` of the stream ``key``."""
-    # the loop index may be int32 (the interpreter) or int64 (compiled from int64 bounds)
-    wide = idx.to(tl.int64)
-    hi = (wide >> 32).to(tl.uint32)
-    lo = (wide & 0xFFFFFFFF).to(tl.uint32)
-    return mix32(mix32(key ^ hi) ^ lo) & 0xFFFF
+def sr_block_key(key, off):
+    """``mix32(key ^ hi)`` for the block of elements starting at ``off``, ``hi`` its high 32 bits.
+
+    Every index of a block has the high 32 bits of ``off``: blocks start at multiples of
+    BLOCK, a power of two that divides 2^32. So the reference's first mix is done once per
+    block, not per element (fewer instructions and registers, the same bits).
+    """
+    return mix32(key ^ (off.to(tl.int64) >> 32).to(tl.uint32))
+
+
+@triton.jit
+def sr_random16(block_key, idx):
+    """16 random bits (uint32) for the int64 flat element indices ``idx`` of a block.
+
+    The reference's ``mix(mix(key ^ hi) ^ lo) & 0xFFFF``, with ``block_key`` from
+    :func:`sr_block_key`; ``lo`` is the index truncated to 32 bits.
+    """
+    return mix32(block_key ^ idx.to(tl.uint32)) & 0xFFFF
 
 
 @triton.jit
@@ -185,21 +354,25 @@ def f32_to_bf16_bits_sr(x, rand16):
 
 
 @triton.jit
-def store_bf16_bits(ptr, idx, x, mask, key, SR: tl.constexpr):
-    """Store fp32 ``x`` as bf16 bits: stochastically with stream ``key`` when SR, else nearest-even."""
+def bf16_bits(x, block_key, idx, SR: tl.constexpr):
+    """fp32 ``x`` as bf16 bits: stochastically rounded with ``block_key`` (:func:`sr_block_key`) when SR, else nearest-even."""
     if SR:
-        tl.store(ptr + idx, f32_to_bf16_bits_sr(x, sr_random16(key, idx)), mask=mask)
+        return f32_to_bf16_bits_sr(x, sr_random16(block_key, idx))
     else:
-        tl.store(ptr + idx, f32_to_bf16_bits(x), mask=mask)
+        return f32_to_bf16_bits(x)
 
 
 @triton.jit
-def store_state(ptr, idx, x, mask, KIND: tl.constexpr, key, SR: tl.constexpr):
-    """Store an fp32 optimizer-state value in its dtype (fp32, or bf16 rounded as store_bf16_bits)."""
+def store_state(ptr, idx, x, mask, KIND: tl.constexpr, block_key, SR: tl.constexpr, MASKED: tl.constexpr):
+    """Store an fp32 optimizer-state value in its dtype (fp32, or bf16 rounded as :func:`bf16_bits`)."""
     if KIND == 2:
-        store_bf16_bits(ptr, idx, x, mask, key, SR)
+        y = bf16_bits(x, block_key, idx, SR)
     else:
-        tl.store(ptr + idx, x, mask=mask)
+        y = x
+    if MASKED:
+        tl.store(ptr + idx, y, mask=mask)
+    else:
+        tl.store(ptr + idx, y)
 
 
 @triton.jit
@@ -246,21 +419,13 @@ def f64_bits(x: float) -> int:
 
 _TABLE_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _TABLE_CACHE_SIZE = 64
+# Tables made while a CUDA graph was being captured, with their pinned sources: the graph holds
+# both addresses (it re-copies the source into the table on every replay), and nothing says
+# when the graph dies, so they live as long as the process: a few small tensors per capture.
+_CAPTURED_TABLES: list = []
 
 
-def build_table(ptr_columns: Sequence[Sequence[int]], numels: Sequence[int], chunk: int, device: torch.device):
-    """The launch table for ``n`` tensors and its chunk count: ``(table, n_chunks)``.
-
-    ``ptr_columns`` holds one list of ``data_ptr()`` per pointer kind (each of length n),
-    ``numels`` the element counts (all > 0). Cached by content: a table depends only on the
-    pointers, sizes and chunk length, so reusing one for other tensors at the same
-    addresses is still correct.
-    """
-    key = (device, chunk, tuple(numels), *(tuple(c) for c in ptr_columns))
-    hit = _TABLE_CACHE.get(key)
-    if hit is not None:
-        _TABLE_CACHE.move_to_end(key)
-        return hit
+def _table_values(ptr_columns, numels, chunk):
     chunk_tensor = []
     chunk_start = []
     for t, n in enumerate(numels):
@@ -271,18 +436,59 @@ def build_table(ptr_columns: Sequence[Sequence[int]], numels: Sequence[int], chu
     values.extend(numels)
     values.extend(chunk_tensor)
     values.extend(chunk_start)
+    return values, len(chunk_tensor)
+
+
+def build_table(ptr_columns: Sequence[Sequence[int]], numels: Sequence[int], chunk: int, device: torch.device):
+    """The launch table for ``n`` tensors and its chunk count: ``(table, n_chunks)``.
+
+    ``ptr_columns`` holds one list of ``data_ptr()`` per pointer kind (each of length n),
+    ``numels`` the element counts (all > 0). Chunk ``c`` of a tensor starts at element
+    ``c * chunk``. A table depends only on these values, so a cached one is reused for other
+    tensors at the same addresses. On CUDA (call with ``device`` current):
+
+    * eager: the table is copied from pinned memory without blocking on the current stream,
+      and cached per (device, stream): a table is only ever used on the stream whose copy
+      wrote it, so no launch can read it before the copy is done, and when the cache drops
+      it, the caching allocator recycles its memory in that stream's order;
+    * while the current stream is capturing a CUDA graph: a new table, written by the graph
+      itself (the copy from a pinned buffer is captured, so every replay rewrites the table
+      before its kernels read it), never an eager one (whose copy the graph could not order
+      against); the table and its pinned source are kept alive for good, so nothing the graph
+      points at is ever recycled.
+    """
+    content = (chunk, tuple(numels), *(tuple(c) for c in ptr_columns))
+    if device.type != "cuda":
+        key = (device, None, content)
+    elif torch.cuda.is_current_stream_capturing():
+        return _captured_table(ptr_columns, numels, chunk, device)
+    else:
+        key = (device, torch.cuda.current_stream(device).cuda_stream, content)
+    hit = _TABLE_CACHE.get(key)
+    if hit is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return hit
+    values, n_chunks = _table_values(ptr_columns, numels, chunk)
     host = torch.tensor(values, dtype=torch.int64)
     if device.type == "cpu":
         table = host
     else:
-        # A pinned source lets the copy run asynchronously; the caching host allocator keeps
-        # the buffer alive until the copy has finished.
+        # The caching host allocator keeps the pinned source alive until the copy has run.
         table = host.pin_memory().to(device, non_blocking=True)
-    result = (table, len(chunk_tensor))
+    result = (table, n_chunks)
     _TABLE_CACHE[key] = result
     if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
         _TABLE_CACHE.popitem(last=False)
     return result
+
+
+def _captured_table(ptr_columns, numels, chunk, device):
+    values, n_chunks = _table_values(ptr_columns, numels, chunk)
+    host = torch.tensor(values, dtype=torch.int64).pin_memory()
+    table = torch.empty(host.shape, dtype=torch.int64, device=device)
+    table.copy_(host, non_blocking=True)
+    _CAPTURED_TABLES.append((table, host))
+    return table, n_chunks
 
 
 def check_runnable(op: str, device: torch.device) -> None:

@@ -35,6 +35,45 @@ _STATS_RBLOCK = 128
 
 
 @triton.jit
+def _unscale_block(
+    ptr,
+    off,
+    end,
+    inv_scale,
+    KIND: tl.constexpr,
+    WRITE_BACK: tl.constexpr,
+    SUMSQ: tl.constexpr,
+    STATS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One block: (non-finite count, zero count, fp16-underflow count, absmax, fp32 sum of squares)."""
+    idx = C.block_index(off, BLOCK)
+    mask = idx < end
+    x = C.load_f32(ptr, idx, mask, KIND, MASKED)
+    y = x * inv_scale
+    # x non-finite (torch's rule) or overflow created by the unscale itself
+    x_fin = C.is_finite_f32(x)
+    y_fin = C.is_finite_f32(y)
+    bad = ~(x_fin & y_fin)
+    if WRITE_BACK:
+        bad = bad | ~C.store_from_f32(ptr, idx, y, mask, KIND, MASKED)
+    n_bad = tl.sum((bad & mask).to(tl.int32), axis=0)
+    n_zero = tl.full([], 0, tl.int32)
+    n_under = tl.full([], 0, tl.int32)
+    amax = tl.full([], 0.0, tl.float32)
+    sumsq = tl.full([], 0.0, tl.float32)
+    if STATS:
+        ay = tl.abs(y)
+        n_zero = tl.sum((mask & x_fin & (y == 0)).to(tl.int32), axis=0)
+        n_under = tl.sum((mask & (ay > 0) & (ay < 6.103515625e-05)).to(tl.int32), axis=0)
+        amax = tl.max(tl.where(mask & y_fin, ay, 0.0), axis=0)
+    if SUMSQ:
+        sumsq = tl.sum(tl.where(mask, y * y, 0.0), axis=0)
+    return n_bad, n_zero, n_under, amax, sumsq
+
+
+@C.jit_launched
 def _unscale_check_kernel(
     table_ptr,
     n_tensors,
@@ -49,14 +88,13 @@ def _unscale_check_kernel(
     WRITE_BACK: tl.constexpr,
     SUMSQ: tl.constexpr,
     STATS: tl.constexpr,
+    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    t = tl.load(table_ptr + (N_COL + 1) * n_tensors + pid)
-    start = tl.load(table_ptr + (N_COL + 1) * n_tensors + n_chunks + pid)
-    numel = tl.load(table_ptr + N_COL * n_tensors + t)
-    ptr = C.load_ptr(table_ptr, t, KIND)
+    t, start, numel = C.chunk_of(table_ptr, n_tensors, n_chunks, pid, N_COL, CHUNK)
+    ptr = C.load_ptr(table_ptr, t, KIND, ALIGNED)
     inv_scale = tl.load(inv_scale_ptr)
     end = tl.minimum(start + CHUNK, numel)
     n_bad = tl.full([], 0, tl.int32)
@@ -64,25 +102,23 @@ def _unscale_check_kernel(
     n_under = tl.full([], 0, tl.int32)
     amax = tl.full([], 0.0, tl.float32)
     acc = tl.full([], 0.0, tl.float64)
-    for off in range(start, end, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        mask = idx < end
-        x = C.load_f32(ptr, idx, mask, KIND)
-        y = x * inv_scale
-        # x non-finite (torch's rule) or overflow created by the unscale itself
-        x_fin = C.is_finite_f32(x)
-        y_fin = C.is_finite_f32(y)
-        bad = ~(x_fin & y_fin)
-        if WRITE_BACK:
-            bad = bad | ~C.store_from_f32(ptr, idx, y, mask, KIND)
-        n_bad += tl.sum((bad & mask).to(tl.int32), axis=0)
-        if STATS:
-            ay = tl.abs(y)
-            n_zero += tl.sum((mask & x_fin & (y == 0)).to(tl.int32), axis=0)
-            n_under += tl.sum((mask & (ay > 0) & (ay < 6.103515625e-05)).to(tl.int32), axis=0)
-            amax = tl.maximum(amax, tl.max(tl.where(mask & y_fin, ay, 0.0), axis=0))
-        if SUMSQ:
-            acc += tl.sum(tl.where(mask, y * y, 0.0), axis=0).to(tl.float64)
+    # Full blocks unmasked (vector loads/stores), then the last partial block masked (all lanes
+    # off when there is none, adding exact zeros); blocks are summed in order, as before.
+    off = start
+    while off + BLOCK <= end:
+        b, z, u, a, s = _unscale_block(ptr, off, end, inv_scale, KIND, WRITE_BACK, SUMSQ, STATS, BLOCK, False)
+        n_bad += b
+        n_zero += z
+        n_under += u
+        amax = tl.maximum(amax, a)
+        acc += s.to(tl.float64)
+        off += BLOCK
+    b, z, u, a, s = _unscale_block(ptr, off, end, inv_scale, KIND, WRITE_BACK, SUMSQ, STATS, BLOCK, True)
+    n_bad += b
+    n_zero += z
+    n_under += u
+    amax = tl.maximum(amax, a)
+    acc += s.to(tl.float64)
     # Every flagging program stores the same 1.0: a benign race, no atomics, never a reset.
     tl.store(found_inf_ptr, 1.0, mask=n_bad > 0)
     if SUMSQ:
@@ -95,7 +131,7 @@ def _unscale_check_kernel(
         tl.store(chunk_absmax_ptr + pid, amax)
 
 
-@triton.jit
+@C.jit_launched
 def _stats_reduce_kernel(
     table_ptr,
     n_tensors,
@@ -116,14 +152,17 @@ def _stats_reduce_kernel(
     c_zero = tl.full([], 0, tl.int64)
     c_under = tl.full([], 0, tl.int64)
     amax = tl.full([], 0.0, tl.float32)
-    # integer sums and a max of non-negative values: the result does not depend on the order
-    for c0 in range(first, last, RBLOCK):
+    # integer sums and a max of non-negative values: the result does not depend on the order.
+    # A while loop: a range() over bounds read from memory breaks Triton 3.6's interpreter.
+    c0 = first
+    while c0 < last:
         c = c0 + tl.arange(0, RBLOCK)
         m = c < last
         c_bad += tl.sum(tl.load(chunk_counts_ptr + 3 * c, mask=m, other=0), axis=0)
         c_zero += tl.sum(tl.load(chunk_counts_ptr + 3 * c + 1, mask=m, other=0), axis=0)
         c_under += tl.sum(tl.load(chunk_counts_ptr + 3 * c + 2, mask=m, other=0), axis=0)
         amax = tl.maximum(amax, tl.max(tl.load(chunk_absmax_ptr + c, mask=m, other=0.0), axis=0))
+        c0 += RBLOCK
     tl.store(counts_ptr + 3 * gid, c_bad)
     tl.store(counts_ptr + 3 * gid + 1, c_zero)
     tl.store(counts_ptr + 3 * gid + 2, c_under)
@@ -174,11 +213,23 @@ def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_s
             tmp = g.contiguous()
             copies.append((g, tmp))
             g = tmp
-        groups.setdefault(g.dtype, []).append((i, g))
-    chunk, block = C.chunk_config()
+        # views at odd offsets go to the kernel compiled without the 16-byte alignment hint
+        groups.setdefault((g.dtype, C.is_aligned(g)), []).append((i, g))
+    with C.device_guard(dev):
+        sumsq = _launch_groups(groups, dev, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax)
+    if write_back:
+        for orig, tmp in copies:
+            orig.copy_(tmp)
+    return sumsq
+
+
+def _launch_groups(groups, dev, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
+    """One unscale_check launch per (dtype, aligned) group (+ a statistics reduction each); the sum of squares."""
+    chunk, block, opts = C.launch_config("unscale_check")
+    stats = counts is not None
     launches = []
     total_chunks = 0
-    for dtype, members in groups.items():
+    for (dtype, aligned), members in groups.items():
         ts = [g for _, g in members]
         columns = [[t.data_ptr() for t in ts]]
         if stats:
@@ -190,7 +241,7 @@ def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_s
                 c += -(-t.numel() // chunk)
             columns.append(firsts)
         table, n_chunks = C.build_table(columns, [t.numel() for t in ts], chunk, dev)
-        launches.append((C.DTYPE_KIND[dtype], len(ts), table, n_chunks, total_chunks))
+        launches.append((C.DTYPE_KIND[dtype], aligned, len(ts), table, n_chunks, total_chunks))
         total_chunks += n_chunks
     partials = torch.empty(total_chunks if compute_sumsq else 1, dtype=torch.float64, device=dev)
     if stats:
@@ -201,7 +252,7 @@ def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_s
         chunk_absmax = torch.empty(max(total_chunks, 1), dtype=torch.float32, device=dev)
     else:
         chunk_counts = chunk_absmax = partials
-    for kind, n_tensors, table, n_chunks, first in launches:
+    for kind, aligned, n_tensors, table, n_chunks, first in launches:
         _unscale_check_kernel[(n_chunks,)](
             table,
             n_tensors,
@@ -216,9 +267,10 @@ def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_s
             WRITE_BACK=write_back,
             SUMSQ=compute_sumsq,
             STATS=stats,
+            ALIGNED=aligned,
             CHUNK=chunk,
             BLOCK=block,
-            **C.LAUNCH_OPTS,
+            **opts,
         )
         if stats:
             _stats_reduce_kernel[(n_tensors,)](
@@ -232,9 +284,6 @@ def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_s
                 RBLOCK=_STATS_RBLOCK,
                 **C.LAUNCH_OPTS,
             )
-    if write_back:
-        for orig, tmp in copies:
-            orig.copy_(tmp)
     if compute_sumsq and total_chunks > 0:
         # a fixed-order fp64 reduction of the per-chunk partials: deterministic
         return partials.sum().to(torch.float32)
@@ -307,7 +356,7 @@ def unscale_check_stats_(
     return _unscale_check_stats_op(dense, found_inf, inv_scale, bool(write_back), bool(compute_sumsq), counts, absmax)
 
 
-@triton.jit
+@C.jit_launched
 def _update_scale_kernel(
     scale_ptr,
     growth_tracker_ptr,
@@ -381,19 +430,20 @@ def _update_scale_op(
         if not t.is_contiguous():
             raise ValueError(f"fastamp_triton::{op}: {name} must be contiguous")
     C.check_runnable(op, dev)
-    _update_scale_kernel[(1,)](
-        scale,
-        growth_tracker,
-        hysteresis_tracker,
-        found_inf,
-        C.f64_bits(growth_factor),
-        C.f64_bits(backoff_factor),
-        growth_interval,
-        hysteresis,
-        C.to_f32(min_scale),
-        C.to_f32(max_scale),
-        **C.LAUNCH_OPTS,
-    )
+    with C.device_guard(dev):
+        _update_scale_kernel[(1,)](
+            scale,
+            growth_tracker,
+            hysteresis_tracker,
+            found_inf,
+            C.f64_bits(growth_factor),
+            C.f64_bits(backoff_factor),
+            growth_interval,
+            hysteresis,
+            C.to_f32(min_scale),
+            C.to_f32(max_scale),
+            **C.LAUNCH_OPTS,
+        )
 
 
 @_update_scale_op.register_fake

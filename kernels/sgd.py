@@ -6,10 +6,13 @@ remainders for bf16 params, or no master (bf16 params then rounded stochasticall
 ``rng`` is given). Registered as the ``torch.library`` custom op ``fastamp_triton::sgd_``
 (fake impl included, ``opcheck`` clean).
 
-One launch per (param dtype, grad dtype) group covers every chunk of every tensor. Each
-program reads ``found_inf`` and, when it is non-zero (NaN included), runs zero iterations,
-so a skipped step writes nothing and leaves the first-step flag to the caller's step count
-(``step_scalars = [lr, grad_mul, is_first]``, all read on the device).
+One launch per (param dtype, grad dtype) group covers every chunk of every tensor (tensors
+whose data is not 16-byte aligned go to a second launch, compiled without the alignment
+hint). Each program reads ``found_inf`` and, when it is non-zero (NaN included), treats its
+chunk as empty, so a skipped step writes nothing and leaves the first-step flag to the
+caller's step count (``step_scalars = [lr, grad_mul, is_first]``, all read on the device).
+``maximize``, ``nesterov``, weight decay on/off and whether ``found_inf`` is given are
+runtime flags; the streams (master kind, momentum, stochastic rounding) are constexprs.
 
 Agreement with the reference: bit-exact under ``TRITON_INTERPRET=1`` and, since the update
 is only fp32 multiplies and adds compiled without FMA contraction plus integer bit
@@ -35,6 +38,70 @@ _REMAINDER = 2
 
 
 @triton.jit
+def _sgd_block(
+    p_ptr,
+    g_ptr,
+    w_ptr,
+    r_ptr,
+    buf_ptr,
+    off,
+    end,
+    key,
+    lr,
+    grad_mul,
+    first,
+    momentum,
+    one_minus_dampening,
+    weight_decay,
+    maximize,
+    nesterov,
+    has_weight_decay,
+    P_KIND: tl.constexpr,
+    G_KIND: tl.constexpr,
+    MASTER: tl.constexpr,
+    HAS_MOMENTUM: tl.constexpr,
+    SR: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One block of elements ``off + [0, BLOCK)``; only a MASKED block may run past ``end``."""
+    idx = C.block_index(off, BLOCK)
+    mask = idx < end
+    if MASTER == 1:
+        p = C.load_f32(w_ptr, idx, mask, 0, MASKED)
+    elif MASTER == 2:
+        p = C.join_master(C.load_raw(p_ptr, idx, mask, MASKED), C.load_raw(r_ptr, idx, mask, MASKED))
+    else:
+        p = C.load_f32(p_ptr, idx, mask, P_KIND, MASKED)
+    g = C.load_f32(g_ptr, idx, mask, G_KIND, MASKED) * grad_mul
+    if maximize != 0:
+        g = -g
+    if has_weight_decay != 0:
+        g = g + weight_decay * p
+    if HAS_MOMENTUM:
+        buf = C.load_f32(buf_ptr, idx, mask, 0, MASKED)
+        # on the first step the old buffer is never used (it may hold anything)
+        nb = tl.where(first, g, buf * momentum + one_minus_dampening * g)
+        C.store_raw(buf_ptr, idx, nb, mask, MASKED)
+        if nesterov != 0:
+            g = g + momentum * nb
+        else:
+            g = nb
+    pv = p - lr * g
+    if MASTER == 1:
+        C.store_raw(w_ptr, idx, pv, mask, MASKED)
+        C.store_from_f32(p_ptr, idx, pv, mask, P_KIND, MASKED)
+    elif MASTER == 2:
+        new_bits, new_rem = C.split_master(pv)
+        C.store_raw(p_ptr, idx, new_bits, mask, MASKED)
+        C.store_raw(r_ptr, idx, new_rem, mask, MASKED)
+    elif SR:
+        C.store_raw(p_ptr, idx, C.bf16_bits(pv, C.sr_block_key(key, off), idx, True), mask, MASKED)
+    else:
+        C.store_from_f32(p_ptr, idx, pv, mask, P_KIND, MASKED)
+
+
+@C.jit_launched
 def _sgd_kernel(
     table_ptr,
     n_tensors,
@@ -45,35 +112,36 @@ def _sgd_kernel(
     momentum,
     one_minus_dampening,
     weight_decay,
+    check_found_inf,
+    maximize,
+    nesterov,
+    has_weight_decay,
     P_KIND: tl.constexpr,
     G_KIND: tl.constexpr,
     N_PTR: tl.constexpr,
     MASTER: tl.constexpr,
     HAS_MOMENTUM: tl.constexpr,
-    HAS_WEIGHT_DECAY: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    MAXIMIZE: tl.constexpr,
     SR: tl.constexpr,
-    HAS_FOUND_INF: tl.constexpr,
+    ALIGNED: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # table columns: param, grad, [master or remainder], [momentum buffer], [tensor id]
     pid = tl.program_id(0)
-    t, start, numel = C.chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR)
-    p_ptr = C.load_ptr(table_ptr, t, P_KIND)
-    g_ptr = C.load_ptr(table_ptr, n_tensors + t, G_KIND)
+    t, start, numel = C.chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR, CHUNK)
+    p_ptr = C.load_ptr(table_ptr, t, P_KIND, ALIGNED)
+    g_ptr = C.load_ptr(table_ptr, n_tensors + t, G_KIND, ALIGNED)
     HAS_MASTER: tl.constexpr = MASTER != 0
     if MASTER == 1:
-        w_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 0)
+        w_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 0, ALIGNED)
     else:
-        w_ptr = C.load_ptr(table_ptr, t, 0)
+        w_ptr = C.load_ptr(table_ptr, t, 0, ALIGNED)
     if MASTER == 2:
-        r_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 4)
+        r_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 4, ALIGNED)
     else:
-        r_ptr = C.load_ptr(table_ptr, t, 4)
+        r_ptr = C.load_ptr(table_ptr, t, 4, ALIGNED)
     if HAS_MOMENTUM:
-        buf_ptr = C.load_ptr(table_ptr, (2 + HAS_MASTER) * n_tensors + t, 0)
+        buf_ptr = C.load_ptr(table_ptr, (2 + HAS_MASTER) * n_tensors + t, 0, ALIGNED)
     else:
         buf_ptr = w_ptr
     if SR:
@@ -84,46 +152,22 @@ def _sgd_kernel(
     lr = tl.load(step_scalars_ptr)
     grad_mul = tl.load(step_scalars_ptr + 1)
     first = tl.load(step_scalars_ptr + 2) != 0
-    end = tl.minimum(start + CHUNK, numel)
-    if HAS_FOUND_INF:
-        # A non-zero (or NaN) found_inf makes the loop empty: no load, no store.
-        end = tl.where(tl.load(found_inf_ptr) == 0, end, start)
-    for off in range(start, end, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        mask = idx < end
-        if MASTER == 1:
-            p = tl.load(w_ptr + idx, mask=mask, other=0.0)
-        elif MASTER == 2:
-            pbits = tl.load(p_ptr + idx, mask=mask, other=0)
-            p = C.join_master(pbits, tl.load(r_ptr + idx, mask=mask, other=0))
-        else:
-            p = C.load_f32(p_ptr, idx, mask, P_KIND)
-        g = C.load_f32(g_ptr, idx, mask, G_KIND) * grad_mul
-        if MAXIMIZE:
-            g = -g
-        if HAS_WEIGHT_DECAY:
-            g = g + weight_decay * p
-        if HAS_MOMENTUM:
-            buf = tl.load(buf_ptr + idx, mask=mask, other=0.0)
-            # on the first step the old buffer is never used (it may hold anything)
-            nb = tl.where(first, g, buf * momentum + one_minus_dampening * g)
-            tl.store(buf_ptr + idx, nb, mask=mask)
-            if NESTEROV:
-                g = g + momentum * nb
-            else:
-                g = nb
-        pv = p - lr * g
-        if MASTER == 1:
-            tl.store(w_ptr + idx, pv, mask=mask)
-            C.store_from_f32(p_ptr, idx, pv, mask, P_KIND)
-        elif MASTER == 2:
-            new_bits, new_rem = C.split_master(pv)
-            tl.store(p_ptr + idx, new_bits, mask=mask)
-            tl.store(r_ptr + idx, new_rem, mask=mask)
-        elif SR:
-            C.store_bf16_bits(p_ptr, idx, pv, mask, key, True)
-        else:
-            C.store_from_f32(p_ptr, idx, pv, mask, P_KIND)
+    # A non-zero (or NaN) found_inf empties the chunk: no load, no store.
+    end = C.chunk_end(start, numel, found_inf_ptr, check_found_inf, CHUNK)
+    # full blocks unmasked (vector loads/stores), then the last partial block masked (see adamw)
+    off = start
+    while off + BLOCK <= end:
+        _sgd_block(
+            p_ptr, g_ptr, w_ptr, r_ptr, buf_ptr, off, end, key, lr, grad_mul, first, momentum,
+            one_minus_dampening, weight_decay, maximize, nesterov, has_weight_decay,
+            P_KIND, G_KIND, MASTER, HAS_MOMENTUM, SR, BLOCK, False,
+        )  # fmt: skip
+        off += BLOCK
+    _sgd_block(
+        p_ptr, g_ptr, w_ptr, r_ptr, buf_ptr, off, end, key, lr, grad_mul, first, momentum,
+        one_minus_dampening, weight_decay, maximize, nesterov, has_weight_decay,
+        P_KIND, G_KIND, MASTER, HAS_MOMENTUM, SR, BLOCK, True,
+    )  # fmt: skip
 
 
 def _validate(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, momentum):
@@ -236,45 +280,50 @@ def _sgd_op(
         if p.numel() == 0:
             continue
         g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
-        groups.setdefault((p.dtype, g.dtype), []).append((i, g))
-    chunk, block = C.chunk_config()
-    for (p_dtype, g_dtype), members in groups.items():
-        idxs = [i for i, _ in members]
-        # stochastic rounding only where the reference does it: bf16 params without a master
-        sr = rng is not None and master_kind == _NO_MASTER and p_dtype == torch.bfloat16
-        columns = [[params[i].data_ptr() for i in idxs], [g.data_ptr() for _, g in members]]
-        if master_kind != _NO_MASTER:
-            columns.append([masters[i].data_ptr() for i in idxs])
-        if has_momentum:
-            columns.append([momentum_buffers[i].data_ptr() for i in idxs])
-        if sr:
-            # the tensor id of the random stream is the index in the call, not in the group
-            columns.append([rng_base + i for i in idxs])
-        table, n_chunks = C.build_table(columns, [params[i].numel() for i in idxs], chunk, dev)
-        _sgd_kernel[(n_chunks,)](
-            table,
-            len(idxs),
-            n_chunks,
-            scalars,
-            found_inf if found_inf is not None else scalars,
-            rng if sr else table,
-            C.to_f32(momentum),
-            C.to_f32(1.0 - dampening),
-            C.to_f32(weight_decay),
-            P_KIND=C.DTYPE_KIND[p_dtype],
-            G_KIND=C.DTYPE_KIND[g_dtype],
-            N_PTR=len(columns),
-            MASTER=master_kind,
-            HAS_MOMENTUM=has_momentum,
-            HAS_WEIGHT_DECAY=weight_decay != 0,
-            NESTEROV=nesterov,
-            MAXIMIZE=maximize,
-            SR=sr,
-            HAS_FOUND_INF=found_inf is not None,
-            CHUNK=chunk,
-            BLOCK=block,
-            **C.LAUNCH_OPTS,
-        )
+        streams = [p, g]
+        streams += [masters[i]] if master_kind != _NO_MASTER else []
+        streams += [momentum_buffers[i]] if has_momentum else []
+        groups.setdefault((p.dtype, g.dtype, C.is_aligned(*streams)), []).append((i, g))
+    chunk, block, opts = C.launch_config("sgd")
+    with C.device_guard(dev):
+        for (p_dtype, g_dtype, aligned), members in groups.items():
+            idxs = [i for i, _ in members]
+            # stochastic rounding only where the reference does it: bf16 params without a master
+            sr = rng is not None and master_kind == _NO_MASTER and p_dtype == torch.bfloat16
+            columns = [[params[i].data_ptr() for i in idxs], [g.data_ptr() for _, g in members]]
+            if master_kind != _NO_MASTER:
+                columns.append([masters[i].data_ptr() for i in idxs])
+            if has_momentum:
+                columns.append([momentum_buffers[i].data_ptr() for i in idxs])
+            if sr:
+                # the tensor id of the random stream is the index in the call, not in the group
+                columns.append([rng_base + i for i in idxs])
+            table, n_chunks = C.build_table(columns, [params[i].numel() for i in idxs], chunk, dev)
+            _sgd_kernel[(n_chunks,)](
+                table,
+                len(idxs),
+                n_chunks,
+                scalars,
+                found_inf if found_inf is not None else scalars,
+                rng if sr else table,
+                C.to_f32(momentum),
+                C.to_f32(1.0 - dampening),
+                C.to_f32(weight_decay),
+                int(found_inf is not None),
+                int(maximize),
+                int(nesterov and has_momentum),
+                int(weight_decay != 0),
+                P_KIND=C.DTYPE_KIND[p_dtype],
+                G_KIND=C.DTYPE_KIND[g_dtype],
+                N_PTR=len(columns),
+                MASTER=master_kind,
+                HAS_MOMENTUM=has_momentum,
+                SR=sr,
+                ALIGNED=aligned,
+                CHUNK=chunk,
+                BLOCK=block,
+                **opts,
+            )
 
 
 @_sgd_op.register_fake
