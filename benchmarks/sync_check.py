@@ -30,6 +30,7 @@ import torch
 
 import fastamp
 from fastamp import backends
+from fastamp._harness import unscale_and_clip
 from fastamp.compare import TextData, TinyGPT
 from fastamp.optim import AdamW as FastAdamW
 
@@ -85,11 +86,7 @@ def _run(config, backend, device, data, steps: int, mode: str, dim: int = 128):
         try:
             with _debug(mode if measured else None) as rec2:
                 if clip is not None:
-                    if isinstance(scaler, fastamp.Scaler):  # before GradScaler: fastamp.Scaler subclasses it
-                        scaler.clip_grad_norm_(opt, clip)
-                    else:
-                        scaler.unscale_(opt)
-                        torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+                    unscale_and_clip(scaler, opt, params, clip)
                 scaler.step(opt)
                 scaler.update()
         except RuntimeError as e:

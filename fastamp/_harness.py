@@ -183,3 +183,18 @@ def write_csv(path: str, rows: list[dict[str, object]]) -> None:
         w.writeheader()
         for r in rows:
             w.writerow(r)
+
+
+def unscale_and_clip(scaler, optimizer, params, max_norm: float) -> None:
+    """Clip the grads of a scaled step the way each scaler does it best.
+
+    ``fastamp.Scaler``: its fused ``clip_grad_norm_`` (checked first: it subclasses
+    ``torch.amp.GradScaler``); torch's scaler: ``unscale_`` + ``clip_grad_norm_(foreach=True)``.
+    """
+    import fastamp
+
+    if isinstance(scaler, fastamp.Scaler):
+        scaler.clip_grad_norm_(optimizer, max_norm)
+    else:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)

@@ -11,8 +11,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-import fastamp
-from fastamp._harness import sync
+from fastamp._harness import sync, unscale_and_clip
 from fastamp.compare.memory import CpuPeakMeter
 from fastamp.compare.models import bn_running_var_max
 from fastamp.compare.regimes import build_regime
@@ -92,11 +91,7 @@ def train_regime(
         if scaler is not None:
             scaler.scale(loss).backward()
             if clip > 0:
-                if isinstance(scaler, fastamp.Scaler):  # before GradScaler: fastamp.Scaler subclasses it
-                    scaler.clip_grad_norm_(opt, clip)
-                else:
-                    scaler.unscale_(opt)
-                    torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+                unscale_and_clip(scaler, opt, params, clip)
             scaler.step(opt)
             scaler.update()
             scales.append(scaler._get_scale_async().detach().clone().reshape(()))
