@@ -37,7 +37,7 @@ test: $(BUILD)
 	$(MAKE) test-cuda-build
 
 test-cuda-build:
-	PYTHON=$(PYTHON) bash tests/_scripts/cuda_build_tier.sh
+	PYTHON=$(PYTHON) bash tests/tools/cuda_build_tier.sh
 
 compare: $(BUILD)
 	$(PY) -m fastamp.compare

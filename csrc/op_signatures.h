@@ -5,7 +5,7 @@
 // library is loaded, by aborting the process: every user's `import fastamp` dies, and only
 // a build against a CUDA torch shows it. So each backend registers its kernels through
 // FASTAMP_IMPL, which checks the kernel against the type below at compile time; a
-// mismatch is a compile error in whichever backend drifted (tests/test_cuda_compile.py
+// mismatch is a compile error in whichever backend drifted (tests/tools/test_cuda_compile.py
 // compiles the CUDA bindings against torch's headers on machines without a CUDA torch).
 #pragma once
 

@@ -58,7 +58,7 @@ def sqrt_rn(x: Tensor) -> Tensor:
     is never within 2 fp64 ulps of an fp32 rounding midpoint (a midpoint ``m`` has 25
     significant bits, so ``m * m`` has 49-50 and differs from any 24-bit fp32 by at least
     ``2**-50 * m * m``, which puts ``sqrt`` at least ``2**-51 * m`` from ``m``), so an error
-    of one fp64 ulp cannot move it across. ``tests/test_reference.py`` checks this on the
+    of one fp64 ulp cannot move it across. ``tests/spec/test_reference.py`` checks this on the
     hardest inputs with the fp64 root pushed one ulp either way. This is what ``sqrtf``
     (the native kernels) and ``tl.sqrt_rn`` (Triton) compute.
 

@@ -17,7 +17,7 @@ last partial block of a tensor is masked, and when every tensor of a launch is 1
 aligned (``ALIGNED``) the pointers read from the table carry a ``tl.multiple_of(ptr, 16)``
 hint. Together they let Triton emit 16-byte vector loads and stores (``ld.global.v4``): a
 pointer cast from an int64 has no known alignment, and a mask against a bound read from
-memory hides that a block is full. ``tests/test_triton_aot.py`` checks the PTX for it.
+memory hides that a block is full. ``tests/tools/test_triton_aot.py`` checks the PTX for it.
 """
 
 import contextlib
@@ -44,7 +44,7 @@ DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: 
 # How fp32 square roots and divisions round, the constexpr RN of the kernels that use them:
 #   2: inline PTX `sqrt.rn.f32` / `div.rn.f32` (NVIDIA GPUs): IEEE, subnormals kept. Triton 3.2
 #      and 3.3 lower tl.sqrt_rn / tl.div_rn to `sqrt.rn.ftz.f32` / `div.rn.ftz.f32`, which flush
-#      subnormals to zero (seen in their PTX by tests/test_triton_aot.py; 3.6 and 3.9 do not).
+#      subnormals to zero (seen in their PTX by tests/tools/test_triton_aot.py; 3.6 and 3.9 do not).
 #   1: tl.sqrt_rn / tl.div_rn: the interpreter (numpy, exact) and other GPUs.
 #   0: plain tl.sqrt and `/`, approximate on NVIDIA GPUs: Triton without the _rn functions
 #      (older than 3.2; documented drift).
@@ -56,7 +56,7 @@ LAUNCH_OPTS = {} if interpreted() else {"enable_fp_fusion": False}
 
 # GPU launch shape: BLOCK 512 with 4 warps, 4 elements per thread and stream: one 16-byte
 # vector of an fp32 stream, one 8-byte vector of a 16-bit stream, two 16-byte ones of an fp64
-# stream. Chosen with tests/test_triton_aot.py, which compiles every specialisation for sm_80
+# stream. Chosen with tests/tools/test_triton_aot.py, which compiles every specialisation for sm_80
 # and sm_90 and reads ptxas's report (Triton 3.9): 16 elements per thread (BLOCK 2048, 4
 # warps, the old shape) hit the 255-register cap and spilled up to ~520 bytes per thread in
 # the AdamW kernels; 8 per thread (BLOCK 1024, 4 warps) still spilled 4-12 bytes in 22 of

@@ -18,7 +18,7 @@ arithmetic, one rounding per operation, the same operation order; bf16 stores ro
 integer ops). On an NVIDIA GPU the kernel is compiled without FMA contraction and divides
 and takes square roots with the IEEE ``div.rn.f32`` / ``sqrt.rn.f32`` (inline PTX: Triton
 3.2 and 3.3 lower ``tl.div_rn`` / ``tl.sqrt_rn`` to the flush-to-zero forms), so it is
-expected to be bit-exact there too; tests/test_triton_aot.py checks the PTX of every
+expected to be bit-exact there too; tests/tools/test_triton_aot.py checks the PTX of every
 specialisation for it. With Triton older than 3.2 (approximate sqrt/division) it stays
 within ``tolerances.ADAMW_GPU_RTOL`` per step.
 

@@ -117,7 +117,7 @@ __device__ __forceinline__ void adamw_group(typename PE::storage_t* __restrict__
 // Each element's IEEE division and square root have a slow path that ptxas emits as a
 // subroutine call, and values live across those calls spilled whenever the budget was
 // tight or unset: with nvcc 13.0, 4-16 bytes in some dtype variants at 64 (4 blocks), 80
-// (3 blocks) or no bound, none at 2 blocks on sm_80 and sm_90 (tests/test_cuda_ptxas.py
+// (3 blocks) or no bound, none at 2 blocks on sm_80 and sm_90 (tests/tools/test_cuda_ptxas.py
 // holds every variant to 0). Two blocks of 256 threads with 48-80 bytes of loads in flight
 // per thread still cover an SM's share of the bandwidth-latency product (~25 KB on H100).
 constexpr int kAdamWMinBlocks = 2;

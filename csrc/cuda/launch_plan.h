@@ -3,7 +3,7 @@
 //
 // Host-only C++ plus a few functions shared with the kernels; no CUDA or torch header, so a
 // plain C++ compiler can count launches and walk chunks without a GPU or a toolkit
-// (tests/test_cuda_launch_plan.py). The launchers (amp.cu, adamw.cu, sgd.cu) run exactly
+// (tests/tools/test_cuda_launch_plan.py). The launchers (amp.cu, adamw.cu, sgd.cu) run exactly
 // the plan these functions return.
 //
 // Packing: every non-empty tensor of an op call gets one entry (its pointers, numel and the

@@ -1,7 +1,7 @@
 // Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, adamw.cu, sgd.cu).
 //
 // Raw device pointers, 64-bit sizes, a dtype enum and a stream: no torch, ATen or c10
-// header, so the kernels compile with bare nvcc (tests/test_cuda_compile.py) and the torch
+// header, so the kernels compile with bare nvcc (tests/tools/test_cuda_compile.py) and the torch
 // binding (csrc/cuda/bindings.cpp) stays a thin validation layer. Every launcher only
 // enqueues work on `stream` (no host sync; its one launch table comes from the caller's
 // TableMemory) and returns the first CUDA error it saw (cudaSuccess otherwise). The

@@ -1,6 +1,6 @@
 """Determinism: identical inputs give bit-identical results across runs and thread counts.
 
-Each run is a fresh process (``tests/_scripts/determinism_run.py``) with 1 or 2 intra-op
+Each run is a fresh process (``tests/e2e/_scripts/determinism_run.py``) with 1 or 2 intra-op
 threads: the native CPU kernels split their work across threads, and the sum of squares is
 reduced in a fixed chunk order, so the results must not depend on the split.
 """

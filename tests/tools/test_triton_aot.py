@@ -46,7 +46,7 @@ allocator is not monotonic in the streams (at 8 elements per thread, 22 of the 1
 compiles spilled 4-12 bytes in lighter specialisations the cover does not hold). So the full
 set is compiled whenever a kernel or its launch shape changes: ``FASTAMP_AOT_FULL=1`` (about
 6-11 minutes on 2 cores, 1 on the 16 of the GPU machine), and benchmarks/results/
-triton_aot.md is written from it (``python tests/test_triton_aot.py --full --write
+triton_aot.md is written from it (``python tests/tools/test_triton_aot.py --full --write
 benchmarks/results/triton_aot``).
 
 Triton versions: the one installed, and any other listed in ``FASTAMP_AOT_TRITON``
@@ -75,7 +75,7 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
 STREAMING = ("_unscale_check_kernel", "_adamw_kernel", "_adamw_bf16_kernel", "_sgd_kernel")
 KERNELS = (*STREAMING, "_stats_reduce_kernel", "_update_scale_kernel")
@@ -870,7 +870,7 @@ def write_results(merged, prefix: Path, note: str = "") -> None:
         "",
         f"Triton {merged.get('triton')}, {'all' if merged['full'] else 'the default CI cover of the'} "
         f"{len(merged.get('specs', {}))} distinct specialisations per target that the launchers produce, "
-        f"{len(merged['results'])} compiles by `tests/test_triton_aot.py` "
+        f"{len(merged['results'])} compiles by `tests/tools/test_triton_aot.py` "
         f"in {merged['wall_s']} s with {merged['workers']} processes. GPU chunk config (CHUNK, default BLOCK): "
         f"{tuple(merged.get('chunk_config') or ())}. Per-specialisation figures: "
         f"[{prefix.with_suffix('.csv').name}]({prefix.with_suffix('.csv').name}).",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")

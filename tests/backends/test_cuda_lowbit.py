@@ -5,7 +5,7 @@ device, bit for bit (NaN compared as NaN whatever its payload; integer counts wi
 torch.equal), except the sum of squares, which is within ``tolerances.SUMSQ_RTOL`` of the
 reference and bit-identical to the plain ``unscale_check_`` kernel. Skipped without a CUDA
 device; the kernels are compile-checked in test_cuda_compile.py. Run on a GPU machine after
-building with CUDA: ``pytest tests/test_cuda_lowbit.py``.
+building with CUDA: ``pytest tests/backends/test_cuda_lowbit.py``.
 """
 
 import math

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
 TIMEOUT_S = 300
@@ -94,7 +94,7 @@ def compile_cu_files(make_dir):
 
     ``make_dir()`` gives the folder for the objects. Returns {file name: (returncode, nvcc +
     ptxas output, object path)}. This module checks the
-    objects, tests/test_cuda_ptxas.py the ptxas report of the same compile (one compile of each
+    objects, tests/tools/test_cuda_ptxas.py the ptxas report of the same compile (one compile of each
     file for both, not two).
     """
     if not _CU_RESULTS:

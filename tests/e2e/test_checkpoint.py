@@ -1,6 +1,6 @@
 """Checkpoints: save at step k, resume in a new process, continue to n: bit-identical.
 
-``tests/_scripts/ckpt_run.py`` trains fp32, bf16 + fp32 masters and fp16 + fp32 masters models
+``tests/e2e/_scripts/ckpt_run.py`` trains fp32, bf16 + fp32 masters and fp16 + fp32 masters models
 with fastamp.optim.AdamW, fastamp.Scaler (hysteresis 2, growth every 3) and a fused clip,
 with overflow injected at steps 3, 4 and 11. The checkpoint is taken after step 3 (the
 hysteresis tracker is mid-way, one overflow used), loaded with ``torch.load(weights_only=True)``

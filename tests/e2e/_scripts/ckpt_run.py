@@ -1,4 +1,4 @@
-"""Train / checkpoint / resume for tests/test_checkpoint.py (each call is a fresh process).
+"""Train / checkpoint / resume for tests/e2e/test_checkpoint.py (each call is a fresh process).
 
 ``python ckpt_run.py full N OUT``        run steps 0..N-1, save the final state to OUT
 ``python ckpt_run.py save K OUT``        run steps 0..K-1, save a checkpoint to OUT

@@ -2,7 +2,7 @@
 # The CUDA-build tier: build fastamp as a CUDA user would, on a machine without a GPU, and
 # import it and test it against that build.
 #
-#   bash tests/_scripts/cuda_build_tier.sh        (make test runs it after the main suite)
+#   bash tests/tools/cuda_build_tier.sh        (make test runs it after the main suite)
 #
 # 1. A side virtualenv (.venv-cuda) with a CUDA build of torch whose CUDA major matches the
 #    local nvcc (torch 2.11.0 is CUDA 13.0, as nvcc here and the GPU machine; it pairs with
@@ -88,6 +88,6 @@ print("[cuda-build tier] every op has a CPU and a CUDA kernel;", fastamp.__file_
 # interpreter. CUDA-device tests skip with their reason. -P: import the installed fastamp.
 t2=$(date +%s)
 "$VENV/bin/python" -P -m pytest -q -p no:cacheprovider -o addopts="" -rfE -W ignore::UserWarning -W ignore::DeprecationWarning \
-    tests/test_native_cpu.py tests/test_triton.py tests/test_triton_lowbit.py tests/test_adamw_amp.py \
-    tests/test_cuda.py tests/test_cuda_lowbit.py
+    tests/backends/test_native_cpu.py tests/backends/test_triton.py tests/backends/test_triton_lowbit.py tests/api/test_adamw_amp.py \
+    tests/backends/test_cuda.py tests/backends/test_cuda_lowbit.py
 say "tests ran in $(($(date +%s) - t2))s; tier total $(($(date +%s) - t0))s"

@@ -1,6 +1,6 @@
 """fastamp.Scaler(process_group=...) on torch.distributed: 2 gloo ranks on CPU.
 
-One subprocess (``tests/_dist/worker.py``) spawns the 2 ranks, runs every scenario and the
+One subprocess (``tests/e2e/_dist/worker.py``) spawns the 2 ranks, runs every scenario and the
 single-process references, and saves the results; the tests here compare them. Scenarios:
 DDP (overflow on rank 1 only, after the all-reduce and in the input), a no-group control,
 ZeRO-style sharding (fastamp AdamW; torch SGD with an active global clip), a rank without

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-BENCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "benchmarks")
 sys.path.insert(0, BENCH_DIR)
 
 import bench_adamw  # noqa: E402

@@ -2,7 +2,7 @@
 
 Skipped without a CUDA device. On a GPU machine, build with CUDA first (see
 csrc/cuda/bindings.cpp's header note / the project README) and run
-``pytest tests/test_cuda.py``. Agreement is bit for bit (NaN compared as NaN, signed zeros
+``pytest tests/backends/test_cuda.py``. Agreement is bit for bit (NaN compared as NaN, signed zeros
 compared by sign) except the sum of squares, which is within ``tolerances.SUMSQ_RTOL``.
 """
 

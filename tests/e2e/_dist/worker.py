@@ -1,6 +1,6 @@
-"""2-rank torch.distributed (gloo, CPU) scenarios for tests/test_distributed.py.
+"""2-rank torch.distributed (gloo, CPU) scenarios for tests/e2e/test_distributed.py.
 
-Run as ``python tests/_dist/worker.py OUT_DIR``: spawns 2 ranks on a free loopback port;
+Run as ``python tests/e2e/_dist/worker.py OUT_DIR``: spawns 2 ranks on a free loopback port;
 each rank runs every scenario and saves its results to ``OUT_DIR/rank{r}.pt``; rank 0 then
 runs the single-process references and saves them to ``OUT_DIR/reference.pt``. The test
 process only compares. Everything runs with one intra-op thread so that a rank's local

@@ -308,7 +308,9 @@ def test_reference_is_the_same_whatever_instruction_set_torch_uses():
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     code = "import test_reference as t; print(t._digest(t._reference_results()))"
     for capability in others:
-        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+        # tests/ (tolerances.py) on the path, as pytest's pythonpath setting gives this process.
+        pythonpath = os.pathsep.join(p for p in (os.path.dirname(tests_dir), os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, PYTHONPATH=pythonpath)
         proc = subprocess.run(
             [sys.executable, "-c", code], cwd=tests_dir, env=env, capture_output=True, text=True, timeout=300
         )
