@@ -1,0 +1,339 @@
+"""fastamp in a real Lightning Trainer on CPU: fp16 autocast, clipping, injected overflows, resume.
+
+The plugin under test is ``fastamp.integrations.lightning.MixedPrecision``. Each run is a
+small MLP for a few dozen steps with one or two injected infs in a grad (after backward, so
+the scaler sees them) and a short growth interval, so the scale backs off and grows.
+References: the same training written by hand with ``fastamp.Scaler`` (the plugin must do
+exactly that: bit-identical), and Lightning's own plugin with ``torch.amp.GradScaler``.
+"""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+L = pytest.importorskip("lightning", reason="Lightning is not installed (requirements-dev.txt pins it)")
+
+from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision  # noqa: E402
+from tolerances import ADAMW_VS_TORCH_ATOL, ADAMW_VS_TORCH_RTOL  # noqa: E402
+
+import fastamp  # noqa: E402
+from fastamp.integrations.lightning import MixedPrecision  # noqa: E402
+
+BATCHES = 24  # per epoch
+OVERFLOW_AT = (5, 17)  # global steps whose grads get an inf
+GROWTH_INTERVAL = 4  # short: the scale grows (and overflows naturally once it is high)
+
+OPTIMIZERS = {
+    "fastamp.AdamW": lambda p: fastamp.optim.AdamW(p, lr=1e-2, weight_decay=0.01),
+    "torch.AdamW(fused)": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01, fused=True),
+    "torch.SGD": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "torch.AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01),
+}
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        # Lightning's own notices (no logger, dataloader workers, deprecations of its deps)
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _loader():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(BATCHES * 8, 16, generator=g), torch.randn(BATCHES * 8, 4, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+
+
+class _Net(L.LightningModule):
+    def __init__(self, optimizer: str, overflow_at=OVERFLOW_AT):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.optimizer, self.overflow_at = optimizer, overflow_at
+        self.losses = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.losses.append(loss.detach())
+        return loss
+
+    def on_after_backward(self):
+        _inject(self, self.trainer.global_step in self.overflow_at)
+
+    def configure_optimizers(self):
+        return OPTIMIZERS[self.optimizer](self.parameters())
+
+
+def _inject(module, now: bool):
+    if now:
+        module.net[0].weight.grad.view(-1)[3] = float("inf")
+
+
+class _Record(L.Callback):
+    """The scale and the skip flag after every step, as device tensors (no sync)."""
+
+    def __init__(self):
+        self.scales, self.skipped = [], []
+
+    def on_train_batch_end(self, trainer, *args):
+        scaler = trainer.precision_plugin.scaler
+        if scaler is None:
+            return
+        self.scales.append(scaler._get_scale_async().clone())
+        if isinstance(scaler, fastamp.Scaler):
+            self.skipped.append(scaler.last_step_skipped_tensor.clone())
+
+
+def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None):
+    record = _Record()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        plugins=[plugin],
+        max_epochs=epochs,
+        gradient_clip_val=clip,
+        gradient_clip_algorithm=algorithm,
+        callbacks=[record],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module, _loader(), ckpt_path=ckpt_path)
+    return trainer, record
+
+
+def _by_hand(optimizer: str, clip=0.5, algorithm="norm", precision="16-mixed", overflow_at=OVERFLOW_AT):
+    """The loop the plugin must run, written out: Lightning's order of calls, fastamp.Scaler."""
+    module = _Net(optimizer)
+    opt = module.configure_optimizers()
+    scaler = fastamp.Scaler("cpu", growth_interval=GROWTH_INTERVAL, enabled=precision == "16-mixed")
+    dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
+    losses, scales, skipped = [], [], []
+    for step, (x, y) in enumerate(_loader()):
+        with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
+            loss = torch.nn.functional.mse_loss(module(x), y)
+        losses.append(loss.detach())
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        _inject(module, step in overflow_at)
+        amp_aware = getattr(opt, "_step_supports_amp_scaling", False)
+        if precision == "bf16-mixed":
+            clip_fn = torch.nn.utils.clip_grad_norm_ if algorithm == "norm" else torch.nn.utils.clip_grad_value_
+            clip_fn(list(module.parameters()), clip)
+        elif algorithm == "norm":
+            if not amp_aware:
+                scaler.unscale_(opt)
+            scaler.clip_grad_norm_(opt, clip)
+        else:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_value_(list(module.parameters()), clip)
+        scaler.step(opt)
+        scaler.update()
+        if scaler.is_enabled():
+            scales.append(scaler._get_scale_async().clone())
+            skipped.append(scaler.last_step_skipped_tensor.clone())
+    return module, opt, scaler, torch.stack(losses), scales, skipped
+
+
+def _params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _assert_equal_lists(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (g, w)
+
+
+@pytest.mark.parametrize(
+    "optimizer, algorithm",
+    [("fastamp.AdamW", "norm"), ("torch.AdamW(fused)", "norm"), ("torch.SGD", "norm"), ("fastamp.AdamW", "value")],
+)
+def test_plugin_runs_exactly_the_fastamp_loop(optimizer, algorithm):
+    """Trainer + plugin == the hand-written fastamp loop, bit for bit: losses, params, scale, skips.
+
+    Amp-aware optimizers included (Lightning's own plugin refuses to clip them).
+    """
+    clip = 0.5 if algorithm == "norm" else 0.02
+    module = _Net(optimizer)
+    plugin = MixedPrecision("16-mixed", "cpu", growth_interval=GROWTH_INTERVAL)
+    trainer, record = _fit(module, plugin, clip=clip, algorithm=algorithm)
+    ref, _, ref_scaler, ref_losses, ref_scales, ref_skipped = _by_hand(optimizer, clip=clip, algorithm=algorithm)
+
+    assert torch.equal(torch.stack(module.losses), ref_losses)
+    _assert_equal_lists(_params(module), _params(ref))
+    _assert_equal_lists(record.scales, ref_scales)
+    _assert_equal_lists(record.skipped, ref_skipped)
+    skipped_at = [i for i, s in enumerate(record.skipped) if bool(s)]
+    assert set(OVERFLOW_AT) <= set(skipped_at)
+    # the scale moved both ways: backoffs at the skips, growth in between
+    scales = [float(s) for s in record.scales]
+    moves = [b / a for a, b in zip([2.0**16] + scales, scales)]
+    assert 2.0 in moves and 0.5 in moves
+    assert int(plugin.skipped_steps) == len(skipped_at) == int(ref_scaler.skipped_steps)
+    assert float(trainer.callback_metrics["fastamp/skipped_steps"]) == len(skipped_at)
+    assert float(trainer.callback_metrics["fastamp/loss_scale"]) == scales[-1]
+    if algorithm == "norm":
+        assert plugin.last_grad_norm is not None and plugin.last_grad_norm.dim() == 0
+
+
+@pytest.mark.parametrize("clip", [1e9, 0.5], ids=["clip-never-binds", "clip-binds"])
+def test_matches_lightnings_torch_amp_path(clip):
+    """Against Lightning's own MixedPrecision plugin with torch.amp.GradScaler, same torch AdamW.
+
+    Scale trajectory and skipped steps: bit-identical (the same overflow decisions). Losses and
+    params: bit-identical when the clip does not bind (unscaling by a power of two is exact,
+    a clip coefficient of 1 changes nothing, the optimizer is the same). When it binds, the
+    clip coefficient max_norm / (norm + 1e-6) differs in its last bits: torch takes the norm
+    of per-tensor fp32 norms with its sqrt, fastamp an fp64 sum of squares rounded once
+    (tolerances.NORM_RTOL). That ulp-level difference in every update then passes through
+    AdamW for the whole run, like fastamp's AdamW against torch's: params within
+    ADAMW_VS_TORCH_*. Losses within one fp16 ulp (the reason is at the assertion).
+    """
+    ours = _Net("torch.AdamW")
+    _, ours_record = _fit(ours, MixedPrecision("16-mixed", "cpu", growth_interval=GROWTH_INTERVAL), clip=clip)
+    theirs = _Net("torch.AdamW")
+    torch_scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+    _, theirs_record = _fit(theirs, LightningMixedPrecision("16-mixed", "cpu", scaler=torch_scaler), clip=clip)
+
+    _assert_equal_lists(ours_record.scales, theirs_record.scales)
+    got_losses, want_losses = torch.stack(ours.losses), torch.stack(theirs.losses)
+    if clip == 1e9:
+        assert torch.equal(got_losses, want_losses)
+        _assert_equal_lists(_params(ours), _params(theirs))
+    else:
+        for g, w in zip(_params(ours), _params(theirs)):
+            torch.testing.assert_close(g, w, atol=ADAMW_VS_TORCH_ATOL, rtol=ADAMW_VS_TORCH_RTOL)
+        # the forward runs in fp16: params that differ by ulps can round an output to the
+        # neighbouring fp16 value, so a loss may move by up to one fp16 ulp (relative 2^-10)
+        torch.testing.assert_close(got_losses, want_losses, atol=0, rtol=torch.finfo(torch.float16).eps)
+
+
+def test_lightnings_plugin_refuses_what_this_one_does():
+    """The reason for the plugin: Lightning's refuses to clip any amp-aware optimizer."""
+    with pytest.raises(RuntimeError, match="does not allow for gradient clipping"):
+        _fit(_Net("fastamp.AdamW"), LightningMixedPrecision("16-mixed", "cpu", scaler=fastamp.Scaler("cpu")))
+
+
+def test_checkpoint_resume_is_bit_exact(tmp_path):
+    """Two epochs straight == one epoch, save, a fresh Trainer resumes from the file, one more.
+
+    An overflow in each epoch; the scaler state (scale, growth tracker, skip counter) goes
+    through Lightning's checkpoint under the plugin's key.
+    """
+    overflow_at = (5, BATCHES + 6)
+
+    def run(epochs, ckpt_path=None):
+        module = _Net("fastamp.AdamW", overflow_at)
+        plugin = MixedPrecision("16-mixed", "cpu", growth_interval=GROWTH_INTERVAL)
+        trainer, _ = _fit(module, plugin, epochs=epochs, ckpt_path=ckpt_path)
+        return module, trainer
+
+    straight, straight_trainer = run(2)
+    first, first_trainer = run(1)
+    path = tmp_path / "epoch1.ckpt"
+    first_trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    assert saved["MixedPrecision"]["skipped_steps"] >= 1
+    resumed, resumed_trainer = run(2, ckpt_path=path)
+
+    assert torch.equal(torch.stack(resumed.losses), torch.stack(straight.losses[BATCHES:]))
+    _assert_equal_lists(_params(resumed), _params(straight))
+    a, b = straight_trainer.precision_plugin.scaler, resumed_trainer.precision_plugin.scaler
+    assert a.state_dict() == b.state_dict()
+    assert int(b.skipped_steps) >= 2
+    opt_a, opt_b = straight_trainer.optimizers[0].state_dict(), resumed_trainer.optimizers[0].state_dict()
+    for key in opt_a["state"]:
+        for name, value in opt_a["state"][key].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b["state"][key][name])), (key, name)
+
+
+def test_no_host_sync_after_backward_with_an_amp_aware_optimizer(monkeypatch):
+    """From the end of backward to the end of the step (hooks, fused clip, step, update, logging):
+    no value is read on the host (Tensor.item / bool / float / int / tolist raise)."""
+    plugin = MixedPrecision("16-mixed", "cpu", growth_interval=GROWTH_INTERVAL)
+    guarded, steps = [False], [0]
+
+    def guard(name):
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(*a, **k):
+            if guarded[0]:
+                raise AssertionError(f"host sync (Tensor.{name}) in the plugin's optimizer step")
+            return original(*a, **k)
+
+        return wrapper
+
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
+        monkeypatch.setattr(torch.Tensor, name, guard(name))
+    after_closure, optimizer_step = plugin._after_closure, plugin.optimizer_step
+
+    def guarded_after_closure(*a, **k):
+        guarded[0] = True
+        return after_closure(*a, **k)
+
+    def guarded_optimizer_step(*a, **k):
+        try:
+            return optimizer_step(*a, **k)
+        finally:
+            guarded[0] = False
+            steps[0] += 1
+
+    evaluate = fastamp.health._Monitor._evaluate
+
+    def probe_reads_a_host_copy(*a, **k):
+        # the scaler's health probe (every 32 updates) reads a snapshot on the host: on CUDA a
+        # non-blocking copy into pinned memory, read once its event has completed (no wait);
+        # on CPU the snapshot is that copy already
+        was, guarded[0] = guarded[0], False
+        try:
+            return evaluate(*a, **k)
+        finally:
+            guarded[0] = was
+
+    monkeypatch.setattr(fastamp.health._Monitor, "_evaluate", probe_reads_a_host_copy)
+    monkeypatch.setattr(plugin, "_after_closure", guarded_after_closure)
+    monkeypatch.setattr(plugin, "optimizer_step", guarded_optimizer_step)
+    _fit(_Net("fastamp.AdamW"), plugin)
+    assert steps[0] == BATCHES
+
+
+def test_bf16_mixed_clips_amp_aware_optimizers():
+    """bf16 needs no scaler: the plugin clips grads as they are (Lightning's refuses amp-aware ones)."""
+    module = _Net("fastamp.AdamW", overflow_at=())
+    trainer, _ = _fit(module, MixedPrecision("bf16-mixed", "cpu"), clip=0.5)
+    assert trainer.precision_plugin.scaler is None
+    ref, *_ = _by_hand("fastamp.AdamW", clip=0.5, precision="bf16-mixed", overflow_at=())
+    _assert_equal_lists(_params(module), _params(ref))
+
+
+def test_constructor_refuses_unclear_setups():
+    with pytest.raises(TypeError, match="must be a fastamp.Scaler"):
+        MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match="either a scaler or scaler options"):
+        MixedPrecision("16-mixed", "cpu", scaler=fastamp.Scaler("cpu"), growth_interval=10)
+    with pytest.raises(ValueError, match="bf16 needs no loss scaler"):
+        MixedPrecision("bf16-mixed", "cpu", init_scale=2.0**10)
+    with pytest.raises(ValueError, match="Precision must be"):
+        MixedPrecision("16-true", "cpu")
+    plugin = MixedPrecision("16-mixed", "cpu", init_scale=2.0**10, hysteresis=2)
+    assert isinstance(plugin.scaler, fastamp.Scaler) and plugin.scaler.get_scale() == 2.0**10
+    assert type(plugin).__qualname__ == LightningMixedPrecision.__qualname__  # the same checkpoint key
+
+
+def test_import_fastamp_does_not_import_the_frameworks():
+    code = (
+        "import sys, fastamp, fastamp.integrations\n"
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'lightning', 'pytorch_lightning', 'accelerate'})\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
