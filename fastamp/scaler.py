@@ -4,7 +4,7 @@ The contract is torch's (``torch/amp/grad_scaler.py`` as of 2.13): the same cons
 order and defaults (except ``device=None``), the same per-optimizer state machine and error
 messages, the same ``update()`` trajectory bit for bit with default options, the same
 ``state_dict`` keys, and the private hooks other libraries call. Where fastamp differs it
-is on purpose and listed in the class docstring.
+is on purpose and listed in docs/scaler.md (the long form of the class docstring).
 
 This module is that contract and its state machine. The work, stage by stage of one
 iteration (scale, check pass, device scalars, step, update), lives beside it:
@@ -15,6 +15,11 @@ iteration (scale, check pass, device scalars, step, update), lives beside it:
   _dist.py            the all-reduce of the flags (and the squared norm) over a process group
   _scaler_checks.py   the checks of the settings (constructor, setters, update, state dicts)
   _compile.py         the entry points run eagerly under torch.compile
+
+and the extras over torch's class, mixed into it:
+
+  _clip.py            clip_grad_norm_: unscale, check, norm and clip in the check pass
+  _diagnostics.py     the skip counters, watch and grad_stats (gradient health)
 """
 
 from __future__ import annotations
@@ -22,7 +27,6 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
-import weakref
 from collections import abc, defaultdict
 from typing import Any, Union
 
@@ -34,6 +38,7 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from fastamp import backends, functional, health
+from fastamp._clip import _ClipMixin
 from fastamp._compile import (
     _EAGER_ENTRIES,  # noqa: F401 (the eager twins, which tests reach through this module)
     _eager_ready,
@@ -42,20 +47,16 @@ from fastamp._compile import (
 )
 from fastamp._device_scalars import (
     _any_found,
-    _clip_coef,
     _combined_found_inf,
     _fold_found_inf,
-    _grad_scale_after_clip,
     _inv_scale,
-    _merge_found,
     _new_found_inf,
     _PerDevice,
     _step_grad_scale,
-    _total_norm,
-    _unscale_clip_mul,
 )
-from fastamp._dist import _all_reduce_clip_check, _all_reduce_flags, _check_process_group
-from fastamp._grad_check import _check_grads, _grads_by_device, _params_with_grads
+from fastamp._diagnostics import _DiagnosticsMixin
+from fastamp._dist import _all_reduce_flags, _check_process_group
+from fastamp._grad_check import _check_grads, _grads_by_device
 from fastamp._scaler_checks import (
     _backoff_factor,
     _check_new_scale,
@@ -82,19 +83,15 @@ _CHECK_INF = {"allow_fp16": True, "write_back": False, "compute_sumsq": False, "
 _SCALE_NONE_FIX = "This may indicate your script did not use scaler.scale(loss or outputs) earlier in the iteration."
 
 
-class Scaler(torch.amp.GradScaler):
+class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
     """Dynamic loss scaling for mixed-precision training; a drop-in for ``torch.amp.GradScaler``.
 
     A subclass of ``torch.amp.GradScaler`` (``isinstance`` checks in libraries pass) that
-    overrides every one of its methods; torch's ``__init__`` is not called (the scale's
-    device is decided lazily), but every attribute torch's methods and outside code read
-    exists with torch's meaning, and the per-optimizer state is torch's
-    (``_per_optimizer_states[id(opt)]`` holds ``"stage"``, a ``torch.amp.grad_scaler.OptState``,
-    and ``"found_inf_per_device"``). With ``device=None``, ``_device`` is None until the
-    first :meth:`scale`.
-
-    Replace ``torch.amp.GradScaler("cuda")`` with ``fastamp.Scaler("cuda")`` (or just
-    ``fastamp.Scaler()``); every call of the usual loop works unchanged::
+    overrides every one of its methods and keeps torch's per-optimizer state
+    (``_per_optimizer_states[id(opt)]``: ``"stage"``, a ``torch.amp.grad_scaler.OptState``,
+    and ``"found_inf_per_device"``). Replace ``torch.amp.GradScaler("cuda")`` with
+    ``fastamp.Scaler("cuda")`` (or just ``fastamp.Scaler()``); every call of the usual loop
+    works unchanged::
 
         scaler = fastamp.Scaler()
         for x, y in data:
@@ -111,75 +108,24 @@ class Scaler(torch.amp.GradScaler):
             :meth:`scale`. ``"cuda"`` on a machine without CUDA warns and disables the
             scaler, as torch does.
         init_scale, growth_factor, backoff_factor, growth_interval, enabled: as torch, but
-            checked (torch checks only the two factors): ``init_scale``, ``growth_factor`` and
-            ``backoff_factor`` must be real numbers, finite, > 0 and representable in fp32
-            (the scale is an fp32 tensor: 1e39 is refused, it would be inf; 0 is refused, it
-            would make every step overflow forever), ``growth_factor > 1``,
-            ``backoff_factor < 1``; ``growth_interval`` an int >= 0 (0: never grow). numpy
-            scalars are accepted. The same rules hold for the setters,
-            :meth:`update` with ``new_scale`` and :meth:`load_state_dict`; a refused value
-            raises before anything is changed.
-        hysteresis: number of consecutive overflow steps that back the scale off once
-            (1 = torch's behaviour: every overflow backs off). Overflow steps are always
-            skipped; the counter refills on every clean step.
-        min_scale, max_scale: optional bounds on the scale (each finite, > 0, representable
-            in fp32; ``min_scale <= max_scale``). They hold from the start: an ``init_scale``
-            outside them is clamped into them (so ``Scaler(max_scale=2.0**10)`` starts at
-            2^10, not at the default 2^16), as are a ``new_scale`` given to :meth:`update` and
-            a scale loaded by :meth:`load_state_dict`; backoff and growth stop at them.
+            checked: the scale and factors finite, > 0 and representable in fp32,
+            ``growth_factor > 1``, ``backoff_factor < 1``, ``growth_interval`` an int >= 0
+            (0: never grow). A refused value raises before anything is changed.
+        hysteresis: consecutive overflow steps that back the scale off once (1 = torch's behaviour).
+        min_scale, max_scale: optional bounds on the scale, from construction on.
         backend: force a kernel backend (``"native"``, ``"triton"``, ``"torch"``); default AUTO.
-        track_stats: compute per-tensor gradient health statistics (non-finite, zero and
-            fp16-underflow counts, max |g|) inside the existing check pass, kept on the device
-            until :meth:`grad_stats` reads them. ``False`` (default): the stats op is never called.
-        process_group: a ``torch.distributed`` process group (e.g. ``dist.group.WORLD``) for
-            data-parallel or sharded training; ``None`` (default) = no communication. Every
-            recorded ``found_inf`` is all-reduced over the group on the scale's device (one
-            small collective, no host sync) before any skip decision or scale update, so
-            every rank skips the same steps and keeps the same scale, also for amp-aware
-            optimizers (where torch's ``ShardedGradScaler`` forgets to reduce). Every rank
-            must then call :meth:`unscale_` / :meth:`clip_grad_norm_` / :meth:`step` in the
-            same order, even a rank without grads. A scaler holding a group cannot be pickled
-            or deep-copied (a ProcessGroup cannot be); checkpoint it with :meth:`state_dict`.
-        sharded: ``True`` when each rank holds a different shard of the grads (ZeRO / FSDP):
-            :meth:`clip_grad_norm_` then also sums the squared norm over ``process_group``
-            (same collective), so the clip uses the global norm. Leave ``False`` for DDP,
-            whose grads are already replicated. Needs ``process_group``.
+        track_stats: per-tensor gradient health statistics in the check pass, read by
+            :meth:`grad_stats`. ``False`` (default): the stats op is never called.
+        process_group: a ``torch.distributed`` process group over which every ``found_inf``
+            is all-reduced (no host sync), so every rank skips the same steps; every rank must
+            then call :meth:`unscale_` / :meth:`clip_grad_norm_` / :meth:`step` in the same order.
+        sharded: ``True`` when each rank holds a shard of the grads (ZeRO / FSDP): the clip
+            norm is summed over ``process_group`` too. Leave ``False`` for DDP.
 
-    Pitfall guards (:class:`fastamp.health.AmpPitfallWarning`, each at most once per scaler):
-    the loss scale collapsing below 1; fp16 grads that underflowed (needs ``track_stats``);
-    bf16 grads that never overflowed in the first updates (the scaler is not needed). They
-    read a few device scalars at health probes (the first update, then every 32), copied
-    without blocking on CUDA, so no probe adds a sync.
-
-    Differences from ``torch.amp.GradScaler`` (all deliberate):
-      * fp16 gradients are accepted by :meth:`unscale_` (torch raises "Attempting to unscale
-        FP16 gradients."); an unscaled value that overflows fp16 is flagged.
-      * Overflow created by unscaling itself (a scale below 1, or 0) raises ``found_inf``;
-        torch misses it and lets NaN reach the params.
-      * With several devices, the ``found_inf`` handed to amp-aware optimizers is 0 or 1
-        (torch sums the per-device flags, and its fused kernels skip only on exactly 1).
-      * Extras: :meth:`clip_grad_norm_`, :attr:`last_step_skipped`, :attr:`skipped_steps`,
-        extra ``state_dict`` keys (ignored by torch's ``load_state_dict``).
-      * Values are validated (see Args); torch accepts a 0, negative or NaN scale.
-      * A :meth:`step` that raises (the optimizer's own ``step`` included) leaves no
-        ``grad_scale``/``found_inf`` attribute on the optimizer (torch leaves them, and a
-        later plain ``optimizer.step()`` then divides by the stale scale or skips); a
-        ``grad_scale`` the user had set is restored.
-
-    ``torch.compile``: :meth:`scale` can be compiled. :meth:`unscale_`,
-    :meth:`clip_grad_norm_`, :meth:`step`, :meth:`update` (and :meth:`state_dict`,
-    :meth:`load_state_dict`, :meth:`grad_stats`) cannot be captured in a graph: met inside a
-    compiled function they run eagerly at a graph break, giving exactly the eager result;
-    with ``fullgraph=True`` compilation fails at trace time, before anything ran, and the
-    error says to compile the model and loss (or forward and backward) instead and keep
-    these calls outside.
-
-    Host syncs: none in :meth:`scale`, :meth:`unscale_`, :meth:`update`, :meth:`clip_grad_norm_`
-    and :meth:`step` with amp-aware optimizers (``_step_supports_amp_scaling``, e.g.
-    ``fastamp.optim.AdamW`` or ``torch.optim.AdamW(fused=True)``). :meth:`step` with an
-    ordinary optimizer reads ``found_inf`` once per device (Python must decide whether to call
-    ``optimizer.step()``), exactly as torch. ``get_scale()``, ``state_dict()`` and reading
-    ``last_step_skipped`` as a bool sync.
+    No host sync in :meth:`scale`, :meth:`unscale_`, :meth:`clip_grad_norm_`, :meth:`update`,
+    nor in :meth:`step` with amp-aware optimizers; :meth:`step` with an ordinary optimizer reads
+    ``found_inf`` once per device, as torch. The full rules of each argument, the pitfall
+    guards, every deliberate difference from torch and ``torch.compile``: docs/scaler.md.
     """
 
     def __init__(
@@ -236,21 +182,12 @@ class Scaler(torch.amp.GradScaler):
         self._backend = backend
         self._process_group = _check_process_group(process_group, sharded)
         self._sharded = sharded
-        self._init_skipped_steps = 0
-        self._skipped_steps: Tensor | None = None
-        self._init_last_step_skipped = False
-        self._last_step_skipped: Tensor | None = None
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_refresh_per_optimizer_state)
         # id(optimizer) -> (its per-optimizer state dict, grad_scale): set by a fused clip on a
         # grads-untouched path; step() hands it to an amp-aware optimizer as its grad_scale
         # (scale / clip_coef, on device). Valid only while that state dict is the current one.
         self._per_optimizer_clip_scales: dict[int, tuple[dict[str, Any], Tensor]] = {}
-        self._track_stats = bool(track_stats)
-        # (id(optimizer), device) -> the last check's statistics buffers for it
-        self._stats: dict[tuple[int, torch.device], health._StatsRows] = {}
-        self._param_names: dict[int, tuple[Any, str]] = {}
-        self._health = health._Monitor()
-        self._last_stats_update = 0
+        self._init_diagnostics(track_stats)
 
     # ------------------------------------------------------------------ lazy state
 
@@ -377,86 +314,6 @@ class Scaler(torch.amp.GradScaler):
     def _found_inf_per_device(self, optimizer) -> dict[torch.device, Tensor]:
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
-    # ------------------------------------------------------------------ fused clipping
-
-    @_eager_under_compile
-    def clip_grad_norm_(
-        self,
-        optimizer,
-        max_norm: float,
-        norm_type: float = 2.0,
-        error_if_nonfinite: bool = False,
-    ) -> Tensor:
-        """Unscale (if not done yet), check and clip ``optimizer``'s grads by their global norm.
-
-        Returns the total norm of the *unscaled* grads, as ``torch.nn.utils.clip_grad_norm_``
-        would after ``unscale_``. For the 2-norm the norm is computed in the same read as the
-        overflow check: with an amp-aware optimizer the grads are never rewritten (the clip
-        coefficient is folded into the ``grad_scale`` handed to its step, on device); with an
-        ordinary optimizer unscale and clip are one write pass. Other norms fall back to
-        ``unscale_`` + ``torch.nn.utils.clip_grad_norm_``. Counts as this iteration's
-        ``unscale_``. No host sync unless ``error_if_nonfinite``.
-        """
-        max_norm = float(max_norm)
-        norm_type = float(norm_type)
-        if not max_norm >= 0:
-            # a negative max_norm would give a negative clip coefficient (flipping every grad)
-            raise ValueError(f"fastamp.Scaler.clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
-        if not self._enabled:
-            return torch.nn.utils.clip_grad_norm_(
-                _params_with_grads(optimizer), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
-            )
-        self._check_scale_growth_tracker("clip_grad_norm_")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is OptState.STEPPED:
-            raise RuntimeError("clip_grad_norm_() is being called after step().")
-        if norm_type != 2.0:
-            if optimizer_state["stage"] is OptState.READY:
-                self.unscale_(optimizer)
-            return torch.nn.utils.clip_grad_norm_(
-                _params_with_grads(optimizer), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
-            )
-        if self._clip_grad_scale(optimizer, optimizer_state) is not None:
-            raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
-
-        ready = optimizer_state["stage"] is OptState.READY
-        amp_aware = getattr(optimizer, "_step_supports_amp_scaling", False)
-        # READY: grads still scaled; read them once with the real inverse scale.
-        # UNSCALED: the user already unscaled them; read them as they are.
-        inv_scale = _inv_scale(self._scale) if ready else torch.ones((), dtype=torch.float32, device=self._scale.device)
-        found_inf = _new_found_inf(self._scale)
-        found, sumsq = _check_grads(
-            self, optimizer, inv_scale, found_inf, allow_fp16=True, write_back=False, compute_sumsq=True, stats=ready
-        )
-        found, sumsq = _all_reduce_clip_check(self._process_group, self._sharded, self._scale, found, sumsq)
-        if ready:
-            optimizer_state["found_inf_per_device"] = found
-        if not sumsq:
-            return torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        total_norm = _total_norm(sumsq)
-        if error_if_nonfinite and not bool(torch.isfinite(total_norm)):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
-                "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        clip_coef = _clip_coef(max_norm, total_norm)
-        if amp_aware:
-            # Fold the clip into the optimizer's grad_scale: it divides raw grads by it.
-            grad_scale = _grad_scale_after_clip(self._scale if ready else None, clip_coef)
-            self._per_optimizer_clip_scales[id(optimizer)] = (optimizer_state, grad_scale)
-        else:
-            mul = _unscale_clip_mul(inv_scale, clip_coef)
-            refound, _ = _check_grads(
-                self, optimizer, mul, _new_found_inf(self._scale), allow_fp16=True, write_back=True, compute_sumsq=False
-            )
-            if ready:
-                # the write pass can flag more (a value that overflows fp16 when rounded back)
-                merged = _merge_found(found, refound)
-                optimizer_state["found_inf_per_device"] = _all_reduce_flags(self._process_group, self._scale, merged)[0]
-        optimizer_state["stage"] = OptState.UNSCALED
-        return total_norm
-
     # ------------------------------------------------------------------ step / update
 
     def _maybe_opt_step(self, optimizer, optimizer_state, *args, **kwargs):
@@ -553,15 +410,6 @@ class Scaler(torch.amp.GradScaler):
                     setattr(optimizer, k, v)
         return retval
 
-    def _clip_grad_scale(self, optimizer, optimizer_state) -> Tensor | None:
-        """The grad_scale a fused clip left for ``optimizer`` this iteration (None if none)."""
-        entry = self._per_optimizer_clip_scales.get(id(optimizer))
-        # only while the per-optimizer state it was made for is current (update(), or code
-        # outside that resets _per_optimizer_states, makes it stale)
-        if entry is None or entry[0] is not optimizer_state:
-            return None
-        return entry[1]
-
     @_eager_under_compile
     def update(self, new_scale: Union[float, Tensor] | None = None) -> None:
         """Update the scale for the next iteration (on device, no host sync).
@@ -612,73 +460,6 @@ class Scaler(torch.amp.GradScaler):
         self._per_optimizer_clip_scales = {}
         if found_infs:
             self._health.on_update(self)
-
-    # ------------------------------------------------------------------ extras
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the iteration closed by the last :meth:`update` skipped a step (syncs when read).
-
-        Use :attr:`last_step_skipped_tensor` to keep it on the device.
-        """
-        t = self.last_step_skipped_tensor
-        return bool(t) if isinstance(t, Tensor) else t
-
-    @property
-    def last_step_skipped_tensor(self) -> Union[Tensor, bool]:
-        if not self._enabled:
-            return False
-        if self._last_step_skipped is None:
-            return self._init_last_step_skipped
-        return self._last_step_skipped
-
-    @property
-    def skipped_steps(self) -> Union[Tensor, int]:
-        """Number of iterations with a skipped step so far, as a device int64 tensor (no sync)."""
-        if not self._enabled:
-            return 0
-        if self._skipped_steps is None:
-            return self._init_skipped_steps
-        return self._skipped_steps
-
-    # ------------------------------------------------------------------ gradient health
-
-    def watch(self, model: torch.nn.Module, prefix: str = "") -> Scaler:
-        """Name ``model``'s params in :meth:`grad_stats` (``prefix`` + their ``named_parameters`` names).
-
-        Also checks the model once for BatchNorm layers in fp16/bf16 (an
-        :class:`fastamp.health.AmpPitfallWarning`). Returns the scaler. Names are held by param
-        id with a weak reference, so a freed param is never mistaken for a new one.
-        """
-        health.check_model(model)
-        if not self._enabled:
-            return self
-        for name, p in model.named_parameters():
-            self._param_names[id(p)] = (weakref.ref(p), prefix + name)
-        return self
-
-    @_eager_under_compile
-    def grad_stats(self, model: torch.nn.Module | None = None) -> health.GradStats | None:
-        """Per-tensor gradient statistics of the last checked iteration (syncs: reads the device buffers).
-
-        Needs ``track_stats=True``. Values are of the unscaled gradients, computed in the first
-        check of the iteration (``unscale_``, ``clip_grad_norm_`` or ``step``). Params are
-        named by ``model`` if given, else by :meth:`watch`, else by optimizer position. Returns
-        None before the first check (and when the scaler is disabled). See
-        :class:`fastamp.health.GradStats` (``.summary()``, ``.worst()``, ``.first_nonfinite``).
-        """
-        if not self._enabled:
-            return None
-        if not self._track_stats:
-            raise RuntimeError(
-                "fastamp.Scaler.grad_stats: statistics are off; construct the scaler with track_stats=True"
-            )
-        skipped = None
-        if self._last_step_skipped is not None and self._last_stats_update < self._health.updates:
-            skipped = bool(self._last_step_skipped)
-        for key in [k for k, r in self._stats.items() if r.optimizer() is None]:
-            del self._stats[key]
-        return health.read_stats(list(self._stats.values()), self._param_names, model, self._health.updates, skipped)
 
     # ------------------------------------------------------------------ getters / setters
 
