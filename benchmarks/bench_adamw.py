@@ -58,6 +58,15 @@ KINDS = {
     "bf16-sr": ("none", torch.float32, True, 22),
     "bf16-10B": ("remainder", torch.bfloat16, True, 18),
 }
+# dtype entry -> the same bytes stream by stream (common.parse_traffic): the ceiling of the row.
+TRAFFIC = {
+    "fp32": "p:rw4 g:r4 m:rw4 v:rw4",
+    "bf16": "g:r2 master:rw4 m:rw4 v:rw4 p:w2",
+    "fp16": "g:r2 master:rw4 m:rw4 v:rw4 p:w2",
+    "bf16-remainder": "g:r2 p:rw2 rem:rw2 m:rw4 v:rw4",
+    "bf16-sr": "g:r2 p:rw2 m:rw4 v:rw4",
+    "bf16-10B": "g:r2 p:rw2 rem:rw2 m:rw2 v:rw2",
+}
 NOTES = {
     "fp32": "fp32 params, adamw_: reads p, g, m, v, writes p, m, v (28 B)",
     "bf16": "bf16 params + fp32 master, adamw_: reads g (2 B), master, m, v; writes master, m, v, param (2 B): 28 B",
@@ -213,6 +222,7 @@ def make_providers(args, device):
                 torch_setup,
                 make_torch_check(device),
                 notes="torch.optim.AdamW(fused=True).step(): reads p, g, m, v, writes p, m, v (7 x 4 B)",
+                traffic=TRAFFIC["fp32"],
             )
         ]
         for b in backends:
@@ -234,6 +244,7 @@ def make_providers(args, device):
                         make_fastamp_check(d, b, device),
                         baseline="torch",
                         notes=NOTES[d] + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
+                        traffic=TRAFFIC[d],
                     )
                 )
         return out

@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+from bench_adamw import TRAFFIC as ADAMW_TRAFFIC  # noqa: E402
 from common import Provider  # noqa: E402
 
 import fastamp  # noqa: E402
@@ -164,6 +165,7 @@ def make_providers(args, device):
                 make_check("torch", torch.float32, device),
                 notes="GradScaler.unscale_ (8 B) + clip_grad_norm_(foreach) (norm 4 B, multiply 8 B) + "
                 "AdamW(fused=True) via GradScaler.step (28 B) + update: 48 B/elem",
+                traffic="g:rw4 ; g:r4 ; g:rw4 ; " + ADAMW_TRAFFIC["fp32"],
             )
         ]
         for b in backends:
@@ -183,6 +185,7 @@ def make_providers(args, device):
                         + (", fp32 master" if dt != torch.float32 else "")
                         + f") (28 B) + update: {nbytes} B/elem"
                         + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
+                        traffic=f"g:r{dt.itemsize} ; " + ADAMW_TRAFFIC[d],
                     )
                 )
         return out

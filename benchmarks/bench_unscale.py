@@ -42,6 +42,8 @@ from fastamp import reference  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SIZES_FOR_CHECK = [1, 7, 4099, 65537, 256, 3, 0, 131]
+# The passes of each fastamp scenario, stream by stream (common.parse_traffic; s: grad bytes).
+FASTAMP_TRAFFIC = {"unscale+clip": "g:r{s} ; g:rw{s}", "unscale+norm": "g:rw{s}", "check+norm": "g:r{s}"}
 
 
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -249,6 +251,7 @@ def make_providers(args, device):
                     setup=make_setup(impl, n_tensors, per, torch.float32, device),
                     check=make_check(sc, impl, torch.float32, device),
                     notes=torch_notes[sc],
+                    traffic={"unscale+clip": "g:rw4 ; g:r4 ; g:rw4", "unscale+norm": "g:rw4 ; g:r4"}[sc],
                 )
             )
         fa = {
@@ -293,6 +296,7 @@ def make_providers(args, device):
                             notes=note
                             + "; the stats (3 int64 + 1 fp32 per tensor) are not counted"
                             + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
+                            traffic=f"g:{'rw' if write_back else 'r'}{dt.itemsize}",
                         )
                     )
             for sc, (factory, nbytes, baseline, note) in fa.items():
@@ -309,6 +313,7 @@ def make_providers(args, device):
                             check=make_check(sc, impl, dt, device),
                             baseline=baseline,
                             notes=note + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
+                            traffic=FASTAMP_TRAFFIC[sc].format(s=dt.itemsize),
                         )
                     )
         return out

@@ -1,16 +1,17 @@
 """Shared machinery of the fastamp microbenchmarks.
 
-Timing (interleaved rounds, median), a copy/triad bandwidth ceiling measured in the same
-run, the list of fastamp backends that can be timed on a device, correctness checks, and
-the benchmark's Markdown / PNG output. The machine description, device resolution and
-synchronisation, progress bar, and CSV / Markdown writers are shared with
-``fastamp-compare`` and live in :mod:`fastamp._harness`; they are imported here under
-their old names.
+The bandwidth ceiling matched to each provider's traffic and measured in the same rounds,
+the list of fastamp backends that can be timed on a device, correctness checks, and the
+benchmark's Markdown / PNG output. The machine description, device resolution and
+synchronisation, timing (interleaved rounds, median), progress bar, and CSV / Markdown
+writers are shared with ``fastamp-compare`` and live in :mod:`fastamp._harness`; they are
+imported here under their old names.
 
 Every benchmark script builds *providers*: a name, the bytes it moves per element
 (counted from what the implementation reads and writes, not from what an ideal kernel
-would), a check against :mod:`fastamp.reference` on small data, and a callable that runs
-one iteration. A provider that fails its check is reported and not timed.
+would), the same count written stream by stream (its *traffic*, from which the ceiling
+is built), a check against :mod:`fastamp.reference` on small data, and a callable that
+runs one iteration. A provider that fails its check is reported and not timed.
 """
 
 from __future__ import annotations
@@ -18,14 +19,20 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-from fastamp._harness import Progress, machine_info, markdown_table, resolve_device, sync, write_csv
+from fastamp._harness import (  # noqa: F401 (re-exported for the bench scripts)
+    Progress,
+    machine_info,
+    markdown_table,
+    resolve_device,
+    time_interleaved,
+    write_csv,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results")
@@ -120,7 +127,9 @@ class Provider:
 
     ``setup()`` allocates and returns ``run``, a zero-argument callable doing one
     iteration; ``check()`` runs on small data and returns a description of the largest
-    error (raising ``AssertionError`` when it is out of budget).
+    error (raising ``AssertionError`` when it is out of budget). ``traffic`` (see
+    :func:`parse_traffic`) is ``bytes_per_elem`` stream by stream; the provider's ceiling
+    is built from it, and the two counts must agree. Without it the row has no ceiling.
     """
 
     name: str
@@ -132,6 +141,14 @@ class Provider:
     baseline: str | None = None  # name of the torch provider this one is compared with
     notes: str = ""
     extra: dict[str, object] = field(default_factory=dict)
+    traffic: str | None = None
+
+    def __post_init__(self):
+        if self.traffic is not None and traffic_bytes(self.traffic) != self.bytes_per_elem:
+            raise ValueError(
+                f"{self.name} ({self.scenario}, {self.dtype}): {self.bytes_per_elem} B/elem, but its traffic "
+                f"{self.traffic!r} moves {traffic_bytes(self.traffic)}"
+            )
 
 
 def run_check(p: Provider) -> tuple[bool, str]:
@@ -160,82 +177,145 @@ def assert_close(
 
 
 # ----------------------------------------------------------------------------------------
-# Timing
+# Traffic and the bandwidth ceiling matched to it
+
+# How many bytes of a stream one element moves: a read-only or write-only stream once, an
+# in-place read-modify-write twice (read + write).
+ROLE_MULT = {"r": 1, "w": 1, "rw": 2}
+_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Every ceiling buffer holds fp32 normal numbers; XOR with this constant, on any integer view
+# of them (16, 32 or 64 bits), flips mantissa bits only: the numbers stay finite and normal
+# (no slow paths in the fp32 sum of a read stream), and two calls restore every value.
+_XOR_K = 0x55
+# What a write-only stream with no read to copy is filled with: fp32 1.0 in every 4 bytes.
+_FILL = {2: 0x3F80, 4: 0x3F800000, 8: 0x3F8000003F800000}
 
 
-def _time_once(fn: Callable[[], object], device: torch.device, inner: int) -> float:
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t0) / inner
+@dataclass(frozen=True)
+class Stream:
+    """One buffer an implementation streams over: name, bytes per element, role (r, w or rw)."""
+
+    name: str
+    size: int
+    role: str
 
 
-def time_interleaved(
-    fns: dict[str, Callable[[], object]],
-    device: torch.device,
-    rounds: int | None = None,
-    budget_s: float = 2.0,
-    warmup: int = 2,
-    min_rounds: int = 3,
-    max_rounds: int = 30,
-) -> dict[str, dict[str, float]]:
-    """Median and min seconds per call of each function, timed in interleaved rounds.
+def parse_traffic(spec: str) -> tuple[tuple[Stream, ...], ...]:
+    """Passes over memory, e.g. ``"g:r2 ; g:rw2"`` (a read pass, then an in-place pass).
 
-    Rounds alternate between providers so that load from other processes on a shared
-    machine hits all of them alike. The number of rounds adapts to ``budget_s`` per
-    provider (at least ``min_rounds``); on CUDA each round times a batch of calls large
-    enough to hide launch latency and the synchronize.
+    A pass is space-separated ``name:<role><bytes>`` items, role ``r`` (read only), ``w``
+    (written, never read) or ``rw`` (read and written in place); passes are separated by
+    ``;``. A name is one buffer across passes and, at one config, across providers.
     """
-    est: dict[str, float] = {}
-    inner: dict[str, int] = {}
-    for name, fn in fns.items():
-        for _ in range(warmup):
-            fn()
-        t = _time_once(fn, device, 1)
-        inner[name] = max(1, min(1000, int(0.02 / max(t, 1e-7)))) if device.type == "cuda" else 1
-        est[name] = t
-    if rounds is None:
-        slowest = max(est.values()) if est else 0.0
-        rounds = int(min(max_rounds, max(min_rounds, budget_s / max(slowest, 1e-6))))
-    samples: dict[str, list[float]] = {n: [] for n in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(_time_once(fn, device, inner[name]))
-    out = {}
-    for name, s in samples.items():
-        s.sort()
-        out[name] = {"median_s": s[len(s) // 2], "min_s": s[0], "rounds": len(s)}
-    return out
+    passes = []
+    for part in spec.split(";"):
+        streams = []
+        for item in part.split():
+            name, _, rb = item.partition(":")
+            role = rb.rstrip("0123456789")
+            size = rb[len(role) :]
+            if not name or role not in ROLE_MULT or not size or int(size) not in _INT_OF_SIZE:
+                raise ValueError(f"traffic {spec!r}: bad item {item!r} (expected name:r2, name:w4, name:rw4 ...)")
+            streams.append(Stream(name, int(size), role))
+        if not streams:
+            raise ValueError(f"traffic {spec!r}: an empty pass")
+        passes.append(tuple(streams))
+    return tuple(passes)
 
 
-def measure_ceiling(device: torch.device, numel: int | None = None, rounds: int = 7) -> dict[str, float]:
-    """Copy and triad bandwidth (GB/s, 1e9 bytes) of this device, measured now.
+def traffic_bytes(spec: str) -> int:
+    """Bytes per element of a traffic spec: reads + writes of every stream of every pass."""
+    return sum(s.size * ROLE_MULT[s.role] for p in parse_traffic(spec) for s in p)
 
-    copy: ``b.copy_(a)`` moves 8 bytes per fp32 element (one read, one write).
-    triad: ``torch.add(b, c, alpha=s, out=a)`` moves 12 (two reads, one write), the shape
-    of a fused optimizer pass. The buffers (32M fp32 each on CPU, 256M on CUDA) are far
-    larger than the last-level cache, so this is the DRAM ceiling; small benchmark sizes
-    that fit in cache can exceed it.
+
+def _cpu_ceiling(spec: str, numel: int, device: torch.device, pool: dict) -> tuple[Callable[[], None], str]:
+    """torch in-place ops over one buffer per stream, moving exactly ``spec``'s bytes; and what they do."""
+
+    def raw(s: Stream) -> torch.Tensor:
+        """The stream's bytes, as fp32 normal numbers (the ops below keep them finite and normal)."""
+        key = (s.name, s.size)
+        if key not in pool:
+            pool[key] = torch.randn(-(-numel * s.size // 4), device=device)
+        return pool[key]
+
+    def buf(s: Stream) -> torch.Tensor:
+        """``numel`` integers of the stream's element size over its bytes."""
+        return raw(s).view(torch.uint8)[: numel * s.size].view(_INT_OF_SIZE[s.size])
+
+    ops: list[Callable[[], object]] = []
+    words: list[str] = []
+    for streams in parse_traffic(spec):
+        reads = [s for s in streams if s.role == "r"]
+        for s in streams:
+            if s.role == "r":
+                continue
+            dst = buf(s)
+            src = next((r for r in reads if r.size == s.size), None)
+            if src is not None:
+                reads.remove(src)
+                x = buf(src)
+                if s.role == "w":  # reads src, writes dst (never reads it)
+                    ops.append(lambda d=dst, x=x: d.copy_(x))
+                    words.append(f"{s.name}.copy_({src.name})")
+                else:  # reads dst and src, writes dst
+                    ops.append(lambda d=dst, x=x: d.bitwise_xor_(x))
+                    words.append(f"{s.name} ^= {src.name}")
+            elif s.role == "w":
+                ops.append(lambda d=dst: d.fill_(_FILL[d.element_size()]))
+                words.append(f"{s.name}.fill_(k)")
+            else:
+                ops.append(lambda d=dst: d.bitwise_xor_(_XOR_K))
+                words.append(f"{s.name} ^= k")
+        # A read nothing else consumes: an fp32 sum over its bytes, whatever the stream's dtype (a bf16 sum
+        # is bound by the conversion, not by memory).
+        for r in reads:
+            x = raw(r)[: numel * r.size // 4]
+            ops.append(lambda x=x: x.sum())
+            words.append(f"{r.name}.sum()")
+
+    def run() -> None:
+        for op in ops:
+            op()
+
+    return run, "; ".join(words)
+
+
+def _cuda_ceiling(spec: str, numel: int, device: torch.device, pool: dict) -> tuple[Callable[[], None], str]:
+    """A device-to-device copy moving ``spec``'s bytes (half read, half written); and what it does."""
+    half = (traffic_bytes(spec) * numel + 1) // 2
+    key = ("copy", half)
+    if key not in pool:
+        pool[key] = (
+            torch.empty(half, dtype=torch.uint8, device=device),
+            torch.empty(half, dtype=torch.uint8, device=device),
+        )
+    dst, src = pool[key]
+    return (lambda: dst.copy_(src)), f"copy_ of {half} bytes device to device"
+
+
+def ceiling(spec: str, numel: int, device: torch.device, pool: dict | None = None) -> tuple[Callable[[], None], str]:
+    """A callable moving ``traffic_bytes(spec) * numel`` bytes the cheapest way torch can, and its description.
+
+    CPU: for every pass of ``spec``, one flat buffer of ``numel`` elements per stream and
+    one multithreaded torch in-place op per written stream, on integer views of the
+    stream's element size (no arithmetic to speak of, no temporaries):
+    a write-only stream is ``w.copy_(r)`` from a read stream of its size (else
+    ``w.fill_(k)``); a read-modify-write stream is ``x ^= r`` with such a read stream
+    (reads x and r, writes x), else ``x ^= k``; a read left over is an fp32 ``sum()``
+    over its bytes (a scalar result, the only allocation). Each
+    stream is read and written exactly as its role says, so the ops move the provider's
+    bytes; write-allocate (a store to a line not read) costs the ceiling what it costs the
+    provider, as both store to the same write-only streams. One flat buffer per stream
+    takes no per-tensor overhead: the ratio to it is what the kernel's memory traffic, not
+    its launch count, allows.
+
+    CUDA: a device-to-device ``copy_`` of the same bytes (half read, half written).
+
+    ``pool`` keeps buffers by (name, bytes), so providers of one config share them.
     """
-    if numel is None:
-        numel = (256 if device.type == "cuda" else 32) * 1024 * 1024
-    a, b, c = (torch.rand(numel, device=device) for _ in range(3))
-    times = time_interleaved(
-        {"copy": lambda: a.copy_(b), "triad": lambda: torch.add(b, c, alpha=0.5, out=a)},
-        device,
-        rounds=rounds,
-    )
-    # The ceiling is the best round (what the machine can do); benchmark rows use medians,
-    # so their ratio to it is conservative.
-    return {
-        "copy_gbps": 8 * numel / times["copy"]["min_s"] / 1e9,
-        "triad_gbps": 12 * numel / times["triad"]["min_s"] / 1e9,
-        "copy_gbps_median": 8 * numel / times["copy"]["median_s"] / 1e9,
-        "triad_gbps_median": 12 * numel / times["triad"]["median_s"] / 1e9,
-        "ceiling_numel": numel,
-    }
+    pool = {} if pool is None else pool
+    build = _cuda_ceiling if device.type == "cuda" else _cpu_ceiling
+    return build(spec, numel, device, pool)
 
 
 def ratio_lines(rows: list[dict[str, object]], pairs: Sequence[tuple[str, str, str, str]], what: str) -> list[str]:
@@ -272,14 +352,12 @@ def log(msg: str) -> None:
 # Output
 
 
-def header_lines(info: dict[str, str], ceiling: dict[str, float] | None = None) -> list[str]:
+def header_lines(info: dict[str, str], ceilings: dict[str, str] | None = None) -> list[str]:
+    """The machine lines of a result file, and what each ceiling ran (``traffic -> description``)."""
     lines = [f"- {k}: {v}" for k, v in info.items()]
-    if ceiling:
-        lines.append(
-            f"- bandwidth ceiling (same run, {ceiling['ceiling_numel'] / 2**20:.0f}M fp32 per buffer): "
-            f"copy {ceiling['copy_gbps']:.1f} GB/s, triad {ceiling['triad_gbps']:.1f} GB/s (best round; "
-            f"medians {ceiling['copy_gbps_median']:.1f} / {ceiling['triad_gbps_median']:.1f})"
-        )
+    if ceilings:
+        lines.append("- ceilings (measured in the same interleaved rounds as the providers, at each config):")
+        lines += [f"  - `{spec}` ({traffic_bytes(spec)} B/elem): {what}" for spec, what in ceilings.items()]
     return lines
 
 
@@ -291,8 +369,11 @@ def out_paths(args, name: str, device: torch.device) -> dict[str, str]:
     return {"csv": stem + ".csv", "md": stem + ".md", "png": stem + ".png"}
 
 
-def plot_bench(rows: list[dict[str, object]], ceiling: dict[str, float], path: str, title: str) -> None:
-    """One row of panels per scenario: GB/s against size (256 tensors), ms against tensor count."""
+def plot_bench(rows: list[dict[str, object]], path: str, title: str) -> None:
+    """One row of panels per scenario: GB/s against size (256 tensors), ms against tensor count.
+
+    Each provider's ceiling is drawn with it: a dotted line of its colour, or a tick on its bar.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -313,16 +394,10 @@ def plot_bench(rows: list[dict[str, object]], ceiling: dict[str, float], path: s
         bar_bw = len({r["numel"] for r in size_rows}) == 1
         bar_t = len({r["n_tensors"] for r in count_rows}) == 1
         if bar_bw:
-            _bars(ax_bw, size_rows, "gbps", "GB/s")
+            _bars(ax_bw, size_rows, "gbps", "GB/s", ticks="ceiling_gbps")
             r0 = size_rows[0]
-            ax_bw.set_title(f"{sc}: bandwidth at {r0['n_tensors']} x {r0['elems_per_tensor']}")
+            ax_bw.set_title(f"{sc}: bandwidth at {r0['n_tensors']} x {r0['elems_per_tensor']} (|: its ceiling)")
             ax_bw.set_xlabel("achieved GB/s (bytes counted per provider)")
-            for key, ls, y in (("triad_gbps", ":", 0.96), ("copy_gbps", "-.", 0.02)):
-                ax_bw.axvline(ceiling[key], color="grey", linestyle=ls, linewidth=1)
-                ax_bw.annotate(f" {key.split('_')[0]} {ceiling[key]:.1f} GB/s", (ceiling[key], y),
-                               xycoords=("data", "axes fraction"), fontsize=7, color="grey", va="bottom")  # fmt: skip
-            top = max([float(r["gbps"]) for r in size_rows] + [ceiling["triad_gbps"], ceiling["copy_gbps"]])
-            ax_bw.set_xlim(0, top * 1.3)
         if bar_t:
             _bars(ax_t, count_rows, "ms", "ms")
             r0 = count_rows[0]
@@ -333,12 +408,17 @@ def plot_bench(rows: list[dict[str, object]], ceiling: dict[str, float], path: s
             style = "--" if lab.startswith("torch") else "-"
             by_size = sorted((r for r in lr if r["n_tensors"] <= 256), key=lambda r: r["numel"])
             if by_size and not bar_bw:
-                ax_bw.plot([r["numel"] for r in by_size], [r["gbps"] for r in by_size], style, marker="o", label=lab)
+                (line,) = ax_bw.plot([r["numel"] for r in by_size], [r["gbps"] for r in by_size], style, marker="o",
+                                     label=lab)  # fmt: skip
+                with_c = [r for r in by_size if r.get("ceiling_gbps")]
+                if with_c:
+                    ax_bw.plot([r["numel"] for r in with_c], [r["ceiling_gbps"] for r in with_c], ":",
+                               color=line.get_color(), linewidth=1)  # fmt: skip
             by_count = sorted((r for r in lr if r["elems_per_tensor"] == 256), key=lambda r: r["n_tensors"])
             if by_count and not bar_t:
                 ax_t.plot([r["n_tensors"] for r in by_count], [r["ms"] for r in by_count], style, marker="o", label=lab)
         if not bar_bw:
-            _line_axes_bw(ax_bw, sc, ceiling)
+            _line_axes_bw(ax_bw, sc)
         if not bar_t:
             _line_axes_t(ax_t, sc)
     fig.suptitle(title, fontsize=10)
@@ -347,34 +427,30 @@ def plot_bench(rows: list[dict[str, object]], ceiling: dict[str, float], path: s
     plt.close(fig)
 
 
-def _bars(ax, rows: list[dict[str, object]], key: str, unit: str) -> None:
+def _bars(ax, rows: list[dict[str, object]], key: str, unit: str, ticks: str | None = None) -> None:
     labels = [f"{r['provider']} {r['dtype']}" for r in rows]
     vals = [float(r[key]) for r in rows]
     colors = ["tab:grey" if lab.startswith("torch") else "tab:blue" for lab in labels]
     bars = ax.barh(labels, vals, color=colors)
     for b, v in zip(bars, vals):
         ax.annotate(f" {v:.3g} {unit}", (b.get_width(), b.get_y() + b.get_height() / 2), va="center", fontsize=8)
+    top = max(vals) if vals else 1.0
+    if ticks:
+        marks = [(float(r[ticks]), b.get_y() + b.get_height() / 2) for r, b in zip(rows, bars) if r.get(ticks)]
+        if marks:
+            ax.plot([m[0] for m in marks], [m[1] for m in marks], "k|", markersize=14)
+            top = max([top] + [m[0] for m in marks])
     ax.invert_yaxis()
-    ax.set_xlim(0, max(vals) * 1.25 if vals else 1)
+    ax.set_xlim(0, top * 1.25)
     ax.tick_params(axis="y", labelsize=8)
     ax.grid(True, axis="x", alpha=0.3)
 
 
-def _line_axes_bw(ax_bw, sc: str, ceiling: dict[str, float]) -> None:
-    for key, ls in (("triad_gbps", ":"), ("copy_gbps", "-.")):
-        ax_bw.axhline(ceiling[key], color="grey", linestyle=ls, linewidth=1)
-        ax_bw.annotate(
-            f"{key.split('_')[0]} {ceiling[key]:.1f} GB/s",
-            (0.01, ceiling[key]),
-            xycoords=("axes fraction", "data"),
-            fontsize=8,
-            color="grey",
-            va="bottom",
-        )
+def _line_axes_bw(ax_bw, sc: str) -> None:
     ax_bw.set_xscale("log", base=2)
     ax_bw.set_xlabel("elements in total (256 tensors or fewer)")
     ax_bw.set_ylabel("achieved GB/s (bytes counted per provider)")
-    ax_bw.set_title(f"{sc}: bandwidth vs size")
+    ax_bw.set_title(f"{sc}: bandwidth vs size (dotted: each provider's ceiling)")
     ax_bw.grid(True, alpha=0.3)
     if ax_bw.lines:
         ax_bw.legend(fontsize=7)
@@ -405,6 +481,10 @@ def run_benchmark(
 ) -> list[dict[str, object]]:
     """Check, time and report every provider at every config; write CSV, Markdown and PNG.
 
+    At each config, every distinct provider traffic gets its :func:`ceiling` at that
+    config's element count, timed in the same interleaved rounds as the providers (so the
+    load of other processes and the cache residency of small sizes hit both alike);
+    ``of ceiling`` is the provider's median GB/s over its ceiling's median GB/s.
     ``summarise(rows)`` may return Markdown lines (a comparison the benchmark exists for),
     printed after the table.
     """
@@ -415,12 +495,10 @@ def run_benchmark(
     fa_backends, skipped = timable_backends(op_for_backends, device, args.backends)
     for s in skipped:
         log(f"[{name}] {s}")
-    log(f"[{name}] measuring the copy/triad ceiling on {device} ...")
-    ceiling = measure_ceiling(device, numel=(1 << 22) if args.quick else None, rounds=3 if args.quick else 7)
-    log(f"[{name}] copy {ceiling['copy_gbps']:.1f} GB/s, triad {ceiling['triad_gbps']:.1f} GB/s")
 
     rows: list[dict[str, object]] = []
     checked: dict[str, tuple[bool, str]] = {}
+    ceilings: dict[str, str] = {}  # traffic -> what its ceiling runs
     bar = Progress(len(configs), label=name)
     for n_tensors, per in configs:
         numel = n_tensors * per
@@ -435,9 +513,12 @@ def run_benchmark(
         fns = {}
         for p in runnable:
             fns[f"{p.scenario}/{p.name}/{p.dtype}"] = p.setup()
+        pool: dict = {}
+        for spec in dict.fromkeys(p.traffic for p in runnable if p.traffic):
+            fns[f"ceiling/{spec}"], ceilings[spec] = ceiling(spec, numel, device, pool)
         budget = 0.3 if args.quick else 2.0
         times = time_interleaved(fns, device, rounds=args.rounds or (3 if args.quick else None), budget_s=budget)
-        del fns
+        del fns, pool
         for p in provs:
             key = f"{p.scenario}/{p.name}/{p.dtype}"
             ok, msg = checked[key]
@@ -449,6 +530,7 @@ def run_benchmark(
                 "elems_per_tensor": per,
                 "numel": numel,
                 "bytes_per_elem": p.bytes_per_elem,
+                "traffic": p.traffic or "",
                 "check": "ok" if ok else "FAILED: " + msg,
                 "baseline": p.baseline or "",
                 "notes": p.notes,
@@ -460,8 +542,12 @@ def run_benchmark(
                 row["ms_min"] = t["min_s"] * 1e3
                 row["rounds"] = t["rounds"]
                 row["gbps"] = p.bytes_per_elem * numel / sec / 1e9
-                row["of_triad"] = row["gbps"] / ceiling["triad_gbps"]
-                row["of_copy"] = row["gbps"] / ceiling["copy_gbps"]
+                if p.traffic:
+                    c = times[f"ceiling/{p.traffic}"]
+                    row["ceiling_ms"] = c["median_s"] * 1e3
+                    row["ceiling_gbps"] = p.bytes_per_elem * numel / c["median_s"] / 1e9
+                    row["ceiling_gbps_best"] = p.bytes_per_elem * numel / c["min_s"] / 1e9
+                    row["of_ceiling"] = row["gbps"] / row["ceiling_gbps"]
             rows.append(row)
         # speedups against the named torch provider at the same config
         for row in rows[-len(provs) :]:
@@ -481,8 +567,10 @@ def run_benchmark(
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    if hasattr(os, "getloadavg"):
+        info["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     paths = out_paths(args, name, device)
-    write_csv(paths["csv"], [{**r, **{f"ceiling_{k}": v for k, v in ceiling.items()}} for r in rows])
+    write_csv(paths["csv"], rows)
     cols = [
         ("scenario", "scenario"),
         ("provider", "provider"),
@@ -492,28 +580,37 @@ def run_benchmark(
         ("ms", "ms (median)"),
         ("bytes_per_elem", "B/elem"),
         ("gbps", "GB/s"),
-        ("of_copy", "of copy"),
-        ("of_triad", "of triad"),
+        ("ceiling_gbps", "ceiling GB/s"),
+        ("of_ceiling", "of ceiling"),
         ("speedup_vs_torch", "speedup vs torch fp32"),
     ]
     table = markdown_table(rows, cols)
     notes = sorted({f"- {r['provider']} ({r['scenario']}): {r['notes']}" for r in rows if r["notes"]})
     failed = [f"- {r['scenario']}/{r['provider']}/{r['dtype']}: {r['check']}" for r in rows if r["check"] != "ok"]
-    md = [f"# {title}", ""] + header_lines(info, ceiling) + [""]
+    md = [f"# {title}", ""] + header_lines(info, ceilings) + [""]
     if skipped:
         md += ["Not timed:", ""] + [f"- {s}" for s in skipped] + [""]
     if failed:
         md += ["Failed the check against the reference (not timed):", ""] + sorted(set(failed)) + [""]
     md += [table, ""]
+    over = [r for r in rows if (r.get("of_ceiling") or 0) > 1.05]
+    if over:
+        md += [
+            f"{len(over)} row(s) above 1.05 of their ceiling: the ceiling is wrong for them (or the run was "
+            "disturbed: see the load average); investigate before quoting them.",
+            "",
+        ]
     if summarise is not None:
         md += summarise(rows) + [""]
     if notes:
         md += ["Providers:", ""] + notes + [""]
     md += [
-        "B/elem counts the bytes each provider's implementation reads and writes per element "
-        "(see the provider notes); GB/s = B/elem x elements / median time; 'of copy' / 'of triad' are that over the "
-        "copy / triad ceilings measured in this run (small sizes that fit in cache can exceed 1). "
-        "'speedup vs torch fp32' = time of the named torch path on fp32 at the same size / this time.",
+        "B/elem counts the bytes each provider's implementation reads and writes per element, reads + writes "
+        "(see the provider notes; benchmarks/README.md states the convention); GB/s = B/elem x elements / median "
+        "time. 'ceiling GB/s' is the same bytes over the median time of the provider's ceiling (the torch in-place "
+        "ops listed above on CPU, a device copy on CUDA, at the same element count, same rounds); 'of ceiling' = "
+        "GB/s / ceiling GB/s. 'speedup vs torch fp32' = time of the named torch path on fp32 at the same size / "
+        "this time.",
         "",
     ]
     with open(paths["md"], "w") as f:
@@ -521,7 +618,7 @@ def run_benchmark(
     print("\n".join(md))
     if not args.no_plot:
         try:
-            plot_bench(rows, ceiling, paths["png"], f"{title} ({info['device']}, {info['git_commit']})")
+            plot_bench(rows, paths["png"], f"{title} ({info['device']}, {info['git_commit']})")
         except Exception as e:  # a missing matplotlib must not lose the measured numbers
             log(f"[{name}] plot failed: {type(e).__name__}: {e}")
     log(f"[{name}] wrote {paths['csv']}, {paths['md']}" + ("" if args.no_plot else f", {paths['png']}"))

@@ -1,8 +1,8 @@
 """What ``fastamp.compare`` and the microbenchmarks (``benchmarks/``) both need.
 
 The header every result file starts with (machine, versions, commit, command line), the
-device and its synchronisation, a progress bar, and the CSV / Markdown writers. It lives in
-the package because ``fastamp-compare`` must run from an installed fastamp, where
+device and its synchronisation, timing (interleaved rounds, median), a progress bar, and the
+CSV / Markdown writers. It lives in the package because ``fastamp-compare`` must run from an installed fastamp, where
 ``benchmarks/`` is not; ``benchmarks/common.py`` imports it from here.
 """
 
@@ -39,6 +39,54 @@ def resolve_device(arg: str | None) -> torch.device:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def time_once(fn: Callable[[], object], device: torch.device, inner: int = 1) -> float:
+    """Seconds per call of ``fn``, over ``inner`` back-to-back calls between two synchronisations."""
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t0) / inner
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], object]],
+    device: torch.device,
+    rounds: int | None = None,
+    budget_s: float = 2.0,
+    warmup: int = 2,
+    min_rounds: int = 3,
+    max_rounds: int = 30,
+) -> dict[str, dict[str, float]]:
+    """Median and min seconds per call of each function, timed in interleaved rounds.
+
+    Rounds alternate between the functions so that load from other processes on a shared
+    machine hits all of them alike. The number of rounds adapts to ``budget_s`` per
+    function (at least ``min_rounds``); on CUDA each round times a batch of calls large
+    enough to hide launch latency and the synchronize.
+    """
+    est: dict[str, float] = {}
+    inner: dict[str, int] = {}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+        t = time_once(fn, device, 1)
+        inner[name] = max(1, min(1000, int(0.02 / max(t, 1e-7)))) if device.type == "cuda" else 1
+        est[name] = t
+    if rounds is None:
+        slowest = max(est.values()) if est else 0.0
+        rounds = int(min(max_rounds, max(min_rounds, budget_s / max(slowest, 1e-6))))
+    samples: dict[str, list[float]] = {n: [] for n in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(time_once(fn, device, inner[name]))
+    out = {}
+    for name, s in samples.items():
+        s.sort()
+        out[name] = {"median_s": s[len(s) // 2], "min_s": s[0], "rounds": len(s)}
+    return out
 
 
 def _run(cmd: Sequence[str]) -> str:
