@@ -1,4 +1,5 @@
-// The C++ signature of every op's kernel, one type per schema in ops.cpp.
+// The C++ signature of every op's kernel, one type per op of the table in fastamp/_ops.py
+// (the dispatcher checks the CPU kernels against the table's schemas when fastamp._C loads).
 //
 // The dispatcher refuses two kernels of one op whose C++ signatures differ (a CPU kernel
 // taking `const at::Tensor&` and a CUDA one taking `at::Tensor&`), and it does so when the

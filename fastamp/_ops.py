@@ -1,25 +1,209 @@
-"""Loading of the native extension and fake (meta) impls of its ops.
+"""The op table: every op's schema and fake (meta) kernel, written once, and their registration.
 
-The schemas are defined in C++ (``csrc/ops.cpp``, ``TORCH_LIBRARY(fastamp, m)``). Importing
-this module never fails: if ``fastamp._C`` is missing or does not load against the
-installed torch, ``NATIVE_ERROR`` says why and the native backend is unavailable.
+:data:`OPS` maps each op to its ``torch.library`` schema, its fake kernel and a note on what
+it mutates and returns. Two namespaces are registered from it, with the same schema and
+fake:
+
+* ``fastamp::<op>``: the native kernels of ``fastamp._C`` (csrc/). ``_C`` registers only
+  kernels (``TORCH_LIBRARY_IMPL``) plus ``build_info()`` / ``cpu_isa()``; the schemas are
+  defined here, right after it loads. The dispatcher then compares every C++ kernel's
+  signature with the schema from this table and raises on a difference, here, in Python:
+  :data:`NATIVE_ERROR` says what differs and the native backend is unavailable, while
+  ``import fastamp`` keeps working. (The other order, schemas first, would make the same
+  check inside ``_C``'s static initialisers, where a failure aborts the process.) That a
+  CPU and a CUDA kernel of one op have the same C++ signature, which the dispatcher checks
+  when ``_C`` loads by aborting, is made a compile error by csrc/op_signatures.h.
+* ``fastamp_triton::<op>``: the Triton launchers of ``fastamp.kernels``; each kernel module
+  calls :func:`register_triton` when it is imported (Triton is never imported here).
+
+Importing this module never fails: if ``fastamp._C`` is missing (``FASTAMP_NO_EXT=1``
+builds) or does not load against the installed torch, ``NATIVE_ERROR`` says why.
+
+Schema conventions: ``Tensor(a!)`` marks every argument an op writes (lists too), nothing
+aliases an output (the returned tensor of the check ops is new), and every op returns
+either nothing or that one 0-dim fp32 tensor; the fake kernels say only that.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+
+NATIVE_NS = "fastamp"
+TRITON_NS = "fastamp_triton"
+
+
+def _fake_sum_of_squares(args: dict):
+    return args["found_inf"].new_empty((), dtype=torch.float32)
+
+
+def _fake_in_place(args: dict):
+    return None
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """One op: ``schema`` (arguments and returns), its ``fake`` kernel and what it mutates.
+
+    ``fake`` gets the arguments by name; ``device_arg`` names the tensor whose device the
+    fake checks (a meta/fake tensor among real ones is refused rather than answered).
+    """
+
+    schema: str
+    fake: Callable[[dict], object]
+    device_arg: str
+    doc: str
+
+
+OPS: dict[str, OpDef] = {
+    "unscale_check_": OpDef(
+        "(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq) -> Tensor",
+        _fake_sum_of_squares,
+        "found_inf",
+        "writes grads (when write_back) and found_inf (set, never reset); returns a new 0-dim fp32 sum of squares",
+    ),
+    "update_scale_": OpDef(
+        "(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, Tensor found_inf, "
+        "float growth_factor, float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
+        "float max_scale) -> ()",
+        _fake_in_place,
+        "scale",
+        "writes scale and both trackers; reads found_inf",
+    ),
+    "adamw_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avgs, "
+        "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor step_scalars, Tensor? found_inf, "
+        "float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, masters, both moments and max_exp_avg_sqs (nothing at all when found_inf is non-zero)",
+    ),
+    "adamw_bf16_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] remainders, Tensor(c!)[] exp_avgs, "
+        "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor step_scalars, Tensor? found_inf, Tensor? rng, "
+        "int rng_base, float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, remainders, both moments and max_exp_avg_sqs (nothing when found_inf is non-zero); "
+        "reads rng, never advances it",
+    ),
+    "sgd_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] momentum_buffers, "
+        "Tensor step_scalars, Tensor? found_inf, Tensor? rng, int rng_base, float momentum, float dampening, "
+        "float weight_decay, bool nesterov, bool maximize) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, masters and momentum_buffers (nothing when found_inf is non-zero); reads rng",
+    ),
+    "unscale_check_stats_": OpDef(
+        "(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq, "
+        "Tensor(c!) counts, Tensor(d!) absmax) -> Tensor",
+        _fake_sum_of_squares,
+        "found_inf",
+        "unscale_check_, and overwrites counts and absmax with per-tensor statistics",
+    ),
+}
+
+NATIVE_OPS = tuple(OPS)
+
+# How a Python argument is made the schema's type (tensors pass as they are).
+_COERCE = {"List[Tensor]": list, "float": float, "int": int, "bool": bool}
+
+
+def schema(ns: str, op: str) -> torch._C.FunctionSchema:
+    """The parsed schema of ``ns::op`` from the table."""
+    return torch._C.parse_schema(f"{ns}::{op}{OPS[op].schema}")
+
+
+def _coercers(op: str) -> tuple:
+    return tuple(_COERCE.get(str(a.type)) for a in schema(NATIVE_NS, op).arguments)
+
+
+_COERCERS = {op: _coercers(op) for op in OPS}
+
+
+def coerce(op: str, args) -> tuple:
+    """``args`` (positional, all of them) as the schema's types: lists for ``Tensor[]``, Python scalars."""
+    coercers = _COERCERS[op]
+    if len(args) != len(coercers):
+        raise TypeError(f"{op}: expected {len(coercers)} arguments, got {len(args)}")
+    return tuple(a if c is None else c(a) for c, a in zip(coercers, args))
+
+
+def _make_fake(ns: str, op: str):
+    names = [a.name for a in schema(ns, op).arguments]
+    entry = OPS[op]
+
+    def fake(*args, **kwargs):
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        _only_fake(f"{ns}::{op}", bound[entry.device_arg])
+        return entry.fake(bound)
+
+    fake.__name__ = f"{op}fake"
+    return fake
+
+
+def _only_fake(qualname: str, t) -> None:
+    # The fake impl also serves the Meta dispatch key: a call mixing real tensors with meta
+    # ones lands here instead of on a kernel. Refuse it rather than return garbage.
+    from torch._subclasses.fake_tensor import is_fake
+
+    if not (t.is_meta or is_fake(t)):
+        raise RuntimeError(f"{qualname}: tensors on different devices (a meta tensor among {t.device} tensors)")
+
+
+def _define(lib: torch.library.Library, ns: str, op: str) -> None:
+    """Define ``ns::op`` from the table in ``lib`` and register its fake.
+
+    An op already defined with the same schema is accepted: a ``_C`` built before the
+    schemas moved here still defines them itself. Any other schema is an error.
+    """
+    want = schema(ns, op)
+    try:
+        have = torch._C._dispatch_find_schema_or_throw(f"{ns}::{op}", "").schema()
+    except RuntimeError:
+        have = None
+    if have is None:
+        lib.define(f"{op}{OPS[op].schema}", tags=(torch.Tag.pt2_compliant_tag,))
+    elif str(have) != str(want):
+        raise RuntimeError(f"{ns}::{op} is already defined as {have}, but the op table says {want}")
+    torch.library.register_fake(f"{ns}::{op}", _make_fake(ns, op), lib=lib)
+
 
 NATIVE_LOADED = False
 NATIVE_ERROR: str | None = None
+_LIBS: dict[str, torch.library.Library] = {}
 
-try:
-    from fastamp import _C  # noqa: F401  (loading it runs the TORCH_LIBRARY registrations)
 
+def _load_native() -> None:
+    global NATIVE_LOADED, NATIVE_ERROR
+    try:
+        from fastamp import _C  # noqa: F401  (loading it runs the TORCH_LIBRARY_IMPL registrations)
+    except Exception as e:  # ImportError, or OSError / undefined symbol against another torch
+        NATIVE_ERROR = f"{type(e).__name__}: {e}"
+        return
+    lib = _LIBS[NATIVE_NS] = torch.library.Library(NATIVE_NS, "FRAGMENT")
+    try:
+        for op in OPS:
+            _define(lib, NATIVE_NS, op)
+    except RuntimeError as e:  # a C++ kernel whose signature differs from the table's schema
+        NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/_ops.py: {e}"
+        return
     NATIVE_LOADED = True
-except Exception as e:  # ImportError, or OSError / undefined symbol against another torch
-    NATIVE_ERROR = f"{type(e).__name__}: {e}"
 
-NATIVE_OPS = ("unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_", "unscale_check_stats_")
+
+def register_triton(op: str, impl: Callable):
+    """Define ``fastamp_triton::op`` from the table with ``impl`` as its CPU and CUDA kernel; the op."""
+    lib = _LIBS.get(TRITON_NS)
+    if lib is None:
+        lib = _LIBS[TRITON_NS] = torch.library.Library(TRITON_NS, "FRAGMENT")
+    _define(lib, TRITON_NS, op)
+    for key in ("CPU", "CUDA"):
+        lib.impl(op, impl, key)
+    return getattr(getattr(torch.ops, TRITON_NS), op)
 
 
 def native_has_kernel(op: str, device_type: str) -> bool:
@@ -30,7 +214,7 @@ def native_has_kernel(op: str, device_type: str) -> bool:
     if key is None:
         return False
     try:
-        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"fastamp::{op}", key))
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"{NATIVE_NS}::{op}", key))
     except RuntimeError:
         return False
 
@@ -39,113 +223,4 @@ def build_info() -> str | None:
     return torch.ops.fastamp.build_info() if NATIVE_LOADED else None
 
 
-def _register_fakes() -> None:
-    """Fake impls for the native ops this build of _C defines (a stale build may lack new ones)."""
-    if not NATIVE_LOADED:
-        return
-
-    @_fake("unscale_check_")
-    def _unscale_check_fake(grads, found_inf, inv_scale, write_back, compute_sumsq):
-        _only_fake("unscale_check_", found_inf)
-        return found_inf.new_empty((), dtype=torch.float32)
-
-    @_fake("update_scale_")
-    def _update_scale_fake(
-        scale,
-        growth_tracker,
-        hysteresis_tracker,
-        found_inf,
-        growth_factor,
-        backoff_factor,
-        growth_interval,
-        hysteresis,
-        min_scale,
-        max_scale,
-    ):
-        _only_fake("update_scale_", scale)
-        return None
-
-    @_fake("adamw_")
-    def _adamw_fake(
-        params,
-        grads,
-        masters,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs,
-        step_scalars,
-        found_inf,
-        beta1,
-        beta2,
-        eps,
-        amsgrad,
-        maximize,
-    ):
-        _only_fake("adamw_", step_scalars)
-        return None
-
-    @_fake("adamw_bf16_")
-    def _adamw_bf16_fake(
-        params,
-        grads,
-        remainders,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs,
-        step_scalars,
-        found_inf,
-        rng,
-        rng_base,
-        beta1,
-        beta2,
-        eps,
-        amsgrad,
-        maximize,
-    ):
-        _only_fake("adamw_bf16_", step_scalars)
-        return None
-
-    @_fake("sgd_")
-    def _sgd_fake(
-        params,
-        grads,
-        masters,
-        momentum_buffers,
-        step_scalars,
-        found_inf,
-        rng,
-        rng_base,
-        momentum,
-        dampening,
-        weight_decay,
-        nesterov,
-        maximize,
-    ):
-        _only_fake("sgd_", step_scalars)
-        return None
-
-    @_fake("unscale_check_stats_")
-    def _unscale_check_stats_fake(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
-        _only_fake("unscale_check_stats_", found_inf)
-        return found_inf.new_empty((), dtype=torch.float32)
-
-
-def _only_fake(op: str, t) -> None:
-    # The fake impl also serves the Meta dispatch key: a call mixing real tensors with meta
-    # ones lands here instead of on a kernel. Refuse it rather than return garbage.
-    from torch._subclasses.fake_tensor import is_fake
-
-    if not (t.is_meta or is_fake(t)):
-        raise RuntimeError(f"fastamp::{op}: tensors on different devices (a meta tensor among {t.device} tensors)")
-
-
-def _fake(op: str):
-    def deco(fn):
-        if hasattr(torch.ops.fastamp, op):
-            torch.library.register_fake(f"fastamp::{op}")(fn)
-        return fn
-
-    return deco
-
-
-_register_fakes()
+_load_native()

@@ -2,8 +2,8 @@
 ``adamw_bf16_`` (bf16 params with int16 master remainders and/or stochastic rounding).
 
 Semantics are :func:`fastamp.reference.adamw_` and :func:`fastamp.reference.adamw_bf16_`;
-registered as the ``torch.library`` custom ops ``fastamp_triton::adamw_`` and
-``fastamp_triton::adamw_bf16_`` (fake impls included, ``opcheck`` clean).
+registered as ``fastamp_triton::adamw_`` and ``fastamp_triton::adamw_bf16_`` from the op table
+in ``fastamp/_ops.py`` (schema and fake shared with the native ops, ``opcheck`` clean).
 
 One launch per (param dtype, grad dtype) group covers every chunk of every tensor (tensors
 whose data is not 16-byte aligned go to a second launch, compiled without the alignment
@@ -36,6 +36,8 @@ import triton
 import triton.language as tl
 from fastamp.kernels import _common as C
 from torch import Tensor
+
+from fastamp import _ops
 
 __all__ = ["adamw_", "adamw_bf16_"]
 
@@ -239,14 +241,7 @@ def _validate(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, st
                 raise ValueError(f"{op}: {name}[{i}] must be contiguous")
 
 
-@torch.library.custom_op(
-    "fastamp_triton::adamw_",
-    mutates_args=("params", "masters", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
-    schema="(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avgs, "
-    "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor step_scalars, Tensor? found_inf, "
-    "float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()",
-)
-def _adamw_op(
+def _adamw_impl(
     params: list[Tensor],
     grads: list[Tensor],
     masters: list[Tensor],
@@ -326,23 +321,7 @@ def _adamw_op(
             )
 
 
-@_adamw_op.register_fake
-def _(
-    params,
-    grads,
-    masters,
-    exp_avgs,
-    exp_avg_sqs,
-    max_exp_avg_sqs,
-    step_scalars,
-    found_inf,
-    beta1,
-    beta2,
-    eps,
-    amsgrad,
-    maximize,
-):
-    return None
+_adamw_op = _ops.register_triton("adamw_", _adamw_impl)
 
 
 def adamw_(
@@ -361,21 +340,22 @@ def adamw_(
     maximize: bool,
 ) -> None:
     """Triton :func:`fastamp.reference.adamw_`: one launch per (param, grad) dtype group, no host sync."""
-    _adamw_op(
-        list(params),
-        list(grads),
-        list(masters),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(max_exp_avg_sqs),
+    args = (
+        params,
+        grads,
+        masters,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
         step_scalars,
         found_inf,
-        float(beta1),
-        float(beta2),
-        float(eps),
-        bool(amsgrad),
-        bool(maximize),
+        beta1,
+        beta2,
+        eps,
+        amsgrad,
+        maximize,
     )
+    _adamw_op(*_ops.coerce("adamw_", args))
 
 
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
@@ -618,14 +598,7 @@ def _validate_bf16(
             _check_list_entry(op, name, lst[i], i, dev, dtypes, p.numel())
 
 
-@torch.library.custom_op(
-    "fastamp_triton::adamw_bf16_",
-    mutates_args=("params", "remainders", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"),
-    schema="(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] remainders, Tensor(c!)[] exp_avgs, "
-    "Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, Tensor step_scalars, Tensor? found_inf, Tensor? rng, "
-    "int rng_base, float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()",
-)
-def _adamw_bf16_op(
+def _adamw_bf16_impl(
     params: list[Tensor],
     grads: list[Tensor],
     remainders: list[Tensor],
@@ -721,25 +694,7 @@ def _adamw_bf16_op(
             )
 
 
-@_adamw_bf16_op.register_fake
-def _(
-    params,
-    grads,
-    remainders,
-    exp_avgs,
-    exp_avg_sqs,
-    max_exp_avg_sqs,
-    step_scalars,
-    found_inf,
-    rng,
-    rng_base,
-    beta1,
-    beta2,
-    eps,
-    amsgrad,
-    maximize,
-):
-    return None
+_adamw_bf16_op = _ops.register_triton("adamw_bf16_", _adamw_bf16_impl)
 
 
 def adamw_bf16_(
@@ -760,20 +715,21 @@ def adamw_bf16_(
     maximize: bool,
 ) -> None:
     """Triton :func:`fastamp.reference.adamw_bf16_`: one launch per (grad, moment dtypes) group, no host sync."""
-    _adamw_bf16_op(
-        list(params),
-        list(grads),
-        list(remainders),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(max_exp_avg_sqs),
+    args = (
+        params,
+        grads,
+        remainders,
+        exp_avgs,
+        exp_avg_sqs,
+        max_exp_avg_sqs,
         step_scalars,
         found_inf,
         rng,
-        int(rng_base),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        bool(amsgrad),
-        bool(maximize),
+        rng_base,
+        beta1,
+        beta2,
+        eps,
+        amsgrad,
+        maximize,
     )
+    _adamw_bf16_op(*_ops.coerce("adamw_bf16_", args))

@@ -3,8 +3,8 @@
 
 Semantics are :func:`fastamp.reference.unscale_check_`,
 :func:`fastamp.reference.unscale_check_stats_` and :func:`fastamp.reference.update_scale_`;
-all are registered as ``torch.library`` custom ops in the ``fastamp_triton`` namespace
-(fake impls included, ``opcheck`` clean).
+all are registered as the ``fastamp_triton`` ops of the op table in ``fastamp/_ops.py``
+(schema and fake shared with the native ops, ``opcheck`` clean).
 
 Agreement with the reference:
 
@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from fastamp.kernels import _common as C
 from torch import Tensor
+
+from fastamp import _ops
 
 __all__ = ["unscale_check_", "unscale_check_stats_", "update_scale_"]
 
@@ -290,21 +292,18 @@ def _launch_groups(groups, dev, found_inf, inv_scale, write_back, compute_sumsq,
     return torch.zeros((), dtype=torch.float32, device=dev)
 
 
-# Explicit schemas (the same as csrc/ops.cpp's) so no torch version has to infer them from hints.
-@torch.library.custom_op(
-    "fastamp_triton::unscale_check_",
-    mutates_args=("grads", "found_inf"),
-    schema="(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq) -> Tensor",
-)
-def _unscale_check_op(
-    grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, write_back: bool, compute_sumsq: bool
-) -> Tensor:
+def _unscale_check_impl(grads, found_inf, inv_scale, write_back, compute_sumsq):
     return _launch_unscale_check("unscale_check_", grads, found_inf, inv_scale, write_back, compute_sumsq, None, None)
 
 
-@_unscale_check_op.register_fake
-def _(grads, found_inf, inv_scale, write_back, compute_sumsq):
-    return found_inf.new_empty((), dtype=torch.float32)
+def _unscale_check_stats_impl(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
+    return _launch_unscale_check(
+        "unscale_check_stats_", grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax
+    )
+
+
+_unscale_check_op = _ops.register_triton("unscale_check_", _unscale_check_impl)
+_unscale_check_stats_op = _ops.register_triton("unscale_check_stats_", _unscale_check_stats_impl)
 
 
 def unscale_check_(grads, found_inf: Tensor, inv_scale: Tensor, write_back: bool = True, compute_sumsq: bool = False):
@@ -314,32 +313,7 @@ def unscale_check_(grads, found_inf: Tensor, inv_scale: Tensor, write_back: bool
     of the unscaled values (0 when ``compute_sumsq`` is False) on ``found_inf``'s device.
     """
     dense = [g._values() if g.is_sparse else g for g in grads]
-    return _unscale_check_op(dense, found_inf, inv_scale, bool(write_back), bool(compute_sumsq))
-
-
-@torch.library.custom_op(
-    "fastamp_triton::unscale_check_stats_",
-    mutates_args=("grads", "found_inf", "counts", "absmax"),
-    schema="(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq, "
-    "Tensor(c!) counts, Tensor(d!) absmax) -> Tensor",
-)
-def _unscale_check_stats_op(
-    grads: list[Tensor],
-    found_inf: Tensor,
-    inv_scale: Tensor,
-    write_back: bool,
-    compute_sumsq: bool,
-    counts: Tensor,
-    absmax: Tensor,
-) -> Tensor:
-    return _launch_unscale_check(
-        "unscale_check_stats_", grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax
-    )
-
-
-@_unscale_check_stats_op.register_fake
-def _(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
-    return found_inf.new_empty((), dtype=torch.float32)
+    return _unscale_check_op(*_ops.coerce("unscale_check_", (dense, found_inf, inv_scale, write_back, compute_sumsq)))
 
 
 def unscale_check_stats_(
@@ -353,7 +327,8 @@ def unscale_check_stats_(
     result is exact and deterministic, without atomics). No host sync.
     """
     dense = [g._values() if g.is_sparse else g for g in grads]
-    return _unscale_check_stats_op(dense, found_inf, inv_scale, bool(write_back), bool(compute_sumsq), counts, absmax)
+    args = (dense, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax)
+    return _unscale_check_stats_op(*_ops.coerce("unscale_check_stats_", args))
 
 
 @C.jit_launched
@@ -394,14 +369,7 @@ def _update_scale_kernel(
     tl.store(hysteresis_tracker_ptr, new_h)
 
 
-@torch.library.custom_op(
-    "fastamp_triton::update_scale_",
-    mutates_args=("scale", "growth_tracker", "hysteresis_tracker"),
-    schema="(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, Tensor found_inf, "
-    "float growth_factor, float backoff_factor, int growth_interval, int hysteresis, float min_scale, "
-    "float max_scale) -> ()",
-)
-def _update_scale_op(
+def _update_scale_impl(
     scale: Tensor,
     growth_tracker: Tensor,
     hysteresis_tracker: Tensor,
@@ -446,20 +414,7 @@ def _update_scale_op(
         )
 
 
-@_update_scale_op.register_fake
-def _(
-    scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-    min_scale,
-    max_scale,
-):
-    return None
+_update_scale_op = _ops.register_triton("update_scale_", _update_scale_impl)
 
 
 def update_scale_(
@@ -475,15 +430,16 @@ def update_scale_(
     max_scale: float = float("inf"),
 ) -> None:
     """Triton :func:`fastamp.reference.update_scale_`: one single-program launch, no host sync."""
-    _update_scale_op(
+    args = (
         scale,
         growth_tracker,
         hysteresis_tracker,
         found_inf,
-        float(growth_factor),
-        float(backoff_factor),
-        int(growth_interval),
-        int(hysteresis),
-        float(min_scale),
-        float(max_scale),
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+        min_scale,
+        max_scale,
     )
+    _update_scale_op(*_ops.coerce("update_scale_", args))

@@ -3,8 +3,8 @@
 Semantics are :func:`fastamp.reference.sgd_` (``torch.optim.SGD``'s update: momentum,
 dampening, nesterov, weight decay, maximize) with fp32 master weights, int16 master
 remainders for bf16 params, or no master (bf16 params then rounded stochastically when
-``rng`` is given). Registered as the ``torch.library`` custom op ``fastamp_triton::sgd_``
-(fake impl included, ``opcheck`` clean).
+``rng`` is given). Registered as ``fastamp_triton::sgd_`` from the op
+table in ``fastamp/_ops.py`` (schema and fake shared with the native op, ``opcheck`` clean).
 
 One launch per (param dtype, grad dtype) group covers every chunk of every tensor (tensors
 whose data is not 16-byte aligned go to a second launch, compiled without the alignment
@@ -26,6 +26,8 @@ import triton
 import triton.language as tl
 from fastamp.kernels import _common as C
 from torch import Tensor
+
+from fastamp import _ops
 
 __all__ = ["sgd_"]
 
@@ -235,14 +237,7 @@ def _validate(params, grads, masters, momentum_buffers, step_scalars, found_inf,
                 raise ValueError(f"{op}: {name}[{i}] must be contiguous")
 
 
-@torch.library.custom_op(
-    "fastamp_triton::sgd_",
-    mutates_args=("params", "masters", "momentum_buffers"),
-    schema="(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] momentum_buffers, "
-    "Tensor step_scalars, Tensor? found_inf, Tensor? rng, int rng_base, float momentum, float dampening, "
-    "float weight_decay, bool nesterov, bool maximize) -> ()",
-)
-def _sgd_op(
+def _sgd_impl(
     params: list[Tensor],
     grads: list[Tensor],
     masters: list[Tensor],
@@ -326,23 +321,7 @@ def _sgd_op(
             )
 
 
-@_sgd_op.register_fake
-def _(
-    params,
-    grads,
-    masters,
-    momentum_buffers,
-    step_scalars,
-    found_inf,
-    rng,
-    rng_base,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    maximize,
-):
-    return None
+_sgd_op = _ops.register_triton("sgd_", _sgd_impl)
 
 
 def sgd_(
@@ -361,18 +340,19 @@ def sgd_(
     maximize: bool,
 ) -> None:
     """Triton :func:`fastamp.reference.sgd_`: one launch per (param, grad) dtype group, no host sync."""
-    _sgd_op(
-        list(params),
-        list(grads),
-        list(masters),
-        list(momentum_buffers),
+    args = (
+        params,
+        grads,
+        masters,
+        momentum_buffers,
         step_scalars,
         found_inf,
         rng,
-        int(rng_base),
-        float(momentum),
-        float(dampening),
-        float(weight_decay),
-        bool(nesterov),
-        bool(maximize),
+        rng_base,
+        momentum,
+        dampening,
+        weight_decay,
+        nesterov,
+        maximize,
     )
+    _sgd_op(*_ops.coerce("sgd_", args))

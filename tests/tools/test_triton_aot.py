@@ -110,8 +110,10 @@ WORKER_TIMEOUT_S = int(os.environ.get("FASTAMP_AOT_TIMEOUT", "1500"))
 def _load_kernels(root: Path):
     """Import ``root/kernels`` as ``fastamp.kernels`` without importing the rest of fastamp.
 
-    The kernels need only torch, triton and their own package, so any Python with those
-    (another torch/triton pair included) can compile this tree's kernels.
+    The kernels need only torch, triton, their own package and the op table
+    (``fastamp/_ops.py``, torch only), so any Python with those (another torch/triton pair
+    included) can compile this tree's kernels. The native extension is kept out: it may be
+    built for another torch, and nothing here needs it.
     """
     import importlib
     import importlib.util
@@ -119,8 +121,9 @@ def _load_kernels(root: Path):
 
     if "fastamp" not in sys.modules:
         pkg = types.ModuleType("fastamp")
-        pkg.__path__ = []
+        pkg.__path__ = [str(root / "fastamp")]
         sys.modules["fastamp"] = pkg
+        sys.modules["fastamp._C"] = None
     spec = importlib.util.spec_from_file_location(
         "fastamp.kernels", root / "kernels" / "__init__.py", submodule_search_locations=[str(root / "kernels")]
     )

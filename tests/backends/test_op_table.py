@@ -1,0 +1,157 @@
+"""The op table of ``fastamp/_ops.py``: one schema and fake per op, registered in both namespaces.
+
+Every check that loads ``fastamp._C`` or changes what can be imported runs in a subprocess:
+a registration the dispatcher refuses inside ``_C``'s static initialisers aborts the process,
+and that must show as a failed test, not a dead test run.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(code: str, env: dict | None = None) -> dict:
+    """Run ``code`` in a fresh interpreter; it prints one JSON object as its last line."""
+    full_env = {**os.environ, **(env or {})}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=full_env,
+    )
+    assert out.returncode == 0, f"subprocess failed (rc {out.returncode}):\n{out.stderr[-4000:]}"
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_native_ops_have_the_table_schema_and_a_cpu_kernel():
+    got = _run(
+        """
+        import json, torch
+        from fastamp import _ops
+        res = {"loaded": _ops.NATIVE_LOADED, "error": _ops.NATIVE_ERROR, "ops": {}}
+        for op in _ops.OPS:
+            if _ops.NATIVE_LOADED:
+                have = str(getattr(torch.ops.fastamp, op).default._schema)
+                res["ops"][op] = [have, str(_ops.schema("fastamp", op)), _ops.native_has_kernel(op, "cpu")]
+        print(json.dumps(res))
+        """
+    )
+    if not got["loaded"] and "No module named 'fastamp._C'" in (got["error"] or ""):
+        pytest.skip("fastamp._C is not built")
+    assert got["loaded"], got["error"]
+    from fastamp._ops import OPS
+
+    assert set(got["ops"]) == set(OPS)
+    for op, (have, want, has_cpu) in got["ops"].items():
+        assert have == want, op
+        assert has_cpu, f"fastamp::{op} has no CPU kernel"
+
+
+def test_a_kernel_that_differs_from_the_schema_is_refused_without_an_abort():
+    """The dispatcher's check can fail, and it fails as a Python error, after ``_C`` loaded."""
+    got = _run(
+        """
+        import glob, importlib.machinery, importlib.util, json, torch
+        # load the extension alone (fastamp/__init__ would define the schemas first)
+        paths = glob.glob("fastamp/_C*.so") + glob.glob("fastamp/_C*.pyd")
+        if not paths:
+            print(json.dumps({"skip": "fastamp._C is not built"}))
+            raise SystemExit
+        loader = importlib.machinery.ExtensionFileLoader("fastamp._C", paths[0])
+        importlib.util.module_from_spec(importlib.util.spec_from_file_location("fastamp._C", paths[0], loader=loader))
+        lib = torch.library.Library("fastamp", "FRAGMENT")
+        try:
+            lib.define("adamw_(Tensor(a!)[] params, Tensor[] grads) -> ()")
+            print(json.dumps({"error": None}))
+        except RuntimeError as e:
+            print(json.dumps({"error": str(e)}))
+        """
+    )
+    if "skip" in got:
+        pytest.skip(got["skip"])
+    assert got["error"] is not None and "fastamp::adamw_" in got["error"]
+    assert "inferred schema" in got["error"]
+
+
+def test_import_without_the_extension():
+    """A build without ``fastamp._C`` (``FASTAMP_NO_EXT=1``): fastamp imports, the torch backend runs."""
+    got = _run(
+        """
+        import json, sys
+        sys.modules["fastamp._C"] = None  # import fails as it does where _C was never built
+        import torch, fastamp
+        from fastamp import _ops, backends, functional
+        g, f = [torch.full((3,), 2.0)], torch.zeros(1)
+        functional.unscale_check_(g, f, torch.tensor([0.5]))
+        print(json.dumps({
+            "loaded": _ops.NATIVE_LOADED,
+            "error": _ops.NATIVE_ERROR,
+            "defined": hasattr(torch.ops.fastamp, "adamw_"),
+            "cpu": backends.resolve("adamw_", "cpu"),
+            "grad": g[0].tolist(),
+        }))
+        """,
+        env={"FASTAMP_BACKEND": ""},
+    )
+    assert got["loaded"] is False and "fastamp._C" in got["error"]
+    assert got["defined"] is False
+    assert got["cpu"] in ("torch", "triton")
+    assert got["grad"] == [1.0, 1.0, 1.0]
+
+
+def test_import_without_triton():
+    got = _run(
+        """
+        import json, sys
+        sys.modules["triton"] = None
+        import torch, fastamp
+        from fastamp import backends, kernels
+        ok, why = backends.available("triton", "adamw_", "cpu")
+        print(json.dumps({"ok": ok, "why": why, "op": kernels.get_op("adamw_") is None,
+                          "ns": hasattr(torch.ops.fastamp_triton, "adamw_")}))
+        """
+    )
+    assert got["ok"] is False and "triton is not importable" in got["why"]
+    assert got["op"] is True
+    assert got["ns"] is False
+
+
+def test_triton_ops_have_the_table_schema():
+    pytest.importorskip("triton")
+    got = _run(
+        """
+        import json, torch
+        from fastamp import _ops, kernels
+        res = {}
+        for op in _ops.OPS:
+            kernels.get_op(op)
+            res[op] = [str(getattr(torch.ops.fastamp_triton, op).default._schema), str(_ops.schema("fastamp_triton", op))]
+        print(json.dumps(res))
+        """,
+        env={"TRITON_INTERPRET": "1"},
+    )
+    from fastamp._ops import OPS
+
+    assert set(got) == set(OPS)
+    for op, (have, want) in got.items():
+        assert have == want, op
+
+
+def test_coerce_follows_the_schema():
+    from fastamp import _ops
+
+    args = _ops.coerce("update_scale_", (1, 2, 3, 4, 2, 1, 10.0, True, 0, 5))
+    assert args[:4] == (1, 2, 3, 4)
+    assert [type(a) for a in args[4:]] == [float, float, int, int, float, float]
+    assert isinstance(_ops.coerce("sgd_", ((), (), (), (), 0, None, None, 0, 0, 0, 0, 0, 0))[0], list)
+    with pytest.raises(TypeError, match="expected 10 arguments, got 2"):
+        _ops.coerce("update_scale_", (1, 2))
