@@ -1,13 +1,13 @@
 """fastamp.optim.AdamW: parity with torch.optim.AdamW, master weights, validation, state_dict."""
 
 import copy
-import io
 import os
 import warnings
 
 import pytest
 import tolerances
 import torch
+from helpers import save_load, set_grads
 
 import fastamp
 from fastamp.optim import AdamW
@@ -18,11 +18,6 @@ SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
 
 def _leaves(tensors, dtype=None):
     return [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
-
-
-def _set_grads(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.detach().clone().to(p.dtype)
 
 
 def _assert_close_to_torch(ours, theirs):
@@ -69,8 +64,8 @@ def _run_vs_torch(backend, torch_flags, kw, steps, seed=0):
     )
     for _ in range(steps):
         grads = [torch.randn(s, generator=g) for s in SHAPES]
-        _set_grads(ours, grads)
-        _set_grads(theirs, grads)
+        set_grads(ours, grads)
+        set_grads(theirs, grads)
         opt.step()
         ref.step()
     _assert_close_to_torch(ours, theirs)
@@ -133,8 +128,8 @@ def test_lr_scheduler_no_warning_and_matches_torch(backend):
         s2 = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=0.05, total_steps=60)
         for _ in range(60):
             grads = [torch.randn(s, generator=g) for s in SHAPES]
-            _set_grads(ours, grads)
-            _set_grads(theirs, grads)
+            set_grads(ours, grads)
+            set_grads(theirs, grads)
             opt.step()
             ref.step()
             s1.step()
@@ -156,8 +151,8 @@ def test_params_without_grad_keep_their_own_step_like_torch(backend):
         grads = [torch.randn(s, generator=g) for s in SHAPES]
         grads[1] = grads[1] if i % 3 == 0 else None
         grads[2] = grads[2] if i >= 10 else None
-        _set_grads(ours, grads)
-        _set_grads(theirs, grads)
+        set_grads(ours, grads)
+        set_grads(theirs, grads)
         opt.step()
         ref.step()
     _assert_close_to_torch(ours, theirs)
@@ -226,8 +221,8 @@ def test_master_trajectory_bit_identical_to_fp32(backend, dtype, master_weights,
     opt_full = AdamW(full, **kw)
     for _ in range(steps):
         grads = [_representable(s, dtype, g, scale=0.1) for s in shapes]
-        _set_grads(low, grads)
-        _set_grads(full, grads)
+        set_grads(low, grads)
+        set_grads(full, grads)
         opt_low.step()
         opt_full.step()
         for p in low:
@@ -254,8 +249,8 @@ def test_master_weights_false_rounds_fp32_update_once(backend, dtype):
     opt_full = AdamW([full], lr=1e-2, backend=backend)
     for _ in range(_steps(backend, 30, slow=4)):
         grad = _representable((50,), dtype, g)
-        _set_grads([low], [grad])
-        _set_grads([full], [grad])
+        set_grads([low], [grad])
+        set_grads([full], [grad])
         with torch.no_grad():
             full.copy_(low.float())  # same starting point each step: one fp32 update, rounded once
         opt_low.step()
@@ -274,7 +269,7 @@ def test_bf16_small_lr_param_moves_where_torch_freezes(backend):
     ref = torch.optim.AdamW([theirs], lr=1e-4, weight_decay=0.0, fused=True)
     ref32 = torch.optim.AdamW([fp32], lr=1e-4, weight_decay=0.0, foreach=False)
     for _ in range(steps):
-        _set_grads([ours, theirs, fp32], [torch.full((8,), 0.5)] * 3)
+        set_grads([ours, theirs, fp32], [torch.full((8,), 0.5)] * 3)
         opt.step()
         ref.step()
         ref32.step()
@@ -299,7 +294,7 @@ def test_mixed_dtypes_in_one_group_one_call_per_dtype_group(monkeypatch):
         for dt in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float16)
     ]
     opt = AdamW(params, lr=0.1)
-    _set_grads(params, [torch.ones(3)] * len(params))
+    set_grads(params, [torch.ones(3)] * len(params))
     opt.step()
     assert sorted(calls, key=str) == sorted(
         [
@@ -413,16 +408,9 @@ def _assert_state_dicts_equal(a, b):
             assert v.dtype == w.dtype and torch.equal(v, w), (k, key)
 
 
-def _save_load(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def _train(opt, params, grads_fn, steps):
     for _ in range(steps):
-        _set_grads(params, grads_fn())
+        set_grads(params, grads_fn())
         opt.step()
 
 
@@ -437,7 +425,7 @@ def test_state_dict_round_trip_is_exact(backend, dtype):
     grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(2 * n)]
     it = iter(grads)
     _train(opt, a, lambda: next(it), n)
-    sd = _save_load(opt.state_dict())
+    sd = save_load(opt.state_dict())
     b = [p.detach().clone().requires_grad_() for p in a]
     opt2 = AdamW([{"params": b[:2]}, {"params": b[2:]}], lr=0.5, backend=backend)
     opt2.load_state_dict(sd)
@@ -475,7 +463,7 @@ def test_torch_state_dict_loads_into_ours_and_back(backend, amsgrad):
     _train(t_opt, t_params, lambda: next(it), 10)
     o_params = _leaves([p.detach() for p in t_params])
     o_opt = AdamW(o_params, lr=1.0, backend=backend)
-    o_opt.load_state_dict(_save_load(t_opt.state_dict()))
+    o_opt.load_state_dict(save_load(t_opt.state_dict()))
     assert o_opt.param_groups[0]["amsgrad"] is amsgrad
     it1, it2 = iter(grads[10:20]), iter(grads[10:20])
     _train(t_opt, t_params, lambda: next(it1), 10)
@@ -485,7 +473,7 @@ def test_torch_state_dict_loads_into_ours_and_back(backend, amsgrad):
     # ours -> torch (fp32 params)
     t2_params = _leaves([p.detach() for p in o_params])
     t2_opt = torch.optim.AdamW(t2_params, lr=1.0, foreach=False)
-    t2_opt.load_state_dict(_save_load(o_opt.state_dict()))
+    t2_opt.load_state_dict(save_load(o_opt.state_dict()))
     it1, it2 = iter(grads[20:]), iter(grads[20:])
     _train(t2_opt, t2_params, lambda: next(it1), 10)
     _train(o_opt, o_params, lambda: next(it2), 10)
@@ -501,7 +489,7 @@ def test_torch_bf16_state_dict_builds_masters_from_params(backend):
     _train(t_opt, t_params, lambda: [torch.randn(s, generator=g) for s in SHAPES], 5)
     o_params = [p.detach().clone().requires_grad_() for p in t_params]
     o_opt = AdamW(o_params, lr=0.01, backend=backend)
-    o_opt.load_state_dict(_save_load(t_opt.state_dict()))
+    o_opt.load_state_dict(save_load(t_opt.state_dict()))
     for p, q in zip(o_params, t_params):
         st = o_opt.state[p]
         assert st["exp_avg"].dtype == torch.float32

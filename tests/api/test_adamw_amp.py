@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import requires_cuda
+from helpers import requires_cuda
 
 import fastamp
 from fastamp.optim import AdamW

@@ -11,22 +11,10 @@ import warnings
 
 import pytest
 import torch
+from helpers import bits
 
 import fastamp
 from fastamp import functional as F
-
-
-def _bits(t):
-    t = t.detach()
-    if t.is_sparse:
-        t = t.to_dense()
-    if t.is_floating_point():
-        return (
-            t.contiguous()
-            .view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-            .clone()
-        )
-    return t.clone()
 
 
 class World:
@@ -52,18 +40,18 @@ class World:
     def snapshot(self):
         out = {}
         for i, p in enumerate(self.bf + self.fp):
-            out[f"p{i}"] = _bits(p)
+            out[f"p{i}"] = bits(p)
             if p.grad is not None:
-                out[f"g{i}"] = _bits(p.grad)
+                out[f"g{i}"] = bits(p.grad)
         for name, opt in (("adam", self.adam), ("sgd", self.sgd)):
             for i, p in enumerate(opt.param_groups[0]["params"]):
                 for k, v in opt.state.get(p, {}).items():
                     if isinstance(v, torch.Tensor):
-                        out[f"{name}{i}.{k}"] = _bits(v)
+                        out[f"{name}{i}.{k}"] = bits(v)
             out[f"{name}.groups"] = repr([{k: v for k, v in gr.items() if k != "params"} for gr in opt.param_groups])
         s = self.scaler
         for k in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped_steps"):
-            out[k] = _bits(getattr(s, k))
+            out[k] = bits(getattr(s, k))
         out["scaler"] = repr(
             {k: v for k, v in s.__dict__.items() if not isinstance(v, torch.Tensor) and not k.startswith("_per")}
         )

@@ -1,11 +1,11 @@
 """Low-bit masters: int16 remainders (bit-identical to fp32 masters), stochastic rounding, bf16 moments."""
 
-import io
 import os
 import warnings
 
 import pytest
 import torch
+from helpers import save_load, set_grads
 
 import fastamp
 from fastamp import reference
@@ -40,11 +40,6 @@ def _assert_params_match_except_ties(p_rem, p_fp32, master):
     return int(differ.sum())
 
 
-def _set_grads(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = g.to(p.dtype)
-
-
 # ---- remainder == fp32 master ------------------------------------------------------------
 
 
@@ -62,8 +57,8 @@ def test_remainder_bit_identical_to_fp32_master_adamw(backend, amsgrad):
     ties = 0
     for _ in range(steps):
         grads = [torch.randn(s, generator=g).bfloat16() for s in shapes]
-        _set_grads(rem, grads)
-        _set_grads(ref, grads)
+        set_grads(rem, grads)
+        set_grads(ref, grads)
         o_rem.step()
         o_ref.step()
         for p, q in zip(rem, ref):
@@ -94,8 +89,8 @@ def test_remainder_bit_identical_to_fp32_master_sgd(backend):
     o_rem, o_ref = SGD(rem, master_weights="remainder", **kw), SGD(ref, **kw)
     for _ in range(steps):
         grads = [torch.randn(s, generator=g).bfloat16() for s in shapes]
-        _set_grads(rem, grads)
-        _set_grads(ref, grads)
+        set_grads(rem, grads)
+        set_grads(ref, grads)
         o_rem.step()
         o_ref.step()
         for p, q in zip(rem, ref):
@@ -245,19 +240,12 @@ def test_data_copy_needs_reset_master_weights():
 # ---- state_dict --------------------------------------------------------------------------
 
 
-def _save_load(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def test_state_dict_native_and_fp32_forms_resume_exactly():
     a, b, oa, ob, g = _pair()
     _step_both(a, b, oa, ob, g, n=5)
     param_at_ckpt = a.detach().clone()
-    native = _save_load(oa.state_dict())
-    fp32 = _save_load(oa.state_dict(master_format="fp32"))
+    native = save_load(oa.state_dict())
+    fp32 = save_load(oa.state_dict(master_format="fp32"))
     assert native["state"][0]["master_remainder"].dtype == torch.int16
     assert "master_remainder" not in fp32["state"][0]
     assert torch.equal(fp32["state"][0]["master_param"], _master_of(oa, a))
@@ -463,7 +451,7 @@ def test_bf16_moments_train(master_weights, sr):
         assert ("master_remainder" in st) == (master_weights == "remainder")
     assert losses[-1] < 0.5 * losses[0]
     assert losses[-1] < 1.5 * ref_losses[-1] + 0.02  # the documented accuracy trade-off: close to fp32 moments
-    sd = _save_load(opt.state_dict())
+    sd = save_load(opt.state_dict())
     assert sd["param_groups"][0]["state_dtype"] == torch.bfloat16
 
 

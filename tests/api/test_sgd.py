@@ -1,12 +1,12 @@
 """fastamp.optim.SGD: parity with torch.optim.SGD, masters, amp skip, validation, state_dict."""
 
 import copy
-import io
 import itertools
 
 import pytest
 import tolerances
 import torch
+from helpers import save_load, set_grads
 
 import fastamp
 from fastamp.optim import SGD
@@ -17,11 +17,6 @@ SHAPES = [(7, 5), (13,), (1,)]
 
 def _leaves(tensors, dtype=None):
     return [t.detach().clone().to(dtype or t.dtype).requires_grad_() for t in tensors]
-
-
-def _set_grads(params, grads):
-    for p, g in zip(params, grads):
-        p.grad = None if g is None else g.detach().clone().to(p.dtype)
 
 
 def _close(a, b):
@@ -45,8 +40,8 @@ def test_fp32_matches_torch_every_option(kw):
     ref = torch.optim.SGD([{"params": theirs[:2]}, {"params": theirs[2:], "lr": 0.01}], lr=0.05, **kw)
     for _ in range(100):
         grads = [torch.randn(s, generator=g) for s in SHAPES]
-        _set_grads(ours, grads)
-        _set_grads(theirs, grads)
+        set_grads(ours, grads)
+        set_grads(theirs, grads)
         opt.step()
         ref.step()
     for p, q in zip(ours, theirs):
@@ -67,8 +62,8 @@ def test_tensor_lr_and_params_without_grad(backend):
     ref = torch.optim.SGD(theirs, lr=torch.tensor(0.02), momentum=0.9)
     for i in range(6):
         grads = [torch.randn(s, generator=g) if not (j == 1 and i < 3) else None for j, s in enumerate(SHAPES)]
-        _set_grads(ours, grads)
-        _set_grads(theirs, grads)
+        set_grads(ours, grads)
+        set_grads(theirs, grads)
         opt.step()
         ref.step()
     for p, q in zip(ours, theirs):
@@ -88,8 +83,8 @@ def test_master_trajectory_bit_identical_to_fp32(backend, dtype):
     opt_low, opt_full = SGD(low, **kw), SGD(full, **kw)
     for _ in range(200 if backend != "triton" else 10):
         grads = [(torch.randn(s, generator=g) * 0.1).to(dtype).float() for s in shapes]
-        _set_grads(low, grads)
-        _set_grads(full, grads)
+        set_grads(low, grads)
+        set_grads(full, grads)
         opt_low.step()
         opt_full.step()
         for p in low:
@@ -111,7 +106,7 @@ def test_skipped_first_step_keeps_buffer_uninitialised(backend, dampening):
     opt = SGD(ours, lr=0.1, momentum=0.9, dampening=dampening, backend=backend)
     ref = torch.optim.SGD(theirs, lr=0.1, momentum=0.9, dampening=dampening)
     # first step overflows: skipped on device, everything bit-identical
-    _set_grads(ours, [torch.randn(s, generator=g) * 1e3 for s in SHAPES])
+    set_grads(ours, [torch.randn(s, generator=g) * 1e3 for s in SHAPES])
     opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(1.0)
     before = [p.detach().clone() for p in ours]
     opt.step()
@@ -121,8 +116,8 @@ def test_skipped_first_step_keeps_buffer_uninitialised(backend, dampening):
         assert opt.state[p]["step"].item() == 0
     for _ in range(4):
         grads = [torch.randn(s, generator=g) for s in SHAPES]
-        _set_grads(ours, [x * 1024 for x in grads])
-        _set_grads(theirs, grads)
+        set_grads(ours, [x * 1024 for x in grads])
+        set_grads(theirs, grads)
         opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
         opt.step()
         del opt.grad_scale, opt.found_inf
@@ -202,13 +197,6 @@ def test_bad_inputs_change_nothing():
 # ---- state_dict --------------------------------------------------------------------------
 
 
-def _save_load(sd):
-    buf = io.BytesIO()
-    torch.save(sd, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
-
-
 def test_state_dict_interoperates_with_torch():
     g = torch.Generator().manual_seed(9)
     init = [torch.randn(s, generator=g) for s in SHAPES]
@@ -216,23 +204,23 @@ def test_state_dict_interoperates_with_torch():
     ours = SGD(a, lr=0.1, momentum=0.9)
     theirs = torch.optim.SGD(b, lr=0.1, momentum=0.9)
     grads = [torch.randn(s, generator=g) for s in SHAPES]
-    _set_grads(a, grads)
-    _set_grads(b, grads)
+    set_grads(a, grads)
+    set_grads(b, grads)
     ours.step()
     theirs.step()
     # torch -> ours: a present buffer is initialised (step 1); the trajectories continue alike
     c = _leaves(b)
     ours2 = SGD(c, lr=0.1, momentum=0.9)
-    ours2.load_state_dict(_save_load(theirs.state_dict()))
+    ours2.load_state_dict(save_load(theirs.state_dict()))
     assert all(ours2.state[p]["step"].item() == 1 for p in c)
     # ours -> torch
     d = _leaves(a)
     theirs2 = torch.optim.SGD(d, lr=0.1, momentum=0.9)
-    theirs2.load_state_dict(_save_load(ours.state_dict()))
+    theirs2.load_state_dict(save_load(ours.state_dict()))
     for _ in range(3):
         grads = [torch.randn(s, generator=g) for s in SHAPES]
         for ps, o in ((a, ours), (b, theirs), (c, ours2), (d, theirs2)):
-            _set_grads(ps, grads)
+            set_grads(ps, grads)
             o.step()
     for x, y, z, w in zip(a, b, c, d):
         _close(x, y)
@@ -241,7 +229,7 @@ def test_state_dict_interoperates_with_torch():
     # a round trip of ours is exact; torch's None buffers (no momentum step yet) load as uninitialised
     e = _leaves(a)
     ours3 = SGD(e, lr=0.1, momentum=0.9)
-    ours3.load_state_dict(_save_load(ours.state_dict()))
+    ours3.load_state_dict(save_load(ours.state_dict()))
     for p, q in zip(a, e):
         assert torch.equal(ours.state[p]["momentum_buffer"], ours3.state[q]["momentum_buffer"])
         assert torch.equal(ours.state[p]["step"], ours3.state[q]["step"])
@@ -249,7 +237,7 @@ def test_state_dict_interoperates_with_torch():
     f = _leaves(init)
     ours4 = SGD(f, lr=0.1, momentum=0.9)
     ours4.load_state_dict(none_sd)
-    _set_grads(f, grads)
+    set_grads(f, grads)
     ours4.step()
     assert torch.equal(ours4.state[f[0]]["momentum_buffer"], grads[0])  # first step: buf = grad
 

@@ -16,21 +16,15 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import bits
 from torch.amp.grad_scaler import OptState as TorchOptState
 
 import fastamp
 from fastamp.health import AmpPitfallWarning
 
 
-def _bits(t):
-    t = t.detach()
-    if t.is_floating_point():
-        return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-    return t.clone()
-
-
 def _same(a, b):
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a), _bits(b))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 # --------------------------------------------------------------------------- torch.compile (item 3)
@@ -236,7 +230,7 @@ def _scaler_snapshot(s):
         s.get_growth_factor(),
         s.get_backoff_factor(),
         s.get_growth_interval(),
-        _bits(s._scale).clone(),
+        bits(s._scale).clone(),
         s._growth_tracker.clone(),
         s._hysteresis_tracker.clone(),
     )

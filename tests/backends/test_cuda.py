@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_bits_equal, misaligned
 from tolerances import SUMSQ_RTOL
 
 from fastamp import _ops, reference
@@ -21,7 +22,6 @@ pytestmark = pytest.mark.skipif(
 
 DEV = "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 CHUNK = 65536
 # Sizes around the vector widths (4 and 8), the block, the 64K-element chunk, primes, 2^k +- 1.
 SIZES = [0, 1, 2, 3, 4, 5, 7, 8, 9, 31, 127, 255, 257, 1021, 4093, 65535, 65536, 65537, 131071, 131073, 1000003]
@@ -34,20 +34,6 @@ NONFINITE = [math.inf, -math.inf, math.nan]
 
 def _ops_native():
     return torch.ops.fastamp
-
-
-def assert_same_bits(ours, ref, what=""):
-    """Bit equality, except that any NaN equals any NaN (payloads are not part of the spec)."""
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (what, ours.dtype, ref.dtype, ours.shape, ref.shape)
-    if ours.numel() == 0:
-        return
-    a_nan, r_nan = ours.isnan(), ref.isnan()
-    assert torch.equal(a_nan, r_nan), f"{what}: NaN positions differ"
-    a = ours.masked_fill(a_nan, 0).contiguous().view(INT_VIEW[ours.dtype])
-    r = ref.masked_fill(r_nan, 0).contiguous().view(INT_VIEW[ref.dtype])
-    if not torch.equal(a, r):
-        idx = (a != r).nonzero()[:5].flatten().tolist()
-        raise AssertionError(f"{what}: bits differ at {idx}: ours {ours[idx].tolist()} ref {ref[idx].tolist()}")
 
 
 def assert_sumsq_close(ours, ref):
@@ -82,14 +68,6 @@ def plain(n, dtype, seed):
     return torch.randn(n, generator=g).to(dtype).to(DEV)
 
 
-def misaligned(t):
-    """A contiguous copy of ``t`` whose data pointer is one element past an aligned one."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    out = buf[1:]
-    out.copy_(t)
-    return out
-
-
 def run_both_unscale(grads, inv, write_back, compute_sumsq, found=0.0):
     ours = [g.clone() for g in grads]
     ref = [g.clone() for g in grads]
@@ -103,9 +81,9 @@ def run_both_unscale(grads, inv, write_back, compute_sumsq, found=0.0):
 
 def check_unscale(grads, inv, write_back=True, compute_sumsq=True, found=0.0):
     ours, ref, f_ours, f_ref, s_ours, s_ref = run_both_unscale(grads, inv, write_back, compute_sumsq, found)
-    assert_same_bits(f_ours, f_ref, "found_inf")
+    assert_bits_equal(f_ours, f_ref, "found_inf")
     for i, (a, b) in enumerate(zip(ours, ref)):
-        assert_same_bits(a, b, f"grads[{i}] ({a.dtype}, n={a.numel()})")
+        assert_bits_equal(a, b, f"grads[{i}] ({a.dtype}, n={a.numel()})")
     if compute_sumsq:
         assert_sumsq_close(s_ours, s_ref)
     else:
@@ -175,7 +153,7 @@ def test_unscale_misaligned_matches_and_sumsq_is_alignment_independent():
             g = plain(n, dtype, seed=n)
             _, s_aligned = check_unscale([g], 0.375)
             _, s_mis = check_unscale([misaligned(g)], 0.375)
-            assert_same_bits(s_aligned, s_mis, f"sumsq aligned vs misaligned ({dtype}, {n})")
+            assert_bits_equal(s_aligned, s_mis, f"sumsq aligned vs misaligned ({dtype}, {n})")
 
 
 def test_unscale_many_tiny_tensors_mixed_dtypes():
@@ -195,7 +173,7 @@ def test_unscale_many_tiny_tensors_mixed_dtypes():
     f = torch.zeros(1, device=DEV)
     _ops_native().unscale_check_(grads, f, torch.tensor([0.5], device=DEV), False, True)
     for a, b in zip(grads, before):
-        assert_same_bits(a, b, "write_back=False must leave grads untouched")
+        assert_bits_equal(a, b, "write_back=False must leave grads untouched")
     assert f.item() == 1.0
 
 
@@ -220,9 +198,9 @@ def test_unscale_matches_torch_amp_kernel(dtype, nonfinite):
     inv = torch.tensor([2.0**-12], device=DEV)
     _ops_native().unscale_check_(ours, f_ours, inv, True, False)
     torch._amp_foreach_non_finite_check_and_unscale_(theirs, f_theirs, inv)
-    assert_same_bits(f_ours, f_theirs, "found_inf vs torch")
+    assert_bits_equal(f_ours, f_theirs, "found_inf vs torch")
     for a, b in zip(ours, theirs):
-        assert_same_bits(a, b, "grads vs torch")
+        assert_bits_equal(a, b, "grads vs torch")
 
 
 def test_unscale_sumsq_is_deterministic():
@@ -234,7 +212,7 @@ def test_unscale_sumsq_is_deterministic():
         results.append(_ops_native().unscale_check_(grads, f, inv, False, True))
     assert math.isfinite(results[0].item()) and results[0].item() > 0
     for r in results[1:]:
-        assert_same_bits(r, results[0], "sumsq run to run")
+        assert_bits_equal(r, results[0], "sumsq run to run")
 
 
 def test_unscale_runs_on_the_current_stream():
@@ -251,8 +229,8 @@ def test_unscale_runs_on_the_current_stream():
     f_ref = torch.zeros(1, device=DEV)
     s_ref = reference.unscale_check_(ref, f_ref, torch.tensor([0.25], device=DEV), True, True)
     for a, b in zip(ours, ref):
-        assert_same_bits(a, b, "side stream")
-    assert_same_bits(f, f_ref, "found_inf side stream")
+        assert_bits_equal(a, b, "side stream")
+    assert_bits_equal(f, f_ref, "found_inf side stream")
     assert_sumsq_close(s, s_ref)
 
 
@@ -371,7 +349,7 @@ def _adamw_call(fn, st, scalars, found_inf, h, amsgrad, maximize):
 def _compare_states(ours, ref, what):
     for key in ("params", "masters", "ms", "vs", "vmaxs"):
         for i, (a, b) in enumerate(zip(ours[key], ref[key])):
-            assert_same_bits(a, b, f"{what}: {key}[{i}]")
+            assert_bits_equal(a, b, f"{what}: {key}[{i}]")
 
 
 def _run_adamw_steps(st, h, amsgrad, maximize, found_value, steps=3, grad_mul=2.0**-10 * 0.7):
@@ -404,7 +382,7 @@ def test_adamw_matches_reference(param_dtype, grad_dtype, use_master, amsgrad, m
     ours = _run_adamw_steps(st, HYPER[hyper], amsgrad, maximize, found_value)
     if use_master:
         for p, m in zip(ours["params"], ours["masters"]):
-            assert_same_bits(p, m.to(p.dtype), "param == master rounded to its dtype")
+            assert_bits_equal(p, m.to(p.dtype), "param == master rounded to its dtype")
     changed = any(not torch.equal(a, b) for a, b in zip(ours["params"], st["params"]))
     assert changed, "the update must move the params"
 
@@ -459,8 +437,8 @@ def test_adamw_fp16_bf16_master_trajectory_equals_fp32_run():
             _adamw_call(_ops_native().adamw_, lo, sc, None, h, False, False)
             _adamw_call(_ops_native().adamw_, hi, sc, None, h, False, False)
         for a, b, p in zip(lo["masters"], hi["params"], lo["params"]):
-            assert_same_bits(a, b, f"{dtype} master vs fp32 run")
-            assert_same_bits(p, a.to(dtype), f"{dtype} param == master rounded")
+            assert_bits_equal(a, b, f"{dtype} master vs fp32 run")
+            assert_bits_equal(p, a.to(dtype), f"{dtype} param == master rounded")
 
 
 # ---------------------------------------------------------------- errors, graphs, opcheck
@@ -532,7 +510,7 @@ def test_ops_capture_in_a_cuda_graph():
     total_ref = reference.unscale_check_(g_ref, f_ref, inv, True, True)
     _adamw_call(reference.adamw_, st_ref, sc, f_ref, h, False, False)
     for a, b in zip(grads, g_ref):
-        assert_same_bits(a, b, "graph: grads")
+        assert_bits_equal(a, b, "graph: grads")
     assert_sumsq_close(total, total_ref)
     _compare_states(st, st_ref, "graph: adamw")
     assert scale.item() == 2.0 and gt.item() == 1

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from helpers import assert_bits_equal, misaligned
 from tolerances import SUMSQ_RTOL
 
 from fastamp import _ops, reference
@@ -24,40 +25,13 @@ pytestmark = pytest.mark.skipif(
 DEV = "cuda"
 OPS = torch.ops.fastamp
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 CHUNK = 65536  # csrc/cuda/launchers.h kChunkSize
 SIZES = [1, 3, 4, 5, 8, 1023, CHUNK, CHUNK + 1, 200003]
 BF16_MAX = 3.3895313892515355e38
 
 
-def assert_same(ours, ref, what=""):
-    """Bit equality (integers exactly; floats by bits, any NaN equal to any NaN)."""
-    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (what, ours.dtype, ref.dtype, ours.shape, ref.shape)
-    if ours.numel() == 0:
-        return
-    if not ours.is_floating_point():
-        assert torch.equal(ours, ref), f"{what}: differ: ours {ours.tolist()[:8]} ref {ref.tolist()[:8]}"
-        return
-    a_nan, r_nan = ours.isnan(), ref.isnan()
-    assert torch.equal(a_nan, r_nan), f"{what}: NaN positions differ"
-    a = ours.masked_fill(a_nan, 0).contiguous().view(_INT_VIEW[ours.dtype])
-    r = ref.masked_fill(r_nan, 0).contiguous().view(_INT_VIEW[ref.dtype])
-    if not torch.equal(a, r):
-        idx = (a != r).flatten().nonzero()[:5].flatten().tolist()
-        o, e = ours.flatten(), ref.flatten()
-        raise AssertionError(f"{what}: bits differ at {idx}: ours {o[idx].tolist()} ref {e[idx].tolist()}")
-
-
 def _bits_to_f32(bits):
     return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
-
-
-def misaligned(t):
-    """A contiguous copy of ``t`` whose data pointer is one element past an aligned one."""
-    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
-    out = buf[1:]
-    out.copy_(t)
-    return out
 
 
 def edge_masters(n, gen):
@@ -89,7 +63,7 @@ def _clone(st):
 def _compare(ours, ref, keys, what):
     for key in keys:
         for i, (a, b) in enumerate(zip(ours[key], ref[key])):
-            assert_same(a, b, f"{what}: {key}[{i}] (n={a.numel()})")
+            assert_bits_equal(a, b, f"{what}: {key}[{i}] (n={a.numel()})")
 
 
 def test_new_ops_have_cuda_kernels():
@@ -181,7 +155,7 @@ def test_adamw_bf16_identity_step_keeps_every_master_exactly():
     ours = _run_adamw_bf16(st, False, False, None, False, steps=1, h=h)
     for p, r, m in zip(ours["params"], ours["rems"], before):
         # + 0.0: a zero master may come back with the other sign (-0 - (-0) = +0)
-        assert_same(reference.join_master(p, r) + 0.0, m + 0.0, "master after an identity step")
+        assert_bits_equal(reference.join_master(p, r) + 0.0, m + 0.0, "master after an identity step")
 
 
 def test_adamw_bf16_nonfinite_values_propagate_like_reference():
@@ -224,11 +198,11 @@ def test_adamw_bf16_remainder_trajectory_equals_fp32_master_adamw():
         _adamw_bf16_call(OPS.adamw_bf16_, rem, sc, None, None, 0, False, False)
         OPS.adamw_(fp_params, grads, fp_masters, fp_ms, fp_vs, [], sc, None, 0.9, 0.999, 1e-8, False, False)
     for i in range(len(sizes)):
-        assert_same(reference.join_master(rem["params"][i], rem["rems"][i]), fp_masters[i], f"master[{i}]")
-        assert_same(rem["ms"][i], fp_ms[i], f"exp_avg[{i}]")
-        assert_same(rem["vs"][i], fp_vs[i], f"exp_avg_sq[{i}]")
+        assert_bits_equal(reference.join_master(rem["params"][i], rem["rems"][i]), fp_masters[i], f"master[{i}]")
+        assert_bits_equal(rem["ms"][i], fp_ms[i], f"exp_avg[{i}]")
+        assert_bits_equal(rem["vs"][i], fp_vs[i], f"exp_avg_sq[{i}]")
         p_ref, _ = reference.split_master(fp_masters[i])
-        assert_same(rem["params"][i], p_ref, f"param[{i}] == split_master(fp32 master)")
+        assert_bits_equal(rem["params"][i], p_ref, f"param[{i}] == split_master(fp32 master)")
 
 
 # ---------------------------------------------------------------- stochastic rounding
@@ -253,7 +227,7 @@ def test_stochastic_rounding_bits_streams_and_reproducibility():
         _adamw_bf16_call(OPS.adamw_bf16_, single, sc, None, rng, 5 + i, True, False)
         for k in ADAM_KEYS:
             if single[k]:
-                assert_same(single[k][0], a[k][i], f"stream of tensor {i}: {k}")
+                assert_bits_equal(single[k][0], a[k][i], f"stream of tensor {i}: {k}")
     # another counter draws other bits
     c = _clone(st)
     _adamw_bf16_call(OPS.adamw_bf16_, c, sc, None, torch.tensor([-987654321012, 18], device=DEV), 5, True, False)
@@ -272,7 +246,7 @@ def test_stochastic_rounding_is_unbiased():
     rng = torch.tensor([42, 3], dtype=torch.int64, device=DEV)
     OPS.sgd_([p], [g], [], [], sc, None, rng, 0, 0.0, 0.0, 0.0, False, False)
     reference.sgd_([ref_p], [g], [], [], sc, None, rng, 0, 0.0, 0.0, 0.0, False, False)
-    assert_same(p, ref_p, "SR param vs reference")
+    assert_bits_equal(p, ref_p, "SR param vs reference")
     assert set(p.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
     frac_up = (p.float() > 1.0).double().mean().item()
     sigma = math.sqrt(0.25 * 0.75 / n)
@@ -360,7 +334,7 @@ def test_sgd_identity_step_keeps_every_remainder_master_exactly():
     ours = _run_sgd(st, SGD_CONFIGS["plain"], None, False, steps=1, lr=0.0)
     for p, r, m in zip(ours["params"], ours["masters"], before):
         # + 0.0: a zero master may come back with the other sign (-0 - (-0) = +0)
-        assert_same(reference.join_master(p, r) + 0.0, m + 0.0, "master after an identity step")
+        assert_bits_equal(reference.join_master(p, r) + 0.0, m + 0.0, "master after an identity step")
 
 
 def test_sgd_nonfinite_values_propagate_like_reference():
@@ -400,9 +374,9 @@ def test_sgd_remainder_trajectory_equals_fp32_master():
         _sgd_call(OPS.sgd_, rem, sc, None, None, 0, h)
         _sgd_call(OPS.sgd_, fp, sc, None, None, 0, h)
     for i in range(len(sizes)):
-        assert_same(reference.join_master(rem["params"][i], rem["masters"][i]), fp["masters"][i], f"master[{i}]")
-        assert_same(rem["bufs"][i], fp["bufs"][i], f"momentum_buffer[{i}]")
-        assert_same(rem["params"][i], reference.split_master(fp["masters"][i])[0], f"param[{i}]")
+        assert_bits_equal(reference.join_master(rem["params"][i], rem["masters"][i]), fp["masters"][i], f"master[{i}]")
+        assert_bits_equal(rem["bufs"][i], fp["bufs"][i], f"momentum_buffer[{i}]")
+        assert_bits_equal(rem["params"][i], reference.split_master(fp["masters"][i])[0], f"param[{i}]")
 
 
 # ---------------------------------------------------------------- unscale_check_stats_
@@ -444,13 +418,13 @@ def _check_stats(grads, inv, write_back, compute_sumsq=True, found=0.0):
     s_o = OPS.unscale_check_stats_(ours, f_o, inv_t, write_back, compute_sumsq, c_o, a_o)
     s_r = reference.unscale_check_stats_(ref, f_r, inv_t, write_back, compute_sumsq, c_r, a_r)
     s_p = OPS.unscale_check_(plain, f_p, inv_t, write_back, compute_sumsq)
-    assert_same(c_o, c_r, "counts")
-    assert_same(a_o, a_r, "absmax")
-    assert_same(f_o, f_r, "found_inf")
+    assert_bits_equal(c_o, c_r, "counts")
+    assert_bits_equal(a_o, a_r, "absmax")
+    assert_bits_equal(f_o, f_r, "found_inf")
     for i, (a, b, c) in enumerate(zip(ours, ref, plain)):
-        assert_same(a, b, f"grads[{i}] ({a.dtype}, n={a.numel()})")
-        assert_same(a, c, f"grads[{i}] vs unscale_check_")
-    assert_same(s_o, s_p, "sumsq vs unscale_check_ (same chunk order)")
+        assert_bits_equal(a, b, f"grads[{i}] ({a.dtype}, n={a.numel()})")
+        assert_bits_equal(a, c, f"grads[{i}] vs unscale_check_")
+    assert_bits_equal(s_o, s_p, "sumsq vs unscale_check_ (same chunk order)")
     if compute_sumsq:
         torch.testing.assert_close(s_o, s_r, rtol=SUMSQ_RTOL, atol=0.0, equal_nan=True)
     else:
@@ -491,7 +465,7 @@ def test_unscale_check_stats_many_tiny_tensors_and_determinism():
     first = _check_stats(grads, 2.0**-10, True)
     again = _check_stats(grads, 2.0**-10, True)
     for x, y in zip(first, again):
-        assert_same(x, y, "run to run")
+        assert_bits_equal(x, y, "run to run")
     _check_stats([], 0.5, True)
 
 
@@ -508,10 +482,10 @@ def test_unscale_check_stats_through_functional_with_non_contiguous_and_fp64():
     f, f_r, inv = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV), torch.tensor([0.25], device=DEV)
     functional.unscale_check_(grads, f, inv, counts=c, absmax=a, backend="native")
     reference.unscale_check_stats_(ref, f_r, inv, True, False, c_r, a_r)
-    assert_same(c, c_r, "counts")
-    assert_same(a, a_r, "absmax")
+    assert_bits_equal(c, c_r, "counts")
+    assert_bits_equal(a, a_r, "absmax")
     for x, y in zip(grads, ref):
-        assert_same(x, y, "grads")
+        assert_bits_equal(x, y, "grads")
 
 
 # ---------------------------------------------------------------- errors, graphs, opcheck
@@ -606,8 +580,8 @@ def test_ops_capture_in_a_cuda_graph():
         r = torch.tensor([5, k], dtype=torch.int64, device=DEV)
         _adamw_bf16_call(reference.adamw_bf16_, st_ref, sc, f_ref, r, 0, False, False)
         _sgd_call(reference.sgd_, sgd_ref, sc3, f_ref, None, 0, h)
-    assert_same(counts, c_ref, "graph: counts")
-    assert_same(absmax, a_ref, "graph: absmax")
+    assert_bits_equal(counts, c_ref, "graph: counts")
+    assert_bits_equal(absmax, a_ref, "graph: absmax")
     _compare(st, st_ref, ADAM_KEYS, "graph: adamw_bf16_")
     _compare(sgd_st, sgd_ref, SGD_KEYS, "graph: sgd_")
     assert rng[1].item() == 2

@@ -14,6 +14,7 @@ import math
 import pytest
 import tolerances
 import torch
+from helpers import assert_bits_equal, bits, clone_lists, native_cpu_isas
 
 from fastamp import _ops, functional, reference
 
@@ -23,42 +24,15 @@ if not all(_ops.native_has_kernel(op, "cpu") for op in ("unscale_check_", "updat
 OPS = torch.ops.fastamp
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CHUNK = 16384  # csrc/cpu/multi_tensor.h kChunkElems
-_ISA_ORDER = ("scalar", "avx2", "avx512")
-_BEST = OPS.cpu_isa()
-ISAS = [i for i in _ISA_ORDER if _ISA_ORDER.index(i) <= _ISA_ORDER.index(_BEST)][::-1]
+ISAS = native_cpu_isas()  # the ``isa`` fixture (tests/backends/conftest.py) runs each
 SIZES = [0, 1, 2, 3, 7, 15, 16, 17, 31, 33, 97, 255, 257, 1021, CHUNK - 1, CHUNK, CHUNK + 1, 2 * CHUNK + 3]
 INV_SCALES = [1.0, 2.0**-16, 0.75, 2.0, 0.0, math.inf]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    monkeypatch.setenv("FASTAMP_CPU_ISA", request.param)
-    assert OPS.cpu_isa() == request.param
-    return request.param
-
-
-def _bits(t):
-    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
-
-
-def assert_same(actual, expected, what=""):
-    """Bit-identical, except that any NaN matches any NaN."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    na, ne = actual.isnan(), expected.isnan()
-    assert torch.equal(na, ne), f"{what}: NaN positions differ"
-    ba, be = _bits(actual)[~na], _bits(expected)[~ne]
-    if not torch.equal(ba, be):
-        i = (ba != be).nonzero()[0].item()
-        raise AssertionError(
-            f"{what}: {(ba != be).sum().item()} elements differ, first: {actual[~na][i].item()!r} "
-            f"vs expected {expected[~ne][i].item()!r}"
-        )
 
 
 def assert_all_same(actual, expected, what=""):
     assert len(actual) == len(expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
-        assert_same(a, e, f"{what}[{i}]")
+        assert_bits_equal(a, e, f"{what}[{i}]")
 
 
 def assert_sumsq_close(actual, expected):
@@ -150,7 +124,7 @@ def _run_unscale(grads, inv, write_back, compute_sumsq, found_init=0.0):
 def _assert_unscale_matches(grads, inv, write_back, compute_sumsq=True, found_init=0.0):
     (g_n, f_n, r_n), (g_r, f_r, r_r) = _run_unscale(grads, inv, write_back, compute_sumsq, found_init)
     assert_all_same(g_n, g_r, f"grads (inv={inv}, write_back={write_back})")
-    assert_same(f_n, f_r, f"found_inf (inv={inv}, write_back={write_back})")
+    assert_bits_equal(f_n, f_r, f"found_inf (inv={inv}, write_back={write_back})")
     if compute_sumsq:
         assert_sumsq_close(r_n, r_r)
     else:
@@ -266,9 +240,9 @@ def test_unscale_sumsq_deterministic_across_threads_and_isas(monkeypatch):
         torch.set_num_threads(old)
     (r0, g0, f0) = next(iter(results.values()))
     for key, (r, g, f) in results.items():
-        assert_same(r, r0, f"sumsq {key}")
+        assert_bits_equal(r, r0, f"sumsq {key}")
         assert_all_same(g, g0, f"grads {key}")
-        assert_same(f, f0, f"found_inf {key}")
+        assert_bits_equal(f, f0, f"found_inf {key}")
     ref_found = torch.zeros(1)
     ref = reference.unscale_check_([g.clone() for g in grads], ref_found, torch.tensor([0.75]), True, True)
     assert_sumsq_close(r0, ref)
@@ -293,7 +267,7 @@ def test_unscale_through_functional():
     ra = functional.unscale_check_(a, fa, inv, write_back=True, compute_sumsq=True, backend="native")
     rb = reference.unscale_check_(b, fb, inv, True, True)
     assert_all_same(a, b, "grads")
-    assert_same(fa, fb, "found_inf")
+    assert_bits_equal(fa, fb, "found_inf")
     assert_sumsq_close(ra, rb)
 
 
@@ -317,7 +291,7 @@ def test_update_scale_matches_torch_long_sequences():
             found = torch.tensor([f])
             torch._amp_update_scale_(s_t, gt_t, found, growth, backoff, growth_interval)
             OPS.update_scale_(s_n, gt_n, h_n, found, growth, backoff, growth_interval, 1, 0.0, math.inf)
-            assert_same(s_n, s_t, f"scale at step {step}")
+            assert_bits_equal(s_n, s_t, f"scale at step {step}")
             assert torch.equal(gt_n, gt_t), step
             assert h_n.item() == (0 if f != 0 else 1)  # NaN != 0 too
 
@@ -343,7 +317,7 @@ def test_update_scale_matches_reference_with_hysteresis_and_bounds(hysteresis):
             OPS.update_scale_(*state_n, *args)
             reference.update_scale_(*state_r, *args)
             for a, b, name in zip(state_n, state_r, ("scale", "growth_tracker", "hysteresis_tracker")):
-                assert_same(a, b, f"{name} at step {step}")
+                assert_bits_equal(a, b, f"{name} at step {step}")
 
 
 def test_update_scale_through_functional():
@@ -369,10 +343,6 @@ def _adamw_state(pdt, gdt, master, amsgrad, seed, sizes=ADAM_SIZES, grad_scale=6
     return [params, grads, masters, m, v, vmax]
 
 
-def _clone_state(state):
-    return [[t.clone() for t in lst] for lst in state]
-
-
 def _assert_adamw_steps(
     pdt,
     gdt,
@@ -390,7 +360,7 @@ def _assert_adamw_steps(
     nat = _adamw_state(pdt, gdt, master, amsgrad, seed)
     if mutate is not None:
         mutate(nat)
-    ref = _clone_state(nat)
+    ref = clone_lists(nat)
     for step in range(1, steps + 1):
         ss = reference.adamw_step_scalars(lr, torch.tensor(float(step)), beta1, beta2, wd, torch.tensor(grad_mul))
         fi_n = None if found_inf is None else torch.tensor([found_inf])
@@ -470,12 +440,12 @@ def test_adamw_adversarial_grads(isa):
 def test_adamw_skip_leaves_everything_bit_identical(isa, found):
     for pdt, gdt, master in ((torch.bfloat16, torch.bfloat16, True), (torch.float32, torch.float16, False)):
         state = _adamw_state(pdt, gdt, master, True, seed=11)
-        before = _clone_state(state)
+        before = clone_lists(state)
         ss = reference.adamw_step_scalars(1e-2, torch.tensor(1.0), 0.9, 0.999, 0.01)
         OPS.adamw_(*state, ss, torch.tensor([found]), 0.9, 0.999, 1e-8, True, False)
         for a, b in zip(state, before):
             for x, y in zip(a, b):
-                assert torch.equal(_bits(x), _bits(y))
+                assert torch.equal(bits(x), bits(y))
 
 
 def test_adamw_found_inf_zero_runs(isa):
@@ -492,12 +462,12 @@ def test_adamw_many_tiny_tensors_and_thread_counts(monkeypatch):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            st = _clone_state(base)
+            st = clone_lists(base)
             OPS.adamw_(*st, ss, None, 0.9, 0.999, 1e-8, False, False)
             outs.append(st)
     finally:
         torch.set_num_threads(old)
-    ref = _clone_state(base)
+    ref = clone_lists(base)
     reference.adamw_(*ref, ss, None, 0.9, 0.999, 1e-8, False, False)
     for st in outs:
         for a, b in zip(st, ref):
@@ -506,7 +476,7 @@ def test_adamw_many_tiny_tensors_and_thread_counts(monkeypatch):
 
 def test_adamw_through_functional():
     nat = _adamw_state(torch.bfloat16, torch.float16, True, True, seed=14)
-    ref = _clone_state(nat)
+    ref = clone_lists(nat)
     ss = reference.adamw_step_scalars(torch.tensor(3e-3), torch.tensor(5.0), 0.9, 0.999, 0.01, torch.tensor(2.0**-12))
     kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, amsgrad=True, maximize=True)
     functional.adamw_(*nat, ss, torch.zeros(1), backend="native", **kw)
@@ -579,7 +549,7 @@ def test_adamw_bad_inputs_raise_and_change_nothing(case):
         _call_adamw(args)
     for k, lst in before.items():
         for x, y in zip(args[k], lst):
-            assert torch.equal(_bits(x), _bits(y)), k
+            assert torch.equal(bits(x), bits(y)), k
 
 
 def test_unscale_bad_inputs_raise():

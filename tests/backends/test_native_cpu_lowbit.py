@@ -16,6 +16,7 @@ import math
 import pytest
 import tolerances
 import torch
+from helpers import assert_bits_equal, bits, clone_lists, native_cpu_isas
 
 from fastamp import _ops, functional, reference
 
@@ -27,49 +28,15 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 CHUNK = 16384  # csrc/cpu/multi_tensor.h kChunkElems
 SIZES = [0, 1, 7, 16, 17, 33, 257, 2 * CHUNK + 3]  # empty, tails, vector blocks, chunk boundaries
-_ISA_ORDER = ("scalar", "avx2", "avx512")
-_BEST = OPS.cpu_isa()
-ISAS = [i for i in _ISA_ORDER if _ISA_ORDER.index(i) <= _ISA_ORDER.index(_BEST)][::-1]
+ISAS = native_cpu_isas()  # the ``isa`` fixture (tests/backends/conftest.py) runs each
 BF16_MAX = 3.3895313892515355e38
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    monkeypatch.setenv("FASTAMP_CPU_ISA", request.param)
-    assert OPS.cpu_isa() == request.param
-    return request.param
-
-
-def _bits(t):
-    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def assert_same(actual, expected, what=""):
-    """Bit-identical (integers equal), except that any NaN matches any NaN."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    if not actual.is_floating_point():
-        assert torch.equal(actual, expected), f"{what}: {actual.tolist()[:8]} vs expected {expected.tolist()[:8]}"
-        return
-    na, ne = actual.isnan(), expected.isnan()
-    assert torch.equal(na, ne), f"{what}: NaN positions differ"
-    ba, be = _bits(actual)[~na], _bits(expected)[~ne]
-    if not torch.equal(ba, be):
-        i = (ba != be).nonzero()[0].item()
-        raise AssertionError(
-            f"{what}: {(ba != be).sum().item()} elements differ, first: {actual[~na][i].item()!r} "
-            f"vs expected {expected[~ne][i].item()!r}"
-        )
 
 
 def assert_lists_same(actual, expected, names, what=""):
     for name, a, e in zip(names, actual, expected):
         assert len(a) == len(e), name
         for i, (x, y) in enumerate(zip(a, e)):
-            assert_same(x, y, f"{what} {name}[{i}]")
-
-
-def _clone(state):
-    return [[t.clone() for t in lst] for lst in state]
+            assert_bits_equal(x, y, f"{what} {name}[{i}]")
 
 
 def _masters_from_bits(bits):
@@ -136,7 +103,7 @@ def _assert_adamw_bf16_steps(
     nat = _adamw_bf16_state(gdt, rem, mdt, amsgrad, seed)
     if mutate is not None:
         mutate(nat)
-    ref = _clone(nat)
+    ref = clone_lists(nat)
     for step in range(1, steps + 1):
         ss = reference.adamw_step_scalars(lr, torch.tensor(float(step)), beta1, beta2, wd, torch.tensor(grad_mul))
         rng = torch.tensor([0x5EED + seed, step], dtype=torch.int64) if use_rng else None
@@ -172,7 +139,7 @@ def test_adamw_bf16_ties_are_split_exactly(isa):
     params, rems = _bf16_state_from_masters(masters)
     zeros = [torch.zeros_like(m) for m in masters]
     nat = [params, [z.clone() for z in zeros], rems, [z.clone() for z in zeros], [z.clone() for z in zeros], []]
-    ref = _clone(nat)
+    ref = clone_lists(nat)
     ss = torch.tensor([0.0, 1.0, 0.5, 1.0])
     OPS.adamw_bf16_(*nat, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
     reference.adamw_bf16_(*ref, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
@@ -232,9 +199,11 @@ def test_adamw_bf16_remainder_trajectory_equals_fp32_master(isa):
         OPS.adamw_(*fp32_state, ss, None, 0.9, 0.999, 1e-8, False, False)
         OPS.adamw_bf16_(*rem_state, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
         for i in range(len(sizes)):
-            assert_same(reference.join_master(rem_state[0][i], rem_state[2][i]), fp32_state[2][i], f"master {step}")
-            assert_same(rem_state[0][i], reference.split_master(fp32_state[2][i])[0], f"param {step}")
-            assert_same(rem_state[3][i], fp32_state[3][i], f"exp_avg {step}")
+            assert_bits_equal(
+                reference.join_master(rem_state[0][i], rem_state[2][i]), fp32_state[2][i], f"master {step}"
+            )
+            assert_bits_equal(rem_state[0][i], reference.split_master(fp32_state[2][i])[0], f"param {step}")
+            assert_bits_equal(rem_state[3][i], fp32_state[3][i], f"exp_avg {step}")
 
 
 def test_adamw_bf16_stochastic_rounding_streams(isa):
@@ -244,7 +213,7 @@ def test_adamw_bf16_stochastic_rounding_streams(isa):
     ss = reference.adamw_step_scalars(1e-2, torch.tensor(1.0), 0.9, 0.999, 0.0)
 
     def run(counter, rng_base):
-        st = _clone(base)
+        st = clone_lists(base)
         OPS.adamw_bf16_(*st, ss, None, torch.tensor([99, counter]), rng_base, 0.9, 0.999, 1e-8, False, False)
         return st
 
@@ -252,10 +221,10 @@ def test_adamw_bf16_stochastic_rounding_streams(isa):
     assert_lists_same(a, b, _ADAM_NAMES, "rerun")
     for other in (c, d):
         for k in (0, 3, 4):
-            assert not torch.equal(_bits(a[k][0]), _bits(other[k][0]))
+            assert not torch.equal(bits(a[k][0]), bits(other[k][0]))
     # each param is one of the two bf16 neighbours of the fp32 result, rounded up as often as
     # the discarded fraction says (truncation would round up never, nearest-even ~half the time)
-    st = _clone(base)
+    st = clone_lists(base)
     exact = [st[0][0].float()]
     reference.adamw_(
         st[0],
@@ -273,7 +242,7 @@ def test_adamw_bf16_stochastic_rounding_streams(isa):
         False,
     )
     e = exact[0]
-    lo_bits = _bits(e) & ~0xFFFF
+    lo_bits = bits(e) & ~0xFFFF
     lo, hi = lo_bits.view(torch.float32), (lo_bits + 0x10000).view(torch.float32)
     got = a[0][0].float()
     assert bool(((got == lo) | (got == hi)).all())
@@ -290,13 +259,13 @@ def test_adamw_bf16_skip_writes_nothing(isa, found):
         (True, torch.bfloat16, True),
     ):
         state = _adamw_bf16_state(torch.float16, rem, mdt, True, seed=8)
-        before = _clone(state)
+        before = clone_lists(state)
         ss = reference.adamw_step_scalars(1e-2, torch.tensor(1.0), 0.9, 0.999, 0.01)
         rng = torch.tensor([1, 2]) if use_rng else None
         OPS.adamw_bf16_(*state, ss, torch.tensor([found]), rng, 0, 0.9, 0.999, 1e-8, True, False)
         for a, b in zip(state, before):
             for x, y in zip(a, b):
-                assert torch.equal(_bits(x), _bits(y))
+                assert torch.equal(bits(x), bits(y))
 
 
 def test_adamw_bf16_found_inf_zero_runs(isa):
@@ -344,7 +313,7 @@ def test_sgd_matches_reference_every_isa(isa, pdt, kind, use_rng):
     for gdt, (momentum, dampening, nesterov), wd in itertools.product(DTYPES, _SGD_MOMENTA, [0.0, 0.01]):
         maximize = wd != 0 and nesterov
         nat = _sgd_state(pdt, gdt, kind, momentum, seed=hash((gdt, momentum, wd)) % 1000)
-        ref = _clone(nat)
+        ref = clone_lists(nat)
         for step in range(2):  # the first applied step sets the momentum buffer to the grad
             ss = reference.sgd_step_scalars(0.1, torch.tensor(step), torch.tensor(1 / 64.0))
             rng = torch.tensor([7, step], dtype=torch.int64) if use_rng else None
@@ -369,21 +338,21 @@ def test_sgd_remainder_trajectory_equals_fp32_master(isa):
         for st in (a, b):
             OPS.sgd_(*st, ss, None, None, 0, 0.9, 0.0, 1e-4, True, False)
         for i in range(len(sizes)):
-            assert_same(reference.join_master(b[0][i], b[2][i]), a[2][i], f"master {step}")
-            assert_same(b[3][i], a[3][i], f"buffer {step}")
+            assert_bits_equal(reference.join_master(b[0][i], b[2][i]), a[2][i], f"master {step}")
+            assert_bits_equal(b[3][i], a[3][i], f"buffer {step}")
 
 
 @pytest.mark.parametrize("found", [1.0, math.nan, -2.0, math.inf])
 def test_sgd_skip_writes_nothing(isa, found):
     for pdt, kind, use_rng in _SGD_MODES:
         state = _sgd_state(pdt, torch.float16, kind, 0.9, seed=10)
-        before = _clone(state)
+        before = clone_lists(state)
         ss = reference.sgd_step_scalars(0.1, torch.tensor(0))
         rng = torch.tensor([1, 2]) if use_rng else None
         OPS.sgd_(*state, ss, torch.tensor([found]), rng, 0, 0.9, 0.0, 0.01, False, False)
         for a, b in zip(state, before):
             for x, y in zip(a, b):
-                assert torch.equal(_bits(x), _bits(y)), (pdt, kind)
+                assert torch.equal(bits(x), bits(y)), (pdt, kind)
 
 
 def test_sgd_mixed_dtypes_in_one_call(isa):
@@ -398,7 +367,7 @@ def test_sgd_mixed_dtypes_in_one_call(isa):
         [],
         [torch.randn(n, generator=gen) for n in sizes],
     ]
-    ref = _clone(nat)
+    ref = clone_lists(nat)
     ss = reference.sgd_step_scalars(0.05, torch.tensor(4))
     rng = torch.tensor([3, 4])
     OPS.sgd_(*nat, ss, torch.zeros(1), rng, 0, 0.9, 0.0, 0.0, False, False)
@@ -461,13 +430,13 @@ def _assert_stats_match(grads, inv, write_back):
     (g_n, f_n, c_n, a_n, r_n), (g_r, f_r, c_r, a_r, r_r) = _run_stats(grads, inv, write_back)
     what = f"inv={inv} write_back={write_back}"
     for i, (x, y) in enumerate(zip(g_n, g_r)):
-        assert_same(x, y, f"{what} grads[{i}]")
-    assert_same(f_n, f_r, f"{what} found_inf")
-    assert_same(c_n, c_r, f"{what} counts")
-    assert_same(a_n, a_r, f"{what} absmax")
+        assert_bits_equal(x, y, f"{what} grads[{i}]")
+    assert_bits_equal(f_n, f_r, f"{what} found_inf")
+    assert_bits_equal(c_n, c_r, f"{what} counts")
+    assert_bits_equal(a_n, a_r, f"{what} absmax")
     plain = [g.clone() for g in grads]
     r_plain = OPS.unscale_check_(plain, torch.zeros(1), torch.tensor([inv]), write_back, True)
-    assert_same(r_n, r_plain, f"{what} sumsq vs unscale_check_")
+    assert_bits_equal(r_n, r_plain, f"{what} sumsq vs unscale_check_")
     e = r_r.item()
     if math.isfinite(e):
         assert math.isclose(r_n.item(), e, rel_tol=tolerances.SUMSQ_RTOL), (r_n.item(), e)
@@ -526,9 +495,9 @@ def test_stats_many_tiny_tensors_and_threads(monkeypatch):
     finally:
         torch.set_num_threads(old)
     for _gs, _f, c, a, r in results[1:]:
-        assert_same(c, results[0][2], "counts")
-        assert_same(a, results[0][3], "absmax")
-        assert_same(r, results[0][4], "sumsq")
+        assert_bits_equal(c, results[0][2], "counts")
+        assert_bits_equal(a, results[0][3], "absmax")
+        assert_bits_equal(r, results[0][4], "sumsq")
 
 
 # ---- through fastamp.functional ----
@@ -536,7 +505,7 @@ def test_stats_many_tiny_tensors_and_threads(monkeypatch):
 
 def test_functional_native_matches_reference():
     nat = _adamw_bf16_state(torch.float16, True, torch.bfloat16, True, seed=14)
-    ref = _clone(nat)
+    ref = clone_lists(nat)
     ss = reference.adamw_step_scalars(torch.tensor(3e-3), torch.tensor(5.0), 0.9, 0.999, 0.01, torch.tensor(2.0**-6))
     rng = torch.tensor([5, 6])
     kw = dict(beta1=0.9, beta2=0.999, eps=1e-8, amsgrad=True, maximize=True)
@@ -545,7 +514,7 @@ def test_functional_native_matches_reference():
     assert_lists_same(nat, ref, _ADAM_NAMES, "functional adamw_bf16_")
 
     nat = _sgd_state(torch.bfloat16, torch.bfloat16, "none", 0.9, seed=15)
-    ref = _clone(nat)
+    ref = clone_lists(nat)
     ss = reference.sgd_step_scalars(0.1, torch.tensor(0))
     functional.sgd_(
         *nat, ss, None, rng, 1, momentum=0.9, dampening=0.0, weight_decay=0.01, nesterov=True, backend="native"
@@ -572,9 +541,9 @@ def test_functional_native_matches_reference():
         )
         outs.append((gs, found, counts, absmax))
     for a, b in zip(outs[0][0], outs[1][0]):
-        assert_same(a, b, "grads")
+        assert_bits_equal(a, b, "grads")
     for a, b, name in zip(outs[0][1:], outs[1][1:], ("found_inf", "counts", "absmax")):
-        assert_same(a, b, name)
+        assert_bits_equal(a, b, name)
 
 
 # ---- bad inputs ----
@@ -639,7 +608,7 @@ def test_adamw_bf16_bad_inputs_raise_and_change_nothing(case):
         OPS.adamw_bf16_(*args.values())
     for k, lst in before.items():
         for x, y in zip(args[k], lst):
-            assert torch.equal(_bits(x), _bits(y)), k
+            assert torch.equal(bits(x), bits(y)), k
 
 
 def _sgd_args(**over):
@@ -703,7 +672,7 @@ def test_sgd_bad_inputs_raise_and_change_nothing(case):
         OPS.sgd_(*args.values())
     for k, lst in before.items():
         for x, y in zip(args[k], lst):
-            assert torch.equal(_bits(x), _bits(y)), k
+            assert torch.equal(bits(x), bits(y)), k
 
 
 def test_stats_bad_inputs_raise():

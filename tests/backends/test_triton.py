@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import assert_bits_equal, clone_lists  # noqa: E402
 from tolerances import ADAMW_GPU_RTOL, SUMSQ_RTOL  # noqa: E402
 
 from fastamp import backends, functional  # noqa: E402
@@ -35,27 +36,6 @@ CHUNK, BLOCK = tamp.C.chunk_config()
 
 # numpy, behind the interpreter, warns on inf*0 and friends; those values are the point here
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit pattern of ``t`` with every NaN replaced by one canonical value (NaN payloads are not specified)."""
-    if not t.is_floating_point():
-        return t
-    int_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]
-    canon = torch.full_like(t, float("nan")).view(int_dtype)
-    return torch.where(torch.isnan(t), canon, t.view(int_dtype))
-
-
-def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    a, e = _bits(actual.contiguous()), _bits(expected.contiguous())
-    if not torch.equal(a, e):
-        bad = (a != e).nonzero().flatten()[:5].tolist()
-        flat_a, flat_e = actual.reshape(-1), expected.reshape(-1)
-        raise AssertionError(
-            f"{what}: {int((a != e).sum())} of {a.numel()} elements differ, first at {bad}: "
-            f"{flat_a[bad].tolist()} vs {flat_e[bad].tolist()}"
-        )
 
 
 def _rand(n, dtype, device, gen, scale=1.0):
@@ -91,14 +71,14 @@ def _run_unscale(fn, grads, inv_scale, write_back, compute_sumsq, found=0.0):
 def _check_unscale(grads, inv_scale, write_back, compute_sumsq=True, found=0.0):
     got_g, got_f, got_s = _run_unscale(tamp.unscale_check_, grads, inv_scale, write_back, compute_sumsq, found)
     exp_g, exp_f, exp_s = _run_unscale(R.unscale_check_, grads, inv_scale, write_back, compute_sumsq, found)
-    assert_bit_equal(got_f, exp_f, "found_inf")
+    assert_bits_equal(got_f, exp_f, "found_inf")
     for i, (a, e) in enumerate(zip(got_g, exp_g)):
-        assert_bit_equal(a, e, f"grad {i} ({a.dtype}, n={a.numel()})")
+        assert_bits_equal(a, e, f"grad {i} ({a.dtype}, n={a.numel()})")
     assert got_s.shape == () and got_s.dtype == torch.float32 and got_s.device == got_f.device
     if compute_sumsq and torch.isfinite(exp_s):
         torch.testing.assert_close(got_s, exp_s, rtol=SUMSQ_RTOL, atol=0)
     else:
-        assert_bit_equal(got_s, exp_s, "sumsq")
+        assert_bits_equal(got_s, exp_s, "sumsq")
     return got_f, got_s
 
 
@@ -179,8 +159,8 @@ def test_unscale_non_contiguous_and_sparse(device):
     inv = torch.tensor([0.125], device=device)
     s1 = tamp.unscale_check_([g, strided], f1, inv, True, True)
     s2 = R.unscale_check_([ref, ref_strided], f2, inv, True, True)
-    assert_bit_equal(g, ref, "transposed grad")
-    assert_bit_equal(strided, ref_strided, "strided view")
+    assert_bits_equal(g, ref, "transposed grad")
+    assert_bits_equal(strided, ref_strided, "strided view")
     torch.testing.assert_close(s1, s2, rtol=SUMSQ_RTOL, atol=0)
     idx = torch.tensor([[0, 2, 5]], device=device)
     vals = torch.tensor([1.0, 3e38, 2.0], device=device)
@@ -188,7 +168,7 @@ def test_unscale_non_contiguous_and_sparse(device):
     found = torch.zeros(1, device=device)
     tamp.unscale_check_([sp], found, torch.tensor([4.0], device=device), True, False)
     assert found.item() == 1.0
-    assert_bit_equal(sp._values()[[0, 2]], torch.tensor([4.0, 8.0], device=device), "sparse values")
+    assert_bits_equal(sp._values()[[0, 2]], torch.tensor([4.0, 8.0], device=device), "sparse values")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -204,9 +184,9 @@ def test_unscale_matches_torch_kernel(device):
         inv = torch.tensor([2.0**-16], device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, f_torch, inv)
         tamp.unscale_check_(ours, f_ours, inv, True, False)
-        assert_bit_equal(f_ours, f_torch, "found_inf vs torch")
+        assert_bits_equal(f_ours, f_torch, "found_inf vs torch")
         for a, e in zip(ours, grads):
-            assert_bit_equal(a, e, "unscaled grad vs torch")
+            assert_bits_equal(a, e, "unscaled grad vs torch")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -214,7 +194,7 @@ def test_unscale_sumsq_deterministic(device):
     gen = torch.Generator().manual_seed(5)
     grads = [_rand(n, dt, device, gen, scale=3.0) for n, dt in zip((3 * CHUNK + 7, 2 * CHUNK, 999), DTYPES)]
     results = [_run_unscale(tamp.unscale_check_, grads, 0.5, False, True)[2] for _ in range(2)]
-    assert_bit_equal(results[0], results[1], "sum of squares run to run")
+    assert_bits_equal(results[0], results[1], "sum of squares run to run")
     exp = sum(g.double().mul(0.5).square().sum() for g in grads).float()
     torch.testing.assert_close(results[0], exp, rtol=SUMSQ_RTOL, atol=0)
 
@@ -252,16 +232,16 @@ def test_update_scale_matches_torch_sequence(device, growth, backoff, interval):
         fi = torch.tensor([math.nan if r < 0.03 else (1.0 if r < 0.2 else 0.0)], device=device)
         tamp.update_scale_(s, g, h, fi, growth, backoff, interval)
         torch._amp_update_scale_(ts, tg, fi, growth, backoff, interval)
-        assert_bit_equal(s, ts, f"scale at step {step}")
-        assert_bit_equal(g, tg, f"growth tracker at step {step}")
+        assert_bits_equal(s, ts, f"scale at step {step}")
+        assert_bits_equal(g, tg, f"growth tracker at step {step}")
     # growth refused when it would overflow fp32, tracker still resets
     s, g, h = _trackers(device, 3e38, growth=interval - 1)
     ts, tg, _ = _trackers(device, 3e38, growth=interval - 1)
     zero = torch.zeros(1, device=device)
     tamp.update_scale_(s, g, h, zero, growth, backoff, interval)
     torch._amp_update_scale_(ts, tg, zero, growth, backoff, interval)
-    assert_bit_equal(s, ts, "scale at fp32 overflow")
-    assert_bit_equal(g, tg, "tracker at fp32 overflow")
+    assert_bits_equal(s, ts, "scale at fp32 overflow")
+    assert_bits_equal(g, tg, "tracker at fp32 overflow")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -280,7 +260,7 @@ def test_update_scale_hysteresis_bounds_match_reference(device, hysteresis, min_
         tamp.update_scale_(s, g, h, fi, 2.0, 0.5, interval, hysteresis, min_scale, max_scale)
         R.update_scale_(rs, rg, rh, fi, 2.0, 0.5, interval, hysteresis, min_scale, max_scale)
         for a, e, what in ((s, rs, "scale"), (g, rg, "growth tracker"), (h, rh, "hysteresis tracker")):
-            assert_bit_equal(a, e, f"{what} at step {step}")
+            assert_bits_equal(a, e, f"{what} at step {step}")
         seen.add(s.item())
     if interval == 2:
         assert max(seen) == max_scale and min(seen) == min_scale, "the sequence must reach both bounds"
@@ -307,10 +287,6 @@ def _adamw_state(device, p_dtype, g_dtype, master, amsgrad, sizes, seed):
     return [params, grads, masters, m, v, vmax]
 
 
-def _clone_state(state):
-    return [[t.clone() for t in lst] for lst in state]
-
-
 def _adamw_steps(fn, state, device, hyper, found_inf, n_steps=2):
     lr, wd, beta1, beta2, eps, amsgrad, maximize = hyper
     for step in range(1, n_steps + 1):
@@ -327,7 +303,7 @@ def _compare_adamw(got, exp, device):
         for i, (a, e) in enumerate(zip(la, le)):
             what = f"{name}[{i}] ({a.dtype}, n={a.numel()})"
             if device == "cpu":
-                assert_bit_equal(a, e, what)
+                assert_bits_equal(a, e, what)
             else:
                 # GPU: correctly rounded sqrt/div are requested but not guaranteed by every
                 # Triton; fp32 within ADAMW_GPU_RTOL, 16-bit params within one of their ulps
@@ -349,13 +325,13 @@ def test_adamw_matches_reference(device, p_dtype, g_dtype, master):
     beta1, beta2 = ((0.9, 0.999), (0.1, 0.25))[(k >> 2) & 1]
     hyper = (1e-2 if beta1 == 0.9 else 1.0, 0.1, beta1, beta2, 1e-8, amsgrad, maximize)
     state = _adamw_state(device, p_dtype, g_dtype, master, amsgrad, _ADAMW_SIZES, seed=k)
-    ref = _clone_state(state)
+    ref = clone_lists(state)
     _adamw_steps(tadamw.adamw_, state, device, hyper, found_inf=0.0)
     _adamw_steps(R.adamw_, ref, device, hyper, found_inf=0.0)
     _compare_adamw(state, ref, device)
     if master:
         for p, w in zip(state[0], state[2]):
-            assert_bit_equal(p, w.to(p.dtype), "param is its master rounded")
+            assert_bits_equal(p, w.to(p.dtype), "param is its master rounded")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -364,15 +340,15 @@ def test_adamw_matches_reference(device, p_dtype, g_dtype, master):
 def test_adamw_found_inf(device, found_inf, amsgrad, master):
     hyper = (1e-3, 0.01, 0.9, 0.999, 1e-8, amsgrad, False)
     state = _adamw_state(device, torch.bfloat16, torch.float16, master, amsgrad, [5, BLOCK + 3, 2], seed=11)
-    before = _clone_state(state)
-    ref = _clone_state(state)
+    before = clone_lists(state)
+    ref = clone_lists(state)
     _adamw_steps(tadamw.adamw_, state, device, hyper, found_inf)
     _adamw_steps(R.adamw_, ref, device, hyper, found_inf)
     _compare_adamw(state, ref, device)
     if found_inf is not None and found_inf != 0:
         for la, lb in zip(state, before):
             for a, b in zip(la, lb):
-                assert_bit_equal(a, b, "skipped step leaves everything unchanged")
+                assert_bits_equal(a, b, "skipped step leaves everything unchanged")
     else:
         assert not torch.equal(state[0][1], before[0][1])
 
@@ -395,7 +371,7 @@ def test_adamw_mixed_dtypes_many_tiny_tensors(device):
     state[3].append(torch.zeros(7, device=device))
     state[4].append(torch.zeros(7, device=device))
     state[5].append(torch.zeros(7, device=device))
-    ref = _clone_state(state)
+    ref = clone_lists(state)
     hyper = (1e-2, 0.1, 0.9, 0.99, 1e-6, True, True)
     _adamw_steps(tadamw.adamw_, state, device, hyper, found_inf=None)
     _adamw_steps(R.adamw_, ref, device, hyper, found_inf=None)
@@ -407,20 +383,20 @@ def test_adamw_injected_inf_skips_all(device):
     """An inf in one grad among many, detected by unscale_check_, skips the step on device."""
     state = _adamw_state(device, torch.bfloat16, torch.bfloat16, True, False, [4, 9, 300, 2], seed=13)
     state[1][2][150] = math.inf
-    before = _clone_state(state)
+    before = clone_lists(state)
     found = torch.zeros(1, device=device)
     tamp.unscale_check_(state[1], found, torch.tensor([2.0**-4], device=device), False, False)
     scalars = R.adamw_step_scalars(1e-3, torch.tensor(1.0, device=device), 0.9, 0.999, 0.01)
     tadamw.adamw_(*state, scalars, found, 0.9, 0.999, 1e-8, False, False)
     for la, lb in zip(state, before):
         for a, b in zip(la, lb):
-            assert_bit_equal(a, b, "skipped step")
+            assert_bits_equal(a, b, "skipped step")
 
 
 def test_adamw_bad_input_changes_nothing():
     dev = DEVICES[0]
     state = _adamw_state(dev, torch.float32, torch.float32, False, False, [4, 5], seed=14)
-    before = _clone_state(state)
+    before = clone_lists(state)
     scalars = R.adamw_step_scalars(1e-3, torch.tensor(1.0, device=dev), 0.9, 0.999, 0.01)
     bad_cases = [
         (ValueError, "grads has 1 tensors", lambda s: s[1].pop()),
@@ -443,7 +419,7 @@ def test_adamw_bad_input_changes_nothing():
         tadamw.adamw_(*state, scalars[:3], None, 0.9, 0.999, 1e-8, False, False)
     for la, lb in zip(state, before):
         for a, b in zip(la, lb):
-            assert_bit_equal(a, b, "rejected call")
+            assert_bits_equal(a, b, "rejected call")
 
 
 # ---------------------------------------------------------------- registration and dispatch
@@ -490,15 +466,15 @@ def test_reachable_through_functional():
         total = functional.unscale_check_(
             got, found, torch.tensor([0.25], device=dev), compute_sumsq=True, backend="triton"
         )
-    assert_bit_equal(found, exp_f, "found_inf")
+    assert_bits_equal(found, exp_f, "found_inf")
     for a, e in zip(got, exp_g):
-        assert_bit_equal(a, e, "grad")
+        assert_bits_equal(a, e, "grad")
     torch.testing.assert_close(total, exp_s, rtol=SUMSQ_RTOL, atol=0)
     s, g, h = _trackers(dev, 8.0)
     functional.update_scale_(s, g, h, torch.ones(1, device=dev), 2.0, 0.5, 10, backend="triton")
     assert s.item() == 4.0
     state = _adamw_state(dev, torch.float16, torch.bfloat16, True, False, [7, BLOCK + 2], seed=17)
-    ref = _clone_state(state)
+    ref = clone_lists(state)
     scalars = R.adamw_step_scalars(1e-2, torch.tensor(1.0, device=dev), 0.9, 0.999, 0.01)
     found = torch.zeros(1, device=dev)
     params, grads, masters, m, v, vmax = state

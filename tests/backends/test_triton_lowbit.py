@@ -19,6 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from helpers import assert_bits_equal, canonical_bits, clone_lists  # noqa: E402
 from tolerances import ADAMW_GPU_RTOL, SUMSQ_RTOL  # noqa: E402
 
 from fastamp import backends, functional  # noqa: E402
@@ -39,31 +40,6 @@ SIZES = [1, 3, 17, BLOCK + 1, CHUNK + 3]
 
 # numpy, behind the interpreter, warns on inf*0 and friends; those values are the point here
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """Bit pattern of ``t`` with every NaN replaced by one canonical value (NaN payloads are not specified)."""
-    if not t.is_floating_point():
-        return t
-    int_dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()]
-    canon = torch.full_like(t, float("nan")).view(int_dtype)
-    return torch.where(torch.isnan(t), canon, t.view(int_dtype))
-
-
-def assert_bit_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
-    a, e = _bits(actual.contiguous()), _bits(expected.contiguous())
-    if not torch.equal(a, e):
-        bad = (a != e).nonzero().flatten()[:5].tolist()
-        flat_a, flat_e = actual.reshape(-1), expected.reshape(-1)
-        raise AssertionError(
-            f"{what}: {int((a != e).sum())} of {a.numel()} elements differ, first at {bad}: "
-            f"{flat_a[bad].tolist()} vs {flat_e[bad].tolist()}"
-        )
-
-
-def _clone(state):
-    return [[t.clone() for t in lst] for lst in state]
 
 
 def _from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -114,7 +90,7 @@ def _compare_bf16_adamw(got, exp, device):
     if device == "cpu":
         for name, la, le in zip(names, got, exp):
             for i, (a, e) in enumerate(zip(la, le)):
-                assert_bit_equal(a, e, f"{name}[{i}] ({a.dtype}, n={a.numel()})")
+                assert_bits_equal(a, e, f"{name}[{i}] ({a.dtype}, n={a.numel()})")
         return
     # GPU: correctly rounded sqrt/div are requested but not guaranteed by every Triton
     for name, la, le in zip(names, got, exp):
@@ -157,7 +133,7 @@ def test_adamw_bf16_matches_reference(device, rem, rng_seed, m_dtype):
     beta1, beta2 = ((0.9, 0.999), (0.1, 0.25))[(k >> 2) & 1]
     hyper = (1e-2 if beta1 == 0.9 else 0.5, 0.1, beta1, beta2, 1e-8, amsgrad, maximize)
     state = _bf16_state(device, SIZES, k, rem, m_dtype, g_dtype, amsgrad, adversarial=bool(k & 4))
-    ref = _clone(state)
+    ref = clone_lists(state)
     _adamw_bf16_steps(tadamw.adamw_bf16_, state, device, hyper, 0.0, rng_seed, 5)
     _adamw_bf16_steps(R.adamw_bf16_, ref, device, hyper, 0.0, rng_seed, 5)
     _compare_bf16_adamw(state, ref, device)
@@ -174,7 +150,7 @@ def test_adamw_bf16_remainder_equals_fp32_master(device):
     masters[1][2:5] = torch.tensor([math.inf, -math.inf, math.nan])
     params_rem, rems = map(list, zip(*(R.split_master(m) for m in masters)))
     for m, p, r in zip(masters, params_rem, rems):
-        assert_bit_equal(R.join_master(p, r), m, "reference split/join round trip")
+        assert_bits_equal(R.join_master(p, r), m, "reference split/join round trip")
     to = lambda lst: [t.to(device) for t in lst]  # noqa: E731
     masters, params_rem, rems = to(masters), to(params_rem), to(rems)
     params_fp32 = [m.bfloat16() for m in masters]
@@ -193,18 +169,18 @@ def test_adamw_bf16_remainder_equals_fp32_master(device):
         tadamw.adamw_bf16_(*rem_state, scalars, None, None, 0, 0.9, 0.999, 1e-8, False, False)
         for i in range(len(sizes)):
             joined = R.join_master(rem_state[0][i], rem_state[2][i])
-            assert_bit_equal(joined, fp32_state[2][i], f"master {i} at step {step}")
-            assert_bit_equal(rem_state[3][i], fp32_state[3][i], f"exp_avg {i} at step {step}")
+            assert_bits_equal(joined, fp32_state[2][i], f"master {i} at step {step}")
+            assert_bits_equal(rem_state[3][i], fp32_state[3][i], f"exp_avg {i} at step {step}")
             p_rem, p_fp32 = rem_state[0][i].float(), fp32_state[0][i].float()
-            tie = (_bits(fp32_state[2][i]) & 0xFFFF) == 0x8000
-            differs = (_bits(p_rem.bfloat16()) != _bits(p_fp32.bfloat16())) & ~torch.isnan(p_rem)
+            tie = (canonical_bits(fp32_state[2][i]) & 0xFFFF) == 0x8000
+            differs = (canonical_bits(p_rem.bfloat16()) != canonical_bits(p_fp32.bfloat16())) & ~torch.isnan(p_rem)
             assert not (differs & ~tie).any(), f"param {i} differs away from a tie at step {step}"
             assert (p_rem[differs].abs() > p_fp32[differs].abs()).all(), "ties round away from zero"
         if step == 1:
             for i in range(len(sizes)):
                 joined = R.join_master(rem_state[0][i], rem_state[2][i])
-                assert_bit_equal(joined, originals[i], f"master {i} after an identity update")
-            ties = sum(int(((_bits(m) & 0xFFFF) == 0x8000).sum()) for m in fp32_state[2])
+                assert_bits_equal(joined, originals[i], f"master {i} after an identity update")
+            ties = sum(int(((canonical_bits(m) & 0xFFFF) == 0x8000).sum()) for m in fp32_state[2])
             assert ties >= 3, "the adversarial set must contain exact ties"
 
 
@@ -217,15 +193,15 @@ def test_adamw_bf16_stochastic_bits_and_streams(device):
     sizes = [13, BLOCK + 7, 300]
     state = _bf16_state(device, sizes, 31, False, torch.bfloat16, torch.float16, False)
     state[1][1] = state[1][1].float()  # a second grad dtype: two launch groups
-    initial = _clone(state)
-    alone = [[lst[2]] if lst else [] for lst in _clone(state)]
-    ref = _clone(state)
+    initial = clone_lists(state)
+    alone = [[lst[2]] if lst else [] for lst in clone_lists(state)]
+    ref = clone_lists(state)
     _adamw_bf16_steps(tadamw.adamw_bf16_, state, device, hyper, None, 77, 10, n_steps=1)
     _adamw_bf16_steps(R.adamw_bf16_, ref, device, hyper, None, 77, 10, n_steps=1)
     _compare_bf16_adamw(state, ref, device)
     _adamw_bf16_steps(tadamw.adamw_bf16_, alone, device, hyper, None, 77, 12, n_steps=1)
     for j in (0, 3, 4):
-        assert_bit_equal(alone[j][0], state[j][2], f"list {j}: tensor 2 alone with rng_base 12")
+        assert_bits_equal(alone[j][0], state[j][2], f"list {j}: tensor 2 alone with rng_base 12")
     other = [[lst[2]] if lst else [] for lst in initial]
     rng = torch.tensor([77, 999], device=device)
     scalars = R.adamw_step_scalars(1e-2, torch.tensor(1.0, device=device), 0.9, 0.999, 0.0)
@@ -239,7 +215,7 @@ def test_adamw_bf16_stochastic_bits_and_streams(device):
 def test_adamw_bf16_found_inf(device, found_inf):
     for rem, m_dtype in ((True, torch.float32), (False, torch.bfloat16)):
         state = _bf16_state(device, [5, BLOCK + 3], 41, rem, m_dtype, torch.bfloat16, True)
-        before, ref = _clone(state), _clone(state)
+        before, ref = clone_lists(state), clone_lists(state)
         _adamw_bf16_steps(
             tadamw.adamw_bf16_, state, device, (1e-3, 0.01, 0.9, 0.999, 1e-8, True, False), found_inf, 5, 0
         )
@@ -249,7 +225,7 @@ def test_adamw_bf16_found_inf(device, found_inf):
         for la, lb in zip(state, before):
             for a, b in zip(la, lb):
                 if skipped:
-                    assert_bit_equal(a, b, "skipped step leaves everything unchanged")
+                    assert_bits_equal(a, b, "skipped step leaves everything unchanged")
         assert skipped or not torch.equal(state[0][1], before[0][1])
 
 
@@ -286,7 +262,7 @@ def _sgd_steps(fn, state, device, hyper, found_inf, rng_seed, first_step=0, n_st
 def _compare_exact(got, exp, names):
     for name, la, le in zip(names, got, exp):
         for i, (a, e) in enumerate(zip(la, le)):
-            assert_bit_equal(a, e, f"{name}[{i}] ({a.dtype}, n={a.numel()})")
+            assert_bits_equal(a, e, f"{name}[{i}] ({a.dtype}, n={a.numel()})")
 
 
 _SGD_NAMES = ("params", "grads", "masters", "momentum_buffers")
@@ -318,7 +294,7 @@ def test_sgd_matches_reference(device, kind, p_dtype, rng_seed):
     if hyper[0]:
         for b in state[3]:
             b.fill_(math.nan)  # the first step must not read the buffers
-    ref = _clone(state)
+    ref = clone_lists(state)
     _sgd_steps(tsgd.sgd_, state, device, hyper, 0.0, rng_seed)
     _sgd_steps(R.sgd_, ref, device, hyper, 0.0, rng_seed)
     _compare_exact(state, ref, _SGD_NAMES)
@@ -333,7 +309,7 @@ def test_sgd_found_inf_and_first_flag(device, found_inf):
     hyper = (0.9, 0.2, 1e-2, True, False)
     for kind, p_dtype, seed in (("remainder", torch.bfloat16, None), ("none", torch.bfloat16, 7)):
         state = _sgd_state(device, p_dtype, torch.float16, kind, 0.9, [4, BLOCK + 9], 51)
-        before, ref = _clone(state), _clone(state)
+        before, ref = clone_lists(state), clone_lists(state)
         _sgd_steps(tsgd.sgd_, state, device, hyper, found_inf, seed, n_steps=1)
         _sgd_steps(R.sgd_, ref, device, hyper, found_inf, seed, n_steps=1)
         _compare_exact(state, ref, _SGD_NAMES)
@@ -363,7 +339,7 @@ def test_sgd_many_tiny_tensors_mixed_dtypes(device):
     grads.append(torch.empty(0, device=device))
     bufs.append(torch.empty(0, device=device))
     state = [params, grads, [], bufs]
-    ref = _clone(state)
+    ref = clone_lists(state)
     hyper = (0.8, 0.1, 1e-3, False, True)
     _sgd_steps(tsgd.sgd_, state, device, hyper, None, 5, first_step=3)
     _sgd_steps(R.sgd_, ref, device, hyper, None, 5, first_step=3)
@@ -412,14 +388,14 @@ def _check_stats(grads, inv_scale, write_back, sumsq=True, found=0.0):
     got = _run_stats(tamp.unscale_check_stats_, grads, inv_scale, write_back, sumsq, found)
     exp = _run_stats(R.unscale_check_stats_, grads, inv_scale, write_back, sumsq, found)
     for i, (a, e) in enumerate(zip(got[0], exp[0])):
-        assert_bit_equal(a, e, f"grad {i}")
-    assert_bit_equal(got[1], exp[1], "found_inf")
-    assert_bit_equal(got[3], exp[3], "counts")
-    assert_bit_equal(got[4], exp[4], "absmax")
+        assert_bits_equal(a, e, f"grad {i}")
+    assert_bits_equal(got[1], exp[1], "found_inf")
+    assert_bits_equal(got[3], exp[3], "counts")
+    assert_bits_equal(got[4], exp[4], "absmax")
     if sumsq and torch.isfinite(exp[2]):
         torch.testing.assert_close(got[2], exp[2], rtol=SUMSQ_RTOL, atol=0)
     else:
-        assert_bit_equal(got[2], exp[2], "sumsq")
+        assert_bits_equal(got[2], exp[2], "sumsq")
     return got
 
 
@@ -455,7 +431,7 @@ def test_stats_deterministic_and_many_tiny_tensors(device):
     first = _check_stats(grads, 2.0**-6, False)
     second = _run_stats(tamp.unscale_check_stats_, grads, 2.0**-6, False, True)
     for a, b, what in zip(first[1:], second[1:], ("found_inf", "sumsq", "counts", "absmax")):
-        assert_bit_equal(a, b, f"{what} run to run")
+        assert_bits_equal(a, b, f"{what} run to run")
     assert int(first[3][37, 0]) == 1 and int(first[3][:, 0].sum()) == 1
 
 
@@ -481,9 +457,9 @@ def test_stats_unscale_part_equals_unscale_check(device):
     f = torch.zeros(1, device=device)
     s = tamp.unscale_check_(b, f, torch.tensor([0.5], device=device), True, True)
     for x, y in zip(a[0], b):
-        assert_bit_equal(x, y, "grad")
-    assert_bit_equal(a[1], f, "found_inf")
-    assert_bit_equal(a[2], s, "sumsq")
+        assert_bits_equal(x, y, "grad")
+    assert_bits_equal(a[1], f, "found_inf")
+    assert_bits_equal(a[2], s, "sumsq")
 
 
 def test_stats_bad_input():
@@ -513,7 +489,7 @@ def test_stats_bad_input():
 def test_bad_input_changes_nothing():
     dev = DEVICES[0]
     state = _bf16_state(dev, [4, 5], 71, True, torch.float32, torch.float32, False)
-    before = _clone(state)
+    before = clone_lists(state)
     scalars = R.adamw_step_scalars(1e-3, torch.tensor(1.0, device=dev), 0.9, 0.999, 0.01)
     cases = [
         (TypeError, r"params\[1\] must be bfloat16", lambda s: s[0].__setitem__(1, s[0][1].float())),
@@ -530,7 +506,7 @@ def test_bad_input_changes_nothing():
         tadamw.adamw_bf16_(*state, scalars, None, torch.zeros(2, device=dev), 0, 0.9, 0.999, 1e-8, False, False)
     _compare_exact(state, before, ("params", "grads", "remainders", "exp_avgs", "exp_avg_sqs", "vmax"))
     sgd_state = _sgd_state(dev, torch.float16, torch.float16, "fp32", 0.9, [3, 4], 72)
-    sgd_before = _clone(sgd_state)
+    sgd_before = clone_lists(sgd_state)
     sc = R.sgd_step_scalars(0.1, torch.tensor(0, device=dev))
     with pytest.raises(TypeError, match=r"int16 remainders need bfloat16 params, but params\[0\]"):
         tsgd.sgd_(
@@ -590,7 +566,7 @@ def test_reachable_through_functional():
     assert backends.get_impl("sgd_", "triton") is tsgd.sgd_
     assert backends.get_impl("unscale_check_stats_", "triton") is tamp.unscale_check_stats_
     state = _bf16_state(dev, [7, BLOCK + 2], 91, False, torch.bfloat16, torch.bfloat16, False)
-    ref = _clone(state)
+    ref = clone_lists(state)
     scalars = R.adamw_step_scalars(1e-2, torch.tensor(1.0, device=dev), 0.9, 0.999, 0.01)
     rng = torch.tensor([11, 1], device=dev)
     p, g, r, m, v, vm = state
@@ -598,7 +574,7 @@ def test_reachable_through_functional():
     R.adamw_bf16_(*ref, scalars, None, rng, 4, 0.9, 0.999, 1e-8, False, False)
     _compare_bf16_adamw(state, ref, dev)
     sgd_state = _sgd_state(dev, torch.bfloat16, torch.float16, "remainder", 0.9, [5, BLOCK + 1], 92)
-    sgd_ref = _clone(sgd_state)
+    sgd_ref = clone_lists(sgd_state)
     sc = R.sgd_step_scalars(0.1, torch.tensor(0, device=dev))
     functional.sgd_(
         *sgd_state, sc, None, momentum=0.9, dampening=0.0, weight_decay=1e-2, nesterov=True, backend="triton"
@@ -631,11 +607,11 @@ def test_reachable_through_functional():
         )
         results.append((found, total, counts, absmax))
     (f1, s1, c1, a1), (f2, s2, c2, a2) = results
-    assert_bit_equal(f1, f2, "found_inf")
-    assert_bit_equal(c1, c2, "counts")
-    assert_bit_equal(a1, a2, "absmax")
+    assert_bits_equal(f1, f2, "found_inf")
+    assert_bits_equal(c1, c2, "counts")
+    assert_bits_equal(a1, a2, "absmax")
     torch.testing.assert_close(s1, s2, rtol=SUMSQ_RTOL, atol=0, equal_nan=True)
     for a, e in zip(grads, ref_grads):
         a, e = (a._values(), e._values()) if a.is_sparse else (a, e)
-        assert_bit_equal(a, e, "grad")
+        assert_bits_equal(a, e, "grad")
     assert int(c1[-1, 1]) == 1 and int(c1[-1, 2]) == 1, "sparse values: one zero, one fp16 underflow"

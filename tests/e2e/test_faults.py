@@ -12,29 +12,22 @@ import warnings
 
 import pytest
 import torch
+from helpers import bits
 
 import fastamp
 
 INF, NAN = float("inf"), float("nan")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if t.is_floating_point():
-        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-        return t.contiguous().view(width).clone()
-    return t.clone()
-
-
 def snapshot(opts, params, with_grads: bool):
-    snap = {"params": [_bits(p) for p in params]}
+    snap = {"params": [bits(p) for p in params]}
     if with_grads:
-        snap["grads"] = [_bits(p.grad) for p in params if p.grad is not None]
+        snap["grads"] = [bits(p.grad) for p in params if p.grad is not None]
     for k, opt in enumerate(opts):
         for i, p in enumerate(q for g in opt.param_groups for q in g["params"]):
             for key, v in sorted(opt.state.get(p, {}).items()):
                 if isinstance(v, torch.Tensor):
-                    snap[f"opt{k}/{i}/{key}"] = _bits(v)
+                    snap[f"opt{k}/{i}/{key}"] = bits(v)
     return snap
 
 
@@ -119,7 +112,7 @@ def test_one_bad_element_among_thousands_of_tensors(tensor_idx, where, value):
     victim = allp[tensor_idx]
     victim.grad.view(-1)[where] = value
     before = snapshot([adam, sgd], allp, with_grads=False)
-    bf_grads = [_bits(p.grad) for p in bf]
+    bf_grads = [bits(p.grad) for p in bf]
     scaler.step(adam)
     scaler.step(sgd)
     scaler.update()
@@ -137,14 +130,14 @@ def test_one_bad_element_among_thousands_of_tensors(tensor_idx, where, value):
     for p_before, p in zip(
         before["params"][: len(bf)] if owner_skipped is adam else before["params"][len(bf) :], owner_params
     ):
-        assert torch.equal(p_before, _bits(p))
+        assert torch.equal(p_before, bits(p))
     changed = [
-        not torch.equal(b, _bits(p))
+        not torch.equal(b, bits(p))
         for b, p in zip(before["params"][len(bf) :] if other is sgd else before["params"][: len(bf)], other_params)
     ]
     assert sum(changed) > len(other_params) // 2
     # the amp-aware path never writes grads
-    assert all(torch.equal(a, _bits(p.grad)) for a, p in zip(bf_grads, bf))
+    assert all(torch.equal(a, bits(p.grad)) for a, p in zip(bf_grads, bf))
     assert scaler.get_scale() == 2.0**11
     assert scaler.last_step_skipped
 
@@ -172,7 +165,7 @@ def _run_storm(scaler, steps, overflow_at, grad_scale_fn=None, sizes=(257, 64, 1
         if bad:
             assert_same(before, snapshot([adam, sgd], bf + fp, with_grads=False), f"step {step}")
         else:
-            assert not torch.equal(before["params"][0], _bits(bf[0])), f"clean step {step} did not move"
+            assert not torch.equal(before["params"][0], bits(bf[0])), f"clean step {step} did not move"
         s = scaler.get_scale()
         assert math.isfinite(s) and s >= 0
         scales.append(s)

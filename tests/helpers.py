@@ -1,0 +1,104 @@
+"""Helpers shared by the test tiers: bit patterns and bit-for-bit comparison, state copies, grads.
+
+Imported by name (``from helpers import ...``): pytest puts tests/ on sys.path (``pythonpath``
+in pyproject.toml). Numeric budgets live in tolerances.py, markers and skips in conftest.py.
+"""
+
+import io
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(
+    not CUDA, reason="needs a CUDA device (run by benchmarks/gpu_check.sh on a GPU machine)"
+)
+
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+# ---- bit patterns ----------------------------------------------------------------------------------
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s raw bit pattern (floats viewed as the integer of their width; NaN payloads kept).
+
+    Other dtypes are copied as they are; sparse tensors compare by their dense value.
+    """
+    t = t.detach()
+    if t.is_sparse:
+        t = t.to_dense()
+    if t.is_floating_point():
+        return t.contiguous().view(_INT_OF_WIDTH[t.element_size()]).clone()
+    return t.clone()
+
+
+def canonical_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bit pattern with every NaN replaced by one canonical NaN (NaN payloads are not specified)."""
+    if not t.is_floating_point():
+        return t
+    t = t.contiguous()
+    as_int = _INT_OF_WIDTH[t.element_size()]
+    canon = torch.full_like(t, float("nan")).view(as_int)
+    return torch.where(torch.isnan(t), canon, t.view(as_int))
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Same dtype, shape and bits (signed zeros by sign), except that any NaN equals any NaN;
+    integer and bool tensors must be equal."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape, (
+        what,
+        actual.dtype,
+        expected.dtype,
+        actual.shape,
+        expected.shape,
+    )
+    a, e = canonical_bits(actual), canonical_bits(expected)
+    if not torch.equal(a, e):
+        bad = (a != e).flatten().nonzero().flatten()[:5].tolist()
+        flat_a, flat_e = actual.reshape(-1), expected.reshape(-1)
+        raise AssertionError(
+            f"{what}: {int((a != e).sum())} of {a.numel()} elements differ, first at {bad}: "
+            f"{flat_a[bad].tolist()} vs expected {flat_e[bad].tolist()}"
+        )
+
+
+# ---- state -------------------------------------------------------------------------------------------
+
+
+def clone_lists(state):
+    """A deep copy of a kernel's tensor-list arguments (a list of lists of tensors)."""
+    return [[t.clone() for t in lst] for lst in state]
+
+
+def misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` whose data pointer is one element past an aligned one."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = buf[1:]
+    out.copy_(t)
+    return out
+
+
+def set_grads(params, grads) -> None:
+    """``p.grad`` = a private copy of the grad in the param's dtype (``None`` clears it)."""
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.detach().clone().to(p.dtype)
+
+
+def save_load(obj):
+    """``obj`` through torch.save / torch.load(weights_only=True), as a checkpoint goes."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def native_cpu_isas() -> list:
+    """The C++ CPU kernels' instruction-set paths this machine runs, best first ([] if not built)."""
+    from fastamp import _ops
+
+    if not _ops.native_has_kernel("unscale_check_", "cpu"):
+        return []
+    order = ("scalar", "avx2", "avx512")
+    best = torch.ops.fastamp.cpu_isa()
+    return [i for i in order if order.index(i) <= order.index(best)][::-1]
