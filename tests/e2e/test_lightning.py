@@ -16,6 +16,15 @@ import torch
 
 L = pytest.importorskip("lightning", reason="Lightning is not installed (requirements-dev.txt pins it)")
 
+from e2e._frameworks import (  # noqa: E402
+    OPTIMIZERS,
+    HostReadGuard,
+    assert_equal_lists,
+    assert_equal_optimizer_states,
+    inject_inf,
+    mlp,
+    params,
+)
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision  # noqa: E402
 from tolerances import ADAMW_VS_TORCH_ATOL, ADAMW_VS_TORCH_RTOL  # noqa: E402
 
@@ -25,13 +34,6 @@ from fastamp.integrations.lightning import MixedPrecision  # noqa: E402
 BATCHES = 24  # per epoch
 OVERFLOW_AT = (5, 17)  # global steps whose grads get an inf
 GROWTH_INTERVAL = 4  # short: the scale grows (and overflows naturally once it is high)
-
-OPTIMIZERS = {
-    "fastamp.AdamW": lambda p: fastamp.optim.AdamW(p, lr=1e-2, weight_decay=0.01),
-    "torch.AdamW(fused)": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01, fused=True),
-    "torch.SGD": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-    "torch.AdamW": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.01),
-}
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +53,7 @@ def _loader():
 class _Net(L.LightningModule):
     def __init__(self, optimizer: str, overflow_at=OVERFLOW_AT):
         super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.net = mlp()
         self.optimizer, self.overflow_at = optimizer, overflow_at
         self.losses = []
 
@@ -66,15 +67,10 @@ class _Net(L.LightningModule):
         return loss
 
     def on_after_backward(self):
-        _inject(self, self.trainer.global_step in self.overflow_at)
+        inject_inf(self.net, self.trainer.global_step in self.overflow_at)
 
     def configure_optimizers(self):
         return OPTIMIZERS[self.optimizer](self.parameters())
-
-
-def _inject(module, now: bool):
-    if now:
-        module.net[0].weight.grad.view(-1)[3] = float("inf")
 
 
 class _Record(L.Callback):
@@ -124,7 +120,7 @@ def _by_hand(optimizer: str, clip=0.5, algorithm="norm", precision="16-mixed", o
         losses.append(loss.detach())
         opt.zero_grad()
         scaler.scale(loss).backward()
-        _inject(module, step in overflow_at)
+        inject_inf(module.net, step in overflow_at)
         amp_aware = getattr(opt, "_step_supports_amp_scaling", False)
         if precision == "bf16-mixed":
             clip_fn = torch.nn.utils.clip_grad_norm_ if algorithm == "norm" else torch.nn.utils.clip_grad_value_
@@ -144,16 +140,6 @@ def _by_hand(optimizer: str, clip=0.5, algorithm="norm", precision="16-mixed", o
     return module, opt, scaler, torch.stack(losses), scales, skipped
 
 
-def _params(module):
-    return [p.detach().clone() for p in module.parameters()]
-
-
-def _assert_equal_lists(got, want):
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w), (g, w)
-
-
 @pytest.mark.parametrize(
     "optimizer, algorithm",
     [("fastamp.AdamW", "norm"), ("torch.AdamW(fused)", "norm"), ("torch.SGD", "norm"), ("fastamp.AdamW", "value")],
@@ -170,9 +156,9 @@ def test_plugin_runs_exactly_the_fastamp_loop(optimizer, algorithm):
     ref, _, ref_scaler, ref_losses, ref_scales, ref_skipped = _by_hand(optimizer, clip=clip, algorithm=algorithm)
 
     assert torch.equal(torch.stack(module.losses), ref_losses)
-    _assert_equal_lists(_params(module), _params(ref))
-    _assert_equal_lists(record.scales, ref_scales)
-    _assert_equal_lists(record.skipped, ref_skipped)
+    assert_equal_lists(params(module), params(ref))
+    assert_equal_lists(record.scales, ref_scales)
+    assert_equal_lists(record.skipped, ref_skipped)
     skipped_at = [i for i, s in enumerate(record.skipped) if bool(s)]
     assert set(OVERFLOW_AT) <= set(skipped_at)
     # the scale moved both ways: backoffs at the skips, growth in between
@@ -205,13 +191,13 @@ def test_matches_lightnings_torch_amp_path(clip):
     torch_scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
     _, theirs_record = _fit(theirs, LightningMixedPrecision("16-mixed", "cpu", scaler=torch_scaler), clip=clip)
 
-    _assert_equal_lists(ours_record.scales, theirs_record.scales)
+    assert_equal_lists(ours_record.scales, theirs_record.scales)
     got_losses, want_losses = torch.stack(ours.losses), torch.stack(theirs.losses)
     if clip == 1e9:
         assert torch.equal(got_losses, want_losses)
-        _assert_equal_lists(_params(ours), _params(theirs))
+        assert_equal_lists(params(ours), params(theirs))
     else:
-        for g, w in zip(_params(ours), _params(theirs)):
+        for g, w in zip(params(ours), params(theirs)):
             torch.testing.assert_close(g, w, atol=ADAMW_VS_TORCH_ATOL, rtol=ADAMW_VS_TORCH_RTOL)
         # the forward runs in fp16: params that differ by ulps can round an output to the
         # neighbouring fp16 value, so a loss may move by up to one fp16 ulp (relative 2^-10)
@@ -247,60 +233,33 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     resumed, resumed_trainer = run(2, ckpt_path=path)
 
     assert torch.equal(torch.stack(resumed.losses), torch.stack(straight.losses[BATCHES:]))
-    _assert_equal_lists(_params(resumed), _params(straight))
+    assert_equal_lists(params(resumed), params(straight))
     a, b = straight_trainer.precision_plugin.scaler, resumed_trainer.precision_plugin.scaler
     assert a.state_dict() == b.state_dict()
     assert int(b.skipped_steps) >= 2
-    opt_a, opt_b = straight_trainer.optimizers[0].state_dict(), resumed_trainer.optimizers[0].state_dict()
-    for key in opt_a["state"]:
-        for name, value in opt_a["state"][key].items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt_b["state"][key][name])), (key, name)
+    assert_equal_optimizer_states(
+        straight_trainer.optimizers[0].state_dict(), resumed_trainer.optimizers[0].state_dict()
+    )
 
 
 def test_no_host_sync_after_backward_with_an_amp_aware_optimizer(monkeypatch):
     """From the end of backward to the end of the step (hooks, fused clip, step, update, logging):
     no value is read on the host (Tensor.item / bool / float / int / tolist raise)."""
     plugin = MixedPrecision("16-mixed", "cpu", growth_interval=GROWTH_INTERVAL)
-    guarded, steps = [False], [0]
-
-    def guard(name):
-        original = getattr(torch.Tensor, name)
-
-        def wrapper(*a, **k):
-            if guarded[0]:
-                raise AssertionError(f"host sync (Tensor.{name}) in the plugin's optimizer step")
-            return original(*a, **k)
-
-        return wrapper
-
-    for name in ("item", "tolist", "__bool__", "__float__", "__int__"):
-        monkeypatch.setattr(torch.Tensor, name, guard(name))
+    guard, steps = HostReadGuard(monkeypatch), [0]
     after_closure, optimizer_step = plugin._after_closure, plugin.optimizer_step
 
     def guarded_after_closure(*a, **k):
-        guarded[0] = True
+        guard.on = True
         return after_closure(*a, **k)
 
     def guarded_optimizer_step(*a, **k):
         try:
             return optimizer_step(*a, **k)
         finally:
-            guarded[0] = False
+            guard.on = False
             steps[0] += 1
 
-    evaluate = fastamp.health._Monitor._evaluate
-
-    def probe_reads_a_host_copy(*a, **k):
-        # the scaler's health probe (every 32 updates) reads a snapshot on the host: on CUDA a
-        # non-blocking copy into pinned memory, read once its event has completed (no wait);
-        # on CPU the snapshot is that copy already
-        was, guarded[0] = guarded[0], False
-        try:
-            return evaluate(*a, **k)
-        finally:
-            guarded[0] = was
-
-    monkeypatch.setattr(fastamp.health._Monitor, "_evaluate", probe_reads_a_host_copy)
     monkeypatch.setattr(plugin, "_after_closure", guarded_after_closure)
     monkeypatch.setattr(plugin, "optimizer_step", guarded_optimizer_step)
     _fit(_Net("fastamp.AdamW"), plugin)
@@ -313,7 +272,7 @@ def test_bf16_mixed_clips_amp_aware_optimizers():
     trainer, _ = _fit(module, MixedPrecision("bf16-mixed", "cpu"), clip=0.5)
     assert trainer.precision_plugin.scaler is None
     ref, *_ = _by_hand("fastamp.AdamW", clip=0.5, precision="bf16-mixed", overflow_at=())
-    _assert_equal_lists(_params(module), _params(ref))
+    assert_equal_lists(params(module), params(ref))
 
 
 def test_constructor_refuses_unclear_setups():

@@ -1,0 +1,176 @@
+"""Put a :class:`fastamp.Scaler` into a Hugging Face ``Accelerator``.
+
+Usage::
+
+    from accelerate import Accelerator
+    from fastamp.integrations.accelerate import use_fastamp_scaler
+
+    accelerator = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=4)
+    scaler = use_fastamp_scaler(accelerator)           # before prepare()
+    model, opt = accelerator.prepare(model, fastamp.optim.AdamW(model.parameters()))
+    for x, y in data:
+        with accelerator.accumulate(model):
+            loss = loss_fn(model(x), y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)   # fused, no sync
+            opt.step()
+            opt.zero_grad()
+
+Importing this module imports ``accelerate``; ``import fastamp`` does not.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType
+from torch import Tensor
+
+from fastamp.scaler import Scaler
+
+__all__ = ["use_fastamp_scaler"]
+
+# the single-process and DDP setups, where Accelerate itself uses torch.amp.GradScaler
+_SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
+_WHERE = "fastamp.integrations.accelerate.use_fastamp_scaler"
+
+
+def use_fastamp_scaler(accelerator: Accelerator, scaler: Scaler | None = None, **scaler_options: Any) -> Scaler:
+    """Make ``accelerator`` scale losses with a :class:`fastamp.Scaler`; returns the scaler.
+
+    Call it after creating the ``Accelerator`` (for ``transformers.Trainer``: on
+    ``trainer.accelerator`` before ``trainer.train()``) and before ``accelerator.prepare``.
+    Everything else stays Accelerate's: ``accelerator.backward`` scales with this scaler,
+    prepared optimizers step and update through it (only when ``sync_gradients``: gradient
+    accumulation works unchanged), ``save_state``/``load_state`` write and read its
+    ``state_dict`` (fastamp's keys; a torch ``GradScaler`` state from an earlier run loads too).
+
+    What changes on the accelerator:
+      * ``accelerator.scaler`` is the fastamp scaler. On CPU, where Accelerate skips its fp16
+        setup altogether (no autocast, no scaler: ``mixed_precision="fp16"`` would silently
+        train in fp32), fp16 autocast is switched on as Accelerate does on a GPU.
+      * ``accelerator.clip_grad_norm_(params, max_norm)``: when ``params`` are the params of
+        one prepared optimizer (those with a grad; frozen ones may be passed too), it runs
+        :meth:`fastamp.Scaler.clip_grad_norm_` on that optimizer: one fused unscale + check +
+        norm pass, no host sync, and with an amp-aware optimizer (``fastamp.optim.AdamW``,
+        ``torch.optim.AdamW(fused=True)``) the grads are not even rewritten. Otherwise
+        Accelerate's own path runs (unscale every optimizer, then torch's clip).
+        ``clip_grad_value_`` and ``unscale_gradients`` are Accelerate's, on fastamp's ``unscale_``.
+      * Prepared optimizers report ``step_was_skipped`` correctly for amp-aware optimizers too.
+        Accelerate decides it by whether ``optimizer.step()`` was called, which an amp-aware
+        optimizer always is (it skips on the device), so Accelerate would say False and let a
+        prepared LR scheduler step on skipped iterations (with torch's fused AdamW as well).
+        Here it reads :attr:`fastamp.Scaler.last_step_skipped`: a host sync, only when read.
+        ``step_was_skipped_tensor`` is the device flag.
+
+    Host syncs that remain: a prepared LR scheduler reads ``step_was_skipped`` after every
+    optimizer step (one sync per step; use :class:`fastamp.DeviceLR` and do not prepare the
+    scheduler to avoid it); an ordinary optimizer's step reads ``found_inf`` once (as torch);
+    ``save_state`` reads the scale.
+
+    Args:
+        accelerator: an ``Accelerator(mixed_precision="fp16")``, single process or DDP.
+        scaler: a :class:`fastamp.Scaler`; default: one on ``accelerator.device``'s type,
+            built from ``GradScalerKwargs`` given to the accelerator, updated with
+            ``scaler_options``.
+        **scaler_options: :class:`fastamp.Scaler` arguments (``growth_interval``,
+            ``hysteresis``, ``min_scale``, ...); only without ``scaler``.
+
+    Raises:
+        ValueError: mixed precision other than ``"fp16"`` (bf16 needs no loss scaler; fastamp's
+            optimizers work with ``mixed_precision="bf16"`` as they are), or a distributed
+            setup with its own scaling (FSDP, DeepSpeed, Megatron-LM, XLA).
+        RuntimeError: called after ``prepare`` or twice.
+        TypeError: ``scaler`` is not a :class:`fastamp.Scaler`.
+    """
+    if not isinstance(accelerator, Accelerator):
+        raise TypeError(f"{_WHERE}: expected an accelerate.Accelerator, got {type(accelerator).__qualname__}")
+    if accelerator.mixed_precision != "fp16":
+        raise ValueError(
+            f"{_WHERE}: needs Accelerator(mixed_precision='fp16'), got {accelerator.mixed_precision!r}; bf16 needs "
+            "no loss scaler (fastamp's optimizers work with mixed_precision='bf16' as they are)"
+        )
+    if accelerator.distributed_type not in _SUPPORTED:
+        raise ValueError(
+            f"{_WHERE}: {accelerator.distributed_type} does its own loss scaling; supported: single process and DDP"
+        )
+    if getattr(accelerator, "_fastamp_scaler", None) is not None:
+        raise RuntimeError(f"{_WHERE}: this accelerator uses a fastamp.Scaler already")
+    if accelerator._models or accelerator._optimizers:
+        raise RuntimeError(
+            f"{_WHERE}: call it before accelerator.prepare(...): the model's autocast and the optimizers' "
+            "scaler are set up there"
+        )
+    if scaler is not None and scaler_options:
+        raise ValueError(f"{_WHERE}: pass either a scaler or scaler options, not both; got {scaler_options}")
+    if scaler is not None and not isinstance(scaler, Scaler):
+        raise TypeError(f"{_WHERE}: scaler must be a fastamp.Scaler, got {type(scaler).__qualname__}")
+    if scaler is None:
+        handler = accelerator.scaler_handler
+        options = {**(handler.to_kwargs() if handler is not None else {}), **scaler_options}
+        scaler = Scaler(accelerator.device.type, **options)
+
+    accelerator.native_amp = True
+    accelerator.scaler = scaler
+    accelerator._fastamp_scaler = scaler
+    accelerator.prepare_optimizer = _prepare_optimizer(accelerator.prepare_optimizer)
+    accelerator.clip_grad_norm_ = _clip_grad_norm(accelerator, accelerator.clip_grad_norm_)
+    return scaler
+
+
+class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper whose ``step_was_skipped`` also holds for amp-aware optimizers."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        if isinstance(self.scaler, Scaler) and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            return self.scaler.last_step_skipped  # syncs
+        return self._is_overflow  # Accelerate's: the scaler did not call optimizer.step()
+
+    @property
+    def step_was_skipped_tensor(self) -> Tensor | bool:
+        """Whether the last step was skipped, as a device tensor (no sync)."""
+        return self.scaler.last_step_skipped_tensor if isinstance(self.scaler, Scaler) else self._is_overflow
+
+
+def _prepare_optimizer(original):
+    @functools.wraps(original)
+    def prepare_optimizer(optimizer, device_placement=None):
+        prepared = original(optimizer, device_placement=device_placement)
+        if type(prepared) is AcceleratedOptimizer:
+            # a subclass adding properties only: no state of its own, pickles as Accelerate's
+            prepared.__class__ = _FastampAcceleratedOptimizer
+        return prepared
+
+    return prepare_optimizer
+
+
+def _clip_grad_norm(accelerator: Accelerator, original):
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        optimizer = _sole_owner(accelerator, parameters)
+        if optimizer is None:
+            return original(parameters, max_norm, norm_type=norm_type)
+        return accelerator.scaler.clip_grad_norm_(optimizer, max_norm, norm_type)
+
+    return clip_grad_norm_
+
+
+def _sole_owner(accelerator: Accelerator, parameters: list[Tensor]):
+    """The prepared (unwrapped) optimizer whose params with a grad are exactly those of ``parameters``."""
+    wanted = {id(p) for p in parameters if p.grad is not None}
+    if not wanted:
+        return None
+    for prepared in accelerator._optimizers:
+        optimizer = prepared
+        while isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"] if p.grad is not None}
+        if owned == wanted:
+            return optimizer
+    return None

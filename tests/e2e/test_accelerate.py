@@ -1,0 +1,298 @@
+"""fastamp in a real Hugging Face Accelerate loop on CPU: fp16, clipping, accumulation, save/load.
+
+``use_fastamp_scaler`` puts a ``fastamp.Scaler`` into an ``Accelerator``. Each run is a small
+MLP over 32 micro-batches with ``gradient_accumulation_steps=2`` (16 optimizer steps), one
+or two injected infs in a grad and a short growth interval, so the scale backs off and
+grows. References: the same training written by hand with ``fastamp.Scaler`` (bit-identical),
+and Accelerate with torch's ``GradScaler`` set up as Accelerate sets it up on a GPU.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate", reason="Accelerate is not installed (requirements-dev.txt pins it)")
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from e2e._frameworks import (  # noqa: E402
+    OPTIMIZERS,
+    HostReadGuard,
+    assert_equal_lists,
+    assert_equal_optimizer_states,
+    inject_inf,
+    mlp,
+    params,
+)
+from tolerances import ADAMW_VS_TORCH_ATOL, ADAMW_VS_TORCH_RTOL, NORM_RTOL  # noqa: E402
+
+import fastamp  # noqa: E402
+from fastamp.integrations.accelerate import use_fastamp_scaler  # noqa: E402
+
+MICRO_BATCHES = 32
+ACCUMULATE = 2
+OVERFLOW_AT = (5, 18)  # micro-batches whose grads get an inf (optimizer steps 2 and 9)
+GROWTH_INTERVAL = 3
+CLIP = 0.5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_accelerate_state():
+    # Accelerate keeps one process-wide state; each test builds its accelerators from scratch
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(MICRO_BATCHES)]
+
+
+def _accelerator(precision="fp16", scaler="fastamp"):
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    accelerator = Accelerator(mixed_precision=precision, cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    if scaler == "fastamp":
+        use_fastamp_scaler(accelerator, growth_interval=GROWTH_INTERVAL)
+    elif scaler == "torch":
+        # What Accelerate builds for fp16 on a GPU (native_amp: autocast in the prepared
+        # forward; torch's GradScaler); on CPU it builds neither.
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+    return accelerator
+
+
+class _Run:
+    def __init__(self, optimizer, precision="fp16", scaler="fastamp", overflow_at=OVERFLOW_AT, clip=CLIP, lr=False):
+        self.accelerator = _accelerator(precision, scaler)
+        model = mlp()
+        opt = OPTIMIZERS[optimizer](model.parameters())
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step) if lr else None
+        if lr:
+            self.model, self.opt, self.scheduler = self.accelerator.prepare(model, opt, self.scheduler)
+        else:
+            self.model, self.opt = self.accelerator.prepare(model, opt)
+        self.overflow_at, self.clip = overflow_at, clip
+        self.losses, self.scales, self.skipped = [], [], []
+
+    def train(self, start=0, stop=MICRO_BATCHES):
+        acc = self.accelerator
+        for i, (x, y) in enumerate(_batches()[start:stop], start):
+            with acc.accumulate(self.model):
+                loss = torch.nn.functional.mse_loss(self.model(x), y)
+                self.losses.append(loss.detach())
+                acc.backward(loss)
+                inject_inf(self.model, i in self.overflow_at)
+                if acc.sync_gradients:
+                    acc.clip_grad_norm_(self.model.parameters(), self.clip)
+                self.opt.step()
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                self.opt.zero_grad()
+                if acc.sync_gradients and acc.scaler is not None:
+                    self.scales.append(acc.scaler._get_scale_async().clone())
+                    self.skipped.append(self.opt.step_was_skipped)
+        return self
+
+
+def _by_hand(optimizer, precision="fp16", overflow_at=OVERFLOW_AT):
+    """The loop Accelerate runs with the fastamp scaler, written out."""
+    model = mlp()
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    fp16 = precision == "fp16"
+    scaler = fastamp.Scaler("cpu", growth_interval=GROWTH_INTERVAL, enabled=fp16)
+    losses, scales, skipped = [], [], []
+    for i, (x, y) in enumerate(_batches()):
+        with torch.autocast("cpu", dtype=torch.float16 if fp16 else torch.bfloat16):
+            out = model(x)
+        loss = torch.nn.functional.mse_loss(out.float(), y)  # Accelerate returns fp32 outputs
+        losses.append(loss.detach())
+        scaler.scale(loss / ACCUMULATE).backward()
+        inject_inf(model, i in overflow_at)
+        if (i + 1) % ACCUMULATE == 0:
+            scaler.clip_grad_norm_(opt, CLIP)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            if fp16:
+                scales.append(scaler._get_scale_async().clone())
+                skipped.append(scaler.last_step_skipped)
+    return model, torch.stack(losses), scales, skipped
+
+
+@pytest.mark.parametrize(
+    "precision, optimizer",
+    [("fp16", "fastamp.AdamW"), ("fp16", "torch.AdamW(fused)"), ("fp16", "torch.SGD"), ("bf16", "fastamp.AdamW")],
+)
+def test_accelerate_runs_exactly_the_fastamp_loop(precision, optimizer, monkeypatch):
+    """Accelerator + use_fastamp_scaler == the hand-written fastamp loop, bit for bit.
+
+    fp16: the fused clip is what accelerator.clip_grad_norm_ runs; step_was_skipped is right
+    for amp-aware optimizers too (Accelerate alone reports False for them). bf16: no scaler,
+    Accelerate's own clip, fastamp's optimizer.
+    """
+    fused_clips = []
+    if precision == "fp16":
+        clip = fastamp.Scaler.clip_grad_norm_
+
+        def counting_clip(self, *a, **k):
+            fused_clips.append(1)
+            return clip(self, *a, **k)
+
+        monkeypatch.setattr(fastamp.Scaler, "clip_grad_norm_", counting_clip)
+    overflow_at = OVERFLOW_AT if precision == "fp16" else ()
+    run = _Run(optimizer, precision, "fastamp" if precision == "fp16" else None, overflow_at).train()
+    ref, ref_losses, ref_scales, ref_skipped = _by_hand(optimizer, precision, overflow_at)
+
+    assert torch.equal(torch.stack(run.losses), ref_losses)
+    assert_equal_lists(params(run.model), params(ref))
+    if precision == "bf16":
+        assert run.accelerator.scaler is None
+        return
+    steps = MICRO_BATCHES // ACCUMULATE
+    assert len(fused_clips) == 2 * steps  # the run's and the reference's
+    assert_equal_lists(run.scales, ref_scales)
+    assert run.skipped == ref_skipped
+    skipped_at = [i for i, s in enumerate(run.skipped) if s]
+    assert {i // ACCUMULATE for i in OVERFLOW_AT} <= set(skipped_at)
+    assert int(run.accelerator.scaler.skipped_steps) == len(skipped_at)
+    moves = [b / a for a, b in zip([2.0**16] + [float(s) for s in run.scales], [float(s) for s in run.scales])]
+    assert 2.0 in moves and 0.5 in moves  # the scale backed off and grew
+
+
+@pytest.mark.parametrize("clip", [1e9, CLIP], ids=["clip-never-binds", "clip-binds"])
+def test_matches_accelerates_torch_amp_path(clip):
+    """Against Accelerate with torch.amp.GradScaler (its GPU setup), the same torch AdamW.
+
+    Scale trajectory and skipped steps: bit-identical. Losses and params: bit-identical when
+    the clip does not bind; when it binds, the clip coefficient differs in its last bits (torch:
+    norm of per-tensor fp32 norms with torch's sqrt; fastamp: fp64 sum of squares rounded
+    once, tolerances.NORM_RTOL), carried through AdamW: params within ADAMW_VS_TORCH_*, losses
+    within one fp16 ulp (the forward runs in fp16: an output may round to the neighbouring value).
+    """
+    ours = _Run("torch.AdamW", clip=clip).train()
+    theirs = _Run("torch.AdamW", scaler="torch", clip=clip).train()
+    assert isinstance(theirs.accelerator.scaler, torch.amp.GradScaler)
+    assert not isinstance(theirs.accelerator.scaler, fastamp.Scaler)
+
+    assert_equal_lists(ours.scales, theirs.scales)
+    assert ours.skipped == theirs.skipped and any(ours.skipped)
+    got, want = torch.stack(ours.losses), torch.stack(theirs.losses)
+    if clip == 1e9:
+        assert torch.equal(got, want)
+        assert_equal_lists(params(ours.model), params(theirs.model))
+    else:
+        for g, w in zip(params(ours.model), params(theirs.model)):
+            torch.testing.assert_close(g, w, atol=ADAMW_VS_TORCH_ATOL, rtol=ADAMW_VS_TORCH_RTOL)
+        torch.testing.assert_close(got, want, atol=0, rtol=torch.finfo(torch.float16).eps)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_save_state_load_state_resumes_bit_exactly(precision, tmp_path):
+    """32 micro-batches straight == 16, save_state, a fresh Accelerator + load_state, 16 more.
+
+    fp16: an overflow in each half; the fastamp scaler's state goes through scaler.pt.
+    """
+    overflow_at = (5, 21) if precision == "fp16" else ()
+    scaler = "fastamp" if precision == "fp16" else None
+    straight = _Run("fastamp.AdamW", precision, scaler, overflow_at).train()
+    first = _Run("fastamp.AdamW", precision, scaler, overflow_at).train(0, MICRO_BATCHES // 2)
+    first.accelerator.save_state(output_dir=str(tmp_path))
+    resumed = _Run("fastamp.AdamW", precision, scaler, overflow_at)
+    resumed.accelerator.load_state(str(tmp_path))
+    resumed.train(MICRO_BATCHES // 2, MICRO_BATCHES)
+
+    assert torch.equal(torch.stack(resumed.losses), torch.stack(straight.losses[MICRO_BATCHES // 2 :]))
+    assert_equal_lists(params(resumed.model), params(straight.model))
+    assert_equal_optimizer_states(straight.opt.state_dict(), resumed.opt.state_dict())
+    if precision == "fp16":
+        a, b = straight.accelerator.scaler, resumed.accelerator.scaler
+        assert isinstance(b, fastamp.Scaler) and a.state_dict() == b.state_dict()
+        assert int(b.skipped_steps) >= 2  # one skip in each half, counted across the resume
+
+
+def test_prepared_lr_scheduler_does_not_advance_on_skipped_steps():
+    """Accelerate's scheduler wrapper steps only when step_was_skipped is False; with fastamp's
+    AdamW (amp-aware: its step always runs) that flag must come from the scaler."""
+    run = _Run("fastamp.AdamW", lr=True).train()
+    applied = sum(not s for s in run.skipped)
+    assert 0 < applied < MICRO_BATCHES // ACCUMULATE
+    assert run.scheduler.scheduler.last_epoch == applied
+    assert run.opt.param_groups[0]["lr"] == pytest.approx(1e-2 * 0.9**applied, rel=1e-12)
+
+
+def test_clip_of_other_params_takes_accelerates_path():
+    """Params that are not one optimizer's: Accelerate's own clip (unscale every optimizer with
+    fastamp's unscale_, then torch's clip on those params); the step then uses the unscaled grads."""
+    run = _Run("fastamp.AdamW", overflow_at=())
+    acc, first_layer = run.accelerator, list(run.model[0].parameters())
+    x, y = _batches()[0]
+    for _ in range(ACCUMULATE):
+        with acc.accumulate(run.model):
+            acc.backward(torch.nn.functional.mse_loss(run.model(x), y))
+    scale = acc.scaler.get_scale()
+    want = [p.grad / scale for p in run.model.parameters()]
+    norm = acc.clip_grad_norm_(first_layer, 1e-3)
+    # torch's clip takes the norm of per-tensor norms: another reduction order than one norm
+    want_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in want[:2]]))
+    torch.testing.assert_close(norm, want_norm, rtol=NORM_RTOL, atol=0)
+    coef = 1e-3 / (norm + 1e-6)
+    for p, g in zip(run.model.parameters(), want):
+        clipped = any(p is q for q in first_layer)
+        torch.testing.assert_close(p.grad, g * coef if clipped else g, rtol=NORM_RTOL, atol=0)
+    run.opt.step()
+    assert not run.opt.step_was_skipped
+
+
+def test_no_host_sync_in_clip_and_step_with_an_amp_aware_optimizer(monkeypatch):
+    """accelerator.clip_grad_norm_ + opt.step() + zero_grad (fused clip, step, scale update) read
+    no value on the host; step_was_skipped does (once, when read), step_was_skipped_tensor not."""
+    run = _Run("fastamp.AdamW")
+    acc, guard = run.accelerator, HostReadGuard(monkeypatch)
+    flags = []
+    for i, (x, y) in enumerate(_batches()):
+        with acc.accumulate(run.model):
+            acc.backward(torch.nn.functional.mse_loss(run.model(x), y))
+            inject_inf(run.model, i in OVERFLOW_AT)
+            guard.on = True
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(run.model.parameters(), CLIP)
+            run.opt.step()
+            run.opt.zero_grad()
+            if acc.sync_gradients:
+                flags.append(run.opt.step_was_skipped_tensor.clone())
+                with pytest.raises(AssertionError, match="host sync"):
+                    run.opt.step_was_skipped  # noqa: B018  (a Python bool: read on the host)
+            guard.on = False
+    skipped_at = {n for n, f in enumerate(flags) if bool(f)}
+    assert {i // ACCUMULATE for i in OVERFLOW_AT} <= skipped_at
+    assert int(acc.scaler.skipped_steps) == len(skipped_at)
+
+
+def test_refusals_and_why_the_helper_switches_fp16_on_on_cpu():
+    plain = _accelerator("fp16", scaler=None)
+    # Accelerate alone: fp16 on CPU has no autocast and no scaler (it would train in fp32)
+    assert plain.native_amp is False and plain.scaler is None
+    scaler = use_fastamp_scaler(plain)
+    assert plain.native_amp is True and plain.scaler is scaler
+    with pytest.raises(RuntimeError, match="already"):
+        use_fastamp_scaler(plain)
+
+    late = _accelerator("fp16", scaler=None)
+    late.prepare(mlp())
+    with pytest.raises(RuntimeError, match="before accelerator.prepare"):
+        use_fastamp_scaler(late)
+    with pytest.raises(ValueError, match="bf16 needs no loss scaler"):
+        use_fastamp_scaler(_accelerator("bf16", scaler=None))
+    with pytest.raises(ValueError, match="either a scaler or scaler options"):
+        use_fastamp_scaler(_accelerator("fp16", scaler=None), fastamp.Scaler("cpu"), growth_interval=5)
+    with pytest.raises(TypeError, match="must be a fastamp.Scaler"):
+        use_fastamp_scaler(_accelerator("fp16", scaler=None), torch.amp.GradScaler("cpu"))
+    with pytest.raises(TypeError, match="expected an accelerate.Accelerator"):
+        use_fastamp_scaler(object())
