@@ -21,6 +21,9 @@ Models:
 Regimes:
   ``fp32``            fp32 params, ``torch.optim.AdamW(fused=True)``.
   ``torch-amp-fp16``  fp32 params, ``autocast(fp16)`` + ``torch.amp.GradScaler`` + fused AdamW.
+  ``fastamp-scaler-fp16`` ``torch-amp-fp16`` with ``fastamp.Scaler`` in place of ``torch.amp.GradScaler``,
+                      nothing else changed: its losses, loss scales and skipped steps must equal
+                      torch's bit for bit (the report checks it).
   ``torch-amp-bf16``  fp32 params, ``autocast(bf16)`` + fused AdamW (bf16 needs no scaler).
   ``fastamp-fp16``    ``fastamp.cast_model(model, fp16)`` (norm layers stay fp32, casts at their
                       boundaries) + fp32 masters in ``fastamp.optim.AdamW`` + ``fastamp.Scaler``,
@@ -36,6 +39,16 @@ Regimes:
   ``pure-fp16``       plain ``model.half()`` (BatchNorm and LayerNorm included), torch AdamW on the
                       fp16 params, no masters, no scaler, no autocast: the guides' cautionary row.
   ``pure-bf16``       the same in bf16.
+
+By default (``MODEL_REGIMES``) gpt runs every regime but ``half-fp16-fastamp``, cnn every one
+but ``fastamp-scaler-fp16`` (fp16 rows are the costly ones on a CPU; each runs where it shows
+something), cnn-raw12 the BatchNorm ones; ``--regimes`` runs the given ones on every model.
+
+Every scaler, torch's and fastamp's, runs with the same settings: start at 2^16, x0.5 and a
+skipped step on an overflow, x2 after ``--growth-interval`` clean steps (10 in the CPU-sized
+run, so that the scale is seen to move). The report lists the skipped steps of each regime,
+torch's and fastamp's side by side, the pitfall guards that fired (recorded per regime, not
+printed), and the CPU's features next to the measured speeds.
 
 Usage::
 
@@ -54,12 +67,25 @@ with the microbenchmarks.
 from fastamp.compare.cli import MODELS, SIZES, build_parser, main
 from fastamp.compare.data import _NUMBERS as _NUMBERS  # private; the tests use it
 from fastamp.compare.data import ImageData, TextData, synthetic_text
+from fastamp.compare.machine import cpu_features, cpu_features_line, cpu_flags
 from fastamp.compare.memory import CpuPeakMeter, live_bytes
 from fastamp.compare.models import SmallCNN, TinyGPT, bn_running_var_max
 from fastamp.compare.plots import plot
-from fastamp.compare.regimes import BN_DEMO_REGIMES, REGIME_INFO, REGIMES, build_regime
-from fastamp.compare.report import CONVERGENCE_RTOL, TABLE_COLS, markdown, summarise, verdicts
-from fastamp.compare.train import RegimeResult, train_regime
+from fastamp.compare.regimes import BN_DEMO_REGIMES, MODEL_REGIMES, REGIME_INFO, REGIMES, build_regime
+from fastamp.compare.report import (
+    CONVERGENCE_RTOL,
+    SCALE_PAIRS,
+    TABLE_COLS,
+    cpu_speed_note,
+    guard_lines,
+    markdown,
+    scale_lines,
+    scale_moves,
+    scale_trajectories_match,
+    summarise,
+    verdicts,
+)
+from fastamp.compare.train import RegimeResult, pitfalls_recorded, train_regime
 from fastamp.compare.train import _lr_at as _lr_at  # private; the tests use it
 from fastamp.compare.train import _step_count as _step_count  # private; the tests use it
 
@@ -67,8 +93,10 @@ __all__ = [
     "BN_DEMO_REGIMES",
     "CONVERGENCE_RTOL",
     "MODELS",
+    "MODEL_REGIMES",
     "REGIMES",
     "REGIME_INFO",
+    "SCALE_PAIRS",
     "SIZES",
     "TABLE_COLS",
     "CpuPeakMeter",
@@ -80,10 +108,19 @@ __all__ = [
     "bn_running_var_max",
     "build_parser",
     "build_regime",
+    "cpu_features",
+    "cpu_features_line",
+    "cpu_flags",
+    "cpu_speed_note",
+    "guard_lines",
     "live_bytes",
     "main",
     "markdown",
+    "pitfalls_recorded",
     "plot",
+    "scale_lines",
+    "scale_moves",
+    "scale_trajectories_match",
     "summarise",
     "synthetic_text",
     "train_regime",

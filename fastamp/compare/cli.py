@@ -15,11 +15,12 @@ import torch
 
 from fastamp._harness import Progress, machine_info, resolve_device, write_csv
 from fastamp.compare.data import ImageData, TextData
+from fastamp.compare.machine import cpu_features, cpu_features_line
 from fastamp.compare.memory import CpuPeakMeter
 from fastamp.compare.models import SmallCNN, TinyGPT
 from fastamp.compare.plots import plot
-from fastamp.compare.regimes import BN_DEMO_REGIMES, REGIME_INFO, REGIMES
-from fastamp.compare.report import markdown, summarise, verdicts
+from fastamp.compare.regimes import MODEL_REGIMES, REGIME_INFO, REGIMES
+from fastamp.compare.report import cpu_speed_note, guard_lines, markdown, scale_lines, summarise, verdicts
 from fastamp.compare.train import RegimeResult, train_regime
 
 MODELS = ("gpt", "cnn", "cnn-raw12")
@@ -30,6 +31,7 @@ SIZES = {
         "gpt": {"n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 32, "batch": 8},
         "cnn": {"width": 8, "image": 12, "batch": 16},
         "steps": 12,
+        "growth_interval": 2,
     },
     # fp16 matmuls on a CPU without AVX512-FP16/AMX run 10-50x slower than fp32 (measured on
     # the project's 2-core machine), so the CPU default keeps the transformer narrow.
@@ -37,11 +39,16 @@ SIZES = {
         "gpt": {"n_layer": 2, "d_model": 64, "n_head": 4, "seq_len": 32, "batch": 16},
         "cnn": {"width": 16, "image": 16, "batch": 32},
         "steps": 150,
+        # torch's default (2000) never grows in 150 steps; 10 shows the mechanism: the scale
+        # grows x2 after 10 clean steps until the grads overflow fp16, then backs off x0.5
+        # and the step is skipped (these models overflow near 2^17-2^19).
+        "growth_interval": 10,
     },
     "large": {
         "gpt": {"n_layer": 6, "d_model": 384, "n_head": 6, "seq_len": 256, "batch": 64},
         "cnn": {"width": 64, "image": 32, "batch": 256},
         "steps": 600,
+        "growth_interval": 50,
     },
 }
 
@@ -56,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--regimes",
         default=None,
-        help=f"comma-separated subset of {','.join(REGIMES)} (default: all; cnn-raw12: {','.join(BN_DEMO_REGIMES)})",
+        help=f"comma-separated subset of {','.join(REGIMES)}, run on every model (default: per model, "
+        + "; ".join(f"{m}: {','.join(rs)}" for m, rs in MODEL_REGIMES.items())
+        + ")",
     )
     p.add_argument(
         "--size", default=None, choices=sorted(SIZES), help="size preset (default: small on CPU, large on CUDA)"
@@ -71,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=None)
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warmup + cosine to 10%%)")
     p.add_argument("--clip", type=float, default=1.0, help="global grad-norm clip (0 disables)")
+    p.add_argument(
+        "--growth-interval",
+        type=int,
+        default=None,
+        help="clean steps before every scaler (torch's and fastamp's alike) doubles the loss scale "
+        "(default: from --size; torch's own default is 2000)",
+    )
+    p.add_argument("--note", action="append", default=[], help="a line for the report header (repeatable)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="fastamp-compare-results", help="directory for the CSV and PNG files")
     p.add_argument("--tag", default=None, help="file name suffix (default: the device type)")
@@ -95,6 +112,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     steps = args.steps or preset["steps"]
     if steps < 4:
         raise SystemExit("fastamp-compare: --steps must be at least 4 (3 warm-up steps, then timed ones)")
+    growth_interval = preset["growth_interval"] if args.growth_interval is None else args.growth_interval
+    if growth_interval < 0:
+        raise SystemExit(f"fastamp-compare: --growth-interval must be >= 0 (0: never grow), got {growth_interval}")
     g, c = preset["gpt"], preset["cnn"]
     for key, val in (
         ("n_layer", args.gpt_layers),
@@ -116,11 +136,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     torch.manual_seed(args.seed)
     info = machine_info(device)
     info["size"] = f"{size}: gpt {g}, cnn {c}, steps {steps}, lr {args.lr}, clip {args.clip}"
+    if device.type == "cpu":
+        info["cpu_features"] = cpu_features_line()
+    info["loss_scale"] = (
+        f"every scaler (torch.amp.GradScaler and fastamp.Scaler alike) starts at 2^16, backs off x0.5 on an "
+        f"overflow (the step is skipped) and grows x2 after {growth_interval} clean steps"
+        + (" (never grows)" if growth_interval == 0 else "")
+    )
+    for i, note in enumerate(args.note):
+        info["note" if len(args.note) == 1 else f"note_{i + 1}"] = note
     t_start = time.perf_counter()
-    model_regimes = {
-        m: [r for r in regimes if r in BN_DEMO_REGIMES] if m == "cnn-raw12" and args.regimes is None else regimes
-        for m in models
-    }
+    model_regimes = {m: list(MODEL_REGIMES[m]) if args.regimes is None else regimes for m in models}
     bar = Progress(
         sum(len(v) for v in model_regimes.values()) * steps, label="fastamp-compare", enabled=not args.no_progress
     )
@@ -140,10 +166,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         # Untimed warm-up so that one-time costs of the process (thread pools, allocator,
         # lazy imports) do not land on whichever regime runs first.
         train_regime(model_name, "fp32", base, data, device, 4, args.lr, args.clip, measure_memory=False)
+        run = functools.partial(
+            train_regime, base_model=base, data=data, device=device, steps=steps, lr=args.lr, clip=args.clip,
+            growth_interval=growth_interval,
+        )  # fmt: skip
         for regime in model_regimes[model_name]:
             tick = functools.partial(bar.update, 1, f"{model_name}/{regime}")
             try:
-                r = train_regime(model_name, regime, base, data, device, steps, args.lr, args.clip, progress=tick)
+                r = run(model_name, regime, progress=tick)
             except Exception as e:  # one broken regime must not hide the others' numbers
                 r = RegimeResult(model_name, regime, error=f"{type(e).__name__}: {e}")
                 print(f"fastamp-compare: {model_name}/{regime} failed: {r.error}", file=sys.stderr)
@@ -164,10 +194,12 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     write_csv(csv_path, rows)
     with open(curves_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["model", "regime", "step", "loss", "scale"])
+        w.writerow(["model", "regime", "step", "loss", "scale", "skipped"])
         for r in results:
+            skipped = set(r.skipped_at or ())
             for i, loss in enumerate(r.losses):
-                w.writerow([r.model, r.regime, i, loss, r.scales[i] if i < len(r.scales) else ""])
+                scale = r.scales[i] if i < len(r.scales) else ""
+                w.writerow([r.model, r.regime, i, loss, scale, "" if r.skipped_at is None else int(i in skipped)])
 
     mem_note = (
         "CUDA: torch.cuda.max_memory_allocated over the whole run minus what was allocated before the model "
@@ -186,17 +218,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "'-' where no scaler is used",
     ]
     if device.type == "cpu":
-        lines += [
-            "- CPU note: most CPUs (this one included unless it has AMX / AVX512-FP16) have no fast fp16/bf16 "
-            "matmul; low-precision matmuls are emulated or converted and are usually slower than fp32 here. The "
-            "speed column measures exactly that; the mixed-precision speed-up needs a GPU (or an AMX CPU). "
-            "Memory and convergence carry over."
-        ]
+        lines += ["- CPU note: " + cpu_speed_note(results, cpu_features())]
     lines += [
         "- data: gpt: text of a synthetic grammar; cnn: synthetic 10-class images, normalised; cnn-raw12: the same "
         "images as raw 12-bit sensor values (0..4095, not normalised)",
     ]
-    lines += ["", "## Regimes", ""] + [f"- `{r}`: {REGIME_INFO[r][1]}" for r in regimes]
+    ran = [r for r in REGIMES if any(r in v for v in model_regimes.values())]
+    lines += ["", "## Regimes", ""] + [f"- `{r}`: {REGIME_INFO[r][1]}" for r in ran]
     lines.append("")
     for model_name in models:
         lines += [
@@ -209,6 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             if r["model"] == model_name and r["error"]:
                 lines.append(f"- {r['regime']} failed: {r['error']}")
         lines.append("")
+    lines += ["## Loss scale", ""] + scale_lines(results, growth_interval) + [""]
+    lines += ["## Pitfall guards", ""] + guard_lines(results) + [""]
     checks = verdicts(results)
     if checks:
         lines += ["## Convergence checks", ""] + [f"- {c}" for c in checks] + [""]
@@ -223,6 +253,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 rows,
                 png_path,
                 f"fastamp-compare on {device.type} ({info.get('git_commit', '')}, {info['date']})",
+                growth_interval=growth_interval,
             )
         except Exception as e:
             print(f"fastamp-compare: plot failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import sys
+import tempfile
 from typing import Any, Callable
 
 import torch
@@ -46,6 +51,37 @@ def live_bytes(*objs: Any) -> int:
     return total
 
 
+# What torch's profiler writes straight to the process's stderr (C++, not Python warnings) each
+# time it starts and stops: kineto's "USDT: ... profiler_start" / "profiler_stop" (and
+# "STAGE:" lines in older kinetos), and c10's one-time note that blocks allocated before
+# the profile have no free event (expected: the meter counts them in its start total).
+_PROFILER_NOISE = re.compile(
+    r"^(?:USDT|STAGE):.*\] (?:profiler_st(?:art|op)|Completed Stage)"
+    r"|CPUAllocator\.cpp.*allocated before the profiling started"
+)
+
+
+@contextlib.contextmanager
+def _profiler_noise_filtered():
+    """Collect what is written to file descriptor 2 inside, and pass on all but :data:`_PROFILER_NOISE`."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines = tmp.read().decode(errors="replace").splitlines(keepends=True)
+            kept = "".join(line for line in lines if not _PROFILER_NOISE.search(line))
+            if kept:
+                sys.stderr.write(kept)
+                sys.stderr.flush()
+
+
 class CpuPeakMeter:
     """Peak bytes of torch's CPU allocator over one training step.
 
@@ -54,6 +90,8 @@ class CpuPeakMeter:
     running total of every allocation and free made during the step, as recorded by
     ``torch.profiler`` with ``profile_memory=True`` (activations, autocast weight copies,
     grads, optimizer temporaries). Python objects and allocator caching are not counted.
+    The lines the profiler prints on stderr when it starts and stops are held back; anything
+    else written to stderr during the step is passed on after it.
     """
 
     method = (
@@ -68,7 +106,7 @@ class CpuPeakMeter:
         from torch.profiler import ProfilerActivity, profile
 
         base = live_bytes(*objs)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with _profiler_noise_filtered(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             out = step_fn()
         events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
         events = [e for e in events if str(e.device_type()).endswith("CPU")]

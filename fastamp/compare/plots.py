@@ -22,7 +22,17 @@ def _smooth(v: list[float], k: int) -> list[float]:
     return out
 
 
-def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, title: str) -> None:
+# Skipped-step markers, largest first so that identical trajectories stay visible on top of each other.
+_SKIP_MARKERS = {"torch-amp-fp16": ("o", 9), "fastamp-scaler-fp16": ("x", 7), "fastamp-fp16": ("^", 6)}
+
+
+def plot(
+    results: list[RegimeResult],
+    rows: list[dict[str, Any]],
+    path: str,
+    title: str,
+    growth_interval: int | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -32,6 +42,7 @@ def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, tit
     colors = {
         "fp32": "black",
         "torch-amp-fp16": "tab:blue",
+        "fastamp-scaler-fp16": "navy",
         "torch-amp-bf16": "tab:cyan",
         "fastamp-fp16": "tab:red",
         "fastamp-bf16": "tab:orange",
@@ -45,6 +56,7 @@ def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, tit
     styles = {
         "fp32": "-",
         "torch-amp-fp16": "--",
+        "fastamp-scaler-fp16": ":",
         "torch-amp-bf16": "--",
         "fastamp-bf16-remainder": (0, (5, 1)),
         "half-fp16-fastamp": "-.",
@@ -85,15 +97,27 @@ def plot(results: list[RegimeResult], rows: list[dict[str, Any]], path: str, tit
         ax_l.grid(True, alpha=0.3)
         ax_l.legend(fontsize=8)
         any_scale = False
-        for r in rs:
-            if r.scales:
-                any_scale = True
-                ax_s.plot(range(len(r.scales)), r.scales, linestyle=styles.get(r.regime, "-"), color=colors.get(r.regime),
-                          label=f"{r.regime} (skipped {r.skipped_steps})", linewidth=1.4)  # fmt: skip
-        if any_scale and all(len(set(r.scales)) == 1 for r in rs if r.scales):
+        scaled = [r for r in rs if r.scales]
+        for k, r in enumerate(scaled):
+            any_scale = True
+            # the scale in effect at each step (before its update), drawn as steps; the first
+            # regimes drawn widest so that a later identical trajectory shows on top of them
+            effect = [r.init_scale if r.init_scale is not None else r.scales[0]] + r.scales
+            ax_s.step(range(len(effect)), effect, where="post", linestyle=styles.get(r.regime, "-"),
+                      color=colors.get(r.regime), linewidth=max(0.9, 3.2 - 1.1 * k), alpha=0.85,
+                      label=f"{r.regime} (skipped {r.skipped_steps})")  # fmt: skip
+            if r.skipped_at:
+                marker, size = _SKIP_MARKERS.get(r.regime, ("s", 5))
+                ax_s.plot(r.skipped_at, [effect[i] for i in r.skipped_at], marker, color=colors.get(r.regime),
+                          markersize=size, markerfacecolor="none", markeredgewidth=1.3, linestyle="none")  # fmt: skip
+        if any_scale and all(len(set(r.scales)) == 1 and not r.skipped_at for r in scaled):
             ax_s.annotate("no overflow: the scale never backed off", (0.02, 0.05), xycoords="axes fraction", fontsize=8)
+        elif any_scale:
+            ax_s.annotate("markers: skipped steps (overflow: scale x0.5, update skipped)", (0.02, 0.02),
+                          xycoords="axes fraction", fontsize=8)  # fmt: skip
         ax_s.set_yscale("log", base=2)
-        ax_s.set_title(f"{model}: loss scale after each step (fp16 regimes with a scaler)")
+        every = "" if growth_interval is None else f", x2 after {growth_interval} clean steps"
+        ax_s.set_title(f"{model}: loss scale in effect at each step (fp16 regimes with a scaler{every})", fontsize=10)
         ax_s.set_xlabel("step")
         ax_s.set_ylabel("scale")
         ax_s.grid(True, alpha=0.3, which="both")

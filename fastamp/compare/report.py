@@ -5,8 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from fastamp._harness import markdown_table
+from fastamp.compare.regimes import REGIME_INFO
 from fastamp.compare.train import RegimeResult
+
+_BF16, _FP16 = torch.bfloat16, torch.float16
 
 
 def _fmt_bytes(b: float) -> str:
@@ -82,6 +87,8 @@ def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
                     "final_scale": f"{r.final_scale:g}" if isinstance(r.final_scale, float) else r.final_scale,
                     "nonfinite_losses": r.nonfinite_losses,
                     "bn_running_var_max": "-" if r.bn_var_max is None else f"{r.bn_var_max:.4g}",
+                    "skipped_at": "-" if r.skipped_at is None else " ".join(map(str, r.skipped_at)),
+                    "guards": " ".join(r.guards),
                     "error": r.error,
                 }
             )
@@ -189,3 +196,184 @@ def markdown(rows: list[dict[str, Any]], model: str) -> str:
         for r in mr
     ]
     return markdown_table(cells, TABLE_COLS, cell=str)
+
+
+# Scaler pairs whose loss-scale trajectories are compared step by step: (fastamp row, torch row,
+# whether they must be identical). fastamp-scaler-fp16 is torch-amp-fp16 with only the scaler
+# swapped: same model, loop, settings and grads, so its scales, skipped steps and losses must
+# equal torch's bit for bit. fastamp-fp16 does different arithmetic (fp16 params from cast_model,
+# fastamp's AdamW on fp32 masters, the fused clip): its scales follow torch's only as long as the
+# grads overflow at the same steps, which the report says rather than requires.
+SCALE_PAIRS = (
+    ("fastamp-scaler-fp16", "torch-amp-fp16", True),
+    ("fastamp-fp16", "torch-amp-fp16", False),
+)
+_SCALE_COLS = [
+    ("regime", "regime"),
+    ("scaler", "scaler"),
+    ("skipped", "skipped steps"),
+    ("skipped_at", "skipped at step"),
+    ("backoffs", "backoffs (x0.5)"),
+    ("growths", "growths (x2)"),
+    ("range", "scale range"),
+    ("final", "final scale"),
+]
+
+
+def _log2(v: float) -> str:
+    e = math.log2(v) if v > 0 and math.isfinite(v) else float("nan")
+    return f"2^{e:.0f}" if math.isfinite(e) and e == round(e) else f"{v:g}"
+
+
+def scale_moves(r: RegimeResult) -> tuple[int, int]:
+    """(backoffs, growths) of ``r``'s loss scale: steps after which it fell, rose (from its initial value)."""
+    prev, down, up = r.init_scale, 0, 0
+    for s in r.scales:
+        if prev is not None:
+            down += s < prev
+            up += s > prev
+        prev = s
+    return down, up
+
+
+def _first_difference(a: list[float], b: list[float]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def scale_lines(results: list[RegimeResult], growth_interval: int) -> list[str]:
+    """The loss-scale section: per model a table of every scaler regime, then the torch/fastamp comparisons."""
+    out = [
+        f"Every scaler starts at 2^16, halves the scale on an overflow (that step's update is skipped) and "
+        f"doubles it after {growth_interval} clean steps. Skipped steps are read from each optimizer's step "
+        f"counter (steps are numbered from 0).",
+    ]
+    scaled = [r for r in results if not r.error and r.skipped_at is not None and r.scales]
+    if scaled and growth_interval:
+        skipped, total = sum(len(r.skipped_at) for r in scaled), sum(len(r.scales) for r in scaled)
+        out[-1] += (
+            f" With so short an interval the scale keeps probing the overflow threshold: {skipped} of {total} "
+            f"fp16 steps ({100 * skipped / total:.1f}%) were skipped here, updates the fp16 rows did not get "
+            f"(torch's default interval, 2000, probes 200x less often)."
+        )
+    out.append("")
+    for model in dict.fromkeys(r.model for r in results):
+        rs = [r for r in results if r.model == model and not r.error and r.skipped_at is not None]
+        if not rs:
+            continue
+        cells = []
+        for r in rs:
+            down, up = scale_moves(r)
+            scales = ([r.init_scale] if r.init_scale is not None else []) + r.scales
+            cells.append(
+                {
+                    "regime": r.regime,
+                    "scaler": "torch.amp.GradScaler" if r.regime.startswith("torch-amp") else "fastamp.Scaler",
+                    "skipped": len(r.skipped_at),
+                    "skipped_at": ", ".join(map(str, r.skipped_at)) or "none",
+                    "backoffs": down,
+                    "growths": up,
+                    "range": f"{_log2(min(scales))} - {_log2(max(scales))}" if scales else "-",
+                    "final": _log2(r.scales[-1]) if r.scales else "-",
+                }
+            )
+        out += [f"### {model}", "", markdown_table(cells, _SCALE_COLS, cell=str), ""]
+        by = {r.regime: r for r in rs}
+        for ours, theirs, exact in SCALE_PAIRS:
+            a, b = by.get(ours), by.get(theirs)
+            if a is None or b is None:
+                continue
+            n = len(b.scales)
+            d = _first_difference(a.scales, b.scales)
+            same_skips = a.skipped_at == b.skipped_at
+            if d is None and same_skips:
+                what = f"loss scale identical at all {n} steps, the same {len(a.skipped_at)} skipped steps"
+            else:
+                what = (
+                    f"loss scale identical for the first {n if d is None else d} of {n} steps"
+                    + ("" if d is None else f" (step {d}: {a.scales[d]:g} vs {b.scales[d]:g})")
+                    + f"; skipped steps {'the same' if same_skips else 'differ'}: "
+                    f"{ours} {', '.join(map(str, a.skipped_at)) or 'none'}, "
+                    f"{theirs} {', '.join(map(str, b.skipped_at)) or 'none'}"
+                )
+            if exact:
+                same_loss = _first_difference(a.losses, b.losses)
+                what += (
+                    f", training losses bit-identical for {len(a.losses) if same_loss is None else same_loss} "
+                    f"of {len(a.losses)} steps"
+                )
+                ok = d is None and same_skips and same_loss is None
+                verdict = (
+                    "as required: only the scaler differs" if ok else "EXPECTED IDENTICAL: only the scaler differs"
+                )
+            else:
+                verdict = (
+                    "not required: different arithmetic (fp16 params, fp32 masters, fused clip), so the grads "
+                    "can overflow at different steps"
+                )
+            out.append(f"- {model}: {ours} vs {theirs}: {what} ({verdict})")
+        out.append("")
+    return out[:-1] if out and out[-1] == "" else out
+
+
+def scale_trajectories_match(results: list[RegimeResult]) -> dict[tuple[str, str, str], bool]:
+    """``{(model, fastamp row, torch row): identical}`` for the pairs of :data:`SCALE_PAIRS` that must match."""
+    by = {(r.model, r.regime): r for r in results if not r.error}
+    out = {}
+    for model in dict.fromkeys(r.model for r in results):
+        for ours, theirs, exact in SCALE_PAIRS:
+            a, b = by.get((model, ours)), by.get((model, theirs))
+            if exact and a is not None and b is not None:
+                out[(model, ours, theirs)] = (
+                    a.scales == b.scales and a.skipped_at == b.skipped_at and a.losses == b.losses
+                )
+    return out
+
+
+def guard_lines(results: list[RegimeResult]) -> list[str]:
+    """Which fastamp pitfall guards (AmpPitfallWarning) fired in which regime; recorded, not printed."""
+    from fastamp.health import GUARDS
+
+    fired = [r for r in results if r.guards]
+    if not fired:
+        return ["No fastamp pitfall guard (AmpPitfallWarning) fired in any regime."]
+    out = [
+        "fastamp's pitfall guards (AmpPitfallWarning) fired in these runs; the warnings were recorded per regime "
+        "instead of printed (the bad regimes are bad on purpose). No guard fired in the other regimes.",
+        "",
+    ]
+    out += [f"- {r.model}/{r.regime}: {', '.join(f'`{g}`' for g in r.guards)}" for r in fired]
+    keys = list(dict.fromkeys(g for r in fired for g in r.guards))
+    out += [""] + [f"- `{k}`: {GUARDS.get(k, 'not a listed guard')}" for k in keys]
+    return out
+
+
+def cpu_speed_note(results: list[RegimeResult], features: dict[str, bool] | None) -> str:
+    """The CPU caveat from what was measured: the CPU's matmul features and the speed ratios per dtype and model."""
+    parts = []
+    for model in dict.fromkeys(r.model for r in results):
+        per = []
+        for dtype, name in ((_BF16, "bf16"), (_FP16, "fp16")):
+            v = [
+                r.speed_vs_fp32
+                for r in results
+                if r.model == model and not r.error and REGIME_INFO[r.regime][0] == dtype
+                and math.isfinite(r.speed_vs_fp32)
+            ]  # fmt: skip
+            if v:
+                per.append(f"{name} {min(v):.2f}-{max(v):.2f}x" if len(v) > 1 else f"{name} {v[0]:.2f}x")
+        if per:
+            parts.append(f"{model}: " + ", ".join(per))
+    speeds = "; ".join(parts) if parts else "no speed measured"
+
+    def has(*labels: str) -> str:
+        if features is None:
+            return "unknown"
+        return ", ".join(f"{x} {'yes' if features.get(x) else 'no'}" for x in labels)
+
+    return (
+        f"a bf16 matmul has a native CPU path with AVX512-BF16 or AMX-BF16 (here: {has('AVX512-BF16', 'AMX-BF16')}), "
+        f"an fp16 one with AVX512-FP16 or AMX-FP16 (here: {has('AVX512-FP16', 'AMX-FP16')}); without one, it is "
+        f"converted or emulated. Measured here, speed vs fp32 (lowest-highest over each dtype's regimes): {speeds}. "
+        f"The speed column is this machine's; a GPU's mixed-precision speed-up is not measured on a CPU. Memory "
+        f"and convergence carry over."
+    )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -32,6 +35,11 @@ class RegimeResult:
     error: str = ""
     losses: list[float] = field(default_factory=list)
     scales: list[float] = field(default_factory=list)
+    # steps whose update the optimizer skipped (its step counter did not move); None without a scaler
+    skipped_at: list[int] | None = None
+    init_scale: float | None = None
+    # fastamp pitfall guards that fired during the run (AmpPitfallWarning keys, first-fired order)
+    guards: list[str] = field(default_factory=list)
     speed_vs_fp32: float = float("nan")
     convergence_pct: float = float("nan")
 
@@ -53,6 +61,40 @@ def _step_count(opt: torch.optim.Optimizer) -> float | None:
     return None
 
 
+_GUARD_KEY = re.compile(r"^fastamp \[([a-z0-9_]+)\]")
+
+
+@contextlib.contextmanager
+def pitfalls_recorded(into: list[str]):
+    """Record the keys of the :class:`fastamp.AmpPitfallWarning` raised inside instead of printing them.
+
+    The compare job runs deliberately bad regimes (``model.half()``, no masters) whose guards
+    fire by design: the report lists them per regime. Any other warning is shown as usual.
+    """
+    from fastamp import AmpPitfallWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", AmpPitfallWarning)
+        yield
+    for w in caught:
+        if issubclass(w.category, AmpPitfallWarning):
+            m = _GUARD_KEY.match(str(w.message))
+            key = m.group(1) if m else str(w.message)
+            if key not in into:
+                into.append(key)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+
+def _step_counter(opt: torch.optim.Optimizer) -> torch.Tensor:
+    """A device copy of the optimizer's step counter (0 before its first step), read without a sync."""
+    for st in opt.state.values():
+        s = st.get("step")
+        if s is not None:
+            return s.detach().clone().reshape(()).float() if torch.is_tensor(s) else torch.tensor(float(s))
+    return torch.zeros(())
+
+
 def train_regime(
     model_name: str,
     regime: str,
@@ -64,20 +106,37 @@ def train_regime(
     clip: float,
     measure_memory: bool = True,
     progress: Callable[[], None] | None = None,
+    growth_interval: int = 2000,
 ) -> RegimeResult:
-    """Train a copy of ``base_model`` for ``steps`` steps under ``regime``; no host sync inside the loop."""
+    """Train a copy of ``base_model`` for ``steps`` steps under ``regime``; no host sync inside the loop.
+
+    ``growth_interval`` goes to every scaler (torch's and fastamp's alike). The pitfall
+    warnings fastamp raises are recorded in ``guards``, not printed.
+    """
     res = RegimeResult(model_name, regime)
+    with pitfalls_recorded(res.guards):
+        _train(res, base_model, data, device, steps, lr, clip, measure_memory, progress, growth_interval)
+    return res
+
+
+def _train(res, base_model, data, device, steps, lr, clip, measure_memory, progress, growth_interval) -> None:
+    regime = res.regime
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         mem_before = torch.cuda.memory_allocated(device)
     model = copy.deepcopy(base_model).to(device)
-    opt, scaler, autocast_dtype, in_dtype = build_regime(regime, model, lr, device)
+    opt, scaler, autocast_dtype, in_dtype = build_regime(regime, model, lr, device, growth_interval)
+    if scaler is not None:
+        res.init_scale = float(scaler.get_scale())
+    # the drop-in regime keeps torch's loop (unscale_ + clip_grad_norm_), not fastamp's fused clip
+    torch_loop = regime == "fastamp-scaler-fp16"
 
     params = [p for p in model.parameters()]
     loss_fn = type(model).loss
     losses: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
+    counters: list[torch.Tensor] = []
 
     def one_step(step: int):
         x, y = data.train_batch(step)
@@ -90,11 +149,15 @@ def train_regime(
             loss = loss_fn(model(x), y)
         if scaler is not None:
             scaler.scale(loss).backward()
-            if clip > 0:
+            if clip > 0 and torch_loop:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            elif clip > 0:
                 unscale_and_clip(scaler, opt, params, clip)
             scaler.step(opt)
             scaler.update()
             scales.append(scaler._get_scale_async().detach().clone().reshape(()))
+            counters.append(_step_counter(opt))
         else:
             loss.backward()
             if clip > 0:
@@ -148,4 +211,5 @@ def train_regime(
         res.final_scale = float(scaler.get_scale())
         count = _step_count(opt)
         res.skipped_steps = steps - int(count) if count is not None else "?"
-    return res
+        seen = torch.stack(counters).cpu().tolist()
+        res.skipped_at = [i for i, c in enumerate(seen) if c == (seen[i - 1] if i else 0.0)]

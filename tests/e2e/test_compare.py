@@ -2,6 +2,8 @@
 
 import csv
 import math
+import os
+import warnings
 
 import pytest
 import torch
@@ -177,30 +179,29 @@ def test_same_regime_twice_is_bit_identical():
     assert r1.losses[-1] < r1.losses[0]
 
 
-def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
-    regimes = "fp32,torch-amp-fp16,fastamp-fp16,fastamp-bf16-sr,pure-bf16"
-    rows = compare.main(
-        [
-            "--device",
-            "cpu",
-            "--size",
-            "tiny",
-            "--steps",
-            "4",
-            "--regimes",
-            regimes,
-            "--out",
-            str(tmp_path),
-            "--no-progress",
-        ]
-    )
-    out = capsys.readouterr().out
+def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
+    regimes = "fp32,torch-amp-fp16,fastamp-scaler-fp16,fastamp-fp16,fastamp-bf16-sr,pure-fp16"
+    args = ["--device", "cpu", "--size", "tiny", "--steps", "4", "--regimes", regimes, "--out", str(tmp_path)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rows = compare.main(args + ["--no-progress", "--note", "a test run"])
+    # pure-fp16 trips two guards (the optimizer hook cast_model(fp16) installed for the process sees
+    # torch's AdamW step fp16 params with no scaler and no master): recorded per regime, not warned
+    assert not [w for w in caught if issubclass(w.category, fastamp.AmpPitfallWarning)]
+    out, err = capfd.readouterr()
+    assert "profiler_start" not in err and "profiler_stop" not in err and "USDT" not in err, err
     assert (
         "## gpt" in out and "## cnn (" in out and "## cnn-raw12" in out and "CPU note" in out and "peak memory" in out
     )
-    assert "fastamp-fp16 final val loss" in out and "pure-bf16 (plain .to(bf16), no master weights" in out
+    # the machine line: what the CPU offers low precision, read from the machine
+    assert "- cpu_features: " in out and "AVX512-BF16 " in out and "AMX-FP16 " in out
+    assert "torch CPU kernels: " + torch.backends.cpu.get_cpu_capability() in out
+    assert "- note: a test run" in out
+    assert "## Loss scale" in out and "| regime | scaler | skipped steps | skipped at step |" in out
+    assert "## Pitfall guards" in out
+    assert "fastamp-fp16 final val loss" in out and "pure-fp16 (plain .to(fp16), no master weights" in out
     assert "cast_model" in out and "largest BatchNorm running_var" in out
-    assert len(rows) == 3 * 5  # --regimes given: cnn-raw12 runs them all too
+    assert len(rows) == 3 * 6  # --regimes given: cnn-raw12 runs them all too
     for r in rows:
         assert not r["error"], r
         assert r["peak_mem_bytes"] > 0 and math.isfinite(r["peak_mem_bytes"])
@@ -208,14 +209,18 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capsys):
             assert r["convergence_pct"] == "100.0%" and r["speed_vs_fp32"] == "1.00x"
         if r["regime"].endswith("fp16") and not r["regime"].startswith("pure"):
             assert isinstance(r["skipped_steps"], int) and r["final_scale"] != "-"
+            assert len(r["skipped_at"].split()) == r["skipped_steps"]
         else:
-            assert r["skipped_steps"] == "-"
+            assert r["skipped_steps"] == "-" and r["skipped_at"] == "-"
+        assert r["guards"] == ("fp16_without_scaler fp16_without_master" if r["regime"] == "pure-fp16" else ""), r
     # fastamp keeps fp16 params + fp32 masters; measured, so it can be compared with fp32.
     gpt = {r["regime"]: r for r in rows if r["model"] == "gpt"}
-    assert gpt["pure-bf16"]["peak_mem_bytes"] < gpt["fp32"]["peak_mem_bytes"]
+    assert gpt["pure-fp16"]["peak_mem_bytes"] < gpt["fp32"]["peak_mem_bytes"]
     with open(tmp_path / "compare-cpu-curves.csv", newline="") as f:
         curves = list(csv.DictReader(f))
-    assert len(curves) == 3 * 5 * 4
+    assert len(curves) == 3 * 6 * 4
+    assert {c["skipped"] for c in curves if c["regime"] == "fp32"} == {""}
+    assert {c["skipped"] for c in curves if c["regime"] == "torch-amp-fp16"} <= {"0", "1"}
     png = tmp_path / "compare-cpu.png"
     assert png.exists() and png.stat().st_size > 20_000
 
@@ -259,3 +264,121 @@ def test_verdicts_flag_divergence_and_tolerance():
         for v in compare.verdicts(res)
     )
     assert any("pure-bf16" in v and "stalls at 25.0%" in v for v in lines)
+
+
+def _scaled_run(model_name, regime, steps=10, growth_interval=2):
+    dev = torch.device("cpu")
+    torch.manual_seed(0)
+    if model_name == "gpt":
+        data = compare.TextData(16, 4, dev)
+        base = compare.TinyGPT(len(data.vocab), 16, 1, 16, 2)
+    else:
+        data = compare.ImageData(12, 8, dev, bits=12)
+        base = compare.SmallCNN(4)
+    return compare.train_regime(
+        model_name, regime, base, data, dev, steps, 3e-3, 1.0, measure_memory=False, growth_interval=growth_interval
+    )
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "cnn-raw12"])
+def test_loss_scale_moves_and_the_drop_in_scaler_follows_torch_exactly(model_name):
+    torch_run = _scaled_run(model_name, "torch-amp-fp16")
+    ours = _scaled_run(model_name, "fastamp-scaler-fp16")
+    for r in (torch_run, ours):
+        backoffs, growths = compare.scale_moves(r)
+        assert backoffs >= 1 and growths >= 2, (r.regime, r.scales)
+        assert r.init_scale == 2.0**16 and len(r.scales) == 10
+        # every skipped step is a backoff (x0.5) and the optimizer's counter agrees with the list
+        assert len(r.skipped_at) == backoffs == r.skipped_steps
+        effect = [r.init_scale] + r.scales
+        assert all(effect[i + 1] == effect[i] / 2 for i in r.skipped_at)
+        assert all(effect[i + 1] in (effect[i], 2 * effect[i]) for i in range(10) if i not in r.skipped_at)
+    # only the scaler differs: the same scales, skipped steps and losses, bit for bit
+    assert ours.scales == torch_run.scales
+    assert ours.skipped_at == torch_run.skipped_at
+    assert ours.losses == torch_run.losses
+    assert compare.scale_trajectories_match([torch_run, ours]) == {
+        (model_name, "fastamp-scaler-fp16", "torch-amp-fp16"): True
+    }
+    lines = compare.scale_lines([torch_run, ours], 2)
+    assert any("identical at all 10 steps" in v and "as required" in v for v in lines)
+
+
+def test_growth_interval_reaches_every_scaler():
+    for regime in ("torch-amp-fp16", "fastamp-scaler-fp16", "fastamp-fp16", "half-fp16-fastamp"):
+        _, scaler, _, _ = compare.build_regime(regime, compare.SmallCNN(4), 1e-3, torch.device("cpu"), 7)
+        assert scaler.get_growth_interval() == 7 and scaler.get_scale() == 2.0**16, regime
+    assert isinstance(
+        compare.build_regime("fastamp-scaler-fp16", compare.SmallCNN(4), 1e-3, torch.device("cpu"))[1], fastamp.Scaler
+    )
+    assert "fastamp-scaler-fp16" in compare.MODEL_REGIMES["gpt"] and "torch-amp-fp16" in compare.MODEL_REGIMES["gpt"]
+    assert compare.SIZES["small"]["growth_interval"] < compare.SIZES["small"]["steps"] // 4
+    with pytest.raises(SystemExit, match="--growth-interval must be >= 0"):
+        compare.main(["--growth-interval", "-1", "--device", "cpu"])
+
+
+def test_scale_report_flags_a_drop_in_mismatch():
+    R = compare.RegimeResult
+    a = R("m", "torch-amp-fp16", init_scale=4.0, scales=[8.0, 4.0, 8.0], skipped_at=[1], losses=[1.0, 1.0, 1.0])
+    b = R("m", "fastamp-scaler-fp16", init_scale=4.0, scales=[8.0, 8.0, 4.0], skipped_at=[2], losses=[1.0, 1.0, 2.0])
+    c = R("m", "fastamp-fp16", init_scale=4.0, scales=[8.0, 4.0, 8.0], skipped_at=[1], losses=[1.0, 1.5, 1.0])
+    assert compare.scale_moves(a) == (1, 2)
+    assert compare.scale_trajectories_match([a, b, c]) == {("m", "fastamp-scaler-fp16", "torch-amp-fp16"): False}
+    lines = compare.scale_lines([a, b, c], 1)
+    bad = [v for v in lines if "fastamp-scaler-fp16 vs torch-amp-fp16" in v]
+    assert len(bad) == 1 and "EXPECTED IDENTICAL" in bad[0] and "first 1 of 3 steps" in bad[0]
+    assert "skipped steps differ: fastamp-scaler-fp16 2, torch-amp-fp16 1" in bad[0]
+    ok = [v for v in lines if "fastamp-fp16 vs torch-amp-fp16" in v]
+    assert len(ok) == 1 and "identical at all 3 steps" in ok[0] and "not required" in ok[0]
+    assert any("| torch-amp-fp16 | torch.amp.GradScaler | 1 | 1 | 1 | 2 | 2^2 - 2^3 | 2^3 |" in v for v in lines)
+
+
+def test_pitfall_warnings_are_recorded_by_key_and_other_warnings_pass():
+    fired = []
+    with pytest.warns(UserWarning, match="an ordinary warning"):
+        with compare.pitfalls_recorded(fired):
+            warnings.warn("fastamp [norm_in_low_precision]: BatchNorm in fp16", fastamp.AmpPitfallWarning, stacklevel=1)
+            warnings.warn("fastamp [norm_in_low_precision]: again", fastamp.AmpPitfallWarning, stacklevel=1)
+            warnings.warn("fastamp [scale_collapse]: below 1", fastamp.AmpPitfallWarning, stacklevel=1)
+            warnings.warn("an ordinary warning", UserWarning, stacklevel=1)
+    assert fired == ["norm_in_low_precision", "scale_collapse"]
+    lines = compare.guard_lines([compare.RegimeResult("m", "pure-fp16", guards=fired), compare.RegimeResult("m", "x")])
+    assert "- m/pure-fp16: `norm_in_low_precision`, `scale_collapse`" in lines
+    assert any(v.startswith("- `scale_collapse`: the loss scale fell below 1") for v in lines)
+    assert compare.guard_lines([compare.RegimeResult("m", "x")]) == [
+        "No fastamp pitfall guard (AmpPitfallWarning) fired in any regime."
+    ]
+
+
+def test_profiler_lines_are_held_back_and_the_rest_passes(capfd):
+    from fastamp.compare.memory import _profiler_noise_filtered
+
+    with _profiler_noise_filtered():
+        os.write(2, b"USDT:2026-12-01 08:27:48 6174:6174 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"something else went wrong\n")
+        os.write(2, b"USDT:2026-12-01 08:27:48 6174:6174 SyncActivityProfilerHandler.cpp:59] profiler_stop\n")
+    meter = compare.CpuPeakMeter()
+    meter.measure(lambda: torch.ones(100).sum())  # the real profiler, started and stopped
+    err = capfd.readouterr().err
+    assert err == "something else went wrong\n", err
+
+
+def test_cpu_features_are_read_from_the_flags():
+    feats = compare.cpu_features({"fpu", "avx2", "avx512f", "avx512_bf16"})
+    assert feats == {
+        "AMX": False,
+        "AMX-BF16": False,
+        "AMX-FP16": False,
+        "AVX512-BF16": True,
+        "AVX512-FP16": False,
+        "AVX-512": True,
+        "AVX2": True,
+    }
+    line = compare.cpu_features_line({"avx2", "amx_tile", "amx_bf16", "amx_fp16", "avx512_fp16"})
+    assert "AMX yes" in line and "AMX-FP16 yes" in line and "AVX512-BF16 no" in line and "AVX-512 no" in line
+    assert compare.cpu_features_line(set()).endswith("torch CPU kernels: " + torch.backends.cpu.get_cpu_capability())
+    if os.path.exists("/proc/cpuinfo"):
+        assert compare.cpu_flags() and all(isinstance(v, bool) for v in compare.cpu_features().values())
+    assert compare.cpu_flags("/nonexistent/cpuinfo") is None
+    note = compare.cpu_speed_note([], {"AVX512-BF16": True, "AMX-BF16": False})
+    assert "(here: AVX512-BF16 yes, AMX-BF16 no)" in note and "no speed measured" in note
