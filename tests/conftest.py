@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import torch
 
@@ -6,3 +7,32 @@ import torch
 # triton (or fastamp.kernels) is imported. On a GPU machine the real device is used.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+# Each folder is a tier; its tests get the tier's marker (declared in pyproject.toml, see tests/README.md).
+TIERS = ("spec", "backends", "api", "e2e", "tools")
+_TESTS = Path(__file__).resolve().parent
+_NO_CUDA = "needs a CUDA device (run by benchmarks/gpu_check.sh on a GPU machine)"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tier markers from the folder; ``gpu`` on every test that needs CUDA, and its skip where there is none.
+
+    A test needs CUDA when it carries ``pytest.mark.gpu`` (``helpers.requires_cuda``; an optional
+    ``reason=`` says more) or is parametrised on ``device``/``dev`` = ``"cuda"``.
+    """
+    cuda = torch.cuda.is_available()
+    for item in items:
+        try:
+            tier = item.path.resolve().relative_to(_TESTS).parts[0]
+        except ValueError:
+            tier = None
+        if tier in TIERS:
+            item.add_marker(tier)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "cuda" in (params.get("device"), params.get("dev")) and item.get_closest_marker("gpu") is None:
+            item.add_marker("gpu")
+        gpu = item.get_closest_marker("gpu")
+        if gpu is not None and not cuda:
+            item.add_marker(pytest.mark.skip(reason=gpu.kwargs.get("reason", _NO_CUDA)))

@@ -9,10 +9,8 @@ import io
 import pytest
 import torch
 
-CUDA = torch.cuda.is_available()
-requires_cuda = pytest.mark.skipif(
-    not CUDA, reason="needs a CUDA device (run by benchmarks/gpu_check.sh on a GPU machine)"
-)
+# A test that needs a CUDA device: conftest.py skips ``gpu`` tests, with their reason, where there is none.
+requires_cuda = pytest.mark.gpu
 
 _INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 

@@ -15,10 +15,7 @@ from tolerances import SUMSQ_RTOL
 
 from fastamp import _ops, reference
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)",
-)
+pytestmark = pytest.mark.gpu(reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)")
 
 DEV = "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

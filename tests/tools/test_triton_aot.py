@@ -1154,7 +1154,11 @@ def _cuda_ok():
     return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
-requires_cuda = pytest.mark.skipif(not _cuda_ok(), reason="needs a CUDA device (run by benchmarks/gpu_check.sh)")
+# gpu: conftest.py skips these without a CUDA device; on one, TRITON_INTERPRET=1 would not run what is checked.
+requires_cuda = pytest.mark.gpu(reason="needs a CUDA device (run by benchmarks/gpu_check.sh)")
+compiled_triton = pytest.mark.skipif(
+    __import__("torch").cuda.is_available() and not _cuda_ok(), reason="TRITON_INTERPRET=1: needs compiled Triton"
+)
 
 
 def _adamw_state(device, sizes, seed):
@@ -1207,6 +1211,7 @@ def _assert_same(a, b):
 
 
 @requires_cuda
+@compiled_triton
 @pytest.mark.skipif(not _cuda_ok() or __import__("torch").cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_launches_run_on_the_tensors_device():
     """Tensors on cuda:1 while cuda:0 is current: the kernels run on cuda:1, in its current stream's order."""
@@ -1240,6 +1245,7 @@ def test_launches_run_on_the_tensors_device():
 
 
 @requires_cuda
+@compiled_triton
 def test_tables_stay_valid_under_cuda_graph_replay():
     """A table made during capture is written by the graph itself and outlives every cache and pool churn."""
     import torch
