@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable, Literal
 
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision as _LightningMixedPrecision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -172,6 +173,10 @@ class MixedPrecision(_LightningMixedPrecision):
     ) -> None:
         if clip_val is None or clip_val <= 0 or self._backward_skipped:
             return
+        if isinstance(optimizer, LightningOptimizer):
+            # manual optimization hands the wrapper to clip_gradients; the scaler's per-optimizer
+            # state (and the step) are keyed by the optimizer inside it
+            optimizer = optimizer.optimizer
         algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
         if self.scaler is None:
             # bf16: nothing is scaled, so torch's clipping is right for every optimizer

@@ -79,16 +79,16 @@ class _Record(L.Callback):
     def __init__(self):
         self.scales, self.skipped = [], []
 
-    def on_train_batch_end(self, trainer, *args):
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         scaler = trainer.precision_plugin.scaler
-        if scaler is None:
+        if scaler is None or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         self.scales.append(scaler._get_scale_async().clone())
         if isinstance(scaler, fastamp.Scaler):
             self.skipped.append(scaler.last_step_skipped_tensor.clone())
 
 
-def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None):
+def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None, accumulate=1):
     record = _Record()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -97,6 +97,7 @@ def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None):
         max_epochs=epochs,
         gradient_clip_val=clip,
         gradient_clip_algorithm=algorithm,
+        accumulate_grad_batches=accumulate,
         callbacks=[record],
         logger=False,
         enable_checkpointing=False,
@@ -107,20 +108,24 @@ def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None):
     return trainer, record
 
 
-def _by_hand(optimizer: str, clip=0.5, algorithm="norm", precision="16-mixed", overflow_at=OVERFLOW_AT):
+def _by_hand(optimizer: str, clip=0.5, algorithm="norm", precision="16-mixed", overflow_at=OVERFLOW_AT, accumulate=1):
     """The loop the plugin must run, written out: Lightning's order of calls, fastamp.Scaler."""
     module = _Net(optimizer)
     opt = module.configure_optimizers()
     scaler = fastamp.Scaler("cpu", growth_interval=GROWTH_INTERVAL, enabled=precision == "16-mixed")
     dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
     losses, scales, skipped = [], [], []
-    for step, (x, y) in enumerate(_loader()):
+    for batch, (x, y) in enumerate(_loader()):
+        step = batch // accumulate
         with torch.autocast("cpu", dtype=dtype, cache_enabled=False):
             loss = torch.nn.functional.mse_loss(module(x), y)
         losses.append(loss.detach())
-        opt.zero_grad()
-        scaler.scale(loss).backward()
+        if batch % accumulate == 0:
+            opt.zero_grad()
+        scaler.scale(loss / accumulate).backward()
         inject_inf(module.net, step in overflow_at)
+        if (batch + 1) % accumulate:
+            continue
         amp_aware = getattr(opt, "_step_supports_amp_scaling", False)
         if precision == "bf16-mixed":
             clip_fn = torch.nn.utils.clip_grad_norm_ if algorithm == "norm" else torch.nn.utils.clip_grad_value_
@@ -141,10 +146,16 @@ def _by_hand(optimizer: str, clip=0.5, algorithm="norm", precision="16-mixed", o
 
 
 @pytest.mark.parametrize(
-    "optimizer, algorithm",
-    [("fastamp.AdamW", "norm"), ("torch.AdamW(fused)", "norm"), ("torch.SGD", "norm"), ("fastamp.AdamW", "value")],
+    "optimizer, algorithm, accumulate",
+    [
+        ("fastamp.AdamW", "norm", 1),
+        ("torch.AdamW(fused)", "norm", 1),
+        ("torch.SGD", "norm", 1),
+        ("fastamp.AdamW", "value", 1),
+        ("fastamp.AdamW", "norm", 2),
+    ],
 )
-def test_plugin_runs_exactly_the_fastamp_loop(optimizer, algorithm):
+def test_plugin_runs_exactly_the_fastamp_loop(optimizer, algorithm, accumulate):
     """Trainer + plugin == the hand-written fastamp loop, bit for bit: losses, params, scale, skips.
 
     Amp-aware optimizers included (Lightning's own plugin refuses to clip them).
@@ -152,15 +163,18 @@ def test_plugin_runs_exactly_the_fastamp_loop(optimizer, algorithm):
     clip = 0.5 if algorithm == "norm" else 0.02
     module = _Net(optimizer)
     plugin = MixedPrecision("16-mixed", "cpu", growth_interval=GROWTH_INTERVAL)
-    trainer, record = _fit(module, plugin, clip=clip, algorithm=algorithm)
-    ref, _, ref_scaler, ref_losses, ref_scales, ref_skipped = _by_hand(optimizer, clip=clip, algorithm=algorithm)
+    trainer, record = _fit(module, plugin, clip=clip, algorithm=algorithm, accumulate=accumulate)
+    ref, _, ref_scaler, ref_losses, ref_scales, ref_skipped = _by_hand(
+        optimizer, clip=clip, algorithm=algorithm, accumulate=accumulate
+    )
 
     assert torch.equal(torch.stack(module.losses), ref_losses)
     assert_equal_lists(params(module), params(ref))
     assert_equal_lists(record.scales, ref_scales)
     assert_equal_lists(record.skipped, ref_skipped)
     skipped_at = [i for i, s in enumerate(record.skipped) if bool(s)]
-    assert set(OVERFLOW_AT) <= set(skipped_at)
+    assert len(record.skipped) == BATCHES // accumulate
+    assert {s for s in OVERFLOW_AT if s < BATCHES // accumulate} <= set(skipped_at)
     # the scale moved both ways: backoffs at the skips, growth in between
     scales = [float(s) for s in record.scales]
     moves = [b / a for a, b in zip([2.0**16] + scales, scales)]
@@ -170,6 +184,37 @@ def test_plugin_runs_exactly_the_fastamp_loop(optimizer, algorithm):
     assert float(trainer.callback_metrics["fastamp/loss_scale"]) == scales[-1]
     if algorithm == "norm":
         assert plugin.last_grad_norm is not None and plugin.last_grad_norm.dim() == 0
+
+
+class _ManualNet(_Net):
+    """Manual optimization: the user clips with self.clip_gradients before opt.step()."""
+
+    def __init__(self, optimizer: str):
+        super().__init__(optimizer)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self(x), y)
+        self.losses.append(loss.detach())
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        opt.step()
+
+
+@pytest.mark.parametrize("optimizer", ["fastamp.AdamW", "torch.SGD"])
+def test_manual_optimization_clips_unscaled_grads_once(optimizer):
+    """self.clip_gradients(opt) gets Lightning's optimizer wrapper: the fused clip runs on the
+    optimizer inside it (the step then neither unscales again nor misses the clip)."""
+    module = _ManualNet(optimizer)
+    _, record = _fit(module, MixedPrecision("16-mixed", "cpu", growth_interval=GROWTH_INTERVAL), clip=None)
+    ref, _, _, ref_losses, ref_scales, ref_skipped = _by_hand(optimizer, clip=0.5)
+    assert torch.equal(torch.stack(module.losses), ref_losses)
+    assert_equal_lists(params(module), params(ref))
+    assert_equal_lists(record.scales, ref_scales)
+    assert_equal_lists(record.skipped, ref_skipped)
 
 
 @pytest.mark.parametrize("clip", [1e9, 0.5], ids=["clip-never-binds", "clip-binds"])
@@ -240,6 +285,35 @@ def test_checkpoint_resume_is_bit_exact(tmp_path):
     assert_equal_optimizer_states(
         straight_trainer.optimizers[0].state_dict(), resumed_trainer.optimizers[0].state_dict()
     )
+
+
+def test_checkpoints_move_between_lightnings_plugin_and_this_one(tmp_path):
+    """Epoch 1 with Lightning's plugin (torch GradScaler), epoch 2 resumed with this one ==
+    two epochs with Lightning's (clip not binding: the same maths, bit for bit); this one's
+    checkpoint loads into torch's GradScaler (it reads its own keys)."""
+    overflow_at = (5, BATCHES + 6)
+
+    def torch_plugin():
+        return LightningMixedPrecision(
+            "16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+        )
+
+    straight = _Net("torch.AdamW", overflow_at)
+    _, straight_record = _fit(straight, torch_plugin(), clip=1e9, epochs=2)
+    first_trainer, _ = _fit(_Net("torch.AdamW", overflow_at), torch_plugin(), clip=1e9)
+    first_trainer.save_checkpoint(tmp_path / "torch.ckpt")
+    resumed = _Net("torch.AdamW", overflow_at)
+    plugin = MixedPrecision("16-mixed", "cpu", growth_interval=GROWTH_INTERVAL)
+    trainer, record = _fit(resumed, plugin, clip=1e9, epochs=2, ckpt_path=tmp_path / "torch.ckpt")
+
+    assert torch.equal(torch.stack(resumed.losses), torch.stack(straight.losses[BATCHES:]))
+    assert_equal_lists(params(resumed), params(straight))
+    assert_equal_lists(record.scales, straight_record.scales[BATCHES:])
+    trainer.save_checkpoint(tmp_path / "fastamp.ckpt")
+    torch_scaler = torch.amp.GradScaler("cpu")
+    torch_scaler.load_state_dict(torch.load(tmp_path / "fastamp.ckpt", weights_only=False)["MixedPrecision"])
+    assert torch_scaler.get_scale() == plugin.scaler.get_scale()
+    assert torch_scaler._get_growth_tracker() == plugin.scaler._get_growth_tracker()
 
 
 def test_no_host_sync_after_backward_with_an_amp_aware_optimizer(monkeypatch):
