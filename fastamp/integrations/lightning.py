@@ -77,6 +77,10 @@ class MixedPrecision(_LightningMixedPrecision):
         ``log_every_n_steps``). They are in ``trainer.callback_metrics`` as well.
         :attr:`skipped_steps` is the counter itself.
 
+    Hooks: ``on_before_optimizer_step`` sees unscaled grads with an ordinary optimizer and
+    still-scaled grads with an amp-aware one (as with Lightning's plugin: the fused clip and
+    step unscale in registers, the grads are never rewritten).
+
     Manual optimization: call ``self.clip_gradients(opt, gradient_clip_val=...)`` before
     ``opt.step()`` as usual; the clip then sees (and computes on) unscaled values, and the step
     does not unscale twice.
