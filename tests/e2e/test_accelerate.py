@@ -69,7 +69,9 @@ def _accelerator(precision="fp16", scaler="fastamp"):
 
 
 class _Run:
-    def __init__(self, optimizer, precision="fp16", scaler="fastamp", overflow_at=OVERFLOW_AT, clip=CLIP, lr=False):
+    def __init__(
+        self, optimizer, precision="fp16", scaler="fastamp", overflow_at=OVERFLOW_AT, clip=CLIP, lr=False, by="norm"
+    ):
         self.accelerator = _accelerator(precision, scaler)
         model = mlp()
         opt = OPTIMIZERS[optimizer](model.parameters())
@@ -78,7 +80,7 @@ class _Run:
             self.model, self.opt, self.scheduler = self.accelerator.prepare(model, opt, self.scheduler)
         else:
             self.model, self.opt = self.accelerator.prepare(model, opt)
-        self.overflow_at, self.clip = overflow_at, clip
+        self.overflow_at, self.clip, self.by = overflow_at, clip, by
         self.losses, self.scales, self.skipped = [], [], []
 
     def train(self, start=0, stop=MICRO_BATCHES):
@@ -89,8 +91,10 @@ class _Run:
                 self.losses.append(loss.detach())
                 acc.backward(loss)
                 inject_inf(self.model, i in self.overflow_at)
-                if acc.sync_gradients:
+                if acc.sync_gradients and self.by == "norm":
                     acc.clip_grad_norm_(self.model.parameters(), self.clip)
+                elif acc.sync_gradients:
+                    acc.clip_grad_value_(self.model.parameters(), self.clip)
                 self.opt.step()
                 if self.scheduler is not None:
                     self.scheduler.step()
@@ -101,7 +105,7 @@ class _Run:
         return self
 
 
-def _by_hand(optimizer, precision="fp16", overflow_at=OVERFLOW_AT):
+def _by_hand(optimizer, precision="fp16", overflow_at=OVERFLOW_AT, by="norm", clip=CLIP):
     """The loop Accelerate runs with the fastamp scaler, written out."""
     model = mlp()
     opt = OPTIMIZERS[optimizer](model.parameters())
@@ -116,7 +120,11 @@ def _by_hand(optimizer, precision="fp16", overflow_at=OVERFLOW_AT):
         scaler.scale(loss / ACCUMULATE).backward()
         inject_inf(model, i in overflow_at)
         if (i + 1) % ACCUMULATE == 0:
-            scaler.clip_grad_norm_(opt, CLIP)
+            if by == "norm":
+                scaler.clip_grad_norm_(opt, clip)
+            else:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_value_(list(model.parameters()), clip)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad(set_to_none=True)
@@ -127,28 +135,36 @@ def _by_hand(optimizer, precision="fp16", overflow_at=OVERFLOW_AT):
 
 
 @pytest.mark.parametrize(
-    "precision, optimizer",
-    [("fp16", "fastamp.AdamW"), ("fp16", "torch.AdamW(fused)"), ("fp16", "torch.SGD"), ("bf16", "fastamp.AdamW")],
+    "precision, optimizer, by",
+    [
+        ("fp16", "fastamp.AdamW", "norm"),
+        ("fp16", "torch.AdamW(fused)", "norm"),
+        ("fp16", "torch.SGD", "norm"),
+        ("fp16", "fastamp.AdamW", "value"),
+        ("bf16", "fastamp.AdamW", "norm"),
+    ],
 )
-def test_accelerate_runs_exactly_the_fastamp_loop(precision, optimizer, monkeypatch):
+def test_accelerate_runs_exactly_the_fastamp_loop(precision, optimizer, by, monkeypatch):
     """Accelerator + use_fastamp_scaler == the hand-written fastamp loop, bit for bit.
 
     fp16: the fused clip is what accelerator.clip_grad_norm_ runs; step_was_skipped is right
-    for amp-aware optimizers too (Accelerate alone reports False for them). bf16: no scaler,
-    Accelerate's own clip, fastamp's optimizer.
+    for amp-aware optimizers too (Accelerate alone reports False for them); clip_grad_value_ is
+    Accelerate's (unscale with fastamp's unscale_, then clamp). bf16: no scaler, Accelerate's
+    own clip, fastamp's optimizer.
     """
     fused_clips = []
     if precision == "fp16":
-        clip = fastamp.Scaler.clip_grad_norm_
+        fused_clip = fastamp.Scaler.clip_grad_norm_
 
         def counting_clip(self, *a, **k):
             fused_clips.append(1)
-            return clip(self, *a, **k)
+            return fused_clip(self, *a, **k)
 
         monkeypatch.setattr(fastamp.Scaler, "clip_grad_norm_", counting_clip)
     overflow_at = OVERFLOW_AT if precision == "fp16" else ()
-    run = _Run(optimizer, precision, "fastamp" if precision == "fp16" else None, overflow_at).train()
-    ref, ref_losses, ref_scales, ref_skipped = _by_hand(optimizer, precision, overflow_at)
+    clip = CLIP if by == "norm" else 0.02
+    run = _Run(optimizer, precision, "fastamp" if precision == "fp16" else None, overflow_at, clip, by=by).train()
+    ref, ref_losses, ref_scales, ref_skipped = _by_hand(optimizer, precision, overflow_at, by, clip)
 
     assert torch.equal(torch.stack(run.losses), ref_losses)
     assert_equal_lists(params(run.model), params(ref))
@@ -156,7 +172,7 @@ def test_accelerate_runs_exactly_the_fastamp_loop(precision, optimizer, monkeypa
         assert run.accelerator.scaler is None
         return
     steps = MICRO_BATCHES // ACCUMULATE
-    assert len(fused_clips) == 2 * steps  # the run's and the reference's
+    assert len(fused_clips) == (2 * steps if by == "norm" else 0)  # the run's and the reference's
     assert_equal_lists(run.scales, ref_scales)
     assert run.skipped == ref_skipped
     skipped_at = [i for i, s in enumerate(run.skipped) if s]
