@@ -1,7 +1,7 @@
 """Triton kernels, installed as ``fastamp.kernels``.
 
 Importing this package never imports Triton; :func:`available` and :func:`get_op` do, lazily.
-Each op module (``amp.py``, ``adamw.py``) exposes functions with the same signatures as
+Each op module (``amp.py``, ``adamw.py``, ``adamw_bf16.py``, ``sgd.py``) exposes functions with the same signatures as
 ``fastamp.reference``.
 """
 
@@ -14,7 +14,7 @@ _OP_MODULES = {
     "unscale_check_": "amp",
     "update_scale_": "amp",
     "adamw_": "adamw",
-    "adamw_bf16_": "adamw",
+    "adamw_bf16_": "adamw_bf16",
     "sgd_": "sgd",
     "unscale_check_stats_": "amp",
 }

@@ -396,6 +396,34 @@ def split_master(x):
     return pbits, tl.where(nan, 0, rem).to(tl.int16)
 
 
+@triton.jit
+def adam_moments(g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, lerp_small):
+    """AdamW's new ``(exp_avg, exp_avg_sq)`` in fp32, one rounding per operation as the reference.
+
+    ``exp_avg`` is torch.lerp(m, g, 1 - beta1), on the branch :func:`lerp_small` chose on the host.
+    """
+    diff = g - m
+    if lerp_small != 0:
+        mv = m + one_minus_beta1 * diff
+    else:
+        mv = g - diff * beta1
+    vv = v * beta2 + (one_minus_beta2 * g) * g
+    return mv, vv
+
+
+@triton.jit
+def nan_maximum(a, b):
+    """torch.maximum: NaN if either is NaN."""
+    return tl.where((a != a) | (b != b), a + b, tl.maximum(a, b))
+
+
+@triton.jit
+def adam_param(decayed, d, mv, step_size, bc2_sqrt, eps, RN: tl.constexpr):
+    """The decayed param minus ``step_size * mv / (sqrt(d) / bc2_sqrt + eps)``, correctly rounded divisions."""
+    denom = div_rn(sqrt_rn(d, RN), bc2_sqrt, RN) + eps
+    return decayed - div_rn(step_size * mv, denom, RN)
+
+
 def lerp_small(beta1: float) -> bool:
     """torch.lerp's branch for weight ``1 - beta1`` (< 0.5), decided on the fp32 weight like the reference."""
     return to_f32(1.0 - beta1) < 0.5
@@ -496,3 +524,118 @@ def check_runnable(op: str, device: torch.device) -> None:
         raise RuntimeError(f"fastamp_triton::{op}: Triton runs on CPU tensors only under TRITON_INTERPRET=1")
     if device.type not in ("cpu", "cuda"):
         raise RuntimeError(f"fastamp_triton::{op}: no Triton support for device {device}")
+
+
+def contiguous(tensors):
+    """``tensors`` with each non-contiguous one replaced by a contiguous copy (read-only streams)."""
+    return [t if t.is_contiguous() else t.contiguous() for t in tensors]
+
+
+def launch_groups(streams, key) -> dict:
+    """Indices of the non-empty tensors grouped for one launch each: ``{(*key(i), aligned): [i, ...]}``.
+
+    ``streams`` holds the launch's tensor lists (params first), in table-column order; a tensor
+    whose streams are not all 16-byte aligned (views at odd offsets) goes to the kernel compiled
+    without the alignment hint.
+    """
+    groups = {}
+    for i in range(len(streams[0])):
+        if streams[0][i].numel() == 0:
+            continue
+        groups.setdefault((*key(i), is_aligned(*(s[i] for s in streams))), []).append(i)
+    return groups
+
+
+def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device) -> tuple:
+    """The :func:`build_table` table of the tensors ``idxs``: ``(table, n_chunks, n_ptr)``.
+
+    One column of ``data_ptr()`` per tensor list of ``streams`` (params first: their numels
+    count), then, unless ``ids_base`` is None, the random stream's tensor ids ``ids_base + i``
+    (the index in the call, not in the group).
+    """
+    columns = [[s[i].data_ptr() for i in idxs] for s in streams]
+    if ids_base is not None:
+        columns.append([ids_base + i for i in idxs])
+    table, n_chunks = build_table(columns, [streams[0][i].numel() for i in idxs], chunk, device)
+    return table, n_chunks, len(columns)
+
+
+def adam_hyper_args(beta1, beta2, eps, found_inf, maximize) -> tuple:
+    """The AdamW kernels' hyperparameter and flag arguments, from ``beta1`` to ``lerp_small``."""
+    return (
+        to_f32(beta1),
+        to_f32(1.0 - beta1),
+        to_f32(beta2),
+        to_f32(1.0 - beta2),
+        to_f32(eps),
+        int(found_inf is not None),
+        int(maximize),
+        int(lerp_small(beta1)),
+    )
+
+
+def device_scalars(step_scalars, found_inf, rng):
+    """The optimizer launchers' device scalars as the kernels read them.
+
+    ``step_scalars`` flat contiguous fp32; ``found_inf`` fp32 (any non-zero value, NaN included,
+    stays non-zero: a tiny fp64 could round to 0); ``rng`` contiguous. Copies only when needed.
+    """
+    scalars = step_scalars.reshape(-1)
+    if scalars.dtype != torch.float32 or not scalars.is_contiguous():
+        scalars = scalars.to(torch.float32).contiguous()
+    if found_inf is not None and found_inf.dtype != torch.float32:
+        found_inf = found_inf.ne(0).to(torch.float32)
+    if rng is not None and not rng.is_contiguous():
+        rng = rng.contiguous()
+    return scalars, found_inf, rng
+
+
+# ---- argument checks shared by the optimizer launchers ----
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def check_call(
+    op, params, grads, masters_name, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, amsgrad
+):
+    """Checks shared by adamw_ and adamw_bf16_: list lengths, step_scalars, found_inf.
+
+    Returns the params' device, or None when there is nothing to update."""
+    n = len(params)
+    for name, lst in (("grads", grads), ("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
+        if len(lst) != n:
+            raise ValueError(f"{op}: {name} has {len(lst)} tensors but params has {n}")
+    if len(masters) not in (0, n):
+        raise ValueError(f"{op}: {masters_name} must be empty or have one tensor per param ({n}), got {len(masters)}")
+    if amsgrad and len(max_exp_avg_sqs) != n:
+        raise ValueError(f"{op}: amsgrad needs one max_exp_avg_sq per param ({n}), got {len(max_exp_avg_sqs)}")
+    if n == 0:
+        return None
+    dev = params[0].device
+    if step_scalars.numel() != 4 or not step_scalars.is_floating_point():
+        raise ValueError(
+            f"{op}: step_scalars must be 4 floats [step_size, bc2_sqrt, decay, grad_mul], "
+            f"got shape {tuple(step_scalars.shape)} {step_scalars.dtype}"
+        )
+    if step_scalars.device != dev:
+        raise ValueError(f"{op}: step_scalars is on {step_scalars.device} but params are on {dev}")
+    check_found_inf(op, found_inf, dev)
+    return dev
+
+
+def check_rng(op, rng, dev):
+    if rng is None:
+        return
+    if rng.dtype != torch.int64 or rng.numel() < 2:
+        raise ValueError(f"{op}: rng must be an int64 tensor [seed, counter], got {rng.dtype} {tuple(rng.shape)}")
+    if rng.device != dev:
+        raise ValueError(f"{op}: rng is on {rng.device} but params are on {dev}")
+
+
+def check_found_inf(op, found_inf, dev):
+    if found_inf is None:
+        return
+    if found_inf.numel() != 1:
+        raise ValueError(f"{op}: found_inf must be a 1-element tensor, got shape {tuple(found_inf.shape)}")
+    if found_inf.device != dev:
+        raise ValueError(f"{op}: found_inf is on {found_inf.device} but params are on {dev}")

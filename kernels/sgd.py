@@ -257,43 +257,22 @@ def _sgd_impl(
         return
     dev = params[0].device
     C.check_runnable("sgd_", dev)
-    scalars = step_scalars.reshape(-1)
-    if scalars.dtype != torch.float32 or not scalars.is_contiguous():
-        scalars = scalars.to(torch.float32).contiguous()
-    if found_inf is not None and found_inf.dtype != torch.float32:
-        # any non-zero value (NaN included) must stay non-zero: a tiny fp64 could round to 0
-        found_inf = found_inf.ne(0).to(torch.float32)
-    if rng is not None and not rng.is_contiguous():
-        rng = rng.contiguous()
+    scalars, found_inf, rng = C.device_scalars(step_scalars, found_inf, rng)
     if not masters:
         master_kind = _NO_MASTER
     else:
         master_kind = _REMAINDER if masters[0].dtype == torch.int16 else _FP32_MASTER
     has_momentum = momentum != 0
-    groups = {}
-    for i, p in enumerate(params):
-        if p.numel() == 0:
-            continue
-        g = grads[i] if grads[i].is_contiguous() else grads[i].contiguous()
-        streams = [p, g]
-        streams += [masters[i]] if master_kind != _NO_MASTER else []
-        streams += [momentum_buffers[i]] if has_momentum else []
-        groups.setdefault((p.dtype, g.dtype, C.is_aligned(*streams)), []).append((i, g))
+    grads = C.contiguous(grads)
+    streams = [params, grads, *([masters] if master_kind != _NO_MASTER else [])]
+    streams += [momentum_buffers] if has_momentum else []
+    groups = C.launch_groups(streams, lambda i: (params[i].dtype, grads[i].dtype))
     chunk, block, opts = C.launch_config("sgd")
     with C.device_guard(dev):
-        for (p_dtype, g_dtype, aligned), members in groups.items():
-            idxs = [i for i, _ in members]
+        for (p_dtype, g_dtype, aligned), idxs in groups.items():
             # stochastic rounding only where the reference does it: bf16 params without a master
             sr = rng is not None and master_kind == _NO_MASTER and p_dtype == torch.bfloat16
-            columns = [[params[i].data_ptr() for i in idxs], [g.data_ptr() for _, g in members]]
-            if master_kind != _NO_MASTER:
-                columns.append([masters[i].data_ptr() for i in idxs])
-            if has_momentum:
-                columns.append([momentum_buffers[i].data_ptr() for i in idxs])
-            if sr:
-                # the tensor id of the random stream is the index in the call, not in the group
-                columns.append([rng_base + i for i in idxs])
-            table, n_chunks = C.build_table(columns, [params[i].numel() for i in idxs], chunk, dev)
+            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if sr else None, chunk, dev)
             _sgd_kernel[(n_chunks,)](
                 table,
                 len(idxs),
@@ -310,7 +289,7 @@ def _sgd_impl(
                 int(weight_decay != 0),
                 P_KIND=C.DTYPE_KIND[p_dtype],
                 G_KIND=C.DTYPE_KIND[g_dtype],
-                N_PTR=len(columns),
+                N_PTR=n_ptr,
                 MASTER=master_kind,
                 HAS_MOMENTUM=has_momentum,
                 SR=sr,
@@ -324,35 +303,6 @@ def _sgd_impl(
 _sgd_op = _ops.register_triton("sgd_", _sgd_impl)
 
 
-def sgd_(
-    params,
-    grads,
-    masters,
-    momentum_buffers,
-    step_scalars: Tensor,
-    found_inf: Optional[Tensor],  # noqa: UP045 (runtime annotation, Python 3.9)
-    rng: Optional[Tensor],  # noqa: UP045
-    rng_base: int,
-    momentum: float,
-    dampening: float,
-    weight_decay: float,
-    nesterov: bool,
-    maximize: bool,
-) -> None:
-    """Triton :func:`fastamp.reference.sgd_`: one launch per (param, grad) dtype group, no host sync."""
-    args = (
-        params,
-        grads,
-        masters,
-        momentum_buffers,
-        step_scalars,
-        found_inf,
-        rng,
-        rng_base,
-        momentum,
-        dampening,
-        weight_decay,
-        nesterov,
-        maximize,
-    )
+def sgd_(*args) -> None:
+    """Triton :func:`fastamp.reference.sgd_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
     _sgd_op(*_ops.coerce("sgd_", args))

@@ -31,6 +31,7 @@ if not DEVICES:
     pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET is not 1)", allow_module_level=True)
 
 from fastamp.kernels import adamw as tadamw  # noqa: E402
+from fastamp.kernels import adamw_bf16 as tadamw_bf16  # noqa: E402
 from fastamp.kernels import amp as tamp  # noqa: E402
 from fastamp.kernels import sgd as tsgd  # noqa: E402
 
@@ -134,7 +135,7 @@ def test_adamw_bf16_matches_reference(device, rem, rng_seed, m_dtype):
     hyper = (1e-2 if beta1 == 0.9 else 0.5, 0.1, beta1, beta2, 1e-8, amsgrad, maximize)
     state = _bf16_state(device, SIZES, k, rem, m_dtype, g_dtype, amsgrad, adversarial=bool(k & 4))
     ref = clone_lists(state)
-    _adamw_bf16_steps(tadamw.adamw_bf16_, state, device, hyper, 0.0, rng_seed, 5)
+    _adamw_bf16_steps(tadamw_bf16.adamw_bf16_, state, device, hyper, 0.0, rng_seed, 5)
     _adamw_bf16_steps(R.adamw_bf16_, ref, device, hyper, 0.0, rng_seed, 5)
     _compare_bf16_adamw(state, ref, device)
 
@@ -166,7 +167,7 @@ def test_adamw_bf16_remainder_equals_fp32_master(device):
         scalars = R.adamw_step_scalars(1e-3, torch.tensor(float(step), device=device), 0.9, 0.999, wd)
         fp32_state[1] = rem_state[1] = grads
         tadamw.adamw_(*fp32_state, scalars, None, 0.9, 0.999, 1e-8, False, False)
-        tadamw.adamw_bf16_(*rem_state, scalars, None, None, 0, 0.9, 0.999, 1e-8, False, False)
+        tadamw_bf16.adamw_bf16_(*rem_state, scalars, None, None, 0, 0.9, 0.999, 1e-8, False, False)
         for i in range(len(sizes)):
             joined = R.join_master(rem_state[0][i], rem_state[2][i])
             assert_bits_equal(joined, fp32_state[2][i], f"master {i} at step {step}")
@@ -196,16 +197,16 @@ def test_adamw_bf16_stochastic_bits_and_streams(device):
     initial = clone_lists(state)
     alone = [[lst[2]] if lst else [] for lst in clone_lists(state)]
     ref = clone_lists(state)
-    _adamw_bf16_steps(tadamw.adamw_bf16_, state, device, hyper, None, 77, 10, n_steps=1)
+    _adamw_bf16_steps(tadamw_bf16.adamw_bf16_, state, device, hyper, None, 77, 10, n_steps=1)
     _adamw_bf16_steps(R.adamw_bf16_, ref, device, hyper, None, 77, 10, n_steps=1)
     _compare_bf16_adamw(state, ref, device)
-    _adamw_bf16_steps(tadamw.adamw_bf16_, alone, device, hyper, None, 77, 12, n_steps=1)
+    _adamw_bf16_steps(tadamw_bf16.adamw_bf16_, alone, device, hyper, None, 77, 12, n_steps=1)
     for j in (0, 3, 4):
         assert_bits_equal(alone[j][0], state[j][2], f"list {j}: tensor 2 alone with rng_base 12")
     other = [[lst[2]] if lst else [] for lst in initial]
     rng = torch.tensor([77, 999], device=device)
     scalars = R.adamw_step_scalars(1e-2, torch.tensor(1.0, device=device), 0.9, 0.999, 0.0)
-    tadamw.adamw_bf16_(*other, scalars, None, rng, 12, 0.9, 0.999, 1e-8, False, False)
+    tadamw_bf16.adamw_bf16_(*other, scalars, None, rng, 12, 0.9, 0.999, 1e-8, False, False)
     for j in (0, 3, 4):
         assert not torch.equal(other[j][0].view(torch.int16), alone[j][0].view(torch.int16)), "counter must matter"
 
@@ -217,7 +218,7 @@ def test_adamw_bf16_found_inf(device, found_inf):
         state = _bf16_state(device, [5, BLOCK + 3], 41, rem, m_dtype, torch.bfloat16, True)
         before, ref = clone_lists(state), clone_lists(state)
         _adamw_bf16_steps(
-            tadamw.adamw_bf16_, state, device, (1e-3, 0.01, 0.9, 0.999, 1e-8, True, False), found_inf, 5, 0
+            tadamw_bf16.adamw_bf16_, state, device, (1e-3, 0.01, 0.9, 0.999, 1e-8, True, False), found_inf, 5, 0
         )
         _adamw_bf16_steps(R.adamw_bf16_, ref, device, (1e-3, 0.01, 0.9, 0.999, 1e-8, True, False), found_inf, 5, 0)
         _compare_bf16_adamw(state, ref, device)
@@ -501,9 +502,9 @@ def test_bad_input_changes_nothing():
         s = [list(x) for x in state]
         mutate(s)
         with pytest.raises(exc, match=msg):
-            tadamw.adamw_bf16_(*s, scalars, None, None, 0, 0.9, 0.999, 1e-8, False, False)
+            tadamw_bf16.adamw_bf16_(*s, scalars, None, None, 0, 0.9, 0.999, 1e-8, False, False)
     with pytest.raises(ValueError, match="rng must be an int64"):
-        tadamw.adamw_bf16_(*state, scalars, None, torch.zeros(2, device=dev), 0, 0.9, 0.999, 1e-8, False, False)
+        tadamw_bf16.adamw_bf16_(*state, scalars, None, torch.zeros(2, device=dev), 0, 0.9, 0.999, 1e-8, False, False)
     _compare_exact(state, before, ("params", "grads", "remainders", "exp_avgs", "exp_avg_sqs", "vmax"))
     sgd_state = _sgd_state(dev, torch.float16, torch.float16, "fp32", 0.9, [3, 4], 72)
     sgd_before = clone_lists(sgd_state)
@@ -562,7 +563,7 @@ def test_opcheck():
 
 def test_reachable_through_functional():
     dev = DEVICES[0]
-    assert backends.get_impl("adamw_bf16_", "triton") is tadamw.adamw_bf16_
+    assert backends.get_impl("adamw_bf16_", "triton") is tadamw_bf16.adamw_bf16_
     assert backends.get_impl("sgd_", "triton") is tsgd.sgd_
     assert backends.get_impl("unscale_check_stats_", "triton") is tamp.unscale_check_stats_
     state = _bf16_state(dev, [7, BLOCK + 2], 91, False, torch.bfloat16, torch.bfloat16, False)

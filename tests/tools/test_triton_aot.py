@@ -130,7 +130,10 @@ def _load_kernels(root: Path):
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fastamp.kernels"] = mod
     spec.loader.exec_module(mod)
-    return {name: importlib.import_module(f"fastamp.kernels.{name}") for name in ("_common", "amp", "adamw", "sgd")}
+    return {
+        name: importlib.import_module(f"fastamp.kernels.{name}")
+        for name in ("_common", "amp", "adamw", "adamw_bf16", "sgd")
+    }
 
 
 def _install_recorders(mods) -> list:
@@ -156,7 +159,7 @@ def _install_recorders(mods) -> list:
     C = mods["_common"]
     # The launchers refuse CPU tensors outside the interpreter; here nothing is executed.
     C.check_runnable = lambda op, device: None
-    for mod in (mods["amp"], mods["adamw"], mods["sgd"]):
+    for mod in (mods["amp"], mods["adamw"], mods["adamw_bf16"], mods["sgd"]):
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
                 setattr(mod, name, _Recorder(name, obj))
@@ -181,7 +184,7 @@ def _record_launches(mods, launched):
     tensor = _tensor
     n = 5
     floats = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-    amp, adamw, sgd = mods["amp"], mods["adamw"], mods["sgd"]
+    amp, adamw, adamw_bf16, sgd = mods["amp"], mods["adamw"], mods["adamw_bf16"], mods["sgd"]
 
     # unscale_check_ / unscale_check_stats_: grads of every dtype, aligned and not, in one call
     for write_back, sumsq, stats in itertools.product((False, True), repeat=3):
@@ -233,7 +236,7 @@ def _record_launches(mods, launched):
             for vm in (states if amsgrad else (torch.float32,))
             for al in (True, False)
         ]
-        adamw.adamw_bf16_(
+        adamw_bf16.adamw_bf16_(
             [tensor(n, torch.bfloat16, al) for *_, al in combos],
             [tensor(n, g, al) for g, *_, al in combos],
             [tensor(n, torch.int16, al) for *_, al in combos] if rem else [],
