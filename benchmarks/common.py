@@ -185,7 +185,8 @@ ROLE_MULT = {"r": 1, "w": 1, "rw": 2}
 _INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 # Every ceiling buffer holds fp32 normal numbers; XOR with this constant, on any integer view
 # of them (16, 32 or 64 bits), flips mantissa bits only: the numbers stay finite and normal
-# (no slow paths in the fp32 sum of a read stream), and two calls restore every value.
+# (no slow paths in the fp32 sum of a read stream), and two calls restore every value. (A
+# stream XORed with another holds other bits between two calls; only read streams are summed.)
 _XOR_K = 0x55
 # What a write-only stream with no read to copy is filled with: fp32 1.0 in every 4 bytes.
 _FILL = {2: 0x3F80, 4: 0x3F800000, 8: 0x3F8000003F800000}
@@ -219,6 +220,8 @@ def parse_traffic(spec: str) -> tuple[tuple[Stream, ...], ...]:
             streams.append(Stream(name, int(size), role))
         if not streams:
             raise ValueError(f"traffic {spec!r}: an empty pass")
+        if len({st.name for st in streams}) < len(streams):
+            raise ValueError(f"traffic {spec!r}: a buffer twice in one pass (one stream per buffer and pass)")
         passes.append(tuple(streams))
     return tuple(passes)
 
@@ -231,35 +234,49 @@ def traffic_bytes(spec: str) -> int:
 def _cpu_ceiling(spec: str, numel: int, device: torch.device, pool: dict) -> tuple[Callable[[], None], str]:
     """torch in-place ops over one buffer per stream, moving exactly ``spec``'s bytes; and what they do."""
 
-    def raw(s: Stream) -> torch.Tensor:
-        """The stream's bytes, as fp32 normal numbers (the ops below keep them finite and normal)."""
-        key = (s.name, s.size)
+    def raw(key: tuple, nbytes: int) -> torch.Tensor:
+        """``nbytes`` (or up to 3 more) as fp32 normal numbers; the ops below keep them finite and normal."""
         if key not in pool:
-            pool[key] = torch.randn(-(-numel * s.size // 4), device=device)
+            pool[key] = torch.randn(-(-nbytes // 4), device=device)
         return pool[key]
 
     def buf(s: Stream) -> torch.Tensor:
         """``numel`` integers of the stream's element size over its bytes."""
-        return raw(s).view(torch.uint8)[: numel * s.size].view(_INT_OF_SIZE[s.size])
+        return raw((s.name, s.size), numel * s.size).view(torch.uint8)[: numel * s.size].view(_INT_OF_SIZE[s.size])
 
+    passes = parse_traffic(spec)
     ops: list[Callable[[], object]] = []
     words: list[str] = []
-    for streams in parse_traffic(spec):
+    for i, streams in enumerate(passes):
+        elsewhere = {s.name for j, p in enumerate(passes) if j != i for s in p}
         reads = [s for s in streams if s.role == "r"]
+        partner: dict[Stream, Stream | None] = {}
         for s in streams:
-            if s.role == "r":
+            if s.role != "r":
+                partner[s] = next((r for r in reads if r.size == s.size), None)
+                if partner[s] is not None:
+                    reads.remove(partner[s])
+        # The read-modify-write streams with nothing to read beside them and in no other pass are
+        # laid end to end in one allocation and XORed in one op: one parallel region, not one each.
+        block = [s for s, r in partner.items() if s.role == "rw" and r is None and s.name not in elsewhere]
+        if len(block) > 1:
+            nbytes = numel * sum(s.size for s in block)
+            width = 4 if all(s.size % 4 == 0 for s in block) else 2
+            x = raw(("block",) + tuple((s.name, s.size) for s in block), nbytes).view(torch.uint8)[:nbytes]
+            x = x.view(_INT_OF_SIZE[width])
+            ops.append(lambda x=x: x.bitwise_xor_(_XOR_K))
+            words.append(f"[{' '.join(s.name for s in block)}] ^= k")
+        for s, src in partner.items():
+            if len(block) > 1 and s in block:
                 continue
             dst = buf(s)
-            src = next((r for r in reads if r.size == s.size), None)
-            if src is not None:
-                reads.remove(src)
-                x = buf(src)
-                if s.role == "w":  # reads src, writes dst (never reads it)
-                    ops.append(lambda d=dst, x=x: d.copy_(x))
-                    words.append(f"{s.name}.copy_({src.name})")
-                else:  # reads dst and src, writes dst
-                    ops.append(lambda d=dst, x=x: d.bitwise_xor_(x))
-                    words.append(f"{s.name} ^= {src.name}")
+            x = buf(src) if src is not None else None
+            if x is not None and s.role == "w":  # reads src, writes dst (never reads it)
+                ops.append(lambda d=dst, x=x: d.copy_(x))
+                words.append(f"{s.name}.copy_({src.name})")
+            elif x is not None:  # reads dst and src, writes dst
+                ops.append(lambda d=dst, x=x: d.bitwise_xor_(x))
+                words.append(f"{s.name} ^= {src.name}")
             elif s.role == "w":
                 ops.append(lambda d=dst: d.fill_(_FILL[d.element_size()]))
                 words.append(f"{s.name}.fill_(k)")
@@ -269,7 +286,7 @@ def _cpu_ceiling(spec: str, numel: int, device: torch.device, pool: dict) -> tup
         # A read nothing else consumes: an fp32 sum over its bytes, whatever the stream's dtype (a bf16 sum
         # is bound by the conversion, not by memory).
         for r in reads:
-            x = raw(r)[: numel * r.size // 4]
+            x = raw((r.name, r.size), numel * r.size)[: numel * r.size // 4]
             ops.append(lambda x=x: x.sum())
             words.append(f"{r.name}.sum()")
 
@@ -290,7 +307,7 @@ def _cuda_ceiling(spec: str, numel: int, device: torch.device, pool: dict) -> tu
             torch.empty(half, dtype=torch.uint8, device=device),
         )
     dst, src = pool[key]
-    return (lambda: dst.copy_(src)), f"copy_ of {half} bytes device to device"
+    return (lambda: dst.copy_(src)), f"device-to-device copy_ of {traffic_bytes(spec) / 2:g} B per element"
 
 
 def ceiling(spec: str, numel: int, device: torch.device, pool: dict | None = None) -> tuple[Callable[[], None], str]:
@@ -302,7 +319,9 @@ def ceiling(spec: str, numel: int, device: torch.device, pool: dict | None = Non
     a write-only stream is ``w.copy_(r)`` from a read stream of its size (else
     ``w.fill_(k)``); a read-modify-write stream is ``x ^= r`` with such a read stream
     (reads x and r, writes x), else ``x ^= k``; a read left over is an fp32 ``sum()``
-    over its bytes (a scalar result, the only allocation). Each
+    over its bytes (a scalar result, the only allocation). The ``x ^= k`` streams of a pass
+    that no other pass touches are laid end to end in one allocation and XORed by one op,
+    so that the ceiling pays as few parallel regions as torch allows. Each
     stream is read and written exactly as its role says, so the ops move the provider's
     bytes; write-allocate (a store to a line not read) costs the ceiling what it costs the
     provider, as both store to the same write-only streams. One flat buffer per stream

@@ -3,8 +3,9 @@
 # (the `make bench` of this project). Run it on an otherwise idle machine: it warns when the
 # 1-minute load average is above 0.5 because the numbers would then measure the other work.
 #
-#   bash benchmarks/run_all.sh            # full sweep (tens of minutes on 2 cores)
-#   bash benchmarks/run_all.sh --quick    # smoke sizes, results under /tmp
+#   bash benchmarks/run_all.sh            # full sweep (about 15 minutes on 2 idle cores, estimated)
+#   bash benchmarks/run_all.sh --quick    # smoke sizes, results under /tmp (5.6 minutes at load 11)
+# Each stage's wall time is printed to stderr.
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -21,12 +22,19 @@ if [ "${1:-}" = "--quick" ]; then
     OUTDIR=${TMPDIR:-/tmp}/fastamp-bench-quick
 fi
 rc=0
+# stage NAME COMMAND...: runs it, records a failure in rc, prints its wall time
+stage() {
+    local t0=$SECONDS name=$1
+    shift
+    "$@" || rc=1
+    echo "run_all: $name took $((SECONDS - t0)) s" >&2
+}
 for b in bench_unscale bench_adamw bench_step; do
-    "$PY" "benchmarks/$b.py" "${EXTRA[@]}" --out "$OUTDIR" || rc=1
+    stage "$b" "$PY" "benchmarks/$b.py" "${EXTRA[@]}" --out "$OUTDIR"
 done
 if [ "${1:-}" = "--quick" ]; then
-    "$PY" -m fastamp.compare --size tiny --out "$OUTDIR" || rc=1
+    stage compare "$PY" -m fastamp.compare --size tiny --out "$OUTDIR"
 else
-    "$PY" -m fastamp.compare --out "$OUTDIR" || rc=1
+    stage compare "$PY" -m fastamp.compare --out "$OUTDIR"
 fi
 exit $rc

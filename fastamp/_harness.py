@@ -2,8 +2,8 @@
 
 The header every result file starts with (machine, versions, commit, command line), the
 device and its synchronisation, timing (interleaved rounds, median), a progress bar, and the
-CSV / Markdown writers. It lives in the package because ``fastamp-compare`` must run from an installed fastamp, where
-``benchmarks/`` is not; ``benchmarks/common.py`` imports it from here.
+CSV / Markdown writers. It lives in the package because ``fastamp-compare`` must run from an
+installed fastamp, where ``benchmarks/`` is not; ``benchmarks/common.py`` imports it from here.
 """
 
 from __future__ import annotations

@@ -160,7 +160,7 @@ def test_configs():
 def test_traffic_counts_reads_plus_writes():
     assert common.traffic_bytes("g:r2 master:rw4 m:rw4 v:rw4 p:w2") == 28
     assert common.traffic_bytes("g:rw4 ; g:r4 ; g:rw4") == 20
-    for bad in ("g:x2", "g:r3", "g", "g:r2 ;", "g:rw"):
+    for bad in ("g:x2", "g:r3", "g", "g:r2 ;", "g:rw", "g:r2 g:rw2"):
         with pytest.raises(ValueError, match="traffic"):
             common.parse_traffic(bad)
     with pytest.raises(ValueError, match="moves 28"):
@@ -219,6 +219,11 @@ def test_ceiling_moves_exactly_the_providers_bytes(spec):
     run()
     for k, v in pool.items():
         assert torch.isfinite(v).all(), (spec, k, what)
+    # The CUDA ceiling (a device copy of the same bytes) is device-agnostic code: count it here too.
+    copy, _ = common._cuda_ceiling(spec, numel, torch.device("cpu"), {})
+    with _CountTraffic() as cc:
+        copy()
+    assert cc.bytes == pytest.approx(common.traffic_bytes(spec) * numel, abs=1)
     streams = [s for p in common.parse_traffic(spec) for s in p]
     for s in streams:
         assert s.name in what
@@ -228,9 +233,9 @@ def test_ceiling_moves_exactly_the_providers_bytes(spec):
 
 def test_ceiling_ops_for_a_bf16_master_step():
     run, what = common.ceiling("g:r2 master:rw4 m:rw4 v:rw4 p:w2", 64, torch.device("cpu"))
-    assert what == "master ^= k; m ^= k; v ^= k; p.copy_(g)"
-    run, what = common.ceiling("g:r4 ; p:rw4 g:r4 m:rw4 v:rw4 ; x:w2", 64, torch.device("cpu"))
-    assert what == "g.sum(); p ^= g; m ^= k; v ^= k; x.fill_(k)"
+    assert what == "[master m v] ^= k; p.copy_(g)"  # the streams with no partner: one op over one allocation
+    run, what = common.ceiling("g:r4 ; p:rw4 g:r4 m:rw4 v:rw4 ; x:w2 ; m:rw4", 64, torch.device("cpu"))
+    assert what == "g.sum(); p ^= g; m ^= k; v ^= k; x.fill_(k); m ^= k"  # m is in two passes: no block
 
 
 def test_triton_interpreter_is_not_a_timed_backend():
