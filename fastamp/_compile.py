@@ -80,5 +80,19 @@ def _eager_under_compile(method):
         return slot[0](self, *args, **kwargs)
 
     functools.update_wrapper(entry, method)
+    entry._fastamp_eager_body = method
     _EAGER_ENTRIES.append((slot, method, name))
     return entry
+
+
+def _without_entry(bound):
+    """``bound`` (``self.<method>``) to call from inside an entry point, which already runs eagerly.
+
+    One of fastamp's own entry points comes back as its method, without the entry (whose only
+    work, running the method eagerly, is done: two Python frames and, once torch._dynamo is
+    imported, torch's disable wrapper saved per nested call). Anything else (a subclass's
+    override, an attribute patched on the instance) comes back as it is, and is called as
+    before.
+    """
+    body = getattr(getattr(bound, "__func__", None), "_fastamp_eager_body", None)
+    return bound if body is None else body.__get__(bound.__self__)

@@ -44,6 +44,7 @@ from fastamp._compile import (
     _eager_ready,
     _eager_under_compile,
     _maybe_prepare_eager_entries,
+    _without_entry,
 )
 from fastamp._device_scalars import (
     _any_found,
@@ -287,7 +288,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
         optimizer_state["found_inf_per_device"] = _all_reduce_flags(
             self._process_group,
             self._scale,
-            self._unscale_grads_(optimizer, inv_scale, _new_found_inf(self._scale), True),
+            _without_entry(self._unscale_grads_)(optimizer, inv_scale, _new_found_inf(self._scale), True),
         )[0]
         optimizer_state["stage"] = OptState.UNSCALED
 
@@ -375,7 +376,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
             return retval
 
         if optimizer_state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
+            _without_entry(self.unscale_)(optimizer)
         if len(optimizer_state["found_inf_per_device"]) == 0:
             raise AssertionError("No inf checks were recorded for this optimizer.")
         retval = self._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)

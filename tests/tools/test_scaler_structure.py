@@ -152,3 +152,61 @@ def test_step_still_calls_an_overridden_check_inf_hook():
     scaler.step(opt)
     scaler.update()
     assert seen == [opt] and scaler.last_step_skipped is False
+
+
+@pytest.mark.skipif(not _NATIVE, reason="the one-call path needs fastamp._C")
+@pytest.mark.filterwarnings("ignore::fastamp.health.AmpPitfallWarning")  # SGD on fp16 params, on purpose
+@pytest.mark.parametrize("entry", ["step", "unscale_"])
+def test_ordinary_optimizer_reaches_the_check_kernel_through_one_eager_entry(kernel_frames, entry):
+    """An ordinary optimizer's check runs in torch's hooks (unscale_, then _unscale_grads_), entered once.
+
+    Before: every nested hook went through its own eager entry and, once torch._dynamo was
+    imported, torch's disable wrapper (step: 11 frames to the kernel, unscale_: 8).
+    """
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = fastamp.Scaler(init_scale=2.0**8)
+    _backward(model, scaler)
+    _caller(getattr(scaler, entry), sgd)
+    if entry == "unscale_":
+        scaler.step(sgd)
+    scaler.update()
+    assert len(kernel_frames) == 1
+    backend, frames = kernel_frames[0]
+    ours = [name for filename, name in frames if not _is_torch_disable_wrapper((filename, name))]
+    hooks = ["unscale_", "_unscale_grads_", "_check_grads", "_native_fast_path"]
+    expected = ["entry", "step", *hooks] if entry == "step" else ["entry", *hooks]
+    assert backend == "native"
+    assert ours == expected, frames
+    assert len(frames) - len(ours) <= 1, frames  # torch's disable wrapper of the one eager entry
+
+
+@pytest.mark.filterwarnings("ignore::fastamp.health.AmpPitfallWarning")  # SGD on fp16 params, on purpose
+def test_step_still_calls_overridden_unscale_hooks():
+    """torch's step calls unscale_, which calls _unscale_grads_: overrides of either are still called."""
+    seen = []
+
+    class Logged(fastamp.Scaler):
+        def unscale_(self, optimizer):
+            seen.append("unscale_")
+            return super().unscale_(optimizer)
+
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            seen.append("_unscale_grads_")
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    model = _model()
+    sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = Logged(init_scale=2.0**8)
+    _backward(model, scaler)
+    scaler.step(sgd)
+    scaler.update()
+    assert seen == ["unscale_", "_unscale_grads_"] and scaler.last_step_skipped is False
+
+    patched = fastamp.Scaler(init_scale=2.0**8)  # an attribute set on the instance is called too
+    real = patched.unscale_
+    patched.unscale_ = lambda optimizer: (seen.append("patched"), real(optimizer))[1]
+    _backward(model, patched)
+    patched.step(sgd)
+    patched.update()
+    assert seen[-1] == "patched" and patched.last_step_skipped is False
