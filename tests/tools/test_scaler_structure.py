@@ -35,6 +35,14 @@ def _backward(model, scaler, *, strided=False):
         model[0].weight.grad = model[0].weight.grad.t().contiguous().t()
 
 
+def _iteration(model, scaler, opt):
+    """One scaled backward, step and update; whether the step was skipped."""
+    _backward(model, scaler)
+    scaler.step(opt)
+    scaler.update()
+    return scaler.last_step_skipped
+
+
 @pytest.fixture
 def kernel_frames(monkeypatch):
     """Frames between ``caller`` and each check kernel call, as (file, function) from the outermost."""
@@ -147,11 +155,8 @@ def test_step_still_calls_an_overridden_check_inf_hook():
 
     model = _model()
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = Logged(init_scale=2.0**8)
-    _backward(model, scaler)
-    scaler.step(opt)
-    scaler.update()
-    assert seen == [opt] and scaler.last_step_skipped is False
+    assert _iteration(model, Logged(init_scale=2.0**8), opt) is False
+    assert seen == [opt]
 
 
 @pytest.mark.skipif(not _NATIVE, reason="the one-call path needs fastamp._C")
@@ -197,16 +202,11 @@ def test_step_still_calls_overridden_unscale_hooks():
 
     model = _model()
     sgd = torch.optim.SGD(model.parameters(), lr=1e-3)
-    scaler = Logged(init_scale=2.0**8)
-    _backward(model, scaler)
-    scaler.step(sgd)
-    scaler.update()
-    assert seen == ["unscale_", "_unscale_grads_"] and scaler.last_step_skipped is False
+    assert _iteration(model, Logged(init_scale=2.0**8), sgd) is False
+    assert seen == ["unscale_", "_unscale_grads_"]
 
     patched = fastamp.Scaler(init_scale=2.0**8)  # an attribute set on the instance is called too
     real = patched.unscale_
     patched.unscale_ = lambda optimizer: (seen.append("patched"), real(optimizer))[1]
-    _backward(model, patched)
-    patched.step(sgd)
-    patched.update()
-    assert seen[-1] == "patched" and patched.last_step_skipped is False
+    assert _iteration(model, patched, sgd) is False
+    assert seen[-1] == "patched"
