@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from fastamp._dtensor import is_dtensor
+from fastamp.optim import _traced
 from fastamp.optim._checks import (
     GRAD_DTYPES,
     PARAM_DTYPES,
@@ -80,12 +81,17 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
     host read) and regroups the launches. Writes through ``.data`` (of a step, a state
     tensor or a grad) bypass version counters and identity and are not seen; a same-address
     rebind of a param (``p.data = p.data.t()``) is not either.
+
+    torch.compile: under ``torch.compiler.is_compiling()`` the step takes the path of
+    :mod:`fastamp.optim._traced` (``fullgraph=True``, one compile, eager's bits): the checks
+    and the plan run once at trace time (``_init_group``), the graph holds the kernel ops.
     """
 
     _NAME = "FusedOptimizer"
     _COUNT_BEFORE = True
     _STEP_REQUIRED = False  # a non-empty state must hold a ``step`` (AdamW: bias corrections)
     _step_supports_amp_scaling = True
+    _compiled_steps = False  # set by every compiled step (see _forget_compiled_steps)
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
@@ -116,6 +122,16 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
         raise NotImplementedError
 
     def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
+        raise NotImplementedError
+
+    def _traced_scalars(
+        self, group: dict[str, Any], step: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+    ) -> Tensor:
+        """The step scalars under torch.compile, from the launch's count *before* this step (see ``_traced``)."""
+        raise NotImplementedError
+
+    def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
+        """The kernel call of one launch under torch.compile (the op ``_launch`` reaches in eager mode)."""
         raise NotImplementedError
 
     # ---- construction / pickling ---------------------------------------------------------
@@ -239,6 +255,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
             self._remember_steps(buf)
             pairs.extend(zip((p for p, _ in entries), buf.cpu().tolist()))
         self._cohorts.rebuild(pairs)
+        self._retire_compiled_steps()
 
     # ---- the step ------------------------------------------------------------------------
     def _plan_key(self, group: dict[str, Any]) -> tuple:
@@ -319,6 +336,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
         plan = _Plan()
         cohorts = self._cohorts
         cohorts.begin_step()
+        tokens_before = cohorts.snapshot()
         sr_ids: dict[int, int] | None = None
         for group, items in work:
             gp = _GroupPlan(group, self._plan_key(group))
@@ -385,7 +403,18 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
             plan.groups.append(gp)
         plan.state = self.state
         plan.n_state = len(self.state)
+        if cohorts.split_since(tokens_before):
+            self._retire_compiled_steps()
         return plan
+
+    def _retire_compiled_steps(self) -> None:
+        """Make every compiled step of this optimizer retrace: launches it grouped may hold counts that differ now.
+
+        ``_trace_epoch`` is read in the graph (a string: dynamo guards its value and never
+        makes it dynamic, as it would an int).
+        """
+        self._epochs = getattr(self, "_epochs", 0) + 1
+        self._trace_epoch = f"plan {self._epochs}"
 
     def _gather(self, plan: _Plan | None) -> list[list[Tensor | None]] | None:
         """This step's grads of every group, or None when ``plan`` does not fit this step.
@@ -442,6 +471,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
         """
         from fastamp import backends
 
+        if torch.compiler.is_compiling():
+            return _traced.traced_step(self, closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -449,6 +480,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
 
         if type(self.state) is not StateTable:
             self._track_state()
+        if self._compiled_steps:
+            self._forget_compiled_steps()
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, f"param group {gi}")
         amp = AmpInputs(self._NAME, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
@@ -473,6 +506,86 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
             self._plan = None
             raise
         return loss
+
+    def _init_group(self) -> tuple:
+        """Validate and plan the compiled step; run by dynamo eagerly at trace time, never traced.
+
+        dynamo calls an optimizer's ``_init_group`` with the real objects and guards on what
+        it finds afterwards (the hook torch's optimizers create their state in). This is the
+        eager step's validation and planning (``_collect``, ``_build_plan``: missing state
+        and masters created, launches grouped by step cohort), returned as constants for
+        :func:`fastamp.optim._traced.traced_step`:
+        ``((group index, ((step position, (launch, ...)), ...)), ...)`` per group with work,
+        per cohort, each launch ``(op, backend, kind, state keys, param positions, rng_base,
+        positions of strided params)``. See :mod:`fastamp.optim._traced` for what a compiled
+        step does not re-check.
+        """
+        from fastamp import backends
+
+        if type(self.state) is not StateTable:
+            self._track_state()
+        for gi, group in enumerate(self.param_groups):
+            self._validate_group(group, f"param group {gi}")
+            self._check_traceable(group, f"param group {gi}")
+        self._forget_compiled_steps()
+        if not hasattr(self, "_trace_epoch"):
+            self._retire_compiled_steps()
+        work, step_values = self._collect()
+        if not any(items for _, items in work):
+            return ()
+        plan = self._build_plan(work, step_values)
+        chosen = {(op, dev): backends.resolve(op, dev, self.backend) for op, dev in plan.needed}
+        for op, backend in chosen.items():
+            _traced.KERNELS.setdefault((op[0], backend), backends.get_impl(op[0], backend))
+        out = []
+        for gi, gp in enumerate(plan.groups):
+            if not gp.buckets:
+                continue
+            if gp.dtensor:
+                raise NotImplementedError(
+                    f"{self._NAME}: param group {gi} holds DTensor params (FSDP2); their step cannot be compiled "
+                    "yet: call opt.step() outside the compiled function"
+                )
+            buckets = []
+            for b in gp.buckets:
+                step_pos = -1
+                launches = []
+                for run in b.runs.values():
+                    with_step = [pos for pos, st in zip(run.gidx, run.states) if "step" in st]
+                    if with_step and step_pos < 0:
+                        step_pos = with_step[0]
+                    strided = {pos for pos, _ in run.strided}
+                    for start, stop, rng_base in _traced.rng_parts(run.ids, len(run.gidx)):
+                        launches.append(
+                            (
+                                run.op,
+                                chosen[(run.op, b.dev)],
+                                run.kind,
+                                run.keys,
+                                tuple(run.gidx[start:stop]),
+                                rng_base,
+                                tuple(i - start for i in range(start, stop) if i in strided),
+                            )
+                        )
+                buckets.append((step_pos, tuple(launches)))
+            out.append((gi, tuple(buckets)))
+        return tuple(out)
+
+    def _forget_compiled_steps(self) -> None:
+        """What the host recorded before compiled steps ran (they set ``_compiled_steps``): forget it.
+
+        A compiled step advances the counts and writes the params without the host
+        bookkeeping (and, compiled by inductor, moves their version counters): the next plan
+        reads the counts once, and a remainder-mode param written between a compiled step
+        and the next eager one is not re-synced (nothing recorded its version).
+        """
+        self._compiled_steps = False
+        self._plan = None
+        self._step_of = {}
+        self._param_versions = {}
+
+    def _check_traceable(self, group: dict[str, Any], where: str) -> None:
+        """Refuse, at trace time, a group setting a compiled step cannot honour."""
 
     def _execute(self, plan: _Plan, grads_per_group: list[list[Tensor | None]], amp: AmpInputs) -> None:
         rng_inc: dict[torch.device, Tensor] = {}

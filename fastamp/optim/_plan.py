@@ -122,6 +122,23 @@ class StepCohorts:
             new = self._remap[token] = object()
         self._token[id(p)] = new
 
+    def snapshot(self) -> dict[int, object]:
+        return dict(self._token)
+
+    def split_since(self, before: dict[int, object]) -> bool:
+        """Whether params that shared a token in ``before`` (a :meth:`snapshot`) no longer all do.
+
+        A compiled step bakes the launches of its plan in (see :mod:`fastamp.optim._traced`):
+        a split means that an already compiled step may group counts that now differ.
+        """
+        after: dict[object, object] = {}
+        token = self._token
+        for key, old in before.items():
+            new = token.get(key)
+            if after.setdefault(old, new) is not new:
+                return True
+        return False
+
     def rebuild(self, params_and_steps: Iterable[tuple[Tensor, float]]) -> None:
         """Tokens from known step values (after a load): equal counts share a token."""
         self._token = {}

@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from fastamp import functional, reference
-from fastamp.optim import _checks, _masters, _state_dict
+from fastamp.optim import _checks, _masters, _state_dict, _traced
 from fastamp.optim._base import FusedOptimizer
 from fastamp.optim._plan import _Run
 
@@ -344,6 +344,38 @@ class AdamW(FusedOptimizer):
             )
         else:
             functional.adamw_(run.params, run.grads, run.masters, m, v, vmax, scalars, found_inf, **kw)
+
+    # ---- torch.compile (see fastamp.optim._traced) -----------------------------------------
+    def _check_traceable(self, group: dict[str, Any], where: str) -> None:
+        if isinstance(group["betas"][0], Tensor):
+            raise NotImplementedError(
+                f"{_NAME}: tensor betas in {where} cannot be compiled: the kernels take them as numbers, read on the "
+                "host at every step; use float betas, or call opt.step() outside the compiled function"
+            )
+
+    def _traced_scalars(
+        self, group: dict[str, Any], step: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+    ) -> Tensor:
+        lr = group["lr"]
+        beta1, beta2 = group["betas"]
+        return _traced.adamw_step_scalars(
+            step, found_inf, grad_scale, _traced.lr_tensor(lr), float(beta1), float(beta2), float(group["weight_decay"])
+        )
+
+    def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
+        beta1, beta2 = group["betas"]
+        st = launch.state
+        vmax = st["max_exp_avg_sq"] if group["amsgrad"] else []
+        hyper = (float(beta1), float(beta2), float(group["eps"]), bool(group["amsgrad"]), bool(group["maximize"]))
+        impl = _traced.KERNELS[(launch.op, launch.backend)]
+        if launch.op == "adamw_bf16_":
+            rem = st["master_remainder"] if launch.kind == "remainder" else []
+            impl(launch.params, launch.grads, rem, st["exp_avg"], st["exp_avg_sq"], vmax, scalars,
+                 launch.found_inf, launch.rng, launch.rng_base, *hyper)  # fmt: skip
+        else:
+            masters = st["master_param"] if launch.kind == "fp32" else []
+            impl(launch.params, launch.grads, masters, st["exp_avg"], st["exp_avg_sq"], vmax, scalars,
+                 launch.found_inf, *hyper)  # fmt: skip
 
     # ---- state_dict ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

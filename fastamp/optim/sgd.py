@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from fastamp import functional, reference
-from fastamp.optim import _checks, _masters, _state_dict
+from fastamp.optim import _checks, _masters, _state_dict, _traced
 from fastamp.optim._base import FusedOptimizer
 from fastamp.optim._plan import _Run
 
@@ -194,6 +194,34 @@ class SGD(FusedOptimizer):
             nesterov=group["nesterov"],
             maximize=group["maximize"],
             backend=self.backend,
+        )
+
+    # ---- torch.compile (see fastamp.optim._traced) -----------------------------------------
+    def _traced_scalars(
+        self, group: dict[str, Any], step: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+    ) -> Tensor:
+        lr = group["lr"]
+        if step is None:
+            step = torch.zeros((), dtype=torch.float32, device=dev)
+        return _traced.sgd_step_scalars(step, grad_scale, _traced.lr_tensor(lr))
+
+    def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
+        st = launch.state
+        masters = {"fp32": "master_param", "remainder": "master_remainder"}.get(launch.kind)
+        _traced.KERNELS[(launch.op, launch.backend)](
+            launch.params,
+            launch.grads,
+            st[masters] if masters else [],
+            st["momentum_buffer"] if group["momentum"] != 0 else [],
+            scalars,
+            launch.found_inf,
+            launch.rng,
+            launch.rng_base,
+            float(group["momentum"]),
+            float(group["dampening"]),
+            float(group["weight_decay"]),
+            bool(group["nesterov"]),
+            bool(group["maximize"]),
         )
 
     # ---- state_dict ----------------------------------------------------------------------

@@ -1,0 +1,231 @@
+"""The step of fastamp's fused optimizers as torch.compile traces it (``fullgraph=True``).
+
+The eager step (:meth:`FusedOptimizer.step <fastamp.optim._base.FusedOptimizer.step>`)
+keeps host time low with a cached launch plan checked by identity, storage addresses and
+version counters, which dynamo cannot trace (``data_ptr`` comparisons) and should not
+guard on. Under ``torch.compiler.is_compiling()`` the step takes this path instead:
+
+* **At trace time, eagerly.** dynamo runs an optimizer's ``_init_group`` with the real
+  objects instead of tracing it (``torch._dynamo.variables.optimizer.OptimizerVariable``,
+  the hook torch's own optimizers use to create their state), then guards on the param
+  groups and the state it finds afterwards. :meth:`FusedOptimizer._init_group` runs the
+  eager step's own validation and planning there (every check of an eager step, missing
+  state and masters created, launches grouped exactly as eager groups them, step cohorts
+  included) and returns the plan as constants: which kernel, which backend, which param
+  positions, which state keys. Nothing of this is re-run when the compiled step replays.
+* **In the graph.** Per launch: the params, grads and state tensors (read from
+  ``param_groups`` and ``state`` at every call, so dynamo guards them), one opaque op for
+  the step scalars, the same kernel op eager calls (``torch.ops.fastamp.adamw_`` ...), the
+  step counts (and ``rng`` counters) advanced with tensor ops by ``found_inf == 0``.
+
+Bit-identity with eager: the kernels are the same ops, and the step scalars are computed by
+``fastamp_optim::adamw_step_scalars`` / ``sgd_step_scalars``, custom ops whose kernels are
+the eager code (:func:`fastamp.reference.adamw_step_scalars`, with the grad scaler's
+``1/grad_scale`` reciprocal in fp64 and the increment ``step + (found_inf == 0)``), so
+inductor cannot re-derive the fp64 ``pow`` with another rounding. The ``step`` and ``rng``
+increments are exact (fp32 / int64 adds of 0 or 1).
+
+What a compiled step does not re-check (dynamo guards dtypes, shapes, devices, strides,
+which params have a grad, the group settings and the state's keys): values written into
+state tensors from outside (an in-place write to a ``step`` count: a launch takes its
+scalars from its first param's count, as eager does within a cohort), a remainder-mode
+param written outside the optimizer between a compiled step and the next (eager re-syncs
+its master with a warning), and the backend: it is resolved at trace time, so
+``FASTAMP_BACKEND`` / :func:`fastamp.backends.set_backend` changed later do not apply to
+an already compiled step.
+
+Step cohorts: a change of which params have a grad recompiles (dynamo guards ``p.grad is
+None``) and plans again with eager's cohorts. A param skipped by some steps keeps its own
+count; when a plan (eager or traced) sees params that shared a cohort move apart,
+``_retire_compiled_steps`` changes ``_trace_epoch``, a string the graph reads (so dynamo
+guards its value), and every compiled step of this optimizer retraces: none can go on
+sharing step scalars between counts that now differ. Every compiled step sets
+``_compiled_steps`` (a side effect dynamo replays after each run); the next eager step then
+reads the counts once and plans again.
+
+Not supported under compile (refused at trace time, with the reason): tensor ``betas`` (the
+kernels take them as numbers, read on the host at every step) and DTensor params.
+
+torch versions: needs ``torch.library.custom_op`` and ``torch.compiler.is_compiling`` (both
+in torch >= 2.4) and the ``_init_group`` hook of ``OptimizerVariable`` (>= 2.2); checked
+with torch 2.13 (CPU). A float lr is a graph input only where dynamo leaves floats
+unspecialised (``torch._dynamo.config.specialize_float = False``, the default of recent
+releases): it is specialised at the first compile and made dynamic at the first change
+(one recompile), or dynamic from the start with ``torch.compile(..., dynamic=True)``; a
+0-dim tensor lr (:class:`fastamp.DeviceLR`) never recompiles.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from fastamp import reference
+from fastamp.optim._plan import AmpInputs
+
+
+def _amp_found_inf(found_inf: Tensor, device: torch.device) -> Tensor:
+    # as AmpInputs.on: fp32 on the launch's device
+    found_inf = found_inf.to(torch.float32)
+    if found_inf.device != device:
+        found_inf = found_inf.to(device)
+    return found_inf
+
+
+def _grad_mul(grad_scale: Tensor, device: torch.device) -> Tensor:
+    wide = torch.float32 if grad_scale.device.type == "mps" else torch.float64
+    gm = grad_scale.reshape(()).to(wide).reciprocal().to(torch.float32)
+    return gm if gm.device == device else gm.to(device)
+
+
+def _count(step: Tensor, found_inf: Tensor | None) -> Tensor:
+    """The count the bias corrections use: ``step + 1``, or ``step + (found_inf == 0)`` under amp."""
+    if found_inf is None:
+        return step + 1.0
+    return step + (_amp_found_inf(found_inf, step.device) == 0).to(torch.float32)
+
+
+def lr_tensor(lr: Any) -> Tensor:
+    """The lr as the step-scalar ops take it: a tensor lr as is, a float as the exact fp64 0-dim tensor.
+
+    A float lr must not reach an op as a ``float`` argument: dynamo would specialise the
+    graph on its value (a recompile per lr change). As a tensor, a float that dynamo made
+    dynamic (after the first change, or from the start with ``dynamic=True``) stays a
+    graph input; ``fp64`` holds every Python float exactly, as eager's ``torch.full`` does.
+    """
+    if isinstance(lr, Tensor):
+        return lr.detach()
+    return torch.full((), lr, dtype=torch.float64)
+
+
+@torch.library.custom_op("fastamp_optim::adamw_step_scalars", mutates_args=())
+def adamw_step_scalars(
+    step: Tensor,
+    found_inf: Optional[Tensor],  # noqa: UP045  (custom_op infers its schema from typing.Optional)
+    grad_scale: Optional[Tensor],  # noqa: UP045
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> Tensor:
+    """``[step_size, bc2_sqrt, decay, grad_mul]`` of a launch whose counts are ``step`` (before this step).
+
+    Exactly the eager computation: the count ``step + (found_inf == 0)`` (``+ 1`` without a
+    scaler), the grad scaler's ``1/grad_scale`` (fp64 reciprocal rounded to fp32), then
+    :func:`fastamp.reference.adamw_step_scalars`. ``lr``: see :func:`lr_tensor`.
+    """
+    dev = step.device
+    grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
+    return reference.adamw_step_scalars(lr, _count(step.reshape(()), found_inf), beta1, beta2, weight_decay, grad_mul)
+
+
+@adamw_step_scalars.register_fake
+def _(step, found_inf, grad_scale, lr, beta1, beta2, weight_decay):
+    return step.new_empty((4,), dtype=torch.float32)
+
+
+@torch.library.custom_op("fastamp_optim::sgd_step_scalars", mutates_args=())
+def sgd_step_scalars(step: Tensor, grad_scale: Optional[Tensor], lr: Tensor) -> Tensor:  # noqa: UP045
+    """``[lr, grad_mul, is_first]`` of an SGD launch whose applied-step count is ``step``, as eager computes it."""
+    dev = step.device
+    grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
+    return reference.sgd_step_scalars(lr, step, grad_mul)
+
+
+@sgd_step_scalars.register_fake
+def _(step, grad_scale, lr):
+    return step.new_empty((3,), dtype=torch.float32)
+
+
+def rng_parts(ids: list[int], n: int) -> list[tuple[int, int, int]]:
+    """``(start, stop, rng_base)`` of each stretch of consecutive stochastic-rounding ids (one kernel call each).
+
+    The kernel numbers a launch's tensors ``rng_base + i`` (as :meth:`_Run.split`); a launch
+    without stochastic rounding is one part with base 0.
+    """
+    if not ids:
+        return [(0, n, 0)]
+    parts, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            parts.append((start, i, ids[start]))
+            start = i
+    return parts
+
+
+# (op, backend) -> the callable eager's backend choice leads to; filled at trace time, where
+# looking it up may import a kernel module (dynamo does not trace importlib)
+KERNELS: dict[tuple[str, str], Callable] = {}
+
+
+class Launch(NamedTuple):
+    """One kernel call of a compiled step: what ``_traced_launch`` hands to the op."""
+
+    op: str
+    backend: str
+    kind: str
+    params: list
+    grads: list
+    state: dict  # state key -> the tensors of the launch's params, in order
+    found_inf: Tensor | None
+    rng: Tensor | None
+    rng_base: int
+
+
+def traced_step(opt: Any, closure: Any = None) -> Any:
+    """``opt.step(closure)`` as dynamo traces it (see the module doc)."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    # checked as eager checks them (dynamo guards what the checks read: type, shape, dtype)
+    grad_scale = AmpInputs._as_tensor(opt._NAME, "grad_scale", getattr(opt, "grad_scale", None))
+    found_inf = AmpInputs._as_tensor(opt._NAME, "found_inf", getattr(opt, "found_inf", None))
+    plan = opt._init_group()
+    if opt._trace_epoch == "":  # read after the trace-time plan, so guarded: see FusedOptimizer._retire_compiled_steps
+        raise AssertionError("unreachable")
+    state = opt.state
+    rng_delta: dict[Any, Tensor] = {}
+    for gi, buckets in plan:
+        group = opt.param_groups[gi]
+        params = group["params"]
+        for step_pos, launches in buckets:
+            steps = []
+            scalars = None
+            dev = None
+            for op, backend, kind, keys, positions, rng_base, strided in launches:
+                ps = [params[i] for i in positions]
+                dev = ps[0].device
+                if scalars is None:
+                    step = state[params[step_pos]]["step"] if step_pos >= 0 else None
+                    scalars = opt._traced_scalars(group, step, found_inf, grad_scale, dev)
+                sts = [state[p] for p in ps]
+                grads = [p.grad for p in ps]
+                grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+                launch_params = [p.contiguous() if i in strided else p for i, p in enumerate(ps)]
+                tensors = {key: [st[key] for st in sts] for key in keys}
+                fi = None if found_inf is None else _amp_found_inf(found_inf, dev)
+                rng = tensors["rng"][0] if "rng" in tensors else None
+                opt._traced_launch(
+                    group, Launch(op, backend, kind, launch_params, grads, tensors, fi, rng, rng_base), scalars
+                )
+                for i in strided:
+                    ps[i].copy_(launch_params[i])
+                steps.extend(st["step"] for st in sts if "step" in st)
+                if rng is not None:
+                    delta = rng_delta.get(dev)
+                    if delta is None:
+                        inc = torch.ones((), dtype=torch.int64, device=dev) if fi is None else (fi == 0).to(torch.int64)
+                        delta = rng_delta[dev] = torch.stack([torch.zeros_like(inc), inc])
+                    torch._foreach_add_(tensors["rng"], [delta] * len(tensors["rng"]))
+            if steps:
+                if found_inf is None:
+                    torch._foreach_add_(steps, 1.0)
+                else:
+                    inc = (_amp_found_inf(found_inf, dev) == 0).to(torch.float32)
+                    torch._foreach_add_(steps, [inc] * len(steps))
+    # a side effect dynamo replays after every run of the graph: the host's records are stale now
+    opt._compiled_steps = True
+    return loss

@@ -1,0 +1,307 @@
+"""fastamp's optimizers' ``step`` under ``torch.compile(fullgraph=True)`` (fastamp/optim/_traced.py).
+
+Each test runs a compiled optimizer and an eager twin over the same grads for 20+ steps
+and asserts bit-identical params and state, the number of compiles (a ``CompileCounter``
+backend, or ``torch._dynamo.utils.counters`` with inductor) and no graph breaks. The amp
+protocol is driven as torch's GradScaler and fastamp.Scaler drive it: ``grad_scale`` /
+``found_inf`` set as attributes before ``step`` and deleted after, with overflows injected
+(an inf grad and ``found_inf = 1``). Most tests compile with a ``CompileCounter`` (dynamo +
+fake tensors, no codegen: cheap); one compiles with inductor, which is where the step
+scalars could be re-derived with another rounding.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import fastamp
+
+STEPS = 24
+OVERFLOW = {3, 10, 17}  # steps whose grads hold an inf and whose found_inf is 1
+SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]  # odd sizes; one single element
+
+# (param dtype, optimizer kwargs): fp32, fp32 masters of bf16 / fp16 params, int16 remainders,
+# stochastic rounding (bf16 without master: the rng counters advance in the graph)
+CONFIGS = {
+    "fp32": (torch.float32, {}),
+    "bf16_master": (torch.bfloat16, {"master_weights": True}),
+    "fp16_master": (torch.float16, {"master_weights": True}),
+    "bf16_remainder": (torch.bfloat16, {"master_weights": "remainder"}),
+    "bf16_sr": (torch.bfloat16, {"master_weights": False, "stochastic_rounding": True, "seed": 7}),
+}
+OPTIMIZERS = {
+    "adamw": (fastamp.optim.AdamW, {"weight_decay": 1e-2}),
+    "sgd": (fastamp.optim.SGD, {"momentum": 0.9, "weight_decay": 1e-2}),
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _params(dtype, device, shapes=SHAPES):
+    g = torch.Generator().manual_seed(1)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device=device, dtype=dtype)) for s in shapes]
+
+
+def _twins(opt_name, config, lr, device="cpu", **extra):
+    dtype, kw = CONFIGS[config]
+    cls, okw = OPTIMIZERS[opt_name]
+    pa, pb = _params(dtype, device), _params(dtype, device)
+    kwargs = {**okw, **kw, **extra}
+    return (pa, cls(pa, lr=copy.deepcopy(lr), **kwargs)), (pb, cls(pb, lr=copy.deepcopy(lr), **kwargs))
+
+
+def _set_grads(i, pairs, scale=1.0, skip=()):
+    g = torch.Generator().manual_seed(100 + i)
+    for j, ps in enumerate(zip(*pairs)):
+        grad = torch.randn(ps[0].shape, generator=g) * scale
+        if i in OVERFLOW and j == 0:
+            grad.view(-1)[0] = float("inf")
+        for p in ps:
+            p.grad = None if j in skip else grad.to(device=p.device, dtype=p.dtype)
+
+
+def _set_lr(opt, i):
+    lr = 1e-3 * (1 + 0.05 * i)
+    for group in opt.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def _amp_step(opt, step, grad_scale, found_inf):
+    # as torch.amp.GradScaler (and fastamp.Scaler) hand them to a _step_supports_amp_scaling optimizer
+    opt.grad_scale, opt.found_inf = grad_scale, found_inf
+    try:
+        step()
+    finally:
+        del opt.grad_scale, opt.found_inf
+
+
+def _assert_same(a, b):
+    (pa, oa), (pb, ob) = a, b
+    for i, (x, y) in enumerate(zip(pa, pb)):
+        assert torch.equal(x, y), f"param {i} differs"
+        assert oa.state[x].keys() == ob.state[y].keys()
+        for key, t in ob.state[y].items():
+            assert torch.equal(oa.state[x][key], t), f"state {key!r} of param {i} differs"
+
+
+def _no_graph_breaks():
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_amp_steps_bit_identical_one_compile(opt_name, config):
+    """Tensor lr changed every step, grad scale 3 (an inexact reciprocal), overflows: one compile, eager's bits."""
+    compiled, eager = _twins(opt_name, config, torch.tensor(1e-3))
+    cc = CompileCounter()
+    step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
+    scale = 3.0
+    for i in range(STEPS):  # the first step is compiled too: the state is created at trace time
+        _set_grads(i, (compiled[0], eager[0]), scale)
+        found_inf = torch.tensor(1.0 if i in OVERFLOW else 0.0)
+        for (_, opt), fn in ((compiled, step), (eager, eager[1].step)):
+            _set_lr(opt, i)
+            _amp_step(opt, fn, torch.tensor(scale), found_inf.clone())
+    _assert_same(compiled, eager)
+    assert cc.frame_count == 1
+    _no_graph_breaks()
+    step_count = compiled[1].state[compiled[0][1]].get("step")
+    if step_count is not None:  # skipped steps do not count
+        assert float(step_count) == STEPS - len(OVERFLOW)
+
+
+@pytest.mark.parametrize(("opt_name", "config"), [("adamw", "bf16_master"), ("sgd", "fp16_master")])
+def test_float_lr_dynamic_one_compile(opt_name, config):
+    """A float lr changed every step, no grad scaler: with ``dynamic=True`` the lr is a graph input from the start."""
+    compiled, eager = _twins(opt_name, config, 1e-3)
+    cc = CompileCounter()
+    step = torch.compile(compiled[1].step, fullgraph=True, backend=cc, dynamic=True)
+    for i in range(STEPS):
+        _set_grads(i, (compiled[0], eager[0]), skip=())
+        for opt in (compiled[1], eager[1]):
+            _set_lr(opt, i)
+        if i in OVERFLOW:  # no scaler: an inf grad is applied, as eager applies it; keep the run finite
+            for p in compiled[0] + eager[0]:
+                p.grad.nan_to_num_(posinf=1.0)
+        step()
+        eager[1].step()
+    _assert_same(compiled, eager)
+    assert cc.frame_count == 1
+    _no_graph_breaks()
+
+
+def test_float_lr_default_settles_after_first_change():
+    """Without ``dynamic=True`` dynamo specialises a float lr once, then makes it dynamic: no recompile after that."""
+    compiled, eager = _twins("adamw", "fp32", 1e-3)
+    cc = CompileCounter()
+    step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
+    counts = []
+    for i in range(STEPS):
+        _set_grads(i, (compiled[0], eager[0]))
+        for p in compiled[0] + eager[0]:
+            p.grad.nan_to_num_(posinf=1.0)
+        for opt in (compiled[1], eager[1]):
+            _set_lr(opt, i)
+        step()
+        eager[1].step()
+        counts.append(cc.frame_count)
+    _assert_same(compiled, eager)
+    assert counts[2:] == [counts[2]] * (STEPS - 2), counts
+    assert counts[-1] <= 2
+    _no_graph_breaks()
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_scaler_attributes_set_inside_the_compiled_function(opt_name):
+    """A fullgraph function that hands grad_scale/found_inf over and steps, as a compiled Scaler.step would."""
+    compiled, eager = _twins(opt_name, "fp16_master", torch.tensor(1e-3))
+    opt = compiled[1]
+    scale = torch.tensor(1024.0)
+
+    def scaled_step(found_inf):
+        opt.grad_scale, opt.found_inf = scale, found_inf
+        opt.step()
+        del opt.grad_scale, opt.found_inf
+
+    cc = CompileCounter()
+    fn = torch.compile(scaled_step, fullgraph=True, backend=cc)
+    for i in range(STEPS):
+        _set_grads(i, (compiled[0], eager[0]), 1024.0)
+        found_inf = torch.tensor(1.0 if i in OVERFLOW else 0.0)
+        fn(found_inf)
+        _amp_step(eager[1], eager[1].step, scale, found_inf.clone())
+        assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    _assert_same(compiled, eager)
+    assert cc.frame_count == 1
+    _no_graph_breaks()
+
+
+def test_grad_pattern_changes_and_eager_steps_in_between():
+    """Eager and compiled steps mixed, a param without grad for a while, remainder masters.
+
+    A param skipped by some steps keeps its own count, so it can no longer share a launch
+    (and its step scalars) with the others: the compiled step of the old pattern must not
+    be reused once the counts moved apart. Pattern A, B, A recompiles (3 graphs); after
+    that, alternating reuses them. No spurious remainder re-sync warning either (compiled
+    writes are not foreign writes).
+    """
+    compiled, eager = _twins("adamw", "bf16_remainder", torch.tensor(1e-3))
+    cc = CompileCounter()
+    step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
+    schedule = ["c", "c", "e", "c", "cB", "cB", "c", "c", "e", "cB", "c", "eB", "c", "cB", "c"] + ["c"] * 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for i, what in enumerate(schedule):
+            _set_grads(i, (compiled[0], eager[0]), skip=(1,) if "B" in what else ())
+            for p in compiled[0] + eager[0]:
+                if p.grad is not None:
+                    p.grad.nan_to_num_(posinf=1.0)
+            (step if what[0] == "c" else compiled[1].step)()
+            eager[1].step()
+            _assert_same(compiled, eager)
+    counts = [float(compiled[1].state[p]["step"]) for p in compiled[0]]
+    assert counts[1] == counts[0] - sum("B" in w for w in schedule)
+    assert cc.frame_count == 3
+    _no_graph_breaks()
+
+
+def test_tensor_betas_refused_at_trace_time():
+    p = _params(torch.float32, "cpu")
+    opt = fastamp.optim.AdamW(p, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    for q in p:
+        q.grad = torch.ones_like(q)
+    before = [q.detach().clone() for q in p]
+    with pytest.raises(Exception, match="tensor betas"):
+        torch.compile(opt.step, fullgraph=True, backend=CompileCounter())()
+    assert all(torch.equal(a, b) for a, b in zip(p, before))
+    opt.step()  # eager still takes them
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_inductor_bit_identical(device):
+    """inductor: the fp64 pow of the bias corrections and the grad scaler's reciprocal stay eager's bits."""
+    compiled, eager = _twins("adamw", "fp16_master", torch.tensor(1e-3, device=device), device=device, amsgrad=True)
+    step = torch.compile(compiled[1].step, fullgraph=True, backend="inductor")
+    scale = 3.0
+    for i in range(STEPS):
+        _set_grads(i, (compiled[0], eager[0]), scale)
+        found_inf = torch.tensor(1.0 if i in OVERFLOW else 0.0, device=device)
+        for (_, opt), fn in ((compiled, step), (eager, eager[1].step)):
+            _set_lr(opt, i)
+            _amp_step(opt, fn, torch.tensor(scale, device=device), found_inf.clone())
+    _assert_same(compiled, eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    _no_graph_breaks()
+
+
+@pytest.mark.parametrize("backend", ["native", "triton", "torch"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_forced_backend_is_kept(opt_name, backend):
+    """The backend eager picks (here forced per optimizer) is the one the compiled step calls, with eager's bits."""
+    ok, why = fastamp.backends.available(backend, "adamw_bf16_", "cpu")
+    if not ok:
+        pytest.skip(why)
+    compiled, eager = _twins(opt_name, "bf16_remainder", torch.tensor(1e-3), backend=backend)
+    cc = CompileCounter()
+    step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
+    for i in range(STEPS):
+        _set_grads(i, (compiled[0], eager[0]), 8.0)
+        found_inf = torch.tensor(1.0 if i in OVERFLOW else 0.0)
+        for (_, opt), fn in ((compiled, step), (eager, eager[1].step)):
+            _amp_step(opt, fn, torch.tensor(8.0), found_inf.clone())
+    _assert_same(compiled, eager)
+    assert cc.frame_count == 1
+    _no_graph_breaks()
+
+
+def test_step_scalar_ops_opcheck():
+    from fastamp.optim import _traced
+
+    step = torch.tensor(4.0)
+    for found_inf, grad_scale in ((None, None), (torch.tensor(0.0), torch.tensor(3.0))):
+        torch.library.opcheck(
+            _traced.adamw_step_scalars,
+            (step, found_inf, grad_scale, torch.tensor(1e-3, dtype=torch.float64), 0.9, 0.999, 0.01),
+        )
+        torch.library.opcheck(_traced.sgd_step_scalars, (step, grad_scale, torch.tensor(1e-2)))
+
+
+@pytest.mark.parametrize("scaler_name", ["torch", "fastamp"])
+def test_scaler_drives_a_compiled_step(scaler_name):
+    """``opt.step = torch.compile(opt.step, fullgraph=True)`` driven by an eager GradScaler / fastamp.Scaler."""
+
+    def make_scaler():
+        if scaler_name == "torch":
+            return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=4)
+        return fastamp.Scaler("cpu", init_scale=2.0**10, growth_interval=4)
+
+    compiled, eager = _twins("adamw", "fp16_master", torch.tensor(1e-3))
+    cc = CompileCounter()
+    compiled[1].step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
+    scalers = [make_scaler(), make_scaler()]
+    for scaler in scalers:
+        scaler.scale(torch.ones(()))  # creates the scale, as the first scaler.scale(loss) does
+    for i in range(STEPS):
+        _set_grads(i, (compiled[0], eager[0]), 2.0**10)
+        for (_, opt), scaler in zip((compiled, eager), scalers):
+            scaler.step(opt)
+            scaler.update()
+    _assert_same(compiled, eager)
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    assert float(compiled[1].state[compiled[0][0]]["step"]) == STEPS - len(OVERFLOW)  # the overflows were skipped
+    assert cc.frame_count == 1
+    _no_graph_breaks()
