@@ -160,6 +160,9 @@ def rng_parts(ids: list[int], n: int) -> list[tuple[int, int, int]]:
 KERNELS: dict[tuple[str, str], Callable] = {}
 
 
+_NO_STATE: dict[str, Tensor] = {}
+
+
 class Launch(NamedTuple):
     """One kernel call of a compiled step: what ``_traced_launch`` hands to the op."""
 
@@ -201,7 +204,7 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                 if scalars is None:
                     step = state[params[step_pos]]["step"] if step_pos >= 0 else None
                     scalars = opt._traced_scalars(group, step, found_inf, grad_scale, dev)
-                sts = [state[p] for p in ps]
+                sts = [state.get(p, _NO_STATE) for p in ps]  # SGD without momentum keeps none
                 grads = [p.grad for p in ps]
                 grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
                 launch_params = [p.contiguous() if i in strided else p for i, p in enumerate(ps)]

@@ -89,6 +89,16 @@ def _amp_step(opt, step, grad_scale, found_inf):
         del opt.grad_scale, opt.found_inf
 
 
+def _drive_amp(compiled, eager, step, scale=3.0, device="cpu", skip=()):
+    """STEPS amp steps of both twins (the compiled one through ``step``), lr changed every step, overflows injected."""
+    for i in range(STEPS):  # the first step is compiled too: the state is created at trace time
+        _set_grads(i, (compiled[0], eager[0]), scale, skip)
+        found_inf = torch.tensor(1.0 if i in OVERFLOW else 0.0, device=device)
+        for (_, opt), fn in ((compiled, step), (eager, eager[1].step)):
+            _set_lr(opt, i)
+            _amp_step(opt, fn, torch.tensor(scale, device=device), found_inf.clone())
+
+
 def _assert_same(a, b):
     (pa, oa), (pb, ob) = a, b
     for i, (x, y) in enumerate(zip(pa, pb)):
@@ -109,13 +119,7 @@ def test_amp_steps_bit_identical_one_compile(opt_name, config):
     compiled, eager = _twins(opt_name, config, torch.tensor(1e-3))
     cc = CompileCounter()
     step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
-    scale = 3.0
-    for i in range(STEPS):  # the first step is compiled too: the state is created at trace time
-        _set_grads(i, (compiled[0], eager[0]), scale)
-        found_inf = torch.tensor(1.0 if i in OVERFLOW else 0.0)
-        for (_, opt), fn in ((compiled, step), (eager, eager[1].step)):
-            _set_lr(opt, i)
-            _amp_step(opt, fn, torch.tensor(scale), found_inf.clone())
+    _drive_amp(compiled, eager, step)
     _assert_same(compiled, eager)
     assert cc.frame_count == 1
     _no_graph_breaks()
@@ -124,6 +128,14 @@ def test_amp_steps_bit_identical_one_compile(opt_name, config):
         assert float(step_count) == STEPS - len(OVERFLOW)
 
 
+# torch releases that specialise every float (torch._dynamo.config.specialize_float = True) compile
+# once per lr value: there, use a tensor lr
+_FLOATS_SPECIALISED = pytest.mark.skipif(
+    torch._dynamo.config.specialize_float, reason="this torch specialises floats: a float lr recompiles per value"
+)
+
+
+@_FLOATS_SPECIALISED
 @pytest.mark.parametrize(("opt_name", "config"), [("adamw", "bf16_master"), ("sgd", "fp16_master")])
 def test_float_lr_dynamic_one_compile(opt_name, config):
     """A float lr changed every step, no grad scaler: with ``dynamic=True`` the lr is a graph input from the start."""
@@ -144,6 +156,7 @@ def test_float_lr_dynamic_one_compile(opt_name, config):
     _no_graph_breaks()
 
 
+@_FLOATS_SPECIALISED
 def test_float_lr_default_settles_after_first_change():
     """Without ``dynamic=True`` dynamo specialises a float lr once, then makes it dynamic: no recompile after that."""
     compiled, eager = _twins("adamw", "fp32", 1e-3)
@@ -236,13 +249,7 @@ def test_inductor_bit_identical(device):
     """inductor: the fp64 pow of the bias corrections and the grad scaler's reciprocal stay eager's bits."""
     compiled, eager = _twins("adamw", "fp16_master", torch.tensor(1e-3, device=device), device=device, amsgrad=True)
     step = torch.compile(compiled[1].step, fullgraph=True, backend="inductor")
-    scale = 3.0
-    for i in range(STEPS):
-        _set_grads(i, (compiled[0], eager[0]), scale)
-        found_inf = torch.tensor(1.0 if i in OVERFLOW else 0.0, device=device)
-        for (_, opt), fn in ((compiled, step), (eager, eager[1].step)):
-            _set_lr(opt, i)
-            _amp_step(opt, fn, torch.tensor(scale, device=device), found_inf.clone())
+    _drive_amp(compiled, eager, step, device=device)
     _assert_same(compiled, eager)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     _no_graph_breaks()
@@ -258,11 +265,7 @@ def test_forced_backend_is_kept(opt_name, backend):
     compiled, eager = _twins(opt_name, "bf16_remainder", torch.tensor(1e-3), backend=backend)
     cc = CompileCounter()
     step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
-    for i in range(STEPS):
-        _set_grads(i, (compiled[0], eager[0]), 8.0)
-        found_inf = torch.tensor(1.0 if i in OVERFLOW else 0.0)
-        for (_, opt), fn in ((compiled, step), (eager, eager[1].step)):
-            _amp_step(opt, fn, torch.tensor(8.0), found_inf.clone())
+    _drive_amp(compiled, eager, step, 8.0)
     _assert_same(compiled, eager)
     assert cc.frame_count == 1
     _no_graph_breaks()
@@ -303,5 +306,57 @@ def test_scaler_drives_a_compiled_step(scaler_name):
     _assert_same(compiled, eager)
     assert scalers[0].get_scale() == scalers[1].get_scale()
     assert float(compiled[1].state[compiled[0][0]]["step"]) == STEPS - len(OVERFLOW)  # the overflows were skipped
+    assert cc.frame_count == 1
+    _no_graph_breaks()
+
+
+def _mixed_groups(device="cpu"):
+    # two groups, one mixing fp32 and bf16 params (two launches sharing the step scalars), a frozen param (3)
+    p = _params(torch.float32, device) + _params(torch.bfloat16, device, [(9,), (2, 3)])
+    p[3].requires_grad_(False)
+    return p, [{"params": p[:2] + p[4:5]}, {"params": p[2:4] + p[5:], "lr": torch.tensor(2e-3), "weight_decay": 0.0}]
+
+
+VARIANTS = {
+    "sgd_plain": (fastamp.optim.SGD, {"momentum": 0.0}),
+    "sgd_nesterov": (fastamp.optim.SGD, {"momentum": 0.9, "nesterov": True, "maximize": True}),
+    "sgd_dampening": (fastamp.optim.SGD, {"momentum": 0.9, "dampening": 0.1, "master_weights": "remainder"}),
+    "adamw_amsgrad": (fastamp.optim.AdamW, {"amsgrad": True, "maximize": True}),
+    "adamw_bf16_moments": (
+        fastamp.optim.AdamW,
+        {"master_weights": "remainder", "state_dtype": torch.bfloat16, "stochastic_rounding": True},
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_variants_and_groups_bit_identical(variant):
+    """Options that change the launches (no momentum state, nesterov, bf16 moments ...), two groups, mixed dtypes."""
+    cls, kw = VARIANTS[variant]
+    (pa, ga), (pb, gb) = _mixed_groups(), _mixed_groups()
+    compiled, eager = (pa, cls(ga, lr=torch.tensor(1e-3), **kw)), (pb, cls(gb, lr=torch.tensor(1e-3), **kw))
+    cc = CompileCounter()
+    _drive_amp(compiled, eager, torch.compile(compiled[1].step, fullgraph=True, backend=cc), skip=(3,))
+    _assert_same(compiled, eager)
+    assert not compiled[1].state[pa[3]]  # the frozen param was never stepped
+    assert cc.frame_count == 1
+    _no_graph_breaks()
+
+
+def test_device_lr_schedule_does_not_recompile():
+    """fastamp.DeviceLR writes a 0-dim tensor lr in place every step: the compiled step follows it, one compile."""
+    compiled, eager = _twins("sgd", "bf16_master", 1e-2)
+    cc = CompileCounter()
+    step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
+    scheds = [fastamp.DeviceLR(opt, fastamp.schedule.warmup_cosine(5, STEPS)) for opt in (compiled[1], eager[1])]
+    for i in range(STEPS):
+        _set_grads(i, (compiled[0], eager[0]))
+        for p in compiled[0] + eager[0]:
+            p.grad.nan_to_num_(posinf=1.0)
+        step()
+        eager[1].step()
+        for sched in scheds:
+            sched.step()
+    _assert_same(compiled, eager)
     assert cc.frame_count == 1
     _no_graph_breaks()
