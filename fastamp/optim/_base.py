@@ -527,7 +527,9 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, f"param group {gi}")
             self._check_traceable(group, f"param group {gi}")
-        self._forget_compiled_steps()
+        if self._compiled_steps:
+            self._forget_compiled_steps()
+        self._plan = None
         if not hasattr(self, "_trace_epoch"):
             self._retire_compiled_steps()
         work, step_values = self._collect()

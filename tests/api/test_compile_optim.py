@@ -314,6 +314,8 @@ def _mixed_groups(device="cpu"):
     # two groups, one mixing fp32 and bf16 params (two launches sharing the step scalars), a frozen param (3)
     p = _params(torch.float32, device) + _params(torch.bfloat16, device, [(9,), (2, 3)])
     p[3].requires_grad_(False)
+    p[0] = torch.nn.Parameter(p[0].detach().t().contiguous().t())  # a strided param (its grad comes contiguous)
+    assert not p[0].is_contiguous()
     return p, [{"params": p[:2] + p[4:5]}, {"params": p[2:4] + p[5:], "lr": torch.tensor(2e-3), "weight_decay": 0.0}]
 
 
