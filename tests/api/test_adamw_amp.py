@@ -183,6 +183,7 @@ LOSS_RTOL = 2.0**-10
 PARAM_ATOL = 1e-4
 
 
+@pytest.mark.slow  # ~30 s over its cases
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("amp_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("clip", [None, 0.5])
@@ -204,6 +205,7 @@ def test_torch_gradscaler_drives_ours_like_torch_fused(backend, amp_dtype, clip)
         assert o1.state[p]["step"].item() == o2.state[q]["step"].item()
 
 
+@pytest.mark.slow  # ~35 s over its cases
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("amp_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("clip", [None, 0.5])

@@ -125,6 +125,7 @@ def _adam_id(c):
     return f"g{_SHORT[gdt]}-{'rem' if rem else 'nomaster'}-m{_SHORT[mdt]}" + "-amsgrad" * amsgrad + "-rng" * use_rng
 
 
+@pytest.mark.slow  # ~50 s over its cases
 @pytest.mark.parametrize("gdt,rem,mdt,amsgrad,use_rng", _ADAM_COMBOS, ids=[_adam_id(c) for c in _ADAM_COMBOS])
 def test_adamw_bf16_matches_reference_every_isa(isa, gdt, rem, mdt, amsgrad, use_rng):
     _assert_adamw_bf16_steps(gdt, rem, mdt, amsgrad, maximize=amsgrad, use_rng=use_rng)
@@ -306,6 +307,7 @@ def _sgd_state(pdt, gdt, kind, momentum, seed, sizes=SIZES):
 _SGD_MOMENTA = [(0.0, 0.0, False), (0.9, 0.0, False), (0.9, 0.1, False), (0.5, 0.0, True)]
 
 
+@pytest.mark.slow  # ~140 s over its cases
 @pytest.mark.parametrize(
     "pdt,kind,use_rng", _SGD_MODES, ids=[f"p{_SHORT[p]}-{k}" + "-rng" * r for p, k, r in _SGD_MODES]
 )

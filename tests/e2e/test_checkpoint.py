@@ -57,6 +57,7 @@ def _assert_bitwise(a, b, path=""):
         assert a == b, (path, a, b)
 
 
+@pytest.mark.slow  # the ``runs`` fixture: fresh processes, ~30 s
 @pytest.mark.parametrize("regime", ["fp32", "bf16_master", "fp16_master"])
 def test_resume_in_a_new_process_is_bit_identical(runs, regime):
     full, ckpt, resumed = runs

@@ -43,6 +43,7 @@ def test_text_and_image_batches_are_deterministic_per_step():
     assert 500 < raw.std() < 1500  # a conv over it has a variance far above fp16's 65504
 
 
+@pytest.mark.slow
 def test_cnn_raw12_runs_the_batchnorm_regimes_unless_told_otherwise(tmp_path):
     args = ["--device", "cpu", "--size", "tiny", "--steps", "4", "--model", "cnn-raw12", "--out", str(tmp_path)]
     rows = compare.main(args + ["--no-progress", "--no-plot"])
@@ -179,6 +180,7 @@ def test_same_regime_twice_is_bit_identical():
     assert r1.losses[-1] < r1.losses[0]
 
 
+@pytest.mark.slow
 def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     regimes = "fp32,torch-amp-fp16,fastamp-scaler-fp16,fastamp-fp16,fastamp-bf16-sr,pure-fp16"
     args = ["--device", "cpu", "--size", "tiny", "--steps", "4", "--regimes", regimes, "--out", str(tmp_path)]
@@ -280,6 +282,7 @@ def _scaled_run(model_name, regime, steps=10, growth_interval=2):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_name", ["gpt", "cnn-raw12"])
 def test_loss_scale_moves_and_the_drop_in_scaler_follows_torch_exactly(model_name):
     torch_run = _scaled_run(model_name, "torch-amp-fp16")

@@ -16,9 +16,13 @@ from fastamp import backends
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "_scripts", "determinism_run.py")
 
-pytestmark = pytest.mark.skipif(
-    not backends.available("native", "unscale_check_", "cpu")[0], reason="native CPU kernels not built"
-)
+# slow: the fresh-process runs (the ``runs`` fixture) take ~30 s
+pytestmark = [
+    pytest.mark.skipif(
+        not backends.available("native", "unscale_check_", "cpu")[0], reason="native CPU kernels not built"
+    ),
+    pytest.mark.slow,
+]
 
 
 def _run(threads, out):

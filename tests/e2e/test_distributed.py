@@ -23,7 +23,11 @@ from tolerances import SUMSQ_RTOL  # noqa: E402
 
 import fastamp  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+# slow: the tests share one ~35 s subprocess run of every scenario (the fixture below)
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
+    pytest.mark.slow,
+]
 
 
 @pytest.fixture(scope="module")

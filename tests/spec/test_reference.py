@@ -291,6 +291,7 @@ def _digest(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.slow  # reruns the reference in fresh processes under torch's other CPU builds
 def test_reference_is_the_same_whatever_instruction_set_torch_uses():
     """torch picks its CPU kernels by instruction set (ATEN_CPU_CAPABILITY); some of them
     (add with alpha, addcmul, addcdiv, lerp, exp, reductions) round differently on AVX2 than on

@@ -26,6 +26,7 @@ def _read_csv(path):
 ARGS = ["--quick", "--configs", "40x16", "--rounds", "1", "--device", "cpu"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "module, name, scenarios",
     [
@@ -110,6 +111,7 @@ def test_stats_check_catches_wrong_counts():
     assert "counts exact" in bench_unscale.make_stats_check(impl, False, torch.bfloat16, torch.device("cpu"))()
 
 
+@pytest.mark.slow
 def test_plot_is_written(tmp_path):
     bench_adamw.main(ARGS + ["--out", str(tmp_path), "--tag", "p"])
     png = tmp_path / "bench_adamw-p.png"
@@ -246,6 +248,7 @@ def test_triton_interpreter_is_not_a_timed_backend():
         common.timable_backends("unscale_check_", torch.device("cpu"), "cuda-magic")
 
 
+@pytest.mark.slow
 def test_sync_check_dry_run_on_cpu(tmp_path):
     # The sync counting itself needs CUDA (benchmarks/gpu_check.sh); this exercises the code
     # paths (every configuration, the injected inf) so a GPU run is not wasted on a bug.

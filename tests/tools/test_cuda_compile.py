@@ -138,6 +138,7 @@ def test_expected_cuda_sources_exist():
     assert (CUDA_DIR / "bindings.cpp").exists()
 
 
+@pytest.mark.slow  # the compiled fixture: nvcc on every .cu (~45 s)
 @pytest.mark.parametrize("name", ["amp.cu", "adamw.cu", "sgd.cu"])
 @requires_nvcc
 def test_cu_compiles_for_sm80_and_sm90(compiled, name):
@@ -146,6 +147,7 @@ def test_cu_compiles_for_sm80_and_sm90(compiled, name):
     assert obj.exists() and obj.stat().st_size > 0
 
 
+@pytest.mark.slow
 @requires_nvcc
 def test_objects_hold_both_archs_and_every_kernel(compiled):
     # Read the object bytes (cuobjdump is not always installed): nvcc records each cubin's
@@ -176,6 +178,7 @@ def test_kernel_sources_include_no_torch_header():
             assert not pattern.search(line), f"{path.name} includes a torch header: {line.strip()}"
 
 
+@pytest.mark.slow
 def test_bindings_compile_against_torch_headers(compiled):
     """bindings.cpp compiles (syntax and templates) against the installed torch's headers."""
     rc, out, _ = compiled["bindings.cpp"]
@@ -218,6 +221,7 @@ def test_every_kernel_registers_through_the_signature_check():
     assert registered["CUDA"] == declared
 
 
+@pytest.mark.slow
 @requires_nvcc
 def test_signature_check_rejects_a_mismatched_kernel(tmp_path):
     """The check itself can fail: a kernel taking ``at::Tensor&`` where the op's takes ``const at::Tensor&``.

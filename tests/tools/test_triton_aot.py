@@ -1036,6 +1036,7 @@ def _fail_list(rows, check):
     return bad
 
 
+@pytest.mark.slow  # the tier fixture compiles every specialisation (~1.5 min)
 def test_launchers_reach_every_dtype(tier):
     """The recorded launches cover every kernel and every dtype combination the launchers accept."""
     specs = tier["specs"].values()
@@ -1057,11 +1058,13 @@ def test_launchers_reach_every_dtype(tier):
         assert aligned[k] == {True, False}, f"{k}: the launchers should use both the aligned and the fallback kernel"
 
 
+@pytest.mark.slow
 def test_few_launches_at_20000_tensors(tier):
     """One launch per dtype group, whatever the tensor count (the launch table carries the tensors)."""
     assert tier["launches_20k"] == {"unscale_check_": 1, "adamw_": 1, "sgd_": 1}, tier["launches_20k"]
 
 
+@pytest.mark.slow
 def test_no_specialisation_churn(tier):
     """Tensor and chunk counts, unaligned scalars and the runtime flags never compile another variant."""
     churn = tier["churn"]
@@ -1069,6 +1072,7 @@ def test_no_specialisation_churn(tier):
     assert all(n == 1 for n in churn.values()), f"distinct compiled variants per kernel: {churn}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_compiles_for_sm80_and_sm90(tier, kernel):
     rows = _by_kernel(tier, kernel)
@@ -1077,6 +1081,7 @@ def test_compiles_for_sm80_and_sm90(tier, kernel):
     assert not bad, "\n".join(bad[:10])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_no_spills(tier, kernel):
     rows = [r for r in _by_kernel(tier, kernel) if r.get("compiled")]
@@ -1092,6 +1097,7 @@ def test_no_spills(tier, kernel):
     assert not bad, f"{len(bad)} of {len(rows)} spill:\n" + "\n".join(bad[:10])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", STREAMING)
 def test_data_streams_vectorised(tier, kernel):
     """Aligned tensors: every data access site has a >= 8-byte vector access (the unmasked full blocks)."""
@@ -1111,6 +1117,7 @@ def test_data_streams_vectorised(tier, kernel):
     assert not bad, f"{len(bad)} of {len(rows)} not vectorised:\n" + "\n".join(bad[:10])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_ptx_is_correctly_rounded(tier, kernel):
     rows = [r for r in _by_kernel(tier, kernel) if r.get("compiled")]
