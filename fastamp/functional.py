@@ -1,8 +1,11 @@
 """Stateless fused ops that every backend implements (in-place ones end in ``_``).
 
-Each function validates its arguments, picks a backend with :func:`fastamp.backends.resolve`
-and calls it. Semantics are those of :mod:`fastamp.reference`; no function here reads a
-device value on the host.
+Each function picks a backend with :func:`fastamp.backends.resolve` and calls it, with its
+arguments checked by :mod:`fastamp._validate` (the one place of the user-facing checks; its
+docstring says which layer checks what): before the call for the Triton and torch backends,
+and for the native one only when the kernel refuses the input (the C++ kernels check
+everything themselves first), for the clearer message. Semantics are those of
+:mod:`fastamp.reference`; no function here reads a device value on the host.
 """
 
 from __future__ import annotations
@@ -13,20 +16,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from fastamp import _validate as V
 from fastamp import backends
 
 __all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _check_scalar_tensor(op: str, name: str, t, dtype=torch.float32) -> None:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
-    if t.numel() != 1:
-        raise ValueError(f"{op}: {name} must be a 1-element tensor, got shape {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"{op}: {name} must be a {dtype} tensor, got {t.dtype}")
 
 
 def unscale_check_(
@@ -64,26 +59,9 @@ def unscale_check_(
     No host sync. fp64 grads always run on the torch reference (the kernels are fp32-maths).
     """
     op = "unscale_check_"
-    _check_scalar_tensor(op, "found_inf", found_inf)
-    _check_scalar_tensor(op, "inv_scale", inv_scale)
+    V.unscale_check(op, grads, found_inf, inv_scale, counts, absmax)
     dev = found_inf.device
-    if inv_scale.device != dev:
-        raise ValueError(f"{op}: inv_scale is on {inv_scale.device} but found_inf is on {dev}")
-    want_stats = counts is not None or absmax is not None
-    if want_stats:
-        if counts is None or absmax is None:
-            raise ValueError(f"{op}: counts and absmax must be given together")
-        n = len(grads)
-        if counts.dtype != torch.int64 or tuple(counts.shape) != (n, 3) or counts.device != dev:
-            raise ValueError(
-                f"{op}: counts must be an int64 [{n}, 3] tensor on {dev}, got {counts.dtype} "
-                f"{tuple(counts.shape)} on {counts.device}"
-            )
-        if absmax.dtype != torch.float32 or tuple(absmax.shape) != (n,) or absmax.device != dev:
-            raise ValueError(
-                f"{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
-                f"{tuple(absmax.shape)} on {absmax.device}"
-            )
+    want_stats = counts is not None
     chosen = backends.resolve("unscale_check_stats_" if want_stats else op, dev, backend)
     return _unscale_check(grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax, chosen)
 
@@ -119,15 +97,7 @@ def _unscale_check(
     other: list[Tensor] = []
     other_idx: list[int] = []
     for i, g in enumerate(grads):
-        if not isinstance(g, Tensor):
-            raise TypeError(f"{op}: grads[{i}] must be a Tensor, got {type(g).__name__}")
-        if g.device != dev:
-            raise ValueError(f"{op}: grads[{i}] is on {g.device} but found_inf is on {dev}")
-        if not g.is_floating_point():
-            raise TypeError(f"{op}: grads[{i}] must be floating point, got {g.dtype}")
-        vals = g._values() if g.is_sparse else g
-        if vals.layout != torch.strided:
-            raise TypeError(f"{op}: grads[{i}] has unsupported layout {g.layout}")
+        vals = V.unscale_grad(op, i, g, dev)
         if vals.dtype not in _KERNEL_DTYPES:
             other.append(vals)
             other_idx.append(i)
@@ -221,18 +191,8 @@ def update_scale_(
     See :func:`fastamp.reference.update_scale_`. No host sync.
     """
     op = "update_scale_"
-    _check_scalar_tensor(op, "scale", scale)
-    _check_scalar_tensor(op, "growth_tracker", growth_tracker, torch.int32)
-    _check_scalar_tensor(op, "hysteresis_tracker", hysteresis_tracker, torch.int32)
-    _check_scalar_tensor(op, "found_inf", found_inf)
+    V.update_scale(op, scale, growth_tracker, hysteresis_tracker, found_inf)
     dev = scale.device
-    for name, t in (
-        ("growth_tracker", growth_tracker),
-        ("hysteresis_tracker", hysteresis_tracker),
-        ("found_inf", found_inf),
-    ):
-        if t.device != dev:
-            raise ValueError(f"{op}: {name} is on {t.device} but scale is on {dev}")
     impl = backends.get_impl(op, backends.resolve(op, dev, backend))
     impl(
         scale,
@@ -248,47 +208,14 @@ def update_scale_(
     )
 
 
-def _check_adam_hyper(op: str, beta1: float, beta2: float, eps: float) -> None:
-    for name, b in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= b < 1.0:
-            raise ValueError(f"{op}: {name} must be in [0, 1), got {b}")
-    if not eps >= 0.0:
-        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
-
-
-def _check_adam_inputs(op, dev, params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad):
-    """Host-side checks of the tensor lists that every backend relies on (list lengths, one device).
-
-    The native kernels check all of this (and more) themselves before touching anything,
-    so the adamw wrappers run these per-tensor checks only when the native call is not
-    taken or rejected its input, for the clearer message.
-    """
-    n = len(params)
-    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
-    if len(masters):
-        lists["masters"] = masters
-    if amsgrad:
-        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
-    for name, lst in lists.items():
-        if len(lst) != n:
-            raise ValueError(f"{op}: got {n} params but {len(lst)} {name}")
-    for name, lst in dict(lists, params=params).items():
-        for i, t in enumerate(lst):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{op}: {name}[{i}] must be a Tensor, got {type(t).__name__}")
-            if t.device != dev:
-                raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[0] is on {dev}")
-
-
-def _call_adam(op: str, dev: torch.device, backend: str | None, args: tuple) -> None:
-    """Run an adamw op: the native kernel first when it is the chosen backend (it checks every
-    tensor itself before touching anything), the per-tensor Python checks only when it is not
-    taken or refuses the input. ``args``: the op's arguments, the six tensor lists first and
-    ``amsgrad`` second to last."""
+def _call_checked(op: str, dev: torch.device, backend: str | None, args: tuple, check) -> None:
+    """Run an optimizer op: the native kernel first when it is the chosen backend (it checks every
+    tensor itself before touching anything), ``check(strict)`` (:mod:`fastamp._validate`) first
+    otherwise, and after a refusal of the native kernel, for the clearer message."""
     backend = backends.resolve(op, dev, backend)
     if _native_fast_path(op, backend, args) is not _NOT_RUN:
         return
-    _check_adam_inputs(op, dev, *args[:6], args[-2])
+    check(backend != "torch")
     backends.get_impl(op, backend)(*args)
 
 
@@ -319,7 +246,7 @@ def adamw_(
     if len(params) == 0:
         return
     dev = params[0].device
-    _check_adam_hyper(op, beta1, beta2, eps)
+    V.adam_hyper(op, beta1, beta2, eps)
     args = (
         list(params),
         list(grads),
@@ -335,7 +262,7 @@ def adamw_(
         bool(amsgrad),
         bool(maximize),
     )
-    _call_adam(op, dev, backend, args)
+    _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], strict=strict))
 
 
 def adamw_bf16_(
@@ -365,7 +292,7 @@ def adamw_bf16_(
     if len(params) == 0:
         return
     dev = params[0].device
-    _check_adam_hyper(op, beta1, beta2, eps)
+    V.adam_hyper(op, beta1, beta2, eps)
     args = (
         list(params),
         list(grads),
@@ -383,7 +310,7 @@ def adamw_bf16_(
         bool(amsgrad),
         bool(maximize),
     )
-    _call_adam(op, dev, backend, args)
+    _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], args[8], strict=strict))
 
 
 def sgd_(
@@ -411,8 +338,7 @@ def sgd_(
     if len(params) == 0:
         return
     dev = params[0].device
-    impl = backends.get_impl(op, backends.resolve(op, dev, backend))
-    impl(
+    args = (
         list(params),
         list(grads),
         list(masters),
@@ -427,3 +353,4 @@ def sgd_(
         bool(nesterov),
         bool(maximize),
     )
+    _call_checked(op, dev, backend, args, lambda strict: V.sgd(op, dev, *args[:7], args[8], strict=strict))

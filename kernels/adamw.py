@@ -25,10 +25,10 @@ within ``tolerances.ADAMW_GPU_RTOL`` per step.
 
 from typing import Optional
 
-import torch
 import triton
 import triton.language as tl
 from fastamp.kernels import _common as C
+from fastamp.kernels import _guards as G
 from torch import Tensor
 
 from fastamp import _ops
@@ -158,44 +158,6 @@ def _adamw_kernel(
     )  # fmt: skip
 
 
-def _validate(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, amsgrad):
-    op = "fastamp_triton::adamw_"
-    dev = C.check_call(
-        op, params, grads, "masters", masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, amsgrad
-    )
-    if dev is None:
-        return
-    fp32_lists = [("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs), ("masters", masters)]
-    if amsgrad:
-        fp32_lists.append(("max_exp_avg_sqs", max_exp_avg_sqs))
-    for i, p in enumerate(params):
-        g = grads[i]
-        if p.device != dev or g.device != dev:
-            raise ValueError(f"{op}: params[{i}] ({p.device}) and grads[{i}] ({g.device}) must be on {dev}")
-        if p.dtype not in C.FLOAT_DTYPES:
-            raise TypeError(f"{op}: params[{i}] must be a floating point tensor, got {p.dtype}")
-        if g.dtype not in C.FLOAT_DTYPES:
-            raise TypeError(f"{op}: grads[{i}] must be a floating point tensor, got {g.dtype}")
-        if g.layout != torch.strided or p.layout != torch.strided:
-            raise TypeError(f"{op}: params[{i}] and grads[{i}] must be dense, got {p.layout} and {g.layout}")
-        if g.numel() != p.numel():
-            raise ValueError(f"{op}: grads[{i}] has {g.numel()} elements but params[{i}] has {p.numel()}")
-        if not p.is_contiguous():
-            raise ValueError(f"{op}: params[{i}] must be contiguous")
-        for name, lst in fp32_lists:
-            s = lst[i] if lst else None
-            if s is None:
-                continue
-            if s.device != dev:
-                raise ValueError(f"{op}: {name}[{i}] is on {s.device} but params are on {dev}")
-            if s.dtype != torch.float32:
-                raise TypeError(f"{op}: {name}[{i}] must be float32, got {s.dtype}")
-            if s.numel() != p.numel():
-                raise ValueError(f"{op}: {name}[{i}] has {s.numel()} elements but params[{i}] has {p.numel()}")
-            if not s.is_contiguous():
-                raise ValueError(f"{op}: {name}[{i}] must be contiguous")
-
-
 def _adamw_impl(
     params: list[Tensor],
     grads: list[Tensor],
@@ -211,10 +173,15 @@ def _adamw_impl(
     amsgrad: bool,
     maximize: bool,
 ) -> None:
-    _validate(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, amsgrad)
     if len(params) == 0:
         return
     dev = params[0].device
+    G.guard_scalars("adamw_", dev, step_scalars, 4, found_inf, None)
+    lists = [("params", params, G.FLOAT_DTYPES, True), ("grads", grads, G.FLOAT_DTYPES, False)]
+    lists += [("exp_avgs", exp_avgs, G.F32, True), ("exp_avg_sqs", exp_avg_sqs, G.F32, True)]
+    lists += [("masters", masters, G.F32, True)] if masters else []
+    lists += [("max_exp_avg_sqs", max_exp_avg_sqs, G.F32, True)] if amsgrad else []
+    G.guard_lists("adamw_", dev, [p.numel() for p in params], lists)
     C.check_runnable("adamw_", dev)
     scalars, found_inf, _ = C.device_scalars(step_scalars, found_inf, None)
     has_master = len(masters) > 0

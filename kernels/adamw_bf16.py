@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 from fastamp.kernels import _common as C
+from fastamp.kernels import _guards as G
 from torch import Tensor
 
 from fastamp import _ops
@@ -186,61 +187,6 @@ def _adamw_bf16_kernel(
     )  # fmt: skip
 
 
-def _check_list_entry(op, name, s, i, dev, dtypes, numel):
-    if s.device != dev:
-        raise ValueError(f"{op}: {name}[{i}] is on {s.device} but params are on {dev}")
-    if s.dtype not in dtypes:
-        allowed = " or ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{op}: {name}[{i}] must be {allowed}, got {s.dtype}")
-    if s.numel() != numel:
-        raise ValueError(f"{op}: {name}[{i}] has {s.numel()} elements but params[{i}] has {numel}")
-    if not s.is_contiguous():
-        raise ValueError(f"{op}: {name}[{i}] must be contiguous")
-
-
-def _validate_bf16(
-    params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, amsgrad
-):
-    op = "fastamp_triton::adamw_bf16_"
-    dev = C.check_call(
-        op,
-        params,
-        grads,
-        "remainders",
-        remainders,
-        exp_avgs,
-        exp_avg_sqs,
-        max_exp_avg_sqs,
-        step_scalars,
-        found_inf,
-        amsgrad,
-    )
-    if dev is None:
-        return
-    C.check_rng(op, rng, dev)
-    lists = [("exp_avgs", exp_avgs, _STATE_DTYPES), ("exp_avg_sqs", exp_avg_sqs, _STATE_DTYPES)]
-    if remainders:
-        lists.append(("remainders", remainders, (torch.int16,)))
-    if amsgrad:
-        lists.append(("max_exp_avg_sqs", max_exp_avg_sqs, _STATE_DTYPES))
-    for i, p in enumerate(params):
-        g = grads[i]
-        if p.device != dev or g.device != dev:
-            raise ValueError(f"{op}: params[{i}] ({p.device}) and grads[{i}] ({g.device}) must be on {dev}")
-        if p.dtype != torch.bfloat16:
-            raise TypeError(f"{op}: params[{i}] must be bfloat16, got {p.dtype}")
-        if g.dtype not in C.FLOAT_DTYPES:
-            raise TypeError(f"{op}: grads[{i}] must be a floating point tensor, got {g.dtype}")
-        if g.layout != torch.strided or p.layout != torch.strided:
-            raise TypeError(f"{op}: params[{i}] and grads[{i}] must be dense, got {p.layout} and {g.layout}")
-        if g.numel() != p.numel():
-            raise ValueError(f"{op}: grads[{i}] has {g.numel()} elements but params[{i}] has {p.numel()}")
-        if not p.is_contiguous():
-            raise ValueError(f"{op}: params[{i}] must be contiguous")
-        for name, lst, dtypes in lists:
-            _check_list_entry(op, name, lst[i], i, dev, dtypes, p.numel())
-
-
 def _adamw_bf16_impl(
     params: list[Tensor],
     grads: list[Tensor],
@@ -258,12 +204,15 @@ def _adamw_bf16_impl(
     amsgrad: bool,
     maximize: bool,
 ) -> None:
-    _validate_bf16(
-        params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng, amsgrad
-    )
     if len(params) == 0:
         return
     dev = params[0].device
+    G.guard_scalars("adamw_bf16_", dev, step_scalars, 4, found_inf, rng)
+    lists = [("params", params, (torch.bfloat16,), True), ("grads", grads, G.FLOAT_DTYPES, False)]
+    lists += [("exp_avgs", exp_avgs, _STATE_DTYPES, True), ("exp_avg_sqs", exp_avg_sqs, _STATE_DTYPES, True)]
+    lists += [("remainders", remainders, (torch.int16,), True)] if remainders else []
+    lists += [("max_exp_avg_sqs", max_exp_avg_sqs, _STATE_DTYPES, True)] if amsgrad else []
+    G.guard_lists("adamw_bf16_", dev, [p.numel() for p in params], lists)
     C.check_runnable("adamw_bf16_", dev)
     scalars, found_inf, rng = C.device_scalars(step_scalars, found_inf, rng)
     has_rem = len(remainders) > 0

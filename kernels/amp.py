@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from fastamp.kernels import _common as C
+from fastamp.kernels import _guards as G
 from torch import Tensor
 
 from fastamp import _ops
@@ -171,44 +172,20 @@ def _stats_reduce_kernel(
     tl.store(absmax_ptr + gid, amax)
 
 
-def _check_scalar(op: str, name: str, t: Tensor, dtype: torch.dtype) -> None:
-    if t.numel() != 1:
-        raise ValueError(f"fastamp_triton::{op}: {name} must be a 1-element tensor, got shape {tuple(t.shape)}")
-    if t.dtype != dtype:
-        raise TypeError(f"fastamp_triton::{op}: {name} must be a {dtype} tensor, got {t.dtype}")
-
-
 def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
-    _check_scalar(op, "found_inf", found_inf, torch.float32)
-    _check_scalar(op, "inv_scale", inv_scale, torch.float32)
     dev = found_inf.device
-    if inv_scale.device != dev:
-        raise ValueError(f"fastamp_triton::{op}: inv_scale is on {inv_scale.device} but found_inf is on {dev}")
+    G.guard_lists(op, dev, [1, 1], [("found_inf, inv_scale", [found_inf, inv_scale], G.F32, False)])
+    G.guard_lists(op, dev, [g.numel() for g in grads], [("grads", grads, _GRAD_DTYPES, False)])
     stats = counts is not None
     if stats:
         n = len(grads)
-        if counts.dtype != torch.int64 or tuple(counts.shape) != (n, 3) or counts.device != dev:
-            raise ValueError(
-                f"fastamp_triton::{op}: counts must be an int64 [{n}, 3] tensor on {dev}, got {counts.dtype} "
-                f"{tuple(counts.shape)} on {counts.device}"
-            )
-        if absmax.dtype != torch.float32 or tuple(absmax.shape) != (n,) or absmax.device != dev:
-            raise ValueError(
-                f"fastamp_triton::{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
-                f"{tuple(absmax.shape)} on {absmax.device}"
-            )
-        if not (counts.is_contiguous() and absmax.is_contiguous()):
-            raise ValueError(f"fastamp_triton::{op}: counts and absmax must be contiguous")
+        G.guard(counts.device == dev and counts.dtype == torch.int64 and tuple(counts.shape) == (n, 3), op, "counts")
+        G.guard(absmax.device == dev and absmax.dtype == torch.float32 and tuple(absmax.shape) == (n,), op, "absmax")
+        G.guard(counts.is_contiguous() and absmax.is_contiguous(), op, "counts and absmax must be contiguous")
     C.check_runnable(op, dev)
     groups = {}
     copies = []
     for i, g in enumerate(grads):
-        if g.device != dev:
-            raise ValueError(f"fastamp_triton::{op}: grads[{i}] is on {g.device} but found_inf is on {dev}")
-        if g.dtype not in _GRAD_DTYPES:
-            raise TypeError(f"fastamp_triton::{op}: grads[{i}] must be float32, float16 or bfloat16, got {g.dtype}")
-        if g.layout != torch.strided:
-            raise TypeError(f"fastamp_triton::{op}: grads[{i}] must be a strided (dense) tensor, got {g.layout}")
         if g.numel() == 0:
             continue
         if not g.is_contiguous():
@@ -382,21 +359,14 @@ def _update_scale_impl(
     max_scale: float,
 ) -> None:
     op = "update_scale_"
-    _check_scalar(op, "scale", scale, torch.float32)
-    _check_scalar(op, "growth_tracker", growth_tracker, torch.int32)
-    _check_scalar(op, "hysteresis_tracker", hysteresis_tracker, torch.int32)
-    _check_scalar(op, "found_inf", found_inf, torch.float32)
     dev = scale.device
-    for name, t in (
-        ("growth_tracker", growth_tracker),
-        ("hysteresis_tracker", hysteresis_tracker),
-        ("found_inf", found_inf),
-    ):
-        if t.device != dev:
-            raise ValueError(f"fastamp_triton::{op}: {name} is on {t.device} but scale is on {dev}")
-    for name, t in (("scale", scale), ("growth_tracker", growth_tracker), ("hysteresis_tracker", hysteresis_tracker)):
-        if not t.is_contiguous():
-            raise ValueError(f"fastamp_triton::{op}: {name} must be contiguous")
+    int32 = (torch.int32,)
+    lists = [("scale", [scale], G.F32, True), ("found_inf", [found_inf], G.F32, False)]
+    lists += [
+        ("growth_tracker", [growth_tracker], int32, True),
+        ("hysteresis_tracker", [hysteresis_tracker], int32, True),
+    ]
+    G.guard_lists(op, dev, [1], lists)
     C.check_runnable(op, dev)
     with C.device_guard(dev):
         _update_scale_kernel[(1,)](

@@ -25,13 +25,12 @@ import torch
 import triton
 import triton.language as tl
 from fastamp.kernels import _common as C
+from fastamp.kernels import _guards as G
 from torch import Tensor
 
 from fastamp import _ops
 
 __all__ = ["sgd_"]
-
-_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 # master kinds (constexpr MASTER)
 _NO_MASTER = 0
@@ -172,71 +171,6 @@ def _sgd_kernel(
     )  # fmt: skip
 
 
-def _validate(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, momentum):
-    op = "fastamp_triton::sgd_"
-    n = len(params)
-    if len(grads) != n:
-        raise ValueError(f"{op}: grads has {len(grads)} tensors but params has {n}")
-    if len(masters) not in (0, n):
-        raise ValueError(f"{op}: masters must be empty or have one tensor per param ({n}), got {len(masters)}")
-    if momentum != 0 and len(momentum_buffers) != n:
-        raise ValueError(f"{op}: momentum needs one momentum buffer per param ({n}), got {len(momentum_buffers)}")
-    if n == 0:
-        return
-    dev = params[0].device
-    if step_scalars.numel() != 3 or not step_scalars.is_floating_point():
-        raise ValueError(
-            f"{op}: step_scalars must be 3 floats [lr, grad_mul, is_first], "
-            f"got shape {tuple(step_scalars.shape)} {step_scalars.dtype}"
-        )
-    if step_scalars.device != dev:
-        raise ValueError(f"{op}: step_scalars is on {step_scalars.device} but params are on {dev}")
-    if found_inf is not None:
-        if found_inf.numel() != 1:
-            raise ValueError(f"{op}: found_inf must be a 1-element tensor, got shape {tuple(found_inf.shape)}")
-        if found_inf.device != dev:
-            raise ValueError(f"{op}: found_inf is on {found_inf.device} but params are on {dev}")
-    if rng is not None:
-        if rng.dtype != torch.int64 or rng.numel() < 2:
-            raise ValueError(f"{op}: rng must be an int64 tensor [seed, counter], got {rng.dtype} {tuple(rng.shape)}")
-        if rng.device != dev:
-            raise ValueError(f"{op}: rng is on {rng.device} but params are on {dev}")
-    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
-    master_dtype = torch.int16 if remainder else torch.float32
-    lists = []
-    if masters:
-        lists.append(("masters", masters, master_dtype))
-    if momentum != 0:
-        lists.append(("momentum_buffers", momentum_buffers, torch.float32))
-    for i, p in enumerate(params):
-        g = grads[i]
-        if p.device != dev or g.device != dev:
-            raise ValueError(f"{op}: params[{i}] ({p.device}) and grads[{i}] ({g.device}) must be on {dev}")
-        if p.dtype not in _PARAM_DTYPES:
-            raise TypeError(f"{op}: params[{i}] must be a floating point tensor, got {p.dtype}")
-        if remainder and p.dtype != torch.bfloat16:
-            raise TypeError(f"{op}: int16 remainders need bfloat16 params, but params[{i}] is {p.dtype}")
-        if g.dtype not in _PARAM_DTYPES:
-            raise TypeError(f"{op}: grads[{i}] must be a floating point tensor, got {g.dtype}")
-        if g.layout != torch.strided or p.layout != torch.strided:
-            raise TypeError(f"{op}: params[{i}] and grads[{i}] must be dense, got {p.layout} and {g.layout}")
-        if g.numel() != p.numel():
-            raise ValueError(f"{op}: grads[{i}] has {g.numel()} elements but params[{i}] has {p.numel()}")
-        if not p.is_contiguous():
-            raise ValueError(f"{op}: params[{i}] must be contiguous")
-        for name, lst, dtype in lists:
-            s = lst[i]
-            if s.device != dev:
-                raise ValueError(f"{op}: {name}[{i}] is on {s.device} but params are on {dev}")
-            if s.dtype != dtype:
-                what = "int16 (remainders, as masters[0])" if dtype == torch.int16 else "float32"
-                raise TypeError(f"{op}: {name}[{i}] must be {what}, got {s.dtype}")
-            if s.numel() != p.numel():
-                raise ValueError(f"{op}: {name}[{i}] has {s.numel()} elements but params[{i}] has {p.numel()}")
-            if not s.is_contiguous():
-                raise ValueError(f"{op}: {name}[{i}] must be contiguous")
-
-
 def _sgd_impl(
     params: list[Tensor],
     grads: list[Tensor],
@@ -252,16 +186,23 @@ def _sgd_impl(
     nesterov: bool,
     maximize: bool,
 ) -> None:
-    _validate(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, momentum)
     if len(params) == 0:
         return
     dev = params[0].device
+    G.guard_scalars("sgd_", dev, step_scalars, 3, found_inf, rng)
+    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
+    # int16 remainders are the low half of a bf16 param's fp32 master
+    lists = [("params", params, (torch.bfloat16,) if remainder else G.FLOAT_DTYPES, True)]
+    lists += [("grads", grads, G.FLOAT_DTYPES, False)]
+    lists += [("masters", masters, (torch.int16,) if remainder else G.F32, True)] if masters else []
+    lists += [("momentum_buffers", momentum_buffers, G.F32, True)] if momentum != 0 else []
+    G.guard_lists("sgd_", dev, [p.numel() for p in params], lists)
     C.check_runnable("sgd_", dev)
     scalars, found_inf, rng = C.device_scalars(step_scalars, found_inf, rng)
     if not masters:
         master_kind = _NO_MASTER
     else:
-        master_kind = _REMAINDER if masters[0].dtype == torch.int16 else _FP32_MASTER
+        master_kind = _REMAINDER if remainder else _FP32_MASTER
     has_momentum = momentum != 0
     grads = C.contiguous(grads)
     streams = [params, grads, *([masters] if master_kind != _NO_MASTER else [])]

@@ -202,12 +202,19 @@ def test_unscale_sumsq_deterministic(device):
 def test_unscale_bad_input():
     dev = DEVICES[0]
     f, inv = torch.zeros(1, device=dev), torch.ones(1, device=dev)
-    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
-        tamp.unscale_check_([torch.ones(2, dtype=torch.float64, device=dev)], f, inv)
+    # the user-facing checks, through functional
     with pytest.raises(TypeError, match="found_inf must be a torch.float32"):
-        tamp.unscale_check_([torch.ones(2, device=dev)], f.double(), inv)
+        functional.unscale_check_([torch.ones(2, device=dev)], f.double(), inv, backend="triton")
     with pytest.raises(ValueError, match="inv_scale must be a 1-element"):
+        functional.unscale_check_([torch.ones(2, device=dev)], f, torch.ones(2, device=dev), backend="triton")
+    # the launcher's guards (fp64 grads go to the reference through functional)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] must be a strided tensor of .*float32"):
+        tamp.unscale_check_([torch.ones(2, dtype=torch.float64, device=dev)], f, inv)
+    with pytest.raises(RuntimeError, match="fastamp_triton::unscale_check_: found_inf, inv_scale"):
+        tamp.unscale_check_([torch.ones(2, device=dev)], f.double(), inv)
+    with pytest.raises(RuntimeError, match="fastamp_triton::unscale_check_: found_inf, inv_scale"):
         tamp.unscale_check_([torch.ones(2, device=dev)], f, torch.ones(2, device=dev))
+    assert f.item() == 0.0
 
 
 # ---------------------------------------------------------------- update_scale_
@@ -398,8 +405,9 @@ def test_adamw_bad_input_changes_nothing():
     state = _adamw_state(dev, torch.float32, torch.float32, False, False, [4, 5], seed=14)
     before = clone_lists(state)
     scalars = R.adamw_step_scalars(1e-3, torch.tensor(1.0, device=dev), 0.9, 0.999, 0.01)
+    # the user-facing checks (fastamp._validate, through functional) name the problem
     bad_cases = [
-        (ValueError, "grads has 1 tensors", lambda s: s[1].pop()),
+        (ValueError, "got 2 params but 1 grads", lambda s: s[1].pop()),
         (TypeError, r"exp_avgs\[1\] must be float32", lambda s: s[3].__setitem__(1, s[3][1].double())),
         (ValueError, r"exp_avg_sqs\[0\] has 3 elements", lambda s: s[4].__setitem__(0, s[4][0][:3])),
         (
@@ -408,14 +416,23 @@ def test_adamw_bad_input_changes_nothing():
             lambda s: s[0].__setitem__(1, torch.zeros(5, 2, device=dev)[:, 0]),
         ),
     ]
+
+    def call(s, scalars, amsgrad=False):
+        functional.adamw_(*s, scalars, None, beta1=0.9, beta2=0.999, eps=1e-8, amsgrad=amsgrad, backend="triton")
+
     for exc, msg, mutate in bad_cases:
         s = [list(x) for x in state]
         mutate(s)
         with pytest.raises(exc, match=msg):
+            call(s, scalars)
+        # the launcher called directly refuses it too (its guards keep the launch table valid)
+        with pytest.raises(RuntimeError, match=r"fastamp_triton::adamw_: "):
             tadamw.adamw_(*s, scalars, None, 0.9, 0.999, 1e-8, False, False)
-    with pytest.raises(ValueError, match="amsgrad needs"):
-        tadamw.adamw_(*state, scalars, None, 0.9, 0.999, 1e-8, True, False)
+    with pytest.raises(ValueError, match="got 2 params but 0 max_exp_avg_sqs"):
+        call(state, scalars, amsgrad=True)
     with pytest.raises(ValueError, match="step_scalars must be 4 floats"):
+        call(state, scalars[:3])
+    with pytest.raises(RuntimeError, match="step_scalars must hold 4 floats"):
         tadamw.adamw_(*state, scalars[:3], None, 0.9, 0.999, 1e-8, False, False)
     for la, lb in zip(state, before):
         for a, b in zip(la, lb):

@@ -467,20 +467,16 @@ def test_stats_bad_input():
     dev = DEVICES[0]
     g = [torch.ones(3, device=dev), torch.ones(2, device=dev)]
     f, inv = torch.zeros(1, device=dev), torch.ones(1, device=dev)
-    with pytest.raises(ValueError, match=r"counts must be an int64 \[2, 3\]"):
-        tamp.unscale_check_stats_(
-            g, f, inv, True, False, torch.zeros(3, 3, dtype=torch.int64, device=dev), torch.zeros(2, device=dev)
-        )
-    with pytest.raises(ValueError, match=r"absmax must be an fp32 \[2\]"):
-        tamp.unscale_check_stats_(
-            g,
-            f,
-            inv,
-            True,
-            False,
-            torch.zeros(2, 3, dtype=torch.int64, device=dev),
-            torch.zeros(2, dtype=torch.float64, device=dev),
-        )
+    bad_counts = (torch.zeros(3, 3, dtype=torch.int64, device=dev), torch.zeros(2, device=dev))
+    bad_absmax = (torch.zeros(2, 3, dtype=torch.int64, device=dev), torch.zeros(2, dtype=torch.float64, device=dev))
+    for (counts, absmax), msg, guard in (
+        (bad_counts, r"counts must be an int64 \[2, 3\]", "counts"),
+        (bad_absmax, r"absmax must be an fp32 \[2\]", "absmax"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            functional.unscale_check_(g, f, inv, counts=counts, absmax=absmax, backend="triton")
+        with pytest.raises(RuntimeError, match=f"fastamp_triton::unscale_check_stats_: {guard}"):
+            tamp.unscale_check_stats_(g, f, inv, True, False, counts, absmax)
     assert all(torch.equal(x, torch.ones_like(x)) for x in g)
 
 
@@ -496,39 +492,40 @@ def test_bad_input_changes_nothing():
         (TypeError, r"params\[1\] must be bfloat16", lambda s: s[0].__setitem__(1, s[0][1].float())),
         (TypeError, r"remainders\[0\] must be int16", lambda s: s[2].__setitem__(0, s[2][0].int())),
         (TypeError, r"exp_avgs\[1\] must be float32 or bfloat16", lambda s: s[3].__setitem__(1, s[3][1].half())),
-        (ValueError, "remainders must be empty or have one", lambda s: s[2].pop()),
+        (ValueError, "got 2 params but 1 remainders", lambda s: s[2].pop()),
     ]
+
+    # the user-facing checks (fastamp._validate, through functional), then the launcher's guards
+    def adamw_bf16(s, rng):
+        functional.adamw_bf16_(*s, scalars, None, rng, 0, beta1=0.9, beta2=0.999, eps=1e-8, backend="triton")
+
     for exc, msg, mutate in cases:
         s = [list(x) for x in state]
         mutate(s)
         with pytest.raises(exc, match=msg):
+            adamw_bf16(s, None)
+        with pytest.raises(RuntimeError, match="fastamp_triton::adamw_bf16_: "):
             tadamw_bf16.adamw_bf16_(*s, scalars, None, None, 0, 0.9, 0.999, 1e-8, False, False)
     with pytest.raises(ValueError, match="rng must be an int64"):
+        adamw_bf16(state, torch.zeros(2, device=dev))
+    with pytest.raises(RuntimeError, match="fastamp_triton::adamw_bf16_: rng"):
         tadamw_bf16.adamw_bf16_(*state, scalars, None, torch.zeros(2, device=dev), 0, 0.9, 0.999, 1e-8, False, False)
     _compare_exact(state, before, ("params", "grads", "remainders", "exp_avgs", "exp_avg_sqs", "vmax"))
     sgd_state = _sgd_state(dev, torch.float16, torch.float16, "fp32", 0.9, [3, 4], 72)
     sgd_before = clone_lists(sgd_state)
     sc = R.sgd_step_scalars(0.1, torch.tensor(0, device=dev))
-    with pytest.raises(TypeError, match=r"int16 remainders need bfloat16 params, but params\[0\]"):
-        tsgd.sgd_(
-            sgd_state[0],
-            sgd_state[1],
-            [torch.zeros(3, dtype=torch.int16, device=dev), torch.zeros(4, dtype=torch.int16, device=dev)],
-            sgd_state[3],
-            sc,
-            None,
-            None,
-            0,
-            0.9,
-            0,
-            0,
-            False,
-            False,
-        )
-    with pytest.raises(ValueError, match="momentum needs one momentum buffer per param"):
-        tsgd.sgd_(sgd_state[0], sgd_state[1], sgd_state[2], [], sc, None, None, 0, 0.9, 0, 0, False, False)
-    with pytest.raises(ValueError, match="step_scalars must be 3 floats"):
-        tsgd.sgd_(*sgd_state, scalars, None, None, 0, 0.9, 0, 0, False, False)
+    rems = [torch.zeros(3, dtype=torch.int16, device=dev), torch.zeros(4, dtype=torch.int16, device=dev)]
+    p, g, m, b = sgd_state
+    sgd_cases = [
+        (TypeError, r"int16 remainders need bfloat16 params, but params\[0\]", (p, g, rems, b, sc), "params"),
+        (ValueError, "got 2 params but 0 momentum_buffers", (p, g, m, [], sc), "0 momentum_buffers"),
+        (ValueError, "step_scalars must be 3 floats", (p, g, m, b, scalars), "step_scalars"),
+    ]
+    for exc, msg, args, guard in sgd_cases:
+        with pytest.raises(exc, match=msg):
+            functional.sgd_(*args, None, momentum=0.9, dampening=0, weight_decay=0, backend="triton")
+        with pytest.raises(RuntimeError, match=f"fastamp_triton::sgd_: {guard}"):
+            tsgd.sgd_(*args, None, None, 0, 0.9, 0, 0, False, False)
     _compare_exact(sgd_state, sgd_before, _SGD_NAMES)
 
 

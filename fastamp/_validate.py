@@ -1,0 +1,226 @@
+"""The user-facing argument checks of every op: one place, one message per mistake.
+
+Which layer checks what, and why:
+
+* **here** (called by :mod:`fastamp.functional`): everything a caller can get wrong, with a
+  message naming the op, the argument and the index: types, devices, list lengths, dtypes,
+  element counts, layouts, contiguity, hyperparameter ranges, the step-scalar layouts. A
+  refused call raises before any backend runs, so it changes nothing.
+* **the native kernels** (``csrc/cpu/*.cpp`` with ``csrc/cpu/optim_checks.h``,
+  ``csrc/cuda/bindings.cpp``): every check their memory accesses rely on, always, before
+  touching anything (``torch.ops.fastamp.*`` is callable directly). Because they check, the
+  native path of ``functional`` calls the kernel first and runs the checks here only when it
+  refuses the input, for the clearer message: with thousands of small tensors these
+  per-tensor Python checks cost more than the kernel.
+* **the Triton launchers** (``kernels/``): cheap guards of what their pointer tables rely on
+  (device, dtype, element count, contiguity), raising ``RuntimeError`` with a terse message
+  (``kernels/_common.guard_lists``); the messages are here.
+* **the torch reference**: the list and device checks below (``strict=False``); it accepts
+  more layouts than the kernels (strided state, fp64), so the kernel-only checks are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def scalar_tensor(op: str, name: str, t, dtype=torch.float32) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{op}: {name} must be a Tensor, got {type(t).__name__}")
+    if t.numel() != 1:
+        raise ValueError(f"{op}: {name} must be a 1-element tensor, got shape {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{op}: {name} must be a {dtype} tensor, got {t.dtype}")
+
+
+def unscale_check(op: str, grads, found_inf, inv_scale, counts, absmax) -> None:
+    """The scalars and statistics buffers of ``unscale_check_`` (each grad: :func:`unscale_grad`)."""
+    scalar_tensor(op, "found_inf", found_inf)
+    scalar_tensor(op, "inv_scale", inv_scale)
+    dev = found_inf.device
+    if inv_scale.device != dev:
+        raise ValueError(f"{op}: inv_scale is on {inv_scale.device} but found_inf is on {dev}")
+    if counts is None and absmax is None:
+        return
+    if counts is None or absmax is None:
+        raise ValueError(f"{op}: counts and absmax must be given together")
+    n = len(grads)
+    if counts.dtype != torch.int64 or tuple(counts.shape) != (n, 3) or counts.device != dev:
+        raise ValueError(
+            f"{op}: counts must be an int64 [{n}, 3] tensor on {dev}, got {counts.dtype} "
+            f"{tuple(counts.shape)} on {counts.device}"
+        )
+    if absmax.dtype != torch.float32 or tuple(absmax.shape) != (n,) or absmax.device != dev:
+        raise ValueError(
+            f"{op}: absmax must be an fp32 [{n}] tensor on {dev}, got {absmax.dtype} "
+            f"{tuple(absmax.shape)} on {absmax.device}"
+        )
+
+
+def unscale_grad(op: str, i: int, g, dev: torch.device) -> Tensor:
+    """Grad ``i`` of ``unscale_check_``: a floating-point tensor on ``dev``; its values (sparse grads)."""
+    if not isinstance(g, Tensor):
+        raise TypeError(f"{op}: grads[{i}] must be a Tensor, got {type(g).__name__}")
+    if g.device != dev:
+        raise ValueError(f"{op}: grads[{i}] is on {g.device} but found_inf is on {dev}")
+    if not g.is_floating_point():
+        raise TypeError(f"{op}: grads[{i}] must be floating point, got {g.dtype}")
+    vals = g._values() if g.is_sparse else g
+    if vals.layout != torch.strided:
+        raise TypeError(f"{op}: grads[{i}] has unsupported layout {g.layout}")
+    return vals
+
+
+def update_scale(op: str, scale, growth_tracker, hysteresis_tracker, found_inf) -> None:
+    scalar_tensor(op, "scale", scale)
+    scalar_tensor(op, "growth_tracker", growth_tracker, torch.int32)
+    scalar_tensor(op, "hysteresis_tracker", hysteresis_tracker, torch.int32)
+    scalar_tensor(op, "found_inf", found_inf)
+    dev = scale.device
+    for name, t in (
+        ("growth_tracker", growth_tracker),
+        ("hysteresis_tracker", hysteresis_tracker),
+        ("found_inf", found_inf),
+    ):
+        if t.device != dev:
+            raise ValueError(f"{op}: {name} is on {t.device} but scale is on {dev}")
+    for name, t in (("scale", scale), ("growth_tracker", growth_tracker), ("hysteresis_tracker", hysteresis_tracker)):
+        if not t.is_contiguous():
+            raise ValueError(f"{op}: {name} must be contiguous")
+
+
+def adam_hyper(op: str, beta1: float, beta2: float, eps: float) -> None:
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{op}: {name} must be in [0, 1), got {b}")
+    if not eps >= 0.0:
+        raise ValueError(f"{op}: eps must be >= 0, got {eps}")
+
+
+def _lists(op: str, dev, params, lists: dict) -> None:
+    """Every list as long as ``params``; every entry a Tensor on ``dev``."""
+    n = len(params)
+    for name, lst in lists.items():
+        if len(lst) != n:
+            raise ValueError(f"{op}: got {n} params but {len(lst)} {name}")
+    for name, lst in {**lists, "params": params}.items():
+        for i, t in enumerate(lst):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{op}: {name}[{i}] must be a Tensor, got {type(t).__name__}")
+            if t.device != dev:
+                raise ValueError(f"{op}: {name}[{i}] is on {t.device} but params[0] is on {dev}")
+
+
+def _dtype_names(dtypes) -> str:
+    if dtypes == FLOAT_DTYPES:
+        return "a floating point tensor"
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def _streams(op: str, params, grads, param_dtypes, state: list) -> None:
+    """The kernels' per-tensor rules: dense contiguous params, dense grads of as many elements,
+    and each ``(name, tensors, dtypes)`` of ``state`` contiguous, of ``dtypes``, as long as its param."""
+    for i, p in enumerate(params):
+        g = grads[i]
+        if p.dtype not in param_dtypes:
+            raise TypeError(f"{op}: params[{i}] must be {_dtype_names(param_dtypes)}, got {p.dtype}")
+        if g.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{op}: grads[{i}] must be a floating point tensor, got {g.dtype}")
+        if g.layout != torch.strided or p.layout != torch.strided:
+            raise TypeError(f"{op}: params[{i}] and grads[{i}] must be dense, got {p.layout} and {g.layout}")
+        if g.numel() != p.numel():
+            raise ValueError(f"{op}: grads[{i}] has {g.numel()} elements but params[{i}] has {p.numel()}")
+        if not p.is_contiguous():
+            raise ValueError(f"{op}: params[{i}] must be contiguous")
+        for name, lst, dtypes in state:
+            s = lst[i]
+            if s.dtype not in dtypes:
+                raise TypeError(f"{op}: {name}[{i}] must be {_dtype_names(dtypes)}, got {s.dtype}")
+            if s.numel() != p.numel():
+                raise ValueError(f"{op}: {name}[{i}] has {s.numel()} elements but params[{i}] has {p.numel()}")
+            if not s.is_contiguous():
+                raise ValueError(f"{op}: {name}[{i}] must be contiguous")
+
+
+def _device_scalars(op: str, dev, step_scalars, count: int, layout: str, found_inf, rng) -> None:
+    if not isinstance(step_scalars, Tensor) or step_scalars.numel() != count or not step_scalars.is_floating_point():
+        got = f"shape {tuple(step_scalars.shape)} {step_scalars.dtype}" if isinstance(step_scalars, Tensor) else "?"
+        raise ValueError(f"{op}: step_scalars must be {count} floats {layout}, got {got}")
+    if step_scalars.device != dev:
+        raise ValueError(f"{op}: step_scalars is on {step_scalars.device} but params are on {dev}")
+    if found_inf is not None:
+        if found_inf.numel() != 1:
+            raise ValueError(f"{op}: found_inf must be a 1-element tensor, got shape {tuple(found_inf.shape)}")
+        if found_inf.device != dev:
+            raise ValueError(f"{op}: found_inf is on {found_inf.device} but params are on {dev}")
+    if rng is not None:
+        if rng.dtype != torch.int64 or rng.numel() < 2:
+            raise ValueError(f"{op}: rng must be an int64 tensor [seed, counter], got {rng.dtype} {tuple(rng.shape)}")
+        if rng.device != dev:
+            raise ValueError(f"{op}: rng is on {rng.device} but params are on {dev}")
+
+
+def adamw(
+    op: str,
+    dev,
+    params,
+    grads,
+    masters,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    step_scalars,
+    found_inf,
+    amsgrad: bool,
+    rng=None,
+    *,
+    strict: bool,
+) -> None:
+    """``adamw_`` / ``adamw_bf16_`` (``masters`` are the remainders of the latter, ``rng`` its own)."""
+    bf16 = op == "adamw_bf16_"
+    masters_name = "remainders" if bf16 else "masters"
+    lists = {"grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
+    if len(masters):
+        lists[masters_name] = masters
+    if amsgrad:
+        lists["max_exp_avg_sqs"] = max_exp_avg_sqs
+    _lists(op, dev, params, lists)
+    if not strict:
+        return
+    _device_scalars(op, dev, step_scalars, 4, "[step_size, bc2_sqrt, decay, grad_mul]", found_inf, rng)
+    moments = _STATE_DTYPES if bf16 else (torch.float32,)
+    state = [("exp_avgs", exp_avgs, moments), ("exp_avg_sqs", exp_avg_sqs, moments)]
+    if len(masters):
+        state.append((masters_name, masters, (torch.int16,) if bf16 else (torch.float32,)))
+    if amsgrad:
+        state.append(("max_exp_avg_sqs", max_exp_avg_sqs, moments))
+    _streams(op, params, grads, (torch.bfloat16,) if bf16 else FLOAT_DTYPES, state)
+
+
+def sgd(
+    op: str, dev, params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, momentum, *, strict: bool
+) -> None:
+    lists = {"grads": grads}
+    if len(masters):
+        lists["masters"] = masters
+    if momentum != 0:
+        lists["momentum_buffers"] = momentum_buffers
+    _lists(op, dev, params, lists)
+    if not strict:
+        return
+    _device_scalars(op, dev, step_scalars, 3, "[lr, grad_mul, is_first]", found_inf, rng)
+    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
+    if remainder:
+        for i, p in enumerate(params):
+            if p.dtype != torch.bfloat16:
+                raise TypeError(f"{op}: int16 remainders need bfloat16 params, but params[{i}] is {p.dtype}")
+    state = []
+    if len(masters):
+        state.append(("masters", masters, (torch.int16,) if remainder else (torch.float32,)))
+    if momentum != 0:
+        state.append(("momentum_buffers", momentum_buffers, (torch.float32,)))
+    _streams(op, params, grads, FLOAT_DTYPES, state)
