@@ -360,6 +360,7 @@ def test_adamw_found_inf(device, found_inf, amsgrad, master):
         assert not torch.equal(state[0][1], before[0][1])
 
 
+@pytest.mark.slow  # ~13 s under the interpreter
 @pytest.mark.parametrize("device", DEVICES)
 def test_adamw_mixed_dtypes_many_tiny_tensors(device):
     """Hundreds of tensors of every (param, grad) dtype pair in one call: one launch per pair."""
