@@ -2,14 +2,14 @@
 
 It validates a whole step before changing anything, groups the params with a grad into
 kernel launches (:mod:`fastamp.optim._plan`), keeps that plan while it fits, and keeps the
-step counts of one launch as views of one buffer. Validation, masters and state dicts live
-in :mod:`._checks`, :mod:`._masters` and :mod:`._state_dict`.
+step counts of one launch as views of one buffer. Validation, masters, state dicts and the
+records of the step counts live in :mod:`._checks`, :mod:`._masters`, :mod:`._state_dict`
+and :mod:`._steps`.
 """
 
 from __future__ import annotations
 
 import operator
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -29,10 +29,11 @@ from fastamp.optim._checks import (
 )
 from fastamp.optim._masters import _MasterWeights
 from fastamp.optim._plan import AmpInputs, StateTable, StepCohorts, _Bucket, _GroupPlan, _Plan, _Run, _to_device
-from fastamp.optim._state_dict import _StateDictExport, params_with_state
+from fastamp.optim._state_dict import _StateDictExport
+from fastamp.optim._steps import _StepRecords
 
 
-class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.optim.Optimizer):
+class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRecords, torch.optim.Optimizer):
     """The step loop, master-weight bookkeeping and state_dict shared by fastamp's optimizers.
 
     A subclass defines its update through a few hooks: ``_validate_group``, ``_kernel_op``,
@@ -204,59 +205,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
     def _group_setdefaults(self) -> dict[str, Any]:
         return {"maximize": False, "master_weights": None, "stochastic_rounding": False, "seed": 0}
 
-    def _remember_steps(self, t: Tensor) -> list[Any]:
-        """Vouch for the step count(s) in ``t`` as they are now: ``[weakref, version]``, updated by each increment."""
-        known = self._known_steps
-        key = id(t)
-
-        def forget(ref: weakref.ref, key: int = key) -> None:
-            entry = known.get(key)
-            if entry is not None and entry[0] is ref:
-                del known[key]
-
-        entry = [weakref.ref(t, forget), t._version]
-        known[key] = entry
-        return entry
-
-    def _step_trusted(self, p: Tensor, step: Any) -> bool:
-        """Whether ``step`` is the count this optimizer gave ``p`` and nobody wrote since.
-
-        The counts it gives out are views of buffers it remembers (``_remember_steps``), so
-        an in-place write to any of them moves the buffer's version counter.
-        """
-        if self._step_of.get(id(p)) is not step:
-            return False
-        base = step._base
-        entry = self._known_steps.get(id(base))
-        return entry is not None and entry[0]() is base and base._version == entry[1]
-
-    def _rebuild_cohorts(self) -> None:
-        """Cohort tokens from the stored step counts (one read per device, off the hot path).
-
-        The counts become 0-dim views of one fp32 buffer per device, which this optimizer
-        then vouches for as a whole (one version counter to check, one record rather than one
-        per param). Counts that are not fp32 0-dim tensors on their param's device get no
-        token and are read at the next step.
-        """
-        self._cohorts = StepCohorts()
-        self._step_of = {}
-        by_device: dict[torch.device, list[tuple[Tensor, dict[str, Any]]]] = {}
-        for p in params_with_state(self):
-            st = self.state[p]
-            step = st.get("step")
-            if type(step) is Tensor and step.dtype == torch.float32 and step.numel() == 1 and step.device == p.device:
-                by_device.setdefault(step.device, []).append((p, st))
-        pairs = []
-        for entries in by_device.values():
-            buf = torch.stack([st["step"].detach().reshape(()) for _, st in entries])
-            for (p, st), view in zip(entries, buf.unbind(0)):
-                st["step"] = view
-                self._step_of[id(p)] = view
-            self._remember_steps(buf)
-            pairs.extend(zip((p for p, _ in entries), buf.cpu().tolist()))
-        self._cohorts.rebuild(pairs)
-        self._retire_compiled_steps()
-
     # ---- the step ------------------------------------------------------------------------
     def _plan_key(self, group: dict[str, Any]) -> tuple:
         """The group settings that decide how its params are laid out in launches.
@@ -406,15 +354,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
         if cohorts.split_since(tokens_before):
             self._retire_compiled_steps()
         return plan
-
-    def _retire_compiled_steps(self) -> None:
-        """Make every compiled step of this optimizer retrace: launches it grouped may hold counts that differ now.
-
-        ``_trace_epoch`` is read in the graph (a string: dynamo guards its value and never
-        makes it dynamic, as it would an int).
-        """
-        self._epochs = getattr(self, "_epochs", 0) + 1
-        self._trace_epoch = f"plan {self._epochs}"
 
     def _gather(self, plan: _Plan | None) -> list[list[Tensor | None]] | None:
         """This step's grads of every group, or None when ``plan`` does not fit this step.
@@ -572,19 +511,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, torch.o
                 buckets.append((step_pos, tuple(launches)))
             out.append((gi, tuple(buckets)))
         return tuple(out)
-
-    def _forget_compiled_steps(self) -> None:
-        """What the host recorded before compiled steps ran (they set ``_compiled_steps``): forget it.
-
-        A compiled step advances the counts and writes the params without the host
-        bookkeeping (and, compiled by inductor, moves their version counters): the next plan
-        reads the counts once, and a remainder-mode param written between a compiled step
-        and the next eager one is not re-synced (nothing recorded its version).
-        """
-        self._compiled_steps = False
-        self._plan = None
-        self._step_of = {}
-        self._param_versions = {}
 
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:
         """Refuse, at trace time, a group setting a compiled step cannot honour."""

@@ -1,0 +1,98 @@
+"""The host's records of the step counts of fastamp's fused optimizers: :class:`_StepRecords`.
+
+The optimizer vouches for the ``step`` tensors it gave out (views of buffers whose version
+counters it remembers), so a later step reads only the counts written from outside;
+after a load the counts become such views again, grouped in cohorts. A compiled step
+advances the counts without these records: it makes them stale (``_forget_compiled_steps``),
+and a plan that splits a cohort retraces every compiled step (``_retire_compiled_steps``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastamp.optim._plan import StepCohorts
+from fastamp.optim._state_dict import params_with_state
+
+
+class _StepRecords:
+    """The step-count bookkeeping of :class:`~fastamp.optim._base.FusedOptimizer` (see its doc: Step counts)."""
+
+    def _remember_steps(self, t: Tensor) -> list[Any]:
+        """Vouch for the step count(s) in ``t`` as they are now: ``[weakref, version]``, updated by each increment."""
+        known = self._known_steps
+        key = id(t)
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            entry = known.get(key)
+            if entry is not None and entry[0] is ref:
+                del known[key]
+
+        entry = [weakref.ref(t, forget), t._version]
+        known[key] = entry
+        return entry
+
+    def _step_trusted(self, p: Tensor, step: Any) -> bool:
+        """Whether ``step`` is the count this optimizer gave ``p`` and nobody wrote since.
+
+        The counts it gives out are views of buffers it remembers (``_remember_steps``), so
+        an in-place write to any of them moves the buffer's version counter.
+        """
+        if self._step_of.get(id(p)) is not step:
+            return False
+        base = step._base
+        entry = self._known_steps.get(id(base))
+        return entry is not None and entry[0]() is base and base._version == entry[1]
+
+    def _rebuild_cohorts(self) -> None:
+        """Cohort tokens from the stored step counts (one read per device, off the hot path).
+
+        The counts become 0-dim views of one fp32 buffer per device, which this optimizer
+        then vouches for as a whole (one version counter to check, one record rather than one
+        per param). Counts that are not fp32 0-dim tensors on their param's device get no
+        token and are read at the next step.
+        """
+        self._cohorts = StepCohorts()
+        self._step_of = {}
+        by_device: dict[torch.device, list[tuple[Tensor, dict[str, Any]]]] = {}
+        for p in params_with_state(self):
+            st = self.state[p]
+            step = st.get("step")
+            if type(step) is Tensor and step.dtype == torch.float32 and step.numel() == 1 and step.device == p.device:
+                by_device.setdefault(step.device, []).append((p, st))
+        pairs = []
+        for entries in by_device.values():
+            buf = torch.stack([st["step"].detach().reshape(()) for _, st in entries])
+            for (p, st), view in zip(entries, buf.unbind(0)):
+                st["step"] = view
+                self._step_of[id(p)] = view
+            self._remember_steps(buf)
+            pairs.extend(zip((p for p, _ in entries), buf.cpu().tolist()))
+        self._cohorts.rebuild(pairs)
+        self._retire_compiled_steps()
+
+    def _retire_compiled_steps(self) -> None:
+        """Make every compiled step of this optimizer retrace: launches it grouped may hold counts that differ now.
+
+        ``_trace_epoch`` is read in the graph (a string: dynamo guards its value and never
+        makes it dynamic, as it would an int).
+        """
+        self._epochs = getattr(self, "_epochs", 0) + 1
+        self._trace_epoch = f"plan {self._epochs}"
+
+    def _forget_compiled_steps(self) -> None:
+        """What the host recorded before compiled steps ran (they set ``_compiled_steps``): forget it.
+
+        A compiled step advances the counts and writes the params without the host
+        bookkeeping (and, compiled by inductor, moves their version counters): the next plan
+        reads the counts once, and a remainder-mode param written between a compiled step
+        and the next eager one is not re-synced (nothing recorded its version).
+        """
+        self._compiled_steps = False
+        self._plan = None
+        self._step_of = {}
+        self._param_versions = {}
