@@ -16,12 +16,18 @@ fake:
 * ``fastamp_triton::<op>``: the Triton launchers of ``fastamp.kernels``; each kernel module
   calls :func:`register_triton` when it is imported (Triton is never imported here).
 
+:data:`OPTIM_OPS`, in the same form, holds the optimizers' step-scalar ops for torch.compile
+(``fastamp_optim::<op>``, see :mod:`fastamp.optim._traced`): their kernels are the eager
+Python code, registered for every device by :func:`register_optim` when that module is
+imported.
+
 Importing this module never fails: if ``fastamp._C`` is missing (``FASTAMP_NO_EXT=1``
 builds) or does not load against the installed torch, ``NATIVE_ERROR`` says why.
 
 Schema conventions: ``Tensor(a!)`` marks every argument an op writes (lists too), nothing
-aliases an output (the returned tensor of the check ops is new), and every op returns
-either nothing or that one 0-dim fp32 tensor; the fake kernels say only that.
+aliases an output (the returned tensor of the check ops is new), and every op of
+:data:`OPS` returns either nothing or that one 0-dim fp32 tensor; the fake kernels say only
+that. The ops of :data:`OPTIM_OPS` write nothing and return a new 1-D fp32 tensor.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 
 NATIVE_NS = "fastamp"
 TRITON_NS = "fastamp_triton"
+OPTIM_NS = "fastamp_optim"
 
 
 def _fake_sum_of_squares(args: dict):
@@ -41,6 +48,13 @@ def _fake_sum_of_squares(args: dict):
 
 def _fake_in_place(args: dict):
     return None
+
+
+def _fake_step_scalars(n: int) -> Callable[[dict], object]:
+    def fake(args: dict):
+        return args["step"].new_empty((n,), dtype=torch.float32)
+
+    return fake
 
 
 @dataclass(frozen=True)
@@ -108,13 +122,33 @@ OPS: dict[str, OpDef] = {
 
 NATIVE_OPS = tuple(OPS)
 
+# The step scalars of a compiled optimizer step: opaque ops, so that inductor does not
+# re-derive eager's fp64 maths with another rounding. Kernels: fastamp/optim/_traced.py.
+OPTIM_OPS: dict[str, OpDef] = {
+    "adamw_step_scalars": OpDef(
+        "(Tensor step, Tensor? found_inf, Tensor? grad_scale, Tensor lr, float beta1, float beta2, "
+        "float weight_decay) -> Tensor",
+        _fake_step_scalars(4),
+        "step",
+        "writes nothing; returns a new fp32 [step_size, bc2_sqrt, decay, grad_mul]",
+    ),
+    "sgd_step_scalars": OpDef(
+        "(Tensor step, Tensor? grad_scale, Tensor lr) -> Tensor",
+        _fake_step_scalars(3),
+        "step",
+        "writes nothing; returns a new fp32 [lr, grad_mul, is_first]",
+    ),
+}
+
+_TABLES = {NATIVE_NS: OPS, TRITON_NS: OPS, OPTIM_NS: OPTIM_OPS}
+
 # How a Python argument is made the schema's type (tensors pass as they are).
 _COERCE = {"List[Tensor]": list, "float": float, "int": int, "bool": bool}
 
 
 def schema(ns: str, op: str) -> torch._C.FunctionSchema:
     """The parsed schema of ``ns::op`` from the table."""
-    return torch._C.parse_schema(f"{ns}::{op}{OPS[op].schema}")
+    return torch._C.parse_schema(f"{ns}::{op}{_TABLES[ns][op].schema}")
 
 
 def _coercers(op: str) -> tuple:
@@ -134,7 +168,7 @@ def coerce(op: str, args) -> tuple:
 
 def _make_fake(ns: str, op: str):
     names = [a.name for a in schema(ns, op).arguments]
-    entry = OPS[op]
+    entry = _TABLES[ns][op]
 
     def fake(*args, **kwargs):
         bound = dict(zip(names, args))
@@ -167,7 +201,7 @@ def _define(lib: torch.library.Library, ns: str, op: str) -> None:
     except RuntimeError:
         have = None
     if have is None:
-        lib.define(f"{op}{OPS[op].schema}", tags=(torch.Tag.pt2_compliant_tag,))
+        lib.define(f"{op}{_TABLES[ns][op].schema}", tags=(torch.Tag.pt2_compliant_tag,))
     elif str(have) != str(want):
         raise RuntimeError(f"{ns}::{op} is already defined as {have}, but the op table says {want}")
     torch.library.register_fake(f"{ns}::{op}", _make_fake(ns, op), lib=lib)
@@ -195,15 +229,24 @@ def _load_native() -> None:
     NATIVE_LOADED = True
 
 
+def _register(ns: str, op: str, impl: Callable, keys: tuple[str, ...]):
+    lib = _LIBS.get(ns)
+    if lib is None:
+        lib = _LIBS[ns] = torch.library.Library(ns, "FRAGMENT")
+    _define(lib, ns, op)
+    for key in keys:
+        lib.impl(op, impl, key)
+    return getattr(getattr(torch.ops, ns), op)
+
+
 def register_triton(op: str, impl: Callable):
     """Define ``fastamp_triton::op`` from the table with ``impl`` as its CPU and CUDA kernel; the op."""
-    lib = _LIBS.get(TRITON_NS)
-    if lib is None:
-        lib = _LIBS[TRITON_NS] = torch.library.Library(TRITON_NS, "FRAGMENT")
-    _define(lib, TRITON_NS, op)
-    for key in ("CPU", "CUDA"):
-        lib.impl(op, impl, key)
-    return getattr(getattr(torch.ops, TRITON_NS), op)
+    return _register(TRITON_NS, op, impl, ("CPU", "CUDA"))
+
+
+def register_optim(op: str, impl: Callable):
+    """Define ``fastamp_optim::op`` from :data:`OPTIM_OPS` with ``impl`` as its kernel on every device; the op."""
+    return _register(OPTIM_NS, op, impl, ("CompositeExplicitAutograd",))
 
 
 def native_has_kernel(op: str, device_type: str) -> bool:

@@ -19,11 +19,12 @@ guard on. Under ``torch.compiler.is_compiling()`` the step takes this path inste
   step counts (and ``rng`` counters) advanced with tensor ops by ``found_inf == 0``.
 
 Bit-identity with eager: the kernels are the same ops, and the step scalars are computed by
-``fastamp_optim::adamw_step_scalars`` / ``sgd_step_scalars``, custom ops whose kernels are
-the eager code (:func:`fastamp.reference.adamw_step_scalars`, with the grad scaler's
-``1/grad_scale`` reciprocal in fp64 and the increment ``step + (found_inf == 0)``), so
-inductor cannot re-derive the fp64 ``pow`` with another rounding. The ``step`` and ``rng``
-increments are exact (fp32 / int64 adds of 0 or 1).
+``fastamp_optim::adamw_step_scalars`` / ``sgd_step_scalars``, ops of the op table
+(:data:`fastamp._ops.OPTIM_OPS`) whose kernels are the eager code
+(:func:`fastamp.reference.adamw_step_scalars`, with the grad scaler's ``1/grad_scale``
+reciprocal in fp64 and the increment ``step + (found_inf == 0)``), so inductor cannot
+re-derive the fp64 ``pow`` with another rounding. The ``step`` and ``rng`` increments are
+exact (fp32 / int64 adds of 0 or 1).
 
 What a compiled step does not re-check (dynamo guards dtypes, shapes, devices, strides,
 which params have a grad, the group settings and the state's keys): values written into
@@ -46,7 +47,7 @@ reads the counts once and plans again.
 Not supported under compile (refused at trace time, with the reason): tensor ``betas`` (the
 kernels take them as numbers, read on the host at every step) and DTensor params.
 
-torch versions: needs ``torch.library.custom_op`` and ``torch.compiler.is_compiling`` (both
+torch versions: needs ``torch.library.register_fake`` and ``torch.compiler.is_compiling`` (both
 in torch >= 2.4) and the ``_init_group`` hook of ``OptimizerVariable`` (>= 2.2); checked
 with torch 2.13 (CPU). A float lr is a graph input only where dynamo leaves floats
 unspecialised (``torch._dynamo.config.specialize_float = False``, the default of recent
@@ -57,12 +58,12 @@ releases): it is specialised at the first compile and made dynamic at the first 
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fastamp import reference
+from fastamp import _ops, reference
 from fastamp.optim._plan import AmpInputs
 
 
@@ -100,11 +101,10 @@ def lr_tensor(lr: Any) -> Tensor:
     return torch.full((), lr, dtype=torch.float64)
 
 
-@torch.library.custom_op("fastamp_optim::adamw_step_scalars", mutates_args=())
-def adamw_step_scalars(
+def _adamw_step_scalars(
     step: Tensor,
-    found_inf: Optional[Tensor],  # noqa: UP045  (custom_op infers its schema from typing.Optional)
-    grad_scale: Optional[Tensor],  # noqa: UP045
+    found_inf: Tensor | None,
+    grad_scale: Tensor | None,
     lr: Tensor,
     beta1: float,
     beta2: float,
@@ -121,22 +121,16 @@ def adamw_step_scalars(
     return reference.adamw_step_scalars(lr, _count(step.reshape(()), found_inf), beta1, beta2, weight_decay, grad_mul)
 
 
-@adamw_step_scalars.register_fake
-def _(step, found_inf, grad_scale, lr, beta1, beta2, weight_decay):
-    return step.new_empty((4,), dtype=torch.float32)
-
-
-@torch.library.custom_op("fastamp_optim::sgd_step_scalars", mutates_args=())
-def sgd_step_scalars(step: Tensor, grad_scale: Optional[Tensor], lr: Tensor) -> Tensor:  # noqa: UP045
+def _sgd_step_scalars(step: Tensor, grad_scale: Tensor | None, lr: Tensor) -> Tensor:
     """``[lr, grad_mul, is_first]`` of an SGD launch whose applied-step count is ``step``, as eager computes it."""
     dev = step.device
     grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
     return reference.sgd_step_scalars(lr, step, grad_mul)
 
 
-@sgd_step_scalars.register_fake
-def _(step, grad_scale, lr):
-    return step.new_empty((3,), dtype=torch.float32)
+# schemas and fakes: the op table (fastamp/_ops.py, OPTIM_OPS)
+adamw_step_scalars = _ops.register_optim("adamw_step_scalars", _adamw_step_scalars)
+sgd_step_scalars = _ops.register_optim("sgd_step_scalars", _sgd_step_scalars)
 
 
 def rng_parts(ids: list[int], n: int) -> list[tuple[int, int, int]]:
