@@ -166,7 +166,7 @@ def _adamw_impl(
     exp_avg_sqs: list[Tensor],
     max_exp_avg_sqs: list[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],  # noqa: UP045 (runtime annotation, Python 3.9)
+    found_inf: Optional[Tensor],
     beta1: float,
     beta2: float,
     eps: float,

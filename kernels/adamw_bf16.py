@@ -195,8 +195,8 @@ def _adamw_bf16_impl(
     exp_avg_sqs: list[Tensor],
     max_exp_avg_sqs: list[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],  # noqa: UP045 (runtime annotation, Python 3.9)
-    rng: Optional[Tensor],  # noqa: UP045
+    found_inf: Optional[Tensor],
+    rng: Optional[Tensor],
     rng_base: int,
     beta1: float,
     beta2: float,

@@ -177,8 +177,8 @@ def _sgd_impl(
     masters: list[Tensor],
     momentum_buffers: list[Tensor],
     step_scalars: Tensor,
-    found_inf: Optional[Tensor],  # noqa: UP045 (runtime annotation, Python 3.9)
-    rng: Optional[Tensor],  # noqa: UP045
+    found_inf: Optional[Tensor],
+    rng: Optional[Tensor],
     rng_base: int,
     momentum: float,
     dampening: float,
