@@ -349,7 +349,9 @@ def _keeps_fp32_master(optimizer, p: Tensor) -> bool:
 
 
 def _optimizer_step_pre_hook(optimizer, args, kwargs) -> None:
-    if optimizer in _checked_optimizers:
+    # A traced step skips the check: dynamo would guard on the weak set and recompile the
+    # step once the set changes. An eager step of the same optimizer still checks it.
+    if torch.compiler.is_compiling() or optimizer in _checked_optimizers:
         return
     _checked_optimizers.add(optimizer)
     fp16 = [

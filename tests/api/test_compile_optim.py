@@ -128,6 +128,20 @@ def test_amp_steps_bit_identical_one_compile(opt_name, config):
         assert float(step_count) == STEPS - len(OVERFLOW)
 
 
+def test_pitfall_guard_hook_does_not_recompile():
+    """fastamp.cast_model(fp16) installs a global optimizer pre-hook; a compiled step must still compile once."""
+    fastamp.health.install_optimizer_guard()  # process-wide, as after any cast_model(..., torch.float16)
+    compiled, eager = _twins("adamw", "fp16_master", torch.tensor(1e-3))
+    cc = CompileCounter()
+    step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fastamp.AmpPitfallWarning)  # the eager twin's own first-step check
+        _drive_amp(compiled, eager, step)
+    _assert_same(compiled, eager)
+    assert cc.frame_count == 1
+    _no_graph_breaks()
+
+
 # torch releases that specialise every float (torch._dynamo.config.specialize_float = True) compile
 # once per lr value: there, use a tensor lr
 _FLOATS_SPECIALISED = pytest.mark.skipif(
