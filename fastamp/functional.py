@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from fastamp import _ops, backends
 from fastamp import _validate as V
-from fastamp import backends
 
 __all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_"]
 
@@ -194,18 +194,8 @@ def update_scale_(
     V.update_scale(op, scale, growth_tracker, hysteresis_tracker, found_inf)
     dev = scale.device
     impl = backends.get_impl(op, backends.resolve(op, dev, backend))
-    impl(
-        scale,
-        growth_tracker,
-        hysteresis_tracker,
-        found_inf,
-        float(growth_factor),
-        float(backoff_factor),
-        int(growth_interval),
-        int(hysteresis),
-        float(min_scale),
-        float(max_scale),
-    )
+    tensors = (scale, growth_tracker, hysteresis_tracker, found_inf)
+    impl(*_ops.coerce(op, tensors + (growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)))
 
 
 def _call_checked(op: str, dev: torch.device, backend: str | None, args: tuple, check) -> None:
@@ -247,21 +237,8 @@ def adamw_(
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
-    args = (
-        list(params),
-        list(grads),
-        list(masters),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(max_exp_avg_sqs),
-        step_scalars,
-        found_inf,
-        float(beta1),
-        float(beta2),
-        float(eps),
-        bool(amsgrad),
-        bool(maximize),
-    )
+    tensors = (params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf)
+    args = _ops.coerce(op, tensors + (beta1, beta2, eps, amsgrad, maximize))
     _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], strict=strict))
 
 
@@ -293,23 +270,8 @@ def adamw_bf16_(
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
-    args = (
-        list(params),
-        list(grads),
-        list(remainders),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(max_exp_avg_sqs),
-        step_scalars,
-        found_inf,
-        rng,
-        int(rng_base),
-        float(beta1),
-        float(beta2),
-        float(eps),
-        bool(amsgrad),
-        bool(maximize),
-    )
+    tensors = (params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng)
+    args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, eps, amsgrad, maximize))
     _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], args[8], strict=strict))
 
 
@@ -338,19 +300,6 @@ def sgd_(
     if len(params) == 0:
         return
     dev = params[0].device
-    args = (
-        list(params),
-        list(grads),
-        list(masters),
-        list(momentum_buffers),
-        step_scalars,
-        found_inf,
-        rng,
-        int(rng_base),
-        float(momentum),
-        float(dampening),
-        float(weight_decay),
-        bool(nesterov),
-        bool(maximize),
-    )
+    tensors = (params, grads, masters, momentum_buffers, step_scalars, found_inf, rng)
+    args = _ops.coerce(op, tensors + (rng_base, momentum, dampening, weight_decay, nesterov, maximize))
     _call_checked(op, dev, backend, args, lambda strict: V.sgd(op, dev, *args[:7], args[8], strict=strict))
