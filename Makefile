@@ -31,9 +31,18 @@ $(BUILD): $(STAMP) $(SOURCES)
 
 build: $(BUILD)
 
-test: $(BUILD)
+# The oldest Triton we support (torch 2.6's), beside the pinned one: the AOT tier
+# (tests/tools/test_triton_aot.py) compiles its cover with both. --target keeps it out of .venv's
+# own site-packages; FASTAMP_AOT_TRITON puts it first on the compile workers' PYTHONPATH.
+OLD_TRITON     = triton==3.2.0
+OLD_TRITON_DIR = $(VENV)/triton-3.2.0
+$(OLD_TRITON_DIR)/.stamp: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps --target $(OLD_TRITON_DIR) $(OLD_TRITON)
+	touch $@
+
+test: $(BUILD) $(OLD_TRITON_DIR)/.stamp
 	$(MAKE) lint
-	$(PY) -m pytest -q tests
+	FASTAMP_AOT_TRITON=$(abspath $(OLD_TRITON_DIR)) $(PY) -m pytest -q tests
 	$(MAKE) test-cuda-build
 
 test-cuda-build:

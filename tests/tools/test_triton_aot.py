@@ -1018,6 +1018,9 @@ def tier(request, tmp_path_factory):
         pytest.skip(merged["skip"])
     if merged.get("errors"):
         pytest.fail("\n".join(merged["errors"]))
+    asked = re.fullmatch(r"triton-(\d+\.\d+\.\d+)", Path(pythonpath or python or "").name)
+    if asked:  # a side install named for its version (make test's triton-3.2.0) must be what compiled
+        assert merged.get("triton") == asked.group(1), (merged.get("triton"), pythonpath or python)
     return merged
 
 
