@@ -136,6 +136,14 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         raise NotImplementedError
 
     # ---- construction / pickling ---------------------------------------------------------
+    def _init_fused(self, params: Any, defaults: dict[str, Any], backend: Any) -> None:
+        """A subclass's ``__init__`` after it built ``defaults``: validated, torch's ``__init__``, the deferred checks."""
+        self._setup(backend)
+        self._validate_group(defaults, "the defaults", check_tensor_lr=True)
+        super().__init__(params, defaults)
+        self._step_supports_amp_scaling = True
+        self._finish_init()
+
     def _setup(self, backend: Any) -> None:
         self.backend = check_backend_arg(self._NAME, backend)
         self._cohorts = StepCohorts()

@@ -261,11 +261,7 @@ class AdamW(FusedOptimizer):
             "seed": seed,
             "state_dtype": state_dtype,
         }
-        self._setup(backend)
-        _validate_group(defaults, "the defaults", check_tensor_lr=True)
-        super().__init__(params, defaults)
-        self._step_supports_amp_scaling = True
-        self._finish_init()
+        self._init_fused(params, defaults, backend)
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:

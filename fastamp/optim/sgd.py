@@ -137,11 +137,7 @@ class SGD(FusedOptimizer):
             "stochastic_rounding": stochastic_rounding,
             "seed": seed,
         }
-        self._setup(backend)
-        _validate_group(defaults, "the defaults", check_tensor_lr=True)
-        super().__init__(params, defaults)
-        self._step_supports_amp_scaling = True
-        self._finish_init()
+        self._init_fused(params, defaults, backend)
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
