@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fastamp._compile import _eager_under_compile
+from fastamp._compile import _eager_under_compile, _traced_clip_grad_norm_
 from fastamp._device_scalars import (
     _clip_coef,
     _grad_scale_after_clip,
@@ -31,7 +31,7 @@ from fastamp._grad_check import _check_grads, _params_with_grads
 class _ClipMixin:
     """:meth:`clip_grad_norm_` of :class:`fastamp.Scaler`, and the grad_scale it leaves for step."""
 
-    @_eager_under_compile
+    @_eager_under_compile(traced=_traced_clip_grad_norm_)
     def clip_grad_norm_(
         self,
         optimizer,

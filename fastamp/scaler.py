@@ -44,6 +44,11 @@ from fastamp._compile import (
     _eager_ready,
     _eager_under_compile,
     _maybe_prepare_eager_entries,
+    _refresh_per_optimizer_state,
+    _traced_check_inf_per_device,
+    _traced_step,
+    _traced_unscale_,
+    _traced_update,
     _without_entry,
 )
 from fastamp._device_scalars import (
@@ -71,11 +76,6 @@ from fastamp._scaler_checks import (
 )
 
 __all__ = ["OptState", "Scaler"]
-
-
-def _refresh_per_optimizer_state() -> dict[str, Any]:
-    # torch's form and keys only; fastamp's extras live in Scaler._per_optimizer_clip_scales
-    return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
 _MISSING = object()
@@ -271,7 +271,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
             stats=True,
         )[0]
 
-    @_eager_under_compile
+    @_eager_under_compile(traced=_traced_unscale_)
     def unscale_(self, optimizer) -> None:
         """Divide ``optimizer``'s grads by the scale in place (one fused pass), recording overflow.
 
@@ -299,7 +299,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
 
-    @_eager_under_compile
+    @_eager_under_compile(traced=_traced_check_inf_per_device)
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, Tensor]:
         """Check (without touching) ``optimizer``'s grads; records and returns per-device found_inf.
 
@@ -324,7 +324,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
                 retval = optimizer.step(*args, **kwargs)
         return retval
 
-    @_eager_under_compile
+    @_eager_under_compile(traced=_traced_step)
     def step(self, optimizer, *args, **kwargs):
         """Call ``optimizer.step()`` unless this iteration's grads overflowed.
 
@@ -411,7 +411,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
                     setattr(optimizer, k, v)
         return retval
 
-    @_eager_under_compile
+    @_eager_under_compile(traced=_traced_update)
     def update(self, new_scale: Union[float, Tensor] | None = None) -> None:
         """Update the scale for the next iteration (on device, no host sync).
 

@@ -89,8 +89,10 @@ def test_compiled_step_and_update_give_the_eager_result_or_refuse_untouched(kind
     """scaler.step(opt); scaler.update() inside torch.compile, an inf grad on the first iteration.
 
     Without fullgraph: bit-identical to the same loop in eager mode (the overflowed step is
-    skipped, no inf enters the moments). With fullgraph: an error naming what to compile
-    instead, raised before anything ran; the eager calls then still work.
+    skipped, no inf enters the moments). With fullgraph: fastamp's optimizer compiles into one
+    graph with the same result (issue 15; tests/api/test_compile_scaler.py); torch's optimizers
+    get an error naming what to compile instead, raised before anything ran; the eager calls
+    then still work.
     """
     ref_params, ref_opt, ref_scaler = _world(kind)
     params, opt, scaler = _world(kind)
@@ -105,7 +107,7 @@ def test_compiled_step_and_update_give_the_eager_result_or_refuse_untouched(kind
         ref_scaler.step(ref_opt)
         ref_scaler.update()
         _backward(params, scaler, i)
-        if fullgraph:
+        if fullgraph and kind != "fastamp_adamw":
             before = _state_of(params, opt, scaler)
             grads = [p.grad.clone() for p in params]
             with pytest.raises(Exception) as info:
