@@ -5,15 +5,15 @@ host what to run (unscale_, clip_grad_norm_, step, update, the checkpoint method
 torch hooks other libraries call). Met inside a compiled function:
 
 * **Traced** (``unscale_``, ``clip_grad_norm_``, ``step``, ``update`` with an amp-aware
-  optimizer: ``_step_supports_amp_scaling``, fastamp's and torch's ``fused=True`` ones): the
-  method's traced twin below runs under dynamo. It makes every decision eager makes, on
+  optimizer, ``_step_supports_amp_scaling``, whose step traces: fastamp's; torch.optim's
+  graph-break inside their own step): the method's traced twin below runs under dynamo. It makes every decision eager makes, on
   Python state only (the per-optimizer stage, which dynamo guards), and puts the kernels in
   the graph: the check pass (``fastamp::unscale_check_``), the device scalars, the
   optimizer's step with ``grad_scale`` / ``found_inf`` set as attributes, then
   ``fastamp::update_scale_`` and the skip counters. No host sync, no decision on a tensor
   value, so the whole path is one graph under ``fullgraph=True`` and bit-identical to eager.
 * **Eager** (everything else: an ordinary optimizer, whose step needs a host read of
-  ``found_inf`` to skip or step; ``track_stats``, a ``process_group``, grads the fused check
+  ``found_inf`` to skip or step; torch.optim's fused ones; ``track_stats``, a ``process_group``, grads the fused check
   cannot take in a graph, ``error_if_nonfinite``, other norms, ``update(new_scale)``, the
   checkpoint methods): the call becomes a graph break into a dynamo-disabled twin of the
   method; ``fullgraph=True`` then fails at trace time, before anything ran, with the reason
@@ -70,15 +70,11 @@ _WHY = {
         "use an amp-aware optimizer (fastamp.optim.AdamW / SGD, or torch.optim.AdamW / Adam / SGD with "
         "fused=True), which skips on the device",
     ),
-    "torch_optim": (
-        "torch.optim's optimizers graph-break inside their own step (torch.optim.optimizer._use_grad_for_differentiable "
-        "calls torch._dynamo.graph_break(), torch 2.1 to 2.13 at least), so the step cannot share a graph with the "
-        "scaler",
+    "foreign_step": (
+        "the optimizer is amp-aware but its step is not fastamp's traced one: torch.optim's optimizers "
+        "graph-break inside their own step (torch.optim.optimizer._use_grad_for_differentiable calls "
+        "torch._dynamo.graph_break(), torch 2.13), so the step cannot share a graph with the scaler",
         "use fastamp.optim.AdamW / SGD, whose step traces",
-    ),
-    "grad_scaler_kwarg": (
-        "the optimizer's step takes a grad_scaler argument (the old protocol)",
-        "use an optimizer that reads grad_scale / found_inf attributes",
     ),
     "stats": ("track_stats=True keeps host-side statistics records", "construct the scaler with track_stats=False"),
     "process_group": (
@@ -231,13 +227,6 @@ def _kernel(op: str, backend: str) -> Callable:
     return getattr(getattr(torch.ops, _ops.NATIVE_NS if backend == "native" else _ops.TRITON_NS), op)
 
 
-@torch.compiler.assume_constant_result
-def _takes_grad_scaler(step: Callable) -> bool:
-    import inspect
-
-    return "grad_scaler" in inspect.signature(step).parameters
-
-
 def _eager_reason(scaler, optimizer) -> str | None:
     """Why ``scaler``'s traced entries must leave ``optimizer`` to the eager twin (None: traceable).
 
@@ -246,10 +235,8 @@ def _eager_reason(scaler, optimizer) -> str | None:
     """
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "ordinary"
-    if type(optimizer).__module__.startswith("torch.optim"):
-        return "torch_optim"
-    if _takes_grad_scaler(type(optimizer).step):
-        return "grad_scaler_kwarg"
+    if getattr(type(optimizer), "_traced_launch", None) is None:  # not a fastamp.optim optimizer
+        return "foreign_step"
     if scaler._track_stats:
         return "stats"
     if scaler._process_group is not None:

@@ -76,14 +76,14 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _world(opt_name, config, device="cpu", lr=1e-2):
+def _world(opt_name, config, device="cpu", lr=1e-2, backend=None):
     dtype, kw = CONFIGS[config]
     g = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(device=device, dtype=dtype)) for s in SHAPES]
     cls, okw = OPTIMIZERS[opt_name]
-    opt = cls(params, lr=lr, **okw, **kw)
+    opt = cls(params, lr=lr, backend=backend, **okw, **kw)
     # a small scale that moves: growth every 3 clean steps, backoff after 2 overflows in a row
-    scaler = fastamp.Scaler(device, init_scale=2.0**4, growth_interval=3, hysteresis=2)
+    scaler = fastamp.Scaler(device, init_scale=2.0**4, growth_interval=3, hysteresis=2, backend=backend)
     return params, opt, scaler
 
 
@@ -159,6 +159,19 @@ def test_fullgraph_bit_identical_one_compile(opt_name, config, pattern):
     _drive(pattern, compiled_world, eager_world, fn)
     assert cc.frame_count == 1
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    _no_graph_breaks()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fullgraph_other_backends(backend):
+    """The backend resolved at trace time: the reference (traced as torch ops) and Triton (its ops, interpreted here)."""
+    if not fastamp.backends.available(backend, "unscale_check_", "cpu")[0]:
+        pytest.skip(f"{backend} unavailable on CPU here")
+    compiled_world, eager_world = (_world("adamw", "bf16_master", backend=backend) for _ in range(2))
+    cc = CompileCounter()
+    fn = torch.compile(_clip, backend=cc, fullgraph=True)
+    _drive("clip", compiled_world, eager_world, fn, steps=10)
+    assert cc.frame_count == 1
     _no_graph_breaks()
 
 
