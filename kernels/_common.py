@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 import triton
 import triton.language as tl
+from fastamp.kernels import _guards as G
 from fastamp.kernels import interpreted
 
 # dtype kinds, passed to kernels as constexprs. bf16 travels as raw uint16 bits so that the
@@ -572,6 +573,18 @@ def adam_hyper_args(beta1, beta2, eps, found_inf, maximize) -> tuple:
         int(maximize),
         int(lerp_small(beta1)),
     )
+
+
+def checked_scalars(op: str, device: torch.device, params, lists, step_scalars, count: int, found_inf, rng):
+    """An optimizer launcher's guards and its :func:`device_scalars`.
+
+    In order: the ``count`` step scalars, ``found_inf`` and ``rng`` (:func:`_guards.guard_scalars`),
+    each list of ``lists`` against the params (:func:`_guards.guard_lists`), the device.
+    """
+    G.guard_scalars(op, device, step_scalars, count, found_inf, rng)
+    G.guard_lists(op, device, [p.numel() for p in params], lists)
+    check_runnable(op, device)
+    return device_scalars(step_scalars, found_inf, rng)
 
 
 def device_scalars(step_scalars, found_inf, rng):

@@ -176,14 +176,11 @@ def _adamw_impl(
     if len(params) == 0:
         return
     dev = params[0].device
-    G.guard_scalars("adamw_", dev, step_scalars, 4, found_inf, None)
     lists = [("params", params, G.FLOAT_DTYPES, True), ("grads", grads, G.FLOAT_DTYPES, False)]
     lists += [("exp_avgs", exp_avgs, G.F32, True), ("exp_avg_sqs", exp_avg_sqs, G.F32, True)]
     lists += [("masters", masters, G.F32, True)] if masters else []
     lists += [("max_exp_avg_sqs", max_exp_avg_sqs, G.F32, True)] if amsgrad else []
-    G.guard_lists("adamw_", dev, [p.numel() for p in params], lists)
-    C.check_runnable("adamw_", dev)
-    scalars, found_inf, _ = C.device_scalars(step_scalars, found_inf, None)
+    scalars, found_inf, _ = C.checked_scalars("adamw_", dev, params, lists, step_scalars, 4, found_inf, None)
     has_master = len(masters) > 0
     grads = C.contiguous(grads)
     streams = [params, grads, exp_avgs, exp_avg_sqs, *([masters] if has_master else [])]

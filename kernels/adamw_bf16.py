@@ -207,14 +207,11 @@ def _adamw_bf16_impl(
     if len(params) == 0:
         return
     dev = params[0].device
-    G.guard_scalars("adamw_bf16_", dev, step_scalars, 4, found_inf, rng)
     lists = [("params", params, (torch.bfloat16,), True), ("grads", grads, G.FLOAT_DTYPES, False)]
     lists += [("exp_avgs", exp_avgs, _STATE_DTYPES, True), ("exp_avg_sqs", exp_avg_sqs, _STATE_DTYPES, True)]
     lists += [("remainders", remainders, (torch.int16,), True)] if remainders else []
     lists += [("max_exp_avg_sqs", max_exp_avg_sqs, _STATE_DTYPES, True)] if amsgrad else []
-    G.guard_lists("adamw_bf16_", dev, [p.numel() for p in params], lists)
-    C.check_runnable("adamw_bf16_", dev)
-    scalars, found_inf, rng = C.device_scalars(step_scalars, found_inf, rng)
+    scalars, found_inf, rng = C.checked_scalars("adamw_bf16_", dev, params, lists, step_scalars, 4, found_inf, rng)
     has_rem = len(remainders) > 0
     grads = C.contiguous(grads)
     streams = [params, grads, exp_avgs, exp_avg_sqs, *([remainders] if has_rem else [])]

@@ -189,16 +189,13 @@ def _sgd_impl(
     if len(params) == 0:
         return
     dev = params[0].device
-    G.guard_scalars("sgd_", dev, step_scalars, 3, found_inf, rng)
     remainder = len(masters) > 0 and masters[0].dtype == torch.int16
     # int16 remainders are the low half of a bf16 param's fp32 master
     lists = [("params", params, (torch.bfloat16,) if remainder else G.FLOAT_DTYPES, True)]
     lists += [("grads", grads, G.FLOAT_DTYPES, False)]
     lists += [("masters", masters, (torch.int16,) if remainder else G.F32, True)] if masters else []
     lists += [("momentum_buffers", momentum_buffers, G.F32, True)] if momentum != 0 else []
-    G.guard_lists("sgd_", dev, [p.numel() for p in params], lists)
-    C.check_runnable("sgd_", dev)
-    scalars, found_inf, rng = C.device_scalars(step_scalars, found_inf, rng)
+    scalars, found_inf, rng = C.checked_scalars("sgd_", dev, params, lists, step_scalars, 3, found_inf, rng)
     if not masters:
         master_kind = _NO_MASTER
     else:
