@@ -129,25 +129,8 @@ void adamw_chunk(const AdamWChunk& c, int64_t n, const AdamWArgs& a) {
 
 }  // namespace scalar
 
-#if FASTAMP_X86_SIMD
-FASTAMP_ISA_BEGIN_AVX512
-namespace avx512 {
-#define FASTAMP_VEC_AVX512
-#include "cpu/vec_isa.inc"
-#undef FASTAMP_VEC_AVX512
-#include "cpu/adamw_kernels.inc"
-}  // namespace avx512
-FASTAMP_ISA_END
-
-FASTAMP_ISA_BEGIN_AVX2
-namespace avx2 {
-#define FASTAMP_VEC_AVX2
-#include "cpu/vec_isa.inc"
-#undef FASTAMP_VEC_AVX2
-#include "cpu/adamw_kernels.inc"
-}  // namespace avx2
-FASTAMP_ISA_END
-#endif
+#define FASTAMP_ISA_KERNELS "cpu/adamw_kernels.inc"
+#include "cpu/per_isa.inc"  // namespaces avx512 and avx2: the loops of adamw_kernels.inc per ISA
 
 using AdamWChunkFn = void (*)(const AdamWChunk&, int64_t, const AdamWArgs&);
 

@@ -128,25 +128,8 @@ bool unscale_chunk(void* data, int64_t n, float inv_scale, float /*limit*/, cons
 
 }  // namespace scalar
 
-#if FASTAMP_X86_SIMD
-FASTAMP_ISA_BEGIN_AVX512
-namespace avx512 {
-#define FASTAMP_VEC_AVX512
-#include "cpu/vec_isa.inc"
-#include "cpu/amp_kernels.inc"
-#undef FASTAMP_VEC_AVX512
-}  // namespace avx512
-FASTAMP_ISA_END
-
-FASTAMP_ISA_BEGIN_AVX2
-namespace avx2 {
-#define FASTAMP_VEC_AVX2
-#include "cpu/vec_isa.inc"
-#include "cpu/amp_kernels.inc"
-#undef FASTAMP_VEC_AVX2
-}  // namespace avx2
-FASTAMP_ISA_END
-#endif
+#define FASTAMP_ISA_KERNELS "cpu/amp_kernels.inc"
+#include "cpu/per_isa.inc"  // namespaces avx512 and avx2: the loops of amp_kernels.inc per ISA
 
 using UnscaleChunkFn = bool (*)(void*, int64_t, float, float, const Bounds16*, double*, ChunkStats*);
 
