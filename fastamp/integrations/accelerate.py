@@ -23,13 +23,17 @@ Importing this module imports ``accelerate``; ``import fastamp`` does not.
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 
+from fastamp.integrations._pending import all_stepped, stage, update_if_pending
 from fastamp.scaler import Scaler
 
 __all__ = ["use_fastamp_scaler"]
@@ -60,12 +64,22 @@ def use_fastamp_scaler(accelerator: Accelerator, scaler: Scaler | None = None, *
         ``torch.optim.AdamW(fused=True)``) the grads are not even rewritten. Otherwise
         Accelerate's own path runs (unscale every optimizer, then torch's clip).
         ``clip_grad_value_`` and ``unscale_gradients`` are Accelerate's, on fastamp's ``unscale_``.
-      * Prepared optimizers report ``step_was_skipped`` correctly for amp-aware optimizers too.
-        Accelerate decides it by whether ``optimizer.step()`` was called, which an amp-aware
-        optimizer always is (it skips on the device), so Accelerate would say False and let a
-        prepared LR scheduler step on skipped iterations (with torch's fused AdamW as well).
-        Here it reads :attr:`fastamp.Scaler.last_step_skipped`: a host sync, only when read.
-        ``step_was_skipped_tensor`` is the device flag.
+      * Several prepared optimizers: one ``scaler.update()`` per iteration, as in torch's
+        loop (``step(o1); step(o2); update()``), not one after each optimizer's step as
+        Accelerate does. A prepared optimizer's ``step()`` runs ``scaler.step`` on it and
+        updates the scale once every prepared optimizer has stepped this iteration; until
+        then the others keep what this iteration gave them (an ``unscale_``, a pending fused
+        clip) and are unscaled with the scale their grads were made with. An optimizer that
+        does not step in an iteration: the update runs at the next ``accelerator.backward``
+        (or ``save_state``, or that optimizer's next step). With one optimizer nothing changes.
+        Skips are torch's, per optimizer: each skips when its own grads overflowed; the
+        scale backs off when any did.
+      * Prepared optimizers report ``step_was_skipped`` for their own step, amp-aware
+        optimizers too. Accelerate decides it by whether ``optimizer.step()`` was called,
+        which an amp-aware optimizer always is (it skips on the device), so Accelerate would
+        say False and let a prepared LR scheduler step on skipped iterations (with torch's
+        fused AdamW as well). Here it reads the optimizer's own ``found_inf`` of its last
+        step: a host sync, only when read. ``step_was_skipped_tensor`` is that device flag.
 
     Host syncs that remain: a prepared LR scheduler reads ``step_was_skipped`` after every
     optimizer step (one sync per step; use :class:`fastamp.DeviceLR` and do not prepare the
@@ -117,33 +131,94 @@ def use_fastamp_scaler(accelerator: Accelerator, scaler: Scaler | None = None, *
     accelerator.native_amp = True
     accelerator.scaler = scaler
     accelerator._fastamp_scaler = scaler
-    accelerator.prepare_optimizer = _prepare_optimizer(accelerator.prepare_optimizer)
+    accelerator.prepare_optimizer = _prepare_optimizer(accelerator, accelerator.prepare_optimizer)
     accelerator.clip_grad_norm_ = _clip_grad_norm(accelerator, accelerator.clip_grad_norm_)
+    accelerator.backward = _update_first(accelerator, accelerator.backward)
+    accelerator.save_state = _update_first(accelerator, accelerator.save_state)
     return scaler
 
 
 class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
-    """Accelerate's optimizer wrapper whose ``step_was_skipped`` also holds for amp-aware optimizers."""
+    """Accelerate's optimizer wrapper: one scale update per iteration, and its own skip flag.
+
+    Set by ``prepare_optimizer`` (a class swap, no ``__init__``): ``_fastamp_accelerator``
+    (a weak reference to the accelerator, whose prepared optimizers are this one's peers)
+    and ``_fastamp_skipped`` (this optimizer's found_inf of its last step, a device bool).
+    """
+
+    def step(self, closure=None):
+        scaler = self.scaler
+        if not isinstance(scaler, Scaler) or not scaler.is_enabled() or not self.gradient_state.sync_gradients:
+            return super().step(closure)  # bf16 (no scaler), or accumulating: Accelerate's
+        if stage(scaler, self.optimizer) is OptState.STEPPED:
+            scaler.update()  # stepped already since the last update: a new iteration
+        self.optimizer.step = self._optimizer_patched_step_method
+        try:
+            scaler.step(self.optimizer, closure)
+        finally:
+            self.optimizer.step = self._optimizer_original_step_method
+        self._is_overflow = not self._accelerate_step_called  # Accelerate's (ordinary optimizers)
+        self._accelerate_step_called = False
+        self._fastamp_skipped = _own_found_inf(scaler, self.optimizer)
+        if all_stepped(scaler, [peer.optimizer for peer in self._fastamp_peers()]):
+            scaler.update()
+
+    def _fastamp_peers(self) -> list[AcceleratedOptimizer]:
+        ref = self.__dict__.get("_fastamp_accelerator")
+        accelerator = ref() if ref is not None else None
+        if accelerator is None:
+            return [self]
+        return [o for o in accelerator._optimizers if isinstance(o, _FastampAcceleratedOptimizer)]
 
     @property
     def step_was_skipped(self) -> bool:
-        if isinstance(self.scaler, Scaler) and getattr(self.optimizer, "_step_supports_amp_scaling", False):
-            return self.scaler.last_step_skipped  # syncs
+        skipped = self.__dict__.get("_fastamp_skipped")
+        if skipped is not None and getattr(self.optimizer, "_step_supports_amp_scaling", False):
+            return bool(skipped)  # syncs
         return self._is_overflow  # Accelerate's: the scaler did not call optimizer.step()
 
     @property
     def step_was_skipped_tensor(self) -> Tensor | bool:
-        """Whether the last step was skipped, as a device tensor (no sync)."""
-        return self.scaler.last_step_skipped_tensor if isinstance(self.scaler, Scaler) else self._is_overflow
+        """Whether this optimizer's last step was skipped, as a device tensor (no sync)."""
+        if not isinstance(self.scaler, Scaler):
+            return self._is_overflow
+        skipped = self.__dict__.get("_fastamp_skipped")
+        return skipped if skipped is not None else self.scaler.last_step_skipped_tensor
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_fastamp_accelerator", None)  # a weak reference does not pickle
+        return state
 
 
-def _prepare_optimizer(original):
+def _own_found_inf(scaler: Scaler, optimizer) -> Tensor | None:
+    """``optimizer``'s own overflow flag of the step just taken (a new device bool; no sync)."""
+    found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    if not found:
+        return None  # an optimizer taking the legacy grad_scaler argument records none
+    device = scaler._get_scale_async().device
+    return torch.stack([f.to(device, torch.float32) for f in found]).sum() > 0
+
+
+def _update_first(accelerator: Accelerator, original):
+    """Run a scale update left pending (an optimizer that did not step) before ``original``."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        update_if_pending(accelerator.scaler)
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _prepare_optimizer(accelerator: Accelerator, original):
     @functools.wraps(original)
     def prepare_optimizer(optimizer, device_placement=None):
         prepared = original(optimizer, device_placement=device_placement)
         if type(prepared) is AcceleratedOptimizer:
-            # a subclass adding properties only: no state of its own, pickles as Accelerate's
             prepared.__class__ = _FastampAcceleratedOptimizer
+            prepared._fastamp_accelerator = weakref.ref(accelerator)
+            prepared._fastamp_skipped = None
         return prepared
 
     return prepare_optimizer

@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import LBFGS
 
+from fastamp.integrations._pending import all_stepped, stage, update_if_pending
 from fastamp.scaler import OptState, Scaler
 
 __all__ = ["MixedPrecision"]
@@ -45,6 +46,14 @@ _SCALER_OPTIONS = (
 
 def _amp_aware(optimizer) -> bool:
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _peers(model, optimizer) -> list:
+    """The optimizers of ``model``'s trainer (the ones stepping in an iteration), unwrapped."""
+    trainer = getattr(model, "_trainer", None)
+    optimizers = list(getattr(trainer, "optimizers", None) or [])
+    unwrapped = [o.optimizer if isinstance(o, LightningOptimizer) else o for o in optimizers]
+    return unwrapped if any(o is optimizer for o in unwrapped) else [optimizer]
 
 
 class MixedPrecision(_LightningMixedPrecision):
@@ -84,6 +93,14 @@ class MixedPrecision(_LightningMixedPrecision):
     Manual optimization: call ``self.clip_gradients(opt, gradient_clip_val=...)`` before
     ``opt.step()`` as usual; the clip then sees (and computes on) unscaled values, and the step
     does not unscale twice.
+
+    Several optimizers (manual optimization): one ``scaler.update()`` per iteration, as in
+    torch's loop, once every optimizer of the trainer has stepped (Lightning's plugin updates
+    after each step: a second optimizer's clip or unscale of the same iteration was then
+    thrown away, or its grads unscaled with a scale they were not made with). An optimizer
+    that does not step in an iteration: the update runs before the next backward (or when a
+    checkpoint is written, or at that optimizer's next step). Skips are torch's, per
+    optimizer: each skips when its own grads overflowed; the scale backs off when any did.
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling) or ``"bf16-mixed"``.
@@ -147,6 +164,8 @@ class MixedPrecision(_LightningMixedPrecision):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise MisconfigurationException("AMP and the LBFGS optimizer are not compatible.")
+        if self._stage(optimizer) is OptState.STEPPED:
+            self.scaler.update()  # stepped already since the last update: a new iteration
         closure_result = closure()
         # automatic optimization with a training_step that returned None: no backward ran
         skip = closure_result is None and model.automatic_optimization
@@ -164,10 +183,22 @@ class MixedPrecision(_LightningMixedPrecision):
         if skip:
             return closure_result
         step_output = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
+        # one update per iteration (torch's loop): once every optimizer of the trainer has
+        # stepped; until then the others keep their unscale_ / fused clip of this iteration
+        if all_stepped(self.scaler, _peers(model, optimizer)):
+            self.scaler.update()
         if self.log_metrics:
             self._log(model)
         return step_output
+
+    def pre_backward(self, tensor: Tensor, module) -> Tensor:
+        # an update left pending (an optimizer that did not step) runs before a loss is scaled
+        update_if_pending(self.scaler)
+        return super().pre_backward(tensor, module)
+
+    def state_dict(self) -> dict[str, Any]:
+        update_if_pending(self.scaler)  # the scale a checkpoint holds is the next iteration's
+        return super().state_dict()
 
     def clip_gradients(
         self,
@@ -195,8 +226,7 @@ class MixedPrecision(_LightningMixedPrecision):
 
     def _stage(self, optimizer) -> OptState:
         # the scaler's own per-optimizer record (torch's layout): READY, UNSCALED or STEPPED
-        states = self.scaler._per_optimizer_states
-        return states[id(optimizer)]["stage"] if id(optimizer) in states else OptState.READY
+        return stage(self.scaler, optimizer)
 
     def _log(self, model) -> None:
         scale = self.scaler._get_scale_async()

@@ -18,12 +18,19 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from e2e._frameworks import (  # noqa: E402
     OPTIMIZERS,
+    PATTERNS,
+    TWO_OPTIMIZERS,
     HostReadGuard,
     assert_equal_lists,
     assert_equal_optimizer_states,
     inject_inf,
+    inject_inf_into,
     mlp,
     params,
+    two_batches,
+    two_losses,
+    two_nets,
+    two_optimizer_loop,
 )
 from tolerances import ADAMW_VS_TORCH_ATOL, ADAMW_VS_TORCH_RTOL, NORM_RTOL  # noqa: E402
 
@@ -289,6 +296,179 @@ def test_no_host_sync_in_clip_and_step_with_an_amp_aware_optimizer(monkeypatch):
     skipped_at = {n for n, f in enumerate(flags) if bool(f)}
     assert {i // ACCUMULATE for i in OVERFLOW_AT} <= skipped_at
     assert int(acc.scaler.skipped_steps) == len(skipped_at)
+
+
+TWO_STEPS = 8  # optimizer steps of the two-optimizer runs (16 micro-batches)
+TWO_OVERFLOW_AT = {3: 0, 8: 1}  # micro-batch -> the net whose grad gets an inf (steps 1 and 4)
+
+
+def _two_optimizer_run(optimizer, pattern, clip, overflow_at=TWO_OVERFLOW_AT):
+    """Two prepared models and optimizers (and an LR scheduler each), one summed loss, accumulation 2."""
+    accelerator = _accelerator()
+    nets = two_nets()
+    opts = [TWO_OPTIMIZERS[optimizer](net.parameters()) for net in nets]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step) for opt in opts]
+    *nets, o1, o2, s1, s2 = accelerator.prepare(*nets, *opts, *schedulers)
+    opts, schedulers = [o1, o2], [s1, s2]
+    scales, skipped = [], []
+    for i, (x, y) in enumerate(two_batches(TWO_STEPS * ACCUMULATE)):
+        with accelerator.accumulate(*nets):
+            accelerator.backward(two_losses([net(x) for net in nets], y))
+            inject_inf_into(nets, overflow_at.get(i))
+            if pattern == "clip-all-then-step-all":
+                for net in nets:
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(net.parameters(), clip)
+                for opt in opts:
+                    opt.step()
+            else:
+                for net, opt in zip(nets, opts):
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(net.parameters(), clip)
+                    opt.step()
+            for scheduler in schedulers:
+                scheduler.step()
+            for opt in opts:
+                opt.zero_grad()
+            if accelerator.sync_gradients:
+                scales.append(accelerator.scaler.get_scale())
+                skipped.append(tuple(opt.step_was_skipped for opt in opts))
+    return nets, scales, skipped, schedulers
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("optimizer", list(TWO_OPTIMIZERS))
+def test_two_optimizers_run_torchs_loop(optimizer, pattern):
+    """Two prepared optimizers == torch's multi-optimizer loop (step each, then one update).
+
+    Against the loop by hand with torch.amp.GradScaler (unscale_ + torch's clip): the scale
+    after every iteration and each optimizer's skips bit-identical, and with a clip that does
+    not bind the params too (unscaling by a power of two and a clip coefficient of 1 are exact:
+    the same maths). With a binding clip against the loop by hand with fastamp.Scaler (its fused
+    clip: the same maths, bit for bit; torch's clip coefficient differs in its last bits).
+    Skips are torch's, per optimizer: an inf in one net's grads skips that optimizer only and
+    backs the scale off once; each prepared LR scheduler stays put when its optimizer skipped.
+    (Before the fix: an update after each optimizer's step threw away the other's clip.)
+    """
+    batches, accumulate = two_batches(TWO_STEPS * ACCUMULATE), ACCUMULATE
+    loose = _two_optimizer_run(optimizer, pattern, 1e9)
+    torch_scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+    ref = two_optimizer_loop(optimizer, pattern, 1e9, batches, TWO_OVERFLOW_AT, torch_scaler, accumulate, schedule=True)
+    assert loose[1] == ref[1] and loose[2] == ref[2]
+    for net, ref_net in zip(loose[0], ref[0]):
+        assert_equal_lists(params(net), params(ref_net))
+    assert ref[2][1] == (True, False) and ref[2][4] == (False, True)  # the injected infs, per optimizer
+    moves = {b / a for a, b in zip([2.0**16] + ref[1], ref[1])}
+    assert {0.5, 2.0} <= moves  # the scale backed off and grew
+    for k, scheduler in enumerate(loose[3]):
+        assert scheduler.scheduler.last_epoch == sum(not s[k] for s in loose[2])
+
+    tight = _two_optimizer_run(optimizer, pattern, 0.05)
+    fused = two_optimizer_loop(
+        optimizer, pattern, 0.05, batches, TWO_OVERFLOW_AT, _fastamp_scaler(), accumulate, schedule=True
+    )
+    torch_scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+    ref = two_optimizer_loop(
+        optimizer, pattern, 0.05, batches, TWO_OVERFLOW_AT, torch_scaler, accumulate, schedule=True
+    )
+    assert tight[1] == fused[1] == ref[1] and tight[2] == fused[2] == ref[2]
+    for net, fused_net in zip(tight[0], fused[0]):
+        assert_equal_lists(params(net), params(fused_net))
+
+
+def _fastamp_scaler():
+    return fastamp.Scaler("cpu", growth_interval=GROWTH_INTERVAL)
+
+
+@pytest.mark.parametrize("optimizer", ["fastamp.SGD", "torch.SGD"])
+def test_two_optimizers_both_clipped_before_either_steps(optimizer):
+    """The reviewer's case: clip both, then step both (one SGD step, lr 0.1, no momentum): each
+    update is lr * a gradient of norm max_norm. Before the fix o2 was not clipped (amp-aware:
+    update-norm/lr 0.39 here) or unscaled twice (ordinary: 0); now both 1e-3. Relative 1e-2:
+    the update is read back as a difference of fp32 params of magnitude ~0.3 (an ulp of the
+    param is ~3e-3 of an update element)."""
+    accelerator = _accelerator()
+    nets = two_nets()
+    make = {"fastamp.SGD": fastamp.optim.SGD, "torch.SGD": torch.optim.SGD}[optimizer]
+    *nets, o1, o2 = accelerator.prepare(*nets, *(make(net.parameters(), lr=0.1) for net in nets))
+    before = [params(net) for net in nets]
+    x, y = two_batches(1)[0]
+    for _ in range(ACCUMULATE):
+        with accelerator.accumulate(*nets):
+            accelerator.backward(two_losses([net(x) for net in nets], y))
+            if accelerator.sync_gradients:
+                for net in nets:
+                    accelerator.clip_grad_norm_(net.parameters(), 1e-3)
+            o1.step()
+            o2.step()
+    for net, was in zip(nets, before):
+        update = torch.cat([(p.detach() - b).flatten() for p, b in zip(net.parameters(), was)])
+        assert float(update.norm()) / 0.1 == pytest.approx(1e-3, rel=1e-2)
+    assert accelerator.scaler._per_optimizer_states == {}  # updated once, at the last step
+
+
+@pytest.mark.parametrize("optimizer", ["fastamp.SGD", "torch.SGD"])
+def test_each_optimizer_reports_its_own_skip(optimizer):
+    """An inf in the first net's grads only: o1 skips and says so, o2 steps and says so (torch's
+    per-optimizer found_inf), o1's scheduler stays put, o2's advances; the scale backs off once.
+    (Before the fix an amp-aware o1 read the scaler's last_step_skipped, overwritten by o2's update.)"""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    use_fastamp_scaler(accelerator)
+    nets = two_nets()
+    opts = [TWO_OPTIMIZERS[optimizer](net.parameters()) for net in nets]
+    schedulers = [torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9**step) for opt in opts]
+    *nets, o1, o2, s1, s2 = accelerator.prepare(*nets, *opts, *schedulers)
+    before = [params(net) for net in nets]
+    x, y = two_batches(1)[0]
+    accelerator.backward(two_losses([net(x) for net in nets], y))
+    inject_inf_into(nets, 0)
+    o1.step()
+    o2.step()
+    s1.step()
+    s2.step()
+    assert (o1.step_was_skipped, o2.step_was_skipped) == (True, False)
+    assert (bool(o1.step_was_skipped_tensor), bool(o2.step_was_skipped_tensor)) == (True, False)
+    assert (s1.scheduler.last_epoch, s2.scheduler.last_epoch) == (0, 1)
+    assert_equal_lists(params(nets[0]), before[0])
+    assert not torch.equal(params(nets[1])[0], before[1][0])
+    assert accelerator.scaler.get_scale() == 2.0**15 and int(accelerator.scaler.skipped_steps) == 1
+
+
+def test_an_optimizer_that_does_not_step_defers_the_update_to_the_next_backward(tmp_path):
+    """o2 steps every other iteration only: in the others the scale update runs at the next
+    accelerator.backward (and at save_state), so every loss is scaled with the scale torch's loop
+    (step the optimizers that step, then update) would use; params and scale bit-identical."""
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    use_fastamp_scaler(accelerator, growth_interval=1)
+    nets, ref_nets = two_nets(), two_nets()
+    opts = [TWO_OPTIMIZERS["fastamp.SGD"](net.parameters()) for net in nets]
+    *nets, o1, o2 = accelerator.prepare(*nets, *opts)
+    ref_opts = [TWO_OPTIMIZERS["fastamp.SGD"](net.parameters()) for net in ref_nets]
+    ref_scaler = torch.amp.GradScaler("cpu", growth_interval=1)
+    scaled_with, ref_scaled_with = [], []
+    for i, (x, y) in enumerate(two_batches(5)):
+        loss = two_losses([net(x) for net in nets], y)
+        accelerator.backward(loss)
+        scaled_with.append(accelerator.scaler.get_scale())
+        inject_inf_into(nets, 0 if i == 2 else None)
+        for opt in (o1, o2) if i % 2 else (o1,):
+            opt.step()
+            opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            outputs = [net(x) for net in ref_nets]
+        ref_scaled_with.append(ref_scaler.get_scale())
+        ref_scaler.scale(two_losses([out.float() for out in outputs], y)).backward()
+        inject_inf_into(ref_nets, 0 if i == 2 else None)
+        for opt in ref_opts if i % 2 else ref_opts[:1]:
+            ref_scaler.step(opt)
+            opt.zero_grad()
+        ref_scaler.update()
+    assert scaled_with == ref_scaled_with and 0.5 in {b / a for a, b in zip(scaled_with, scaled_with[1:])}
+    accelerator.save_state(output_dir=str(tmp_path))  # the last iteration's update, pending: runs first
+    assert accelerator.scaler.get_scale() == ref_scaler.get_scale()
+    assert accelerator.scaler._get_growth_tracker() == ref_scaler._get_growth_tracker()
+    for net, ref_net in zip(nets, ref_nets):
+        assert_equal_lists(params(net), params(ref_net))
 
 
 def test_refusals_and_why_the_helper_switches_fp16_on_on_cpu():

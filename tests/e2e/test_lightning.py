@@ -18,12 +18,19 @@ L = pytest.importorskip("lightning", reason="Lightning is not installed (require
 
 from e2e._frameworks import (  # noqa: E402
     OPTIMIZERS,
+    PATTERNS,
+    TWO_OPTIMIZERS,
     HostReadGuard,
     assert_equal_lists,
     assert_equal_optimizer_states,
     inject_inf,
+    inject_inf_into,
     mlp,
     params,
+    two_batches,
+    two_losses,
+    two_nets,
+    two_optimizer_loop,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision as LightningMixedPrecision  # noqa: E402
 from tolerances import ADAMW_VS_TORCH_ATOL, ADAMW_VS_TORCH_RTOL  # noqa: E402
@@ -88,7 +95,7 @@ class _Record(L.Callback):
             self.skipped.append(scaler.last_step_skipped_tensor.clone())
 
 
-def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None, accumulate=1):
+def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None, accumulate=1, loader=None):
     record = _Record()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -104,7 +111,7 @@ def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None, a
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, _loader(), ckpt_path=ckpt_path)
+    trainer.fit(module, _loader() if loader is None else loader, ckpt_path=ckpt_path)
     return trainer, record
 
 
@@ -215,6 +222,111 @@ def test_manual_optimization_clips_unscaled_grads_once(optimizer):
     assert_equal_lists(params(module), params(ref))
     assert_equal_lists(record.scales, ref_scales)
     assert_equal_lists(record.skipped, ref_skipped)
+
+
+TWO_STEPS = 10
+TWO_OVERFLOW_AT = {1: 0, 6: 1}  # step -> the net whose grad gets an inf (2 overflows naturally)
+
+
+class _TwoOptimizerNet(L.LightningModule):
+    """Manual optimization with two optimizers: clip both then step both, or clip and step each."""
+
+    def __init__(self, optimizer: str, pattern: str, clip: float):
+        super().__init__()
+        self.nets = torch.nn.ModuleList(two_nets())
+        self.optimizer, self.pattern, self.clip = optimizer, pattern, clip
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opts = self.optimizers()
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(two_losses([net(x) for net in self.nets], y))
+        inject_inf_into(self.nets, TWO_OVERFLOW_AT.get(batch_idx))
+        if self.pattern == "clip-all-then-step-all":
+            for opt in opts:
+                self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+            for opt in opts:
+                opt.step()
+        else:
+            for opt in opts:
+                self.clip_gradients(opt, gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
+                opt.step()
+
+    def configure_optimizers(self):
+        return [TWO_OPTIMIZERS[self.optimizer](net.parameters()) for net in self.nets]
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("optimizer", ["fastamp.SGD", "torch.SGD"])
+def test_manual_optimization_with_two_optimizers_runs_torchs_loop(optimizer, pattern):
+    """Two optimizers, clipped with self.clip_gradients: one scale update per iteration (after
+    both stepped), each optimizer skips on its own overflow (torch's per-optimizer found_inf).
+
+    Against the loop by hand with torch.amp.GradScaler (unscale_ + torch's clip), the clip not
+    binding: scale trajectory and params bit-identical (unscaling by a power of two, a clip
+    coefficient of 1: the same maths; equal params also mean the same steps were skipped).
+    Binding: against the loop by hand with fastamp.Scaler (its fused clip), bit-identical.
+    (Before the fix an update after each step threw away the other optimizer's clip, or
+    unscaled it with a scale its grads were not made with.)
+    """
+    batches = two_batches(TWO_STEPS)
+    loader = torch.utils.data.DataLoader(batches, batch_size=None)
+    for clip, scaler in ((1e9, torch.amp.GradScaler("cpu", growth_interval=2)), (0.05, None)):
+        scaler = scaler or fastamp.Scaler("cpu", growth_interval=2)
+        module = _TwoOptimizerNet(optimizer, pattern, clip)
+        plugin = MixedPrecision("16-mixed", "cpu", growth_interval=2, log_metrics=False)
+        _, record = _fit(module, plugin, clip=None, loader=loader)
+        nets, scales, skipped = two_optimizer_loop(
+            optimizer, pattern, clip, batches, TWO_OVERFLOW_AT, scaler, loss_in_autocast=True
+        )
+        assert [float(s) for s in record.scales] == scales
+        assert skipped[1] == (True, False) and skipped[6] == (False, True)  # the injected infs
+        assert {0.5, 2.0} <= {b / a for a, b in zip([2.0**16] + scales, scales)}
+        for net, ref in zip(module.nets, nets):
+            assert_equal_lists(params(net), params(ref))
+
+
+class _SecondOptimizerEveryOtherStep(_TwoOptimizerNet):
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.manual_backward(two_losses([net(x) for net in self.nets], y))
+        self.scaled_with.append(self.trainer.precision_plugin.scaler.get_scale())
+        inject_inf_into(self.nets, 0 if batch_idx == 2 else None)
+        for opt in self.optimizers() if batch_idx % 2 else self.optimizers()[:1]:
+            opt.step()
+            opt.zero_grad()
+
+
+def test_an_optimizer_that_does_not_step_defers_the_update_to_the_next_backward(tmp_path):
+    """opt2 steps every other iteration only: in the others the scale update runs before the next
+    backward (and when a checkpoint is written), so every loss is scaled with the scale torch's
+    loop (step the optimizers that step, then update) would use; params and scale bit-identical."""
+    module = _SecondOptimizerEveryOtherStep("fastamp.SGD", None, None)
+    module.scaled_with = []
+    plugin = MixedPrecision("16-mixed", "cpu", growth_interval=1, log_metrics=False)
+    batches = two_batches(5)
+    trainer, _ = _fit(module, plugin, clip=None, loader=torch.utils.data.DataLoader(batches, batch_size=None))
+    trainer.save_checkpoint(tmp_path / "last.ckpt")  # the last iteration's update, pending: runs first
+
+    nets = two_nets()
+    opts = [TWO_OPTIMIZERS["fastamp.SGD"](net.parameters()) for net in nets]
+    scaler, scaled_with = torch.amp.GradScaler("cpu", growth_interval=1), []
+    for i, (x, y) in enumerate(batches):
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = two_losses([net(x) for net in nets], y)
+        scaled_with.append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        inject_inf_into(nets, 0 if i == 2 else None)
+        for opt in opts if i % 2 else opts[:1]:
+            scaler.step(opt)
+            opt.zero_grad()
+        scaler.update()
+    assert module.scaled_with == scaled_with and 0.5 in {b / a for a, b in zip(scaled_with, scaled_with[1:])}
+    assert torch.load(tmp_path / "last.ckpt", weights_only=False)["MixedPrecision"]["scale"] == scaler.get_scale()
+    for net, ref in zip(module.nets, nets):
+        assert_equal_lists(params(net), params(ref))
 
 
 @pytest.mark.parametrize("clip", [1e9, 0.5], ids=["clip-never-binds", "clip-binds"])
