@@ -9,6 +9,11 @@
                  bf16 / fp16 params with fp32 masters: grad read 2 + AdamW 28 = 30 B/elem;
                  fp32 params: 4 + 28 = 32.
 
+``<provider>-compiled``  the same calls as one function under ``torch.compile`` (inductor):
+                 fastamp's with ``fullgraph=True`` (one graph); torch's without (its
+                 ``GradScaler`` calls and fused AdamW's step graph-break and run eagerly: torch's
+                 best compiled equivalent of the same path). Same bytes. ``--no-compiled`` drops them.
+
 Timing keeps the grads fixed: the scale is 1 (so unscaling multiplies by exactly 1) and
 ``max_norm`` is huge (the clip factor is exactly 1); every provider still runs every pass.
 Before timing, each provider runs 3 steps on small data (scale 1024, a clip that bites,
@@ -40,21 +45,36 @@ CHECK_SIZES = [1, 7, 4099, 65537, 256, 3, 131]
 HUGE_NORM = 1e30
 
 
-class TorchPath:
-    """torch's best path on fp32 params."""
+def _torch_iteration(scaler, opt, params, max_norm):
+    scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    scaler.step(opt)
+    scaler.update()
 
-    def __init__(self, params, init_scale: float, max_norm: float, device):
+
+def _fastamp_iteration(scaler, opt, max_norm):
+    scaler.clip_grad_norm_(opt, max_norm)
+    scaler.step(opt)
+    scaler.update()
+
+
+_compiled_torch = torch.compile(_torch_iteration)
+_compiled_fastamp = torch.compile(_fastamp_iteration, fullgraph=True)
+
+
+class TorchPath:
+    """torch's best path on fp32 params (``compiled``: under torch.compile, where it graph-breaks)."""
+
+    def __init__(self, params, init_scale: float, max_norm: float, device, compiled: bool = False):
         self.params = params
         self.opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
         self.scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=2**30)
         self.scaler.scale(torch.ones((), device=device))  # creates the scale tensor, as a loss would
         self.max_norm = max_norm
+        self.run = _compiled_torch if compiled else _torch_iteration
 
     def __call__(self):
-        self.scaler.unscale_(self.opt)
-        torch.nn.utils.clip_grad_norm_(self.params, self.max_norm, foreach=True)
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        self.run(self.scaler, self.opt, self.params, self.max_norm)
 
     def values(self):
         return [p.detach().float() for p in self.params]
@@ -66,18 +86,17 @@ class TorchPath:
 class FastampPath:
     """fastamp.Scaler + fastamp.optim.AdamW, bf16/fp16 params with fp32 masters (or fp32 params)."""
 
-    def __init__(self, params, init_scale: float, max_norm: float, device, backend: str):
+    def __init__(self, params, init_scale: float, max_norm: float, device, backend: str, compiled: bool = False):
         self.params = params
         self.opt = FastAdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, backend=backend)
         self.scaler = fastamp.Scaler(device.type, init_scale=init_scale, growth_interval=2**30, backend=backend)
         self.scaler.scale(torch.ones((), device=device))
         self.max_norm = max_norm
         self.backend = backend
+        self.run = _compiled_fastamp if compiled else _fastamp_iteration
 
     def __call__(self):
-        self.scaler.clip_grad_norm_(self.opt, self.max_norm)
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        self.run(self.scaler, self.opt, self.max_norm)
 
     def values(self):
         out = []
@@ -111,7 +130,7 @@ def reference_path(init, grads_per_step, init_scale, max_norm, device):
     return vals, float(scale)
 
 
-def make_check(kind: str, dtype, device, backend=None):
+def make_check(kind: str, dtype, device, backend=None, compiled=False):
     def check():
         gen = torch.Generator().manual_seed(5)
         # Values exactly representable in the param dtype, so the fp32 reference run and the
@@ -124,8 +143,8 @@ def make_check(kind: str, dtype, device, backend=None):
         max_norm = 0.5 * first_norm
         want, want_scale = reference_path(init, ref_grads, 1024.0, max_norm, device)
         params = [p.clone() for p in init]
-        path = TorchPath(params, 1024.0, max_norm, device) if kind == "torch" else FastampPath(
-            params, 1024.0, max_norm, device, backend
+        path = TorchPath(params, 1024.0, max_norm, device, compiled) if kind == "torch" else FastampPath(
+            params, 1024.0, max_norm, device, backend, compiled
         )  # fmt: skip
         for gs in grads:
             for p, g in zip(params, gs):
@@ -146,14 +165,20 @@ def make_providers(args, device):
         if d not in DTYPES:
             raise SystemExit(f"--dtypes: unknown dtype {d!r}; expected some of {list(DTYPES)}")
 
+    compiled_rows = getattr(args, "compiled", True)
+
     def build(n_tensors, per, backends):
-        def setup(kind, dt, b=None):
+        if compiled_rows:
+            # every config compiles anew (new objects): keep dynamo's per-function cache small
+            torch._dynamo.reset()
+
+        def setup(kind, dt, b=None, compiled=False):
             params = [torch.randn(per, device=device).to(dt) for _ in range(n_tensors)]
             for p in params:
                 p.grad = torch.randn(per, device=device).to(dt)
             if kind == "torch":
-                return TorchPath(params, 1.0, HUGE_NORM, device)
-            return FastampPath(params, 1.0, HUGE_NORM, device, b)
+                return TorchPath(params, 1.0, HUGE_NORM, device, compiled)
+            return FastampPath(params, 1.0, HUGE_NORM, device, b, compiled)
 
         out = [
             Provider(
@@ -168,26 +193,46 @@ def make_providers(args, device):
                 traffic="g:rw4 ; g:r4 ; g:rw4 ; " + ADAMW_TRAFFIC["fp32"],
             )
         ]
+        if compiled_rows:
+            out.append(
+                Provider(
+                    "torch-compiled",
+                    "step",
+                    "fp32",
+                    48,
+                    lambda: setup("torch", torch.float32, compiled=True),
+                    make_check("torch", torch.float32, device, compiled=True),
+                    baseline="torch",
+                    notes="the torch row's calls in one function under torch.compile (inductor, graph breaks at "
+                    "every GradScaler call and inside AdamW.step): 48 B/elem",
+                    traffic=out[0].traffic,
+                )
+            )
         for b in backends:
             for d in dtypes:
                 dt = DTYPES[d]
                 nbytes = dt.itemsize + 28
-                out.append(
-                    Provider(
-                        f"fastamp-{b}",
-                        "step",
-                        d,
-                        nbytes,
-                        lambda dt=dt, b=b: setup("fastamp", dt, b),
-                        make_check("fastamp", dt, device, b),
-                        baseline="torch",
-                        notes=f"Scaler.clip_grad_norm_ (check+norm read, {dt.itemsize} B) + Scaler.step(fastamp AdamW"
-                        + (", fp32 master" if dt != torch.float32 else "")
-                        + f") (28 B) + update: {nbytes} B/elem"
-                        + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
-                        traffic=f"g:r{dt.itemsize} ; " + ADAMW_TRAFFIC[d],
-                    )
+                notes = (
+                    f"Scaler.clip_grad_norm_ (check+norm read, {dt.itemsize} B) + Scaler.step(fastamp AdamW"
+                    + (", fp32 master" if dt != torch.float32 else "")
+                    + f") (28 B) + update: {nbytes} B/elem"
                 )
+                for compiled in (False, True) if compiled_rows and b != "torch" else (False,):
+                    out.append(
+                        Provider(
+                            f"fastamp-{b}" + ("-compiled" if compiled else ""),
+                            "step",
+                            d,
+                            nbytes,
+                            lambda dt=dt, b=b, c=compiled: setup("fastamp", dt, b, c),
+                            make_check("fastamp", dt, device, b, compiled),
+                            baseline="torch",
+                            notes=notes
+                            + ("; compiled with fullgraph=True (inductor): one graph" if compiled else "")
+                            + ("; the torch backend is the plain-torch reference" if b == "torch" else ""),
+                            traffic=f"g:r{dt.itemsize} ; " + ADAMW_TRAFFIC[d],
+                        )
+                    )
         return out
 
     return build
@@ -197,6 +242,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     common.add_common_args(parser)
     parser.add_argument("--dtypes", default="bf16,fp32", help="param dtypes of the fastamp rows (fp32,bf16,fp16)")
+    parser.add_argument(
+        "--no-compiled",
+        dest="compiled",
+        action="store_false",
+        help="leave out the torch.compile rows (torch-compiled, fastamp-<backend>-compiled)",
+    )
     args = parser.parse_args(argv)
     device = common.resolve_device(args.device)
     return common.run_benchmark(
