@@ -348,6 +348,17 @@ def test_untraceable_settings_refused_under_fullgraph(setup, why):
     _assert_same(_snapshot(ref_params, ref_opt, ref_scaler), _snapshot(params, opt, scaler))
 
 
+def test_process_group_refused_under_fullgraph():
+    """A process_group all-reduces the flags outside the graph: refused at trace time (nothing reaches the group)."""
+    params, opt, scaler = _world("adamw", "fp32")
+    _backward(0, params, scaler)
+    scaler._process_group = object()  # never used: the refusal comes first
+    before = _snapshot(params, opt, scaler)
+    with pytest.raises(Exception, match="a process_group all-reduces the flags outside the graph"):
+        torch.compile(_clip, backend=CompileCounter(), fullgraph=True)(scaler, opt)
+    _assert_same(before, _snapshot(params, opt, scaler))
+
+
 def test_stage_errors_raised_in_the_compiled_function():
     """The state machine's errors are eager's (unscale_ twice), and raised before anything ran."""
     params, opt, scaler = _world("adamw", "fp32")
@@ -515,6 +526,26 @@ def test_no_host_sync_in_the_path(pattern, compiled, no_host_sync):
         with no_host_sync():
             fn(scaler, opt)
     assert int(scaler.skipped_steps) == 1  # step 2 overflowed, and was skipped without a host read
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_no_device_sync_on_cuda(compiled):
+    """torch's sync debug mode raises on any synchronising CUDA call (kernels' own reads included)."""
+    params, opt, scaler = _world("adamw", "bf16_master", "cuda", lr=torch.tensor(1e-2, device="cuda"))
+    fn = torch.compile(_clip, backend="aot_eager", fullgraph=True) if compiled else _clip
+    for i in range(2):
+        _backward(i, params, scaler)
+        fn(scaler, opt)
+    for i in range(2, 5):
+        _backward(i, params, scaler)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fn(scaler, opt)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert int(scaler.skipped_steps) == 1
 
 
 # --------------------------------------------------------------------------- CUDA-graph capture (GPU)
