@@ -76,6 +76,10 @@ _WHY = {
         "torch._dynamo.graph_break(), torch 2.13), so the step cannot share a graph with the scaler",
         "use fastamp.optim.AdamW / SGD, whose step traces",
     ),
+    "tensor_betas": (
+        "the optimizer has tensor betas, which its kernels take as numbers read on the host at every step",
+        "use float betas",
+    ),
     "stats": ("track_stats=True keeps host-side statistics records", "construct the scaler with track_stats=False"),
     "process_group": (
         "a process_group all-reduces the flags outside the graph",
@@ -237,6 +241,10 @@ def _eager_reason(scaler, optimizer) -> str | None:
         return "ordinary"
     if getattr(type(optimizer), "_traced_launch", None) is None:  # not a fastamp.optim optimizer
         return "foreign_step"
+    # what the optimizers' _check_traceable refuses at trace time (there a hard error even
+    # without fullgraph), checked first so that the scaler's call runs eagerly instead
+    if any(isinstance(b, Tensor) for group in optimizer.param_groups for b in group.get("betas", ())):
+        return "tensor_betas"
     if scaler._track_stats:
         return "stats"
     if scaler._process_group is not None:
