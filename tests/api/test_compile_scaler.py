@@ -34,7 +34,10 @@ CONFIGS = {
     "bf16_master": (torch.bfloat16, {"master_weights": True}),
     "fp16_master": (torch.float16, {"master_weights": True}),
     "bf16_remainder": (torch.bfloat16, {"master_weights": "remainder"}),
+    # stochastic rounding without masters: the rng counters advance in the graph, on the device
+    "bf16_sr": (torch.bfloat16, {"master_weights": False, "stochastic_rounding": True, "seed": 7}),
 }
+MAIN_CONFIGS = ["fp32", "bf16_master", "fp16_master", "bf16_remainder"]
 OPTIMIZERS = {
     "adamw": (fastamp.optim.AdamW, {"weight_decay": 1e-2}),
     "sgd": (fastamp.optim.SGD, {"momentum": 0.9, "weight_decay": 1e-2}),
@@ -146,8 +149,9 @@ def _drive(pattern, compiled_world, eager_world, fn, steps=STEPS):
     assert int(compiled_world[2].skipped_steps) == len([i for i in OVERFLOW if i < steps])
 
 
-CASES = [("adamw", c, p) for c in CONFIGS for p in PATTERNS] + [("sgd", c, "clip") for c in CONFIGS]
+CASES = [("adamw", c, p) for c in MAIN_CONFIGS for p in PATTERNS] + [("sgd", c, "clip") for c in MAIN_CONFIGS]
 CASES += [("sgd", "fp32", "unscale"), ("sgd", "bf16_master", "step"), ("sgd", "fp16_master", "eager_clip")]
+CASES += [("adamw", "bf16_sr", "clip"), ("sgd", "bf16_sr", "unscale")]
 
 
 @pytest.mark.parametrize(("opt_name", "config", "pattern"), CASES)
