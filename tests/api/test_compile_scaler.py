@@ -597,3 +597,15 @@ def test_cuda_graph_capture_of_the_whole_optimizer_path(config):
         ref_norm = _clip(eager_world[2], eager_world[1])
         _assert_same(_snapshot(*eager_world, ref_norm), _snapshot(params, opt, scaler, norm), f"step {i}")
     assert int(scaler.skipped_steps) == len(OVERFLOW)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_reduce_overhead_mode_gives_the_eager_result():
+    """``torch.compile(mode="reduce-overhead", fullgraph=True)``: inductor's CUDA graphs (where it takes
+    them: the optimizer state are mutated inputs it may decline to capture) or plain inductor; eager's bits."""
+    dev = "cuda"
+    worlds = [_world("adamw", "bf16_master", dev, lr=torch.tensor(1e-2, device=dev)) for _ in range(2)]
+    fn = torch.compile(_clip, mode="reduce-overhead", fullgraph=True)
+    _drive("clip", worlds[0], worlds[1], fn, steps=12)
+    _no_graph_breaks()
