@@ -10,9 +10,10 @@
 #   fastamp_env  python -m fastamp.env (what was built, what AUTO picks)
 #   cost_model benchmarks/gpu_cost_model.py --measure: device copy bandwidth and each path's floor
 #   sync       benchmarks/sync_check.py: host syncs per fastamp step (set_sync_debug_mode)
-#   pytest     pytest -x -q tests (the whole suite, on CUDA)
+#   pytest     pytest -m gpu tests: every device test (CUDA kernels, Triton on the GPU, graph capture)
 #   bench_step, bench_unscale, bench_adamw   microbenchmarks at GPU size (native + triton)
 #   compare    python -m fastamp.compare --device cuda (large preset)
+#   pytest_rest  pytest -m 'not gpu and not slow' tests, in the time left
 # Everything is written under $OUT: logs/<stage>.log, results/, stages.tsv, summary.md.
 # The whole script stays under GPU_CHECK_BUDGET_S seconds (default 465, i.e. < 8 minutes):
 # each stage's timeout is cut to what is left.
@@ -66,7 +67,10 @@ fi
 run_stage fastamp_env 30 "$PY" -m fastamp.env
 run_stage cost_model 30 "$PY" benchmarks/gpu_cost_model.py --measure --out "$OUT/results/gpu_cost_model.md"
 run_stage sync 45 "$PY" benchmarks/sync_check.py --out "$OUT/results"
-run_stage pytest 150 "$PY" -m pytest -x -q tests -p no:cacheprovider --durations=15 --junitxml="$OUT/results/pytest.xml"
+# The device tests first and whole (no -x: every CUDA/Triton-on-GPU/capture test reports), the
+# rest of the suite last, in what time is left.
+run_stage pytest 150 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations=15 \
+    --junitxml="$OUT/results/pytest.xml"
 GPU_CONFIGS=256x4096,256x262144,256x1048576,20000x256
 run_stage bench_step 45 "$PY" benchmarks/bench_step.py --device cuda --backends native,triton --dtypes bf16,fp32 \
     --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
@@ -76,6 +80,8 @@ run_stage bench_unscale 40 "$PY" benchmarks/bench_unscale.py --device cuda --bac
     --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
 run_stage bench_adamw 40 "$PY" benchmarks/bench_adamw.py --device cuda --backends native,triton \
     --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
+run_stage pytest_rest 120 "$PY" -m pytest -q -m "not gpu and not slow" tests -p no:cacheprovider -rfE \
+    --junitxml="$OUT/results/pytest_rest.xml"
 
 {
     echo "# gpu_check summary"
@@ -92,6 +98,10 @@ run_stage bench_adamw 40 "$PY" benchmarks/bench_adamw.py --device cuda --backend
     echo "## pytest (tail)"
     echo '```'
     tail -n 25 "$OUT/logs/pytest.log" 2>/dev/null
+    echo '```'
+    echo "## pytest_rest (tail)"
+    echo '```'
+    tail -n 15 "$OUT/logs/pytest_rest.log" 2>/dev/null
     echo '```'
     echo "## sync check"
     echo '```'
