@@ -121,10 +121,11 @@ def _disable(method, reason: str):
 def _prepare_eager_entries() -> None:
     """Build the dynamo-disabled twins of every entry point (torch._dynamo must be imported).
 
-    Done outside any trace: dynamo refuses to trace ``torch.compiler.disable`` itself, and
-    importing torch._dynamo only for this would double ``import fastamp``'s time (any
-    ``torch.optim`` optimizer imports it anyway).
+    Done outside any trace: dynamo refuses to trace ``torch.compiler.disable`` itself. Done at
+    the first Scaler construction, not at import: importing torch._dynamo would double
+    ``import fastamp``'s time (any ``torch.optim`` optimizer imports it anyway).
     """
+    torch.compiler.assume_constant_result(_traced_backend)  # marks the function in place
     for slot, method, name in _EAGER_ENTRIES:
         if slot[0] is None:
             slot[0] = _disable(method, _help(name, None))
@@ -212,9 +213,11 @@ def _refresh_per_optimizer_state() -> dict[str, Any]:
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@torch.compiler.assume_constant_result
 def _traced_backend(op: str, device: str, backend: str | None) -> str:
     """The backend of ``op`` on ``device``, resolved eagerly at trace time (a constant of the graph).
+
+    Marked ``torch.compiler.assume_constant_result`` by :func:`_prepare_eager_entries`: marking
+    it here would import torch._dynamo with ``import fastamp``.
 
     The kernel is looked up here too: a Triton one registers its ``fastamp_triton`` op when
     its module is imported, which dynamo would not trace.

@@ -44,6 +44,7 @@ from fastamp._compile import (
     _eager_ready,
     _eager_under_compile,
     _maybe_prepare_eager_entries,
+    _prepare_eager_entries,
     _refresh_per_optimizer_state,
     _traced_check_inf_per_device,
     _traced_step,
@@ -153,7 +154,10 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
             warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
-        _maybe_prepare_eager_entries()
+        if not _eager_ready[0]:
+            # the twins and the traced path's constants, ready before any compiled call meets
+            # this scaler (imports torch._dynamo, as any torch.optim optimizer does)
+            _prepare_eager_entries()
         if not self._enabled:
             return
         if growth_factor <= 1.0:

@@ -10,6 +10,7 @@ pass and device, also when the native kernel refuses its input and the per-grad 
 (before: up to three times).
 """
 
+import subprocess
 import sys
 
 import pytest
@@ -210,3 +211,16 @@ def test_step_still_calls_overridden_unscale_hooks():
     patched.unscale_ = lambda optimizer: (seen.append("patched"), real(optimizer))[1]
     assert _iteration(model, patched, sgd) is False
     assert seen[-1] == "patched"
+
+
+def test_import_fastamp_does_not_import_dynamo():
+    """``import fastamp`` stays cheap: torch._dynamo (about half of its time otherwise) loads at the first Scaler."""
+    code = (
+        "import sys, fastamp\n"
+        "assert 'torch._dynamo' not in sys.modules, 'import fastamp imported torch._dynamo'\n"
+        "fastamp.Scaler()\n"
+        "assert 'torch._dynamo' in sys.modules\n"
+        "assert fastamp._compile._traced_backend._dynamo_marked_constant\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
