@@ -152,7 +152,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
         self._device: str | None = torch.device(device).type if device is not None else None
         self._enabled = enabled
         if self._device == "cuda" and enabled and not torch.cuda.is_available():
-            warnings.warn("torch.cuda.amp.GradScaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
+            warnings.warn("fastamp.Scaler is enabled, but CUDA is not available.  Disabling.", stacklevel=2)
             self._enabled = False
         if not _eager_ready[0]:
             # the twins and the traced path's constants, ready before any compiled call meets

@@ -294,6 +294,21 @@ def test_device_none_and_cuda_on_cpu_machine():
         assert not c.is_enabled() and any("CUDA is not available" in str(x.message) for x in w)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_on_a_machine_without_cuda_warns_in_fastamps_name():
+    """torch's warning text, naming the class the user built, at the user's line."""
+    with warnings.catch_warnings(record=True) as torch_warns:
+        warnings.simplefilter("always")
+        torch.amp.GradScaler("cuda")
+    with warnings.catch_warnings(record=True) as ours:
+        warnings.simplefilter("always")
+        fastamp.Scaler("cuda")
+    (want,) = [str(w.message) for w in torch_warns if "CUDA is not available" in str(w.message)]
+    (got,) = [w for w in ours if "CUDA is not available" in str(w.message)]
+    assert str(got.message) == want.replace("torch.cuda.amp.GradScaler", "fastamp.Scaler")
+    assert "GradScaler" not in str(got.message) and got.filename == __file__
+
+
 def test_scale_promotion_and_nesting():
     s, t = fastamp.Scaler("cpu", init_scale=4.0), torch.amp.GradScaler("cpu", init_scale=4.0)
     loss16 = torch.tensor(3.0, dtype=torch.float16)
