@@ -19,6 +19,11 @@ torch hooks other libraries call). Met inside a compiled function:
   method; ``fullgraph=True`` then fails at trace time, before anything ran, with the reason
   of :data:`_WHY` as the message (what to do instead).
 
+Errors: a traced twin that refuses a misuse of the protocol (``unscale_`` twice, ``update``
+without a step, no scale yet ...) raises eager's error, class and message, through
+:func:`fastamp._compile_errors.fail` (dynamo would turn a ``raise`` in traced code into its
+own ``Unsupported``), before anything ran.
+
 What a traced call does not do: the pitfall guards' health probes (:meth:`_Monitor.on_update
 <fastamp.health._Monitor.on_update>` reads device values on the host) and the grad-dtype
 sampling do not run in compiled updates; the backend is resolved at trace time (a later
@@ -38,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fastamp import _ops, backends, reference
+from fastamp import _compile_errors, _ops, backends, reference
 from fastamp._device_scalars import (
     _any_found,
     _clip_coef,
@@ -79,6 +84,11 @@ _WHY = {
     "tensor_betas": (
         "the optimizer has tensor betas, which its kernels take as numbers read on the host at every step",
         "use float betas",
+    ),
+    "cycled_momentum": (
+        "an LR scheduler cycles the optimizer's betas or momentum (OneCycleLR or CyclicLR with cycle_momentum=True), "
+        "which its kernels take as numbers, constants of a graph: every new value would compile a new graph",
+        "pass cycle_momentum=False to the scheduler",
     ),
     "stats": ("track_stats=True keeps host-side statistics records", "construct the scaler with track_stats=False"),
     "process_group": (
@@ -126,6 +136,7 @@ def _prepare_eager_entries() -> None:
     ``import fastamp``'s time (any ``torch.optim`` optimizer imports it anyway).
     """
     torch.compiler.assume_constant_result(_traced_backend)  # marks the function in place
+    torch.compiler.assume_constant_result(_compile_errors.raise_traced)
     for slot, method, name in _EAGER_ENTRIES:
         if slot[0] is None:
             slot[0] = _disable(method, _help(name, None))
@@ -248,6 +259,9 @@ def _eager_reason(scaler, optimizer) -> str | None:
     # without fullgraph), checked first so that the scaler's call runs eagerly instead
     if any(isinstance(b, Tensor) for group in optimizer.param_groups for b in group.get("betas", ())):
         return "tensor_betas"
+    # the keys those schedulers add to a group (see FusedOptimizer._check_traceable)
+    if any("max_momentum" in group or "base_momentum" in group for group in optimizer.param_groups):
+        return "cycled_momentum"
     if scaler._track_stats:
         return "stats"
     if scaler._process_group is not None:
@@ -318,13 +332,15 @@ def _traced_clip_grad_norm_(
         return eager(why)(scaler, optimizer, max_norm, norm_type, error_if_nonfinite)
     max_norm = float(max_norm)
     if not max_norm >= 0:
-        raise ValueError(f"fastamp.Scaler.clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
+        _compile_errors.fail(ValueError, f"fastamp.Scaler.clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
     scale, _ = scaler._check_scale_growth_tracker("clip_grad_norm_")
     optimizer_state = scaler._per_optimizer_states[id(optimizer)]
     if optimizer_state["stage"] is OptState.STEPPED:
-        raise RuntimeError("clip_grad_norm_() is being called after step().")
+        _compile_errors.fail(RuntimeError, "clip_grad_norm_() is being called after step().")
     if scaler._clip_grad_scale(optimizer, optimizer_state) is not None:
-        raise RuntimeError("clip_grad_norm_() has already been called on this optimizer since the last update().")
+        _compile_errors.fail(
+            RuntimeError, "clip_grad_norm_() has already been called on this optimizer since the last update()."
+        )
     ready = optimizer_state["stage"] is OptState.READY
     inv_scale = _inv_scale(scale) if ready else torch.ones((), dtype=torch.float32, device=scale.device)
     found, sumsq = _traced_check(scaler, optimizer, inv_scale, False, True)
@@ -358,11 +374,11 @@ def _traced_step(scaler, eager, optimizer, *args, **kwargs):
     if why is not None:
         return eager(why)(scaler, optimizer, *args, **kwargs)
     if "closure" in kwargs:
-        raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        _compile_errors.fail(RuntimeError, "Closure use is not currently supported if GradScaler is enabled.")
     scale, _ = scaler._check_scale_growth_tracker("step")
     optimizer_state = scaler._per_optimizer_states[id(optimizer)]
     if optimizer_state["stage"] is OptState.STEPPED:
-        raise RuntimeError("step() has already been called since the last update().")
+        _compile_errors.fail(RuntimeError, "step() has already been called since the last update().")
     if optimizer_state["stage"] is OptState.READY:
         scaler._check_inf_per_device(optimizer)  # torch's step calls the hook (traced below unless overridden)
     found_inf = _fold_found_inf(optimizer_state["found_inf_per_device"], scale)
@@ -394,7 +410,7 @@ def _traced_update(scaler, eager, new_scale=None) -> None:
         for found_inf in state["found_inf_per_device"].values()
     ]
     if len(found_infs) == 0:
-        raise AssertionError("No inf checks were recorded prior to update.")
+        _compile_errors.fail(AssertionError, "No inf checks were recorded prior to update.")
     backend = _traced_backend("update_scale_", str(scale.device), scaler._backend)
     _kernel("update_scale_", backend)(
         scale,

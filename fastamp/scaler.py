@@ -37,7 +37,7 @@ from torch import Tensor
 # (Lightning, Accelerate, torch's optimizers) compares against the object it imports.
 from torch.amp.grad_scaler import OptState
 
-from fastamp import backends, functional, health
+from fastamp import _compile_errors, backends, functional, health
 from fastamp._clip import _ClipMixin
 from fastamp._compile import (
     _EAGER_ENTRIES,  # noqa: F401 (the eager twins, which tests reach through this module)
@@ -197,10 +197,13 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
     # ------------------------------------------------------------------ lazy state
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
+        # called by the traced twins too (fastamp/_compile.py): fail() raises as eager there
         if self._scale is None:
-            raise AssertionError(f"Attempted {funcname} but _scale is None.  " + _SCALE_NONE_FIX)
+            _compile_errors.fail(AssertionError, f"Attempted {funcname} but _scale is None.  " + _SCALE_NONE_FIX)
         if self._growth_tracker is None:
-            raise AssertionError(f"Attempted {funcname} but _growth_tracker is None.  " + _SCALE_NONE_FIX)
+            _compile_errors.fail(
+                AssertionError, f"Attempted {funcname} but _growth_tracker is None.  " + _SCALE_NONE_FIX
+            )
         return self._scale, self._growth_tracker
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -299,9 +302,11 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
     @staticmethod
     def _check_can_unscale(optimizer_state) -> None:
         if optimizer_state["stage"] is OptState.UNSCALED:
-            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+            _compile_errors.fail(
+                RuntimeError, "unscale_() has already been called on this optimizer since the last update()."
+            )
         if optimizer_state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")
+            _compile_errors.fail(RuntimeError, "unscale_() is being called after step().")
 
     @_eager_under_compile(traced=_traced_check_inf_per_device)
     def _check_inf_per_device(self, optimizer) -> dict[torch.device, Tensor]:

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from fastamp import _compile_errors
 from fastamp._dtensor import is_dtensor
 from fastamp.optim import _traced
 from fastamp.optim._checks import (
@@ -85,7 +86,11 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     torch.compile: under ``torch.compiler.is_compiling()`` the step takes the path of
     :mod:`fastamp.optim._traced` (``fullgraph=True``, one compile, eager's bits): the checks
-    and the plan run once at trace time (``_init_group``), the graph holds the kernel ops.
+    and the plan run once at trace time (``_init_group``), the graph holds the kernel ops. A
+    check that fails there raises eager's error (class and message, see
+    :mod:`fastamp._compile_errors`). torch's LR schedulers leave ``step`` as it is (see
+    ``_wrapped_by_lr_sched`` below the class); one that cycles the momentum is refused at
+    trace time (``_check_traceable``).
     """
 
     _NAME = "FusedOptimizer"
@@ -420,6 +425,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
         if torch.compiler.is_compiling():
             return _traced.traced_step(self, closure)
+        self._opt_called = True  # what torch's LR schedulers record (see _wrapped_by_lr_sched below the class)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -455,6 +461,21 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         return loss
 
     def _init_group(self) -> tuple:
+        """:meth:`_trace_time_plan`, run by dynamo eagerly at trace time; its errors reach the user as eager's.
+
+        A check that fails raises the error eager raises, as :func:`fastamp._compile_errors.as_eager`
+        delivers it through dynamo (which would wrap it in ``InternalTorchDynamoError``).
+        """
+        # torch's LR schedulers read it once, after their first step; dynamo drops attribute writes
+        # to an optimizer in traced code (torch 2.13: OptimizerVariable is not tracked for side
+        # effects), so the compiled step records it here, as the schedulers' wrapper would
+        self._opt_called = True
+        try:
+            return self._trace_time_plan()
+        except Exception as e:
+            raise _compile_errors.as_eager(e) from None
+
+    def _trace_time_plan(self) -> tuple:
         """Validate and plan the compiled step; run by dynamo eagerly at trace time, never traced.
 
         dynamo calls an optimizer's ``_init_group`` with the real objects and guards on what
@@ -485,7 +506,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         plan = self._build_plan(work, step_values)
         chosen = {(op, dev): backends.resolve(op, dev, self.backend) for op, dev in plan.needed}
         for op, backend in chosen.items():
-            _traced.KERNELS.setdefault((op[0], backend), backends.get_impl(op[0], backend))
+            backends.get_impl(op[0], backend)  # imports a Triton kernel module (see _traced.kernel)
         out = []
         for gi, gp in enumerate(plan.groups):
             if not gp.buckets:
@@ -522,6 +543,15 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:
         """Refuse, at trace time, a group setting a compiled step cannot honour."""
+        if "max_momentum" in group or "base_momentum" in group:
+            key = "betas" if "betas" in group else "momentum"
+            raise NotImplementedError(
+                f"{self._NAME}: {where} has its {key} cycled by an LR scheduler (OneCycleLR or CyclicLR with "
+                f"cycle_momentum=True, which keep 'base_momentum' and 'max_momentum' in the group and write "
+                f"group[{key!r}] at every step); a compiled step takes {key} as constants of the graph (the kernels "
+                "take them as numbers), so every new value would compile a new graph until dynamo's recompile limit: "
+                "pass cycle_momentum=False to the scheduler, or call opt.step() outside the compiled function"
+            )
 
     def _execute(self, plan: _Plan, grads_per_group: list[list[Tensor | None]], amp: AmpInputs) -> None:
         rng_inc: dict[torch.device, Tensor] = {}
@@ -578,3 +608,12 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         for p, now, seen in zip(gp.remainder, versions, gp.versions):
             if now != seen:
                 self._resync_if_written(p, self.state[p], "a param")
+
+
+# torch's LR schedulers (torch.optim.lr_scheduler.LRScheduler.__init__) replace ``opt.step`` on
+# the instance with a wrapper that records ``opt._opt_called`` (for their warning "lr_scheduler.step()
+# before optimizer.step()"), unless the step has this attribute. That wrapper lives in a file
+# dynamo refuses to trace, so a compiled step (``torch.compile(opt.step)``, or the scaler's traced
+# step calling ``opt.step``) would fail on it, and compiling ``opt.step`` first would make the
+# scheduler fail on the compiled function instead. ``step`` records the call itself.
+FusedOptimizer.step._wrapped_by_lr_sched = True

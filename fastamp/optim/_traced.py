@@ -45,7 +45,10 @@ sharing step scalars between counts that now differ. Every compiled step sets
 reads the counts once and plans again.
 
 Not supported under compile (refused at trace time, with the reason): tensor ``betas`` (the
-kernels take them as numbers, read on the host at every step) and DTensor params.
+kernels take them as numbers, read on the host at every step), betas or momentum cycled by an
+LR scheduler (OneCycleLR, CyclicLR with ``cycle_momentum=True``: each value would be a new
+graph) and DTensor params. The refusals and every check of ``_init_group`` raise eager's
+error class and message (:mod:`fastamp._compile_errors`).
 
 torch versions: needs ``torch.library.register_fake`` and ``torch.compiler.is_compiling`` (both
 in torch >= 2.4) and the ``_init_group`` hook of ``OptimizerVariable`` (>= 2.2); checked
@@ -53,7 +56,8 @@ with torch 2.13 (CPU). A float lr is a graph input only where dynamo leaves floa
 unspecialised (``torch._dynamo.config.specialize_float = False``, the default of recent
 releases): it is specialised at the first compile and made dynamic at the first change
 (one recompile), or dynamic from the start with ``torch.compile(..., dynamic=True)``; a
-0-dim tensor lr (:class:`fastamp.DeviceLR`) never recompiles.
+0-dim tensor lr (:class:`fastamp.DeviceLR`, or any torch scheduler over a tensor lr, which
+fills it in place) never recompiles.
 """
 
 from __future__ import annotations
@@ -98,7 +102,11 @@ def lr_tensor(lr: Any) -> Tensor:
     """
     if isinstance(lr, Tensor):
         return lr.detach()
-    return torch.full((), lr, dtype=torch.float64)
+    # A product, not torch.full: AOTAutograd's pass that turns dynamic floats into tensor inputs
+    # (torch.fx.passes._tensorify_python_scalars) rewrites arithmetic on them, but specialises
+    # a float that reaches any other op (torch.full's fill value), and the guard it then adds
+    # recompiles at every new lr. ``1.0 * lr`` is exact in fp64, signed zero included.
+    return torch.ones((), dtype=torch.float64) * lr
 
 
 def _adamw_step_scalars(
@@ -149,9 +157,18 @@ def rng_parts(ids: list[int], n: int) -> list[tuple[int, int, int]]:
     return parts
 
 
-# (op, backend) -> the callable eager's backend choice leads to; filled at trace time, where
-# looking it up may import a kernel module (dynamo does not trace importlib)
-KERNELS: dict[tuple[str, str], Callable] = {}
+def kernel(op: str, backend: str) -> Callable:
+    """The kernel op of ``op`` in a resolved ``backend``, reached by attribute lookups dynamo traces.
+
+    The callable :func:`fastamp.backends.get_impl` gives eager (for Triton, the op its wrapper
+    calls). ``_init_group`` calls ``get_impl`` first, at trace time: a Triton op is registered
+    when its module is imported, which dynamo does not trace. Not a table filled there: dynamo
+    reads a module's dict once per trace, so an entry that a second optimizer's
+    ``_init_group`` adds later in the same trace would be missing from it.
+    """
+    if backend == "torch":
+        return getattr(reference, op)
+    return getattr(getattr(torch.ops, _ops.NATIVE_NS if backend == "native" else _ops.TRITON_NS), op)
 
 
 _NO_STATE: dict[str, Tensor] = {}

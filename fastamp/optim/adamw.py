@@ -343,6 +343,7 @@ class AdamW(FusedOptimizer):
 
     # ---- torch.compile (see fastamp.optim._traced) -----------------------------------------
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:
+        super()._check_traceable(group, where)
         if isinstance(group["betas"][0], Tensor):
             raise NotImplementedError(
                 f"{_NAME}: tensor betas in {where} cannot be compiled: the kernels take them as numbers, read on the "
@@ -363,7 +364,7 @@ class AdamW(FusedOptimizer):
         st = launch.state
         vmax = st["max_exp_avg_sq"] if group["amsgrad"] else []
         hyper = (float(beta1), float(beta2), float(group["eps"]), bool(group["amsgrad"]), bool(group["maximize"]))
-        impl = _traced.KERNELS[(launch.op, launch.backend)]
+        impl = _traced.kernel(launch.op, launch.backend)
         if launch.op == "adamw_bf16_":
             rem = st["master_remainder"] if launch.kind == "remainder" else []
             impl(launch.params, launch.grads, rem, st["exp_avg"], st["exp_avg_sq"], vmax, scalars,

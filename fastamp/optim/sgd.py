@@ -204,7 +204,7 @@ class SGD(FusedOptimizer):
     def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
         st = launch.state
         masters = {"fp32": "master_param", "remainder": "master_remainder"}.get(launch.kind)
-        _traced.KERNELS[(launch.op, launch.backend)](
+        _traced.kernel(launch.op, launch.backend)(
             launch.params,
             launch.grads,
             st[masters] if masters else [],
