@@ -7,10 +7,10 @@ step size inf (``lr=1e38``: ``1e38 / 0.1``), and the step then wrote inf into th
 torch.optim.AdamW raises "value cannot be converted to type float without overflow" there,
 after its weight decay already changed the params. Here such a value is refused wherever it
 enters (construction, ``add_param_group``, ``load_state_dict``, a group edited between eager
-or compiled steps) with params, grads and state bit-identical. SGD's step scalars cannot
-overflow for any accepted value (checked below). Where a tensor lr's value is not read (a
-device tensor after it was set; any tensor lr inside a compiled step) the tests say what
-happens instead.
+or compiled steps, a new tensor lr put into a group) with params, grads and state
+bit-identical. SGD's step scalars cannot overflow for any accepted value (checked below).
+Where a tensor lr's value is not read (written in place after it was checked: a host read per
+step, a sync on a device; any tensor lr inside a compiled step) the tests say what happens.
 """
 
 import math
@@ -166,10 +166,6 @@ def _beta1(opt):
     opt.param_groups[1]["betas"] = (1 - 2.0**-40, 0.999)
 
 
-def _tensor_lr_in_place(opt):
-    opt.param_groups[1]["lr"].fill_(1e38)  # as torch's LR schedulers write a tensor lr
-
-
 def _tensor_lr_replaced(opt):
     opt.param_groups[1]["lr"] = torch.tensor(1e38)
 
@@ -178,8 +174,7 @@ EDITS = {
     "float lr": (_float_lr, STEP_SIZE),
     "weight_decay": (_weight_decay, DECAY),
     "beta1": (_beta1, STEP_SIZE),
-    "cpu tensor lr written in place": (_tensor_lr_in_place, STEP_SIZE),
-    "cpu tensor lr replaced": (_tensor_lr_replaced, STEP_SIZE),
+    "tensor lr replaced": (_tensor_lr_replaced, STEP_SIZE),
 }
 
 
@@ -233,21 +228,62 @@ def test_an_edit_between_steps_is_refused_and_changes_nothing(edit, backend, by)
     _assert_same(_snapshot(opt, params), _snapshot(twin, twin_params))
 
 
+def test_a_tensor_lr_is_read_once_per_tensor_not_at_every_step(monkeypatch):
+    """A checked tensor lr is not read again at steps (on a device every read would be a sync); a new tensor
+    in a group, or a change of the settings its check depends on (beta1, weight_decay), is read once."""
+    lr = torch.tensor(1e-3)
+    params, opt = _world(AdamW, None, lr=lr)
+    reads = []
+    read = torch.Tensor.__float__
+
+    def counting(t):
+        reads.append(t)
+        return read(t)
+
+    monkeypatch.setattr(torch.Tensor, "__float__", counting)
+    for i in range(3):
+        opt.step()
+        _set_grads(params, 3 + i)
+    assert reads == []
+    opt.param_groups[0]["weight_decay"] = 0.02
+    opt.step()
+    opt.step()
+    assert len(reads) == 1 and reads[0] is lr
+    new = opt.param_groups[1]["lr"] = torch.tensor(2e-3)
+    opt.step()
+    opt.step()
+    assert len(reads) == 2 and reads[1] is new
+
+
 @pytest.mark.parametrize("cls", [AdamW, SGD])
-def test_a_torch_scheduler_writing_a_tensor_lr_is_checked_at_the_next_step(cls):
-    """torch's schedulers fill a tensor lr in place; on the CPU its value is read at every step (no device
-    sync): the step after the scheduler wrote an lr whose step scalars overflow refuses, changing nothing."""
+def test_a_torch_scheduler_writing_a_float_lr_is_refused_at_the_next_step(cls):
+    """torch's schedulers write a float lr into the group: the next step checks it, changing nothing."""
     kw = dict(momentum=0.9) if cls is SGD else {}
-    params, opt = _world(cls, None, lr=torch.tensor(1.0), **kw)
-    # the scheduler multiplies the fp32 lr tensor: AdamW 1e38 (a step size of 1e39); SGD inf
+    params, opt = _world(cls, None, lr=1.0, **kw)
+    # AdamW: lr 1e38, a step size of 1e39; SGD: lr 1e45, beyond fp32
     factor = 1e38 if cls is AdamW else 1e45
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 if s < 1 else factor)
     scheduler.step()
     before = _snapshot(opt, params)
-    message = f"AdamW: .*{STEP_SIZE}" if cls is AdamW else "Invalid learning rate: inf"
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=f"AdamW: .*{STEP_SIZE}" if cls is AdamW else "Invalid learning rate"):
         opt.step()
     _assert_same(before, _snapshot(opt, params))
+
+
+def test_a_tensor_lr_written_in_place_is_not_read():
+    """What happens when a scheduler fills a tensor lr in place with a value whose step size overflows: its
+    value is not read at steps (a host read per step; a sync on a device), so the step is not refused and
+    writes inf into the params, as torch.optim.AdamW(fused=True) does with the same tensor lr."""
+    params, opt = _world(AdamW, None, lr=torch.tensor(1.0))
+    theirs = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+    torch_opt = torch.optim.AdamW(theirs, lr=torch.tensor(1.0), fused=True)
+    for o, ps in ((opt, params), (torch_opt, theirs)):
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 if s < 1 else 1e38)
+        scheduler.step()  # fills the tensor lr in place: 1e38, a step size of up to 1e39
+        o.step()
+        assert not all(torch.isfinite(p).all() for p in ps)
 
 
 # ---- compiled steps -------------------------------------------------------------------------
@@ -317,27 +353,36 @@ def test_a_compiled_step_refuses_an_edited_float_lr(edit, compiler, dynamic):
 
 
 @pytest.mark.usefixtures("_fresh_dynamo")
-def test_a_compiled_step_does_not_read_a_tensor_lr():
-    """What happens with a tensor lr under torch.compile: its value is checked when the step is traced (as in
-    eager), but the graph never reads it on the host, so a value written in place later is not checked; here
-    one whose step size overflows writes inf into the params, as torch.optim.AdamW(fused=True) does."""
+@pytest.mark.parametrize("how", ["written in place", "replaced"])
+def test_a_compiled_step_reads_a_tensor_lr_only_when_traced(how):
+    """What happens with a tensor lr under torch.compile: its value is checked when the step is traced, but
+    the graph never reads it on the host and dynamo does not retrace for a new tensor of the same kind, so
+    neither a value written in place nor a tensor put in its place later is checked; here one whose step size
+    overflows writes inf into the params, as torch.optim.AdamW(fused=True) does. (Eager refuses the replaced
+    one at its next step.)"""
     lr = torch.tensor(1e-3)
     params, opt = _world(AdamW, None, lr=lr)
     step = torch.compile(opt.step, fullgraph=True, backend="aot_eager")
     step()
-    lr.fill_(3e38)  # the 4th step: 3e38 / (1 - 0.9**4) ~ 8.7e38
+    if how == "written in place":
+        lr.fill_(3e38)  # the 4th step: 3e38 / (1 - 0.9**4) ~ 8.7e38
+    else:
+        opt.param_groups[0]["lr"] = torch.tensor(3e38)
     step()
     assert not all(torch.isfinite(p).all() for p in params)
-    with pytest.raises(ValueError, match=STEP_SIZE):
-        opt.step()  # eager reads a CPU tensor lr at every step
+    if how == "replaced":
+        opt.param_groups[0]["lr"] = torch.tensor(3e38)
+        with pytest.raises(ValueError, match=STEP_SIZE):
+            opt.step()
 
 
 @requires_cuda
 def test_device_tensor_lr_is_checked_where_it_is_set_not_at_steps():
-    """A CUDA tensor lr: its value is read where it enters (construction, add_param_group, load_state_dict:
-    off the hot path), not at a step, where the read would be a host sync per step. A value written in place
-    later (a scheduler, DeviceLR's schedule function) whose step size overflows is not refused: the step
-    writes inf into the params, as torch.optim.AdamW(fused=True) does with the same tensor lr."""
+    """A CUDA tensor lr: its value is read where it enters (construction, add_param_group, load_state_dict,
+    the first step after it was put into a group: one sync each), not at every step, where the read would be
+    a host sync per step. A value written in place later (a scheduler, DeviceLR's schedule function) whose
+    step size overflows is not refused, and no step syncs: the step writes inf into the params, as
+    torch.optim.AdamW(fused=True) does with the same tensor lr."""
     dev = "cuda"
     p = torch.nn.Parameter(torch.randn(8, device=dev))
     with pytest.raises(ValueError, match=STEP_SIZE):
@@ -349,6 +394,15 @@ def test_device_tensor_lr_is_checked_where_it_is_set_not_at_steps():
     saved["param_groups"][0]["lr"] = torch.tensor(1e38, device=dev)
     with pytest.raises(ValueError, match=STEP_SIZE):
         opt.load_state_dict(saved)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    before = p.detach().clone()
+    opt.param_groups[0]["lr"] = torch.tensor(1e38, device=dev)  # a new tensor: read once at the next step
+    with pytest.raises(ValueError, match=STEP_SIZE):
+        opt.step()
+    assert torch.equal(p, before)
+    opt.param_groups[0]["lr"] = torch.tensor(1e-3, device=dev)
+    opt.step()  # read once (a sync), then not again
 
     theirs = torch.nn.Parameter(p.detach().clone())
     torch_opt = torch.optim.AdamW([theirs], lr=torch.tensor(1e-3, device=dev), fused=True)
