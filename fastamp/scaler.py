@@ -159,6 +159,11 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
             # this scaler (imports torch._dynamo, as any torch.optim optimizer does)
             _prepare_eager_entries()
         if not self._enabled:
+            # torch's disabled scaler keeps none of the settings and its public methods do nothing;
+            # the check pass's own state is kept so that torch's private hook _unscale_grads_
+            # (a pure function of its arguments in torch) works as it does there
+            self._backend = backend
+            self._init_diagnostics(track_stats)
             return
         if growth_factor <= 1.0:
             raise AssertionError("The growth factor must be > 1.0.")
@@ -585,8 +590,9 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
             state["_init_last_step_skipped"] = self.last_step_skipped
             for k in ("_scale", "_growth_tracker", "_hysteresis_tracker", "_skipped_steps", "_last_step_skipped"):
                 state[k] = None
-            # device statistics and weak references do not travel; the names and guards restart
             state["_per_optimizer_clip_scales"] = {}
+        if "_stats" in state:
+            # device statistics and weak references do not travel; the names and guards restart
             state["_stats"] = {}
             state["_param_names"] = {}
             state["_health"] = health._Monitor()

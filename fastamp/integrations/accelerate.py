@@ -22,6 +22,7 @@ Importing this module imports ``accelerate``; ``import fastamp`` does not.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Any
@@ -33,7 +34,7 @@ from accelerate.utils import DistributedType
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fastamp.integrations._pending import all_stepped, stage, update_if_pending
+from fastamp.integrations._pending import all_stepped, enabled, stage, step_again, update_if_pending
 from fastamp.scaler import Scaler
 
 __all__ = ["use_fastamp_scaler"]
@@ -65,15 +66,29 @@ def use_fastamp_scaler(accelerator: Accelerator, scaler: Scaler | None = None, *
         Accelerate's own path runs (unscale every optimizer, then torch's clip).
         ``clip_grad_value_`` and ``unscale_gradients`` are Accelerate's, on fastamp's ``unscale_``.
       * Several prepared optimizers: one ``scaler.update()`` per iteration, as in torch's
-        loop (``step(o1); step(o2); update()``), not one after each optimizer's step as
-        Accelerate does. A prepared optimizer's ``step()`` runs ``scaler.step`` on it and
-        updates the scale once every prepared optimizer has stepped this iteration; until
-        then the others keep what this iteration gave them (an ``unscale_``, a pending fused
-        clip) and are unscaled with the scale their grads were made with. An optimizer that
-        does not step in an iteration: the update runs at the next ``accelerator.backward``
-        (or ``save_state``, or that optimizer's next step). With one optimizer nothing changes.
-        Skips are torch's, per optimizer: each skips when its own grads overflowed; the
-        scale backs off when any did.
+        hand-written loop (``step(o1); step(o2); update()``, and a GAN's ``backward(loss_d);
+        step(opt_d); backward(loss_g); step(opt_g); update()``), not one after each
+        optimizer's step as Accelerate does. A prepared optimizer's ``step()`` runs
+        ``scaler.step`` on it and updates the scale once every prepared optimizer has stepped
+        this iteration; until then the others keep what this iteration gave them (an
+        ``unscale_``, a pending fused clip) and are unscaled with the scale their grads were
+        made with. With one optimizer nothing changes. Skips are torch's, per optimizer step:
+        each skips when its own grads overflowed; the scale backs off when any did.
+      * Iterations in which some prepared optimizer does not step: the update runs when the
+        iteration ends, which Accelerate shows in two ways: the next batch (or the end) of a
+        prepared dataloader, and the end of an ``accelerator.accumulate(...)`` block; then
+        every loss of an iteration is scaled with the same scale, bit for bit as in torch's
+        loop. A loop with neither (an ``accelerator.backward`` outside both) gets no such
+        signal: an update left pending runs at its next ``accelerator.backward``, which is
+        torch's loop when every backward starts an iteration, but in a GAN's second backward
+        gives two updates per iteration, as Accelerate's own ``GradScaler`` path does (one
+        after each step). ``save_state`` runs a pending update first. A batch fetched from
+        a prepared dataloader in the middle of an iteration ends it there. An optimizer that
+        steps twice in one iteration (a critic stepped several times): each step unscales
+        with the iteration's scale, each step's overflow counts in the iteration's update.
+      * A disabled scaler (``Scaler(enabled=False)``, ``GradScalerKwargs(enabled=False)``):
+        Accelerate's own paths with a disabled ``GradScaler`` (autocast, no scaling, no
+        skips); ``clip_grad_norm_`` is torch's clip.
       * Prepared optimizers report ``step_was_skipped`` for their own step, amp-aware
         optimizers too. Accelerate decides it by whether ``optimizer.step()`` was called,
         which an amp-aware optimizer always is (it skips on the device), so Accelerate would
@@ -133,8 +148,14 @@ def use_fastamp_scaler(accelerator: Accelerator, scaler: Scaler | None = None, *
     accelerator._fastamp_scaler = scaler
     accelerator.prepare_optimizer = _prepare_optimizer(accelerator, accelerator.prepare_optimizer)
     accelerator.clip_grad_norm_ = _clip_grad_norm(accelerator, accelerator.clip_grad_norm_)
-    accelerator.backward = _update_first(accelerator, accelerator.backward)
+    accelerator.backward = _backward(accelerator, accelerator.backward)
     accelerator.save_state = _update_first(accelerator, accelerator.save_state)
+    accelerator._fastamp_blocks = 0
+    accelerator.accumulate = _accumulate(accelerator, accelerator.accumulate)
+    accelerator.prepare_data_loader = _hooks_batches(scaler, accelerator.prepare_data_loader)
+    accelerator.skip_first_batches = _hooks_batches(scaler, accelerator.skip_first_batches)
+    for dataloader in accelerator._dataloaders:
+        _hook_batches(scaler, dataloader)
     return scaler
 
 
@@ -148,10 +169,10 @@ class _FastampAcceleratedOptimizer(AcceleratedOptimizer):
 
     def step(self, closure=None):
         scaler = self.scaler
-        if not isinstance(scaler, Scaler) or not scaler.is_enabled() or not self.gradient_state.sync_gradients:
-            return super().step(closure)  # bf16 (no scaler), or accumulating: Accelerate's
+        if not enabled(scaler) or not self.gradient_state.sync_gradients:
+            return super().step(closure)  # bf16 (no scaler), a disabled scaler, or accumulating: Accelerate's
         if stage(scaler, self.optimizer) is OptState.STEPPED:
-            scaler.update()  # stepped already since the last update: a new iteration
+            step_again(scaler, self.optimizer)  # a second step in one iteration: see use_fastamp_scaler
         self.optimizer.step = self._optimizer_patched_step_method
         try:
             scaler.step(self.optimizer, closure)
@@ -207,6 +228,82 @@ def _update_first(accelerator: Accelerator, original):
     def wrapper(*args, **kwargs):
         update_if_pending(accelerator.scaler)
         return original(*args, **kwargs)
+
+    return wrapper
+
+
+def _backward(accelerator: Accelerator, original):
+    """``accelerator.backward``: a pending update runs first only where no iteration end will come.
+
+    Inside an ``accumulate`` block or while a prepared dataloader is iterated, the block's end
+    or the next batch closes the iteration: a backward there may be a GAN's second one, whose
+    loss torch's loop scales with the iteration's scale. Elsewhere a backward is taken to start
+    the next iteration.
+    """
+
+    @functools.wraps(original)
+    def backward(*args, **kwargs):
+        if not accelerator._fastamp_blocks and not _hooked(accelerator.gradient_state.active_dataloader):
+            update_if_pending(accelerator.scaler)
+        return original(*args, **kwargs)
+
+    return backward
+
+
+def _accumulate(accelerator: Accelerator, original):
+    """``accelerator.accumulate(...)``: the end of the block ends an iteration (a pending update runs)."""
+
+    @functools.wraps(original)
+    @contextlib.contextmanager
+    def accumulate(*models):
+        accelerator._fastamp_blocks += 1
+        try:
+            with original(*models):
+                yield
+        finally:
+            accelerator._fastamp_blocks -= 1
+        update_if_pending(accelerator.scaler)
+
+    return accumulate
+
+
+class _IterationEnd:
+    """A prepared dataloader's ``_update_state_dict`` or ``end``, which Accelerate calls as the user's
+    ``next()`` fetches the next batch or finds none: the iteration before is over, its pending update runs.
+
+    Set on the dataloader instance (its class reports the wrapped dataloader's ``__class__``);
+    pickling it gives back the plain method.
+    """
+
+    def __init__(self, scaler: Scaler, original) -> None:
+        self.scaler, self.original = scaler, original
+
+    def __call__(self, *args, **kwargs):
+        update_if_pending(self.scaler)
+        return self.original(*args, **kwargs)
+
+    def __reduce__(self):
+        return (getattr, (self.original.__self__, self.original.__name__))
+
+
+def _hook_batches(scaler: Scaler, dataloader):
+    for name in ("_update_state_dict", "end"):
+        method = getattr(type(dataloader), name, None) and getattr(dataloader, name)
+        if method is not None and not isinstance(method, _IterationEnd):
+            setattr(dataloader, name, _IterationEnd(scaler, method))
+    return dataloader
+
+
+def _hooked(dataloader) -> bool:
+    return dataloader is not None and isinstance(getattr(dataloader, "__dict__", {}).get("end"), _IterationEnd)
+
+
+def _hooks_batches(scaler: Scaler, original):
+    """``prepare_data_loader`` / ``skip_first_batches``, whose dataloaders end iterations (see ``_IterationEnd``)."""
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        return _hook_batches(scaler, original(*args, **kwargs))
 
     return wrapper
 

@@ -16,6 +16,8 @@ Importing this module imports ``lightning``; ``import fastamp`` does not.
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any, Callable, Literal
 
 import torch
@@ -26,7 +28,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import LBFGS
 
-from fastamp.integrations._pending import all_stepped, stage, update_if_pending
+from fastamp.integrations._pending import all_stepped, enabled, stage, step_again, update_if_pending
 from fastamp.scaler import OptState, Scaler
 
 __all__ = ["MixedPrecision"]
@@ -94,13 +96,27 @@ class MixedPrecision(_LightningMixedPrecision):
     ``opt.step()`` as usual; the clip then sees (and computes on) unscaled values, and the step
     does not unscale twice.
 
-    Several optimizers (manual optimization): one ``scaler.update()`` per iteration, as in
-    torch's loop, once every optimizer of the trainer has stepped (Lightning's plugin updates
-    after each step: a second optimizer's clip or unscale of the same iteration was then
-    thrown away, or its grads unscaled with a scale they were not made with). An optimizer
-    that does not step in an iteration: the update runs before the next backward (or when a
-    checkpoint is written, or at that optimizer's next step). Skips are torch's, per
-    optimizer: each skips when its own grads overflowed; the scale backs off when any did.
+    Several optimizers (manual optimization): one ``scaler.update()`` per iteration (one
+    ``training_step``), as in torch's hand-written loop, bit for bit: once every optimizer of
+    the trainer has stepped, or when ``training_step`` returns (an iteration in which some
+    optimizer did not step). That holds for optimizers stepped one after the other
+    (``step(o1); step(o2)``) and for a GAN's ``manual_backward(loss_d); opt_d.step();
+    manual_backward(loss_g); opt_g.step()``: every loss of an iteration is scaled with the same
+    scale, every optimizer's overflow counts in the one update. Lightning's plugin updates
+    after each step instead: two updates per GAN iteration (the second loss is scaled with a
+    scale already updated after the first step), and with ``step(o1); step(o2)`` a second
+    optimizer's clip or unscale of the same iteration was thrown away, or its grads unscaled
+    with a scale they were not made with. An optimizer that steps twice in one
+    ``training_step`` (a critic stepped several times): each of its steps unscales with the
+    iteration's scale, and each step's overflow counts in the iteration's update. A
+    ``manual_backward`` outside ``training_step`` (in another hook) first runs an update left
+    pending; so does writing a checkpoint. Skips are torch's, per optimizer step: each skips
+    when its own grads overflowed; the scale backs off when any did.
+
+    A disabled scaler (``Scaler(enabled=False)``, or what ``"cuda"`` gives on a machine
+    without CUDA, as torch's ``GradScaler`` does): training runs as Lightning's plugin runs it
+    with a disabled ``GradScaler`` (autocast, no scaling, no skips, no metrics logged), and
+    clipping clips the grads as they are, for amp-aware optimizers too (as with bf16).
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + loss scaling) or ``"bf16-mixed"``.
@@ -153,19 +169,23 @@ class MixedPrecision(_LightningMixedPrecision):
         self.last_grad_norm: Tensor | None = None
         # set while Lightning runs the clipping hooks after a backward that was skipped
         self._backward_skipped = False
+        # > 0 while a training_step runs: the iteration's update waits for its end
+        self._in_training_step = 0
 
     @property
     def skipped_steps(self) -> Tensor | int:
-        """Iterations skipped so far for overflow (a device tensor, no sync; 0 without a scaler)."""
-        return 0 if self.scaler is None else self.scaler.skipped_steps
+        """Iterations skipped so far for overflow (a device tensor, no sync; 0 without a scaler or with a disabled one)."""
+        return self.scaler.skipped_steps if enabled(self.scaler) else 0
 
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        if self.scaler is None:
+        if not enabled(self.scaler):
+            # bf16, or a disabled scaler: Lightning's own path (a disabled scaler's unscale_,
+            # step and update are torch's no-ops; only clip_gradients below is this plugin's)
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         if isinstance(optimizer, LBFGS):
             raise MisconfigurationException("AMP and the LBFGS optimizer are not compatible.")
         if self._stage(optimizer) is OptState.STEPPED:
-            self.scaler.update()  # stepped already since the last update: a new iteration
+            step_again(self.scaler, optimizer)  # a second step since the last update: see the class doc
         closure_result = closure()
         # automatic optimization with a training_step that returned None: no backward ran
         skip = closure_result is None and model.automatic_optimization
@@ -191,9 +211,26 @@ class MixedPrecision(_LightningMixedPrecision):
             self._log(model)
         return step_output
 
-    def pre_backward(self, tensor: Tensor, module) -> Tensor:
-        # an update left pending (an optimizer that did not step) runs before a loss is scaled
+    @contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        # One training_step is one iteration: its update runs when it returns, if some optimizer
+        # stepped and not all did (torch's loop: step the ones that step, then update). An update
+        # still pending at its start comes from steps taken outside it (in another hook).
         update_if_pending(self.scaler)
+        self._in_training_step += 1
+        try:
+            with super().train_step_context():
+                yield
+        finally:
+            self._in_training_step -= 1
+        update_if_pending(self.scaler)
+
+    def pre_backward(self, tensor: Tensor, module) -> Tensor:
+        if not self._in_training_step:
+            # a backward outside training_step (automatic optimization's, or one in another hook):
+            # an update left pending runs before its loss is scaled. Inside one, a pending update
+            # waits for the iteration's end: a GAN's second backward belongs to the same iteration.
+            update_if_pending(self.scaler)
         return super().pre_backward(tensor, module)
 
     def state_dict(self) -> dict[str, Any]:
@@ -213,8 +250,8 @@ class MixedPrecision(_LightningMixedPrecision):
             # state (and the step) are keyed by the optimizer inside it
             optimizer = optimizer.optimizer
         algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
-        if self.scaler is None:
-            # bf16: nothing is scaled, so torch's clipping is right for every optimizer
+        if not enabled(self.scaler):
+            # bf16 or a disabled scaler: nothing is scaled, so torch's clipping is right for every optimizer
             super(_LightningMixedPrecision, self).clip_gradients(optimizer, clip_val, algorithm)
             return
         if algorithm is GradClipAlgorithmType.NORM:

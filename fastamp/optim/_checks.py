@@ -79,6 +79,14 @@ def check_lowbit_options(opt_name: str, group: dict[str, Any], where: str) -> No
 
 
 FP32_MAX = 3.4028234663852886e38
+# fp64 values from here on round to fp32 inf: halfway between FP32_MAX and 2**128, where
+# round-to-nearest-even goes up (FP32_MAX's last mantissa bit is odd)
+FP32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+def fits_fp32(x: float) -> bool:
+    """Whether an fp64 value rounds to a finite fp32, as the step scalars' ``.float()`` rounds it (NaN: False)."""
+    return abs(x) < FP32_OVERFLOW
 
 
 def at(message: str, where: str) -> str:
@@ -105,19 +113,76 @@ def check_hyper(opt_name: str, name: str, value: Any, where: str, invalid: str, 
     return v
 
 
-def validate_lr(opt_name: str, lr: Any, check_value: bool, where: str = "the defaults") -> None:
-    """torch.optim's lr checks and messages, plus finiteness; a tensor lr's value is checked only when asked (it syncs)."""
+def validate_lr(opt_name: str, lr: Any, check_value: bool, where: str = "the defaults") -> float | None:
+    """torch.optim's lr checks and messages, plus finiteness; returns the value checked.
+
+    A tensor lr's value is read when ``check_value`` (construction, ``add_param_group``,
+    ``load_state_dict``: off the hot path) and, on the CPU, at every step too (reading a CPU
+    tensor waits for no device). A device tensor's value is not read at a step, where it would
+    be a host sync per step: returns None then.
+    """
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not lr.is_floating_point():
             raise TypeError(f"{opt_name}: a Tensor lr must be floating point, got {lr.dtype}")
-        if check_value:
-            v = float(lr)
-            if not 0.0 <= v <= FP32_MAX:
-                raise ValueError(at(f"Invalid learning rate: {lr}", where))
-        return
-    check_hyper(opt_name, "lr", lr, where, "Invalid learning rate")
+        if not (check_value or lr.device.type == "cpu"):
+            return None
+        v = float(lr)
+        if not 0.0 <= v <= FP32_MAX:
+            raise ValueError(at(f"Invalid learning rate: {lr}", where))
+        return v
+    return check_hyper(opt_name, "lr", lr, where, "Invalid learning rate")
+
+
+def check_adamw_step_scalars(opt_name: str, lr: float, beta1: float, weight_decay: float, where: str) -> None:
+    """Refuse an lr whose fp32 step scalars overflow, before a step writes inf into the params.
+
+    :func:`fastamp.reference.adamw_step_scalars` rounds ``lr / (1 - beta1**count)`` and
+    ``1 - lr * weight_decay`` (fp64) to fp32 at every step. torch.optim.AdamW fails there with
+    "value cannot be converted to type float without overflow" after its weight decay has
+    already changed the params, and its fused kernel writes inf. The step size is largest at a
+    count of 1 (the smallest bias correction), which any param of the group can reach (a new
+    param, a reset state, a first step skipped on overflow), so it is checked there: the
+    refusal does not depend on how far training is. The other scalars cannot overflow:
+    ``sqrt(1 - beta2**count)`` lies in [0, 1] and the grad multiplier comes from the scaler.
+    """
+    bias_correction = 1.0 - beta1
+    step_size = lr / bias_correction
+    if not fits_fp32(step_size):
+        raise ValueError(
+            at(
+                f"{opt_name}: lr {lr!r} is too large for betas[0] {beta1!r}: a first step's step size "
+                f"lr / (1 - beta1) = {step_size:.6g} overflows float32 (max {FP32_MAX:.6g}; torch: 'value cannot be "
+                f"converted to type float without overflow') and would write inf into the params; lr must be at "
+                f"most about {bias_correction * FP32_MAX:.6g}",
+                where,
+            )
+        )
+    decay = 1.0 - lr * weight_decay
+    if not fits_fp32(decay):
+        raise ValueError(
+            at(
+                f"{opt_name}: lr {lr!r} and weight_decay {weight_decay!r} are too large together: the decay factor "
+                f"1 - lr * weight_decay = {decay:.6g} overflows float32 (max {FP32_MAX:.6g}; torch: 'value cannot be "
+                "converted to type float without overflow') and would write inf into the params",
+                where,
+            )
+        )
+
+
+def float_lr_in_range(lr: Any, beta1: Any = None, weight_decay: Any = None) -> bool:
+    """Whether a float lr passes ``validate_lr`` (and, given ``beta1``, ``check_adamw_step_scalars``).
+
+    Plain arithmetic and comparisons, for the compiled step: when dynamo makes a float lr a
+    graph input (an unspecialised float) instead of a constant, a changed lr no longer
+    retraces, so the trace-time validation would not see it; traced, this expression becomes
+    a guard on the lr, and an lr set out of range retraces, where the validation refuses it.
+    """
+    ok = 0.0 <= lr <= FP32_MAX
+    if ok and beta1 is not None:
+        ok = abs(lr / (1.0 - beta1)) < FP32_OVERFLOW and abs(1.0 - lr * weight_decay) < FP32_OVERFLOW
+    return ok
 
 
 def check_backend_arg(opt_name: str, backend: Any) -> Any:

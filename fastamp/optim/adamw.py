@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Union
 
 import torch
@@ -22,13 +23,19 @@ def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = F
     """torch.optim.Adam's checks and messages, applied to every group (torch checks only the defaults).
 
     Stricter than torch where torch lets a value through that would silently wreck the
-    run: inf ``lr``/``eps``/``weight_decay`` (and values beyond fp32's range). Tensor betas
-    are read here (a host read, a sync for device tensors), as at every step.
+    run: inf ``lr``/``eps``/``weight_decay`` (and values beyond fp32's range), and an lr whose
+    step scalars overflow fp32 (:func:`~fastamp.optim._checks.check_adamw_step_scalars`; a
+    device tensor lr is checked only where its value is read, see ``validate_lr``). Tensor
+    betas are read here (a host read, a sync for device tensors), as at every step.
     """
-    _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
+    lr = _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
     _checks.check_hyper(_NAME, "eps", group["eps"], where, "Invalid epsilon value")
-    _betas(group["betas"], where)
-    _checks.check_hyper(_NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value")
+    beta1, _ = _betas(group["betas"], where)
+    weight_decay = _checks.check_hyper(
+        _NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value"
+    )
+    if lr is not None:
+        _checks.check_adamw_step_scalars(_NAME, lr, beta1, weight_decay, where)
     for flag in ("amsgrad", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
@@ -106,6 +113,13 @@ class AdamW(FusedOptimizer):
         params (iterable): params or dicts defining param groups (as in torch.optim).
         lr (float or Tensor, optional): learning rate (default: 1e-3). A 1-element tensor
             lr may live on any device; it is copied to each param device without blocking.
+            Refused (ValueError, nothing changed) when a step scalar would overflow fp32: the
+            first step's step size ``lr / (1 - beta1)`` or the decay ``1 - lr * weight_decay``
+            (torch fails there mid-step). A tensor lr's value is read for that at
+            construction, ``add_param_group`` and ``load_state_dict``, and at every eager step
+            when it lives on the CPU; a device tensor's value is not read at steps (a host sync
+            per step), nor is any tensor lr's inside a compiled step: a value written there
+            later that overflows writes inf into the params, as torch's fused AdamW does.
         betas (Tuple[float, float] or Tuple[Tensor, Tensor], optional): coefficients of the
             running averages of the gradient and its square (default: (0.9, 0.999)), each in
             [0, 1). As in torch, both numbers or both 1-element tensors; tensor betas are kept
@@ -355,6 +369,9 @@ class AdamW(FusedOptimizer):
     ) -> Tensor:
         lr = group["lr"]
         beta1, beta2 = group["betas"]
+        if not isinstance(lr, Tensor) and not _checks.float_lr_in_range(lr, beta1, group["weight_decay"]):
+            # a guard for dynamo (see float_lr_in_range): _init_group refused such an lr already
+            raise AssertionError(f"{_NAME}: an lr out of range reached the compiled step: {lr}")
         return _traced.adamw_step_scalars(
             step, found_inf, grad_scale, _traced.lr_tensor(lr), float(beta1), float(beta2), float(group["weight_decay"])
         )
@@ -407,7 +424,7 @@ class AdamW(FusedOptimizer):
             state_dict,
             opt_name=_NAME,
             required_group_keys=("lr", "betas", "eps", "weight_decay"),
-            validate_group=_validate_group,
+            validate_group=functools.partial(_validate_group, check_tensor_lr=True),  # off the hot path
             required_state_keys=required_state_keys,
             fp32_state_keys=_FP32_STATE,
             group_defaults=lambda g: {

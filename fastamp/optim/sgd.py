@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Union
 
 import torch
@@ -23,7 +24,10 @@ def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = F
     Stricter than torch where torch lets a value through that would silently wreck the
     run: NaN ``momentum``/``weight_decay`` (torch tests ``value < 0``, which NaN passes),
     inf anywhere (and values beyond fp32's range), and a NaN, inf or negative
-    ``dampening`` (torch does not check it).
+    ``dampening`` (torch does not check it). Every value accepted here keeps the step
+    finite in its scalars: ``sgd_step_scalars`` rounds the lr (at most FP32_MAX) to fp32, and
+    momentum, ``1 - dampening`` and weight_decay are fp32-finite too (AdamW's bias-corrected
+    step size is what can overflow, see ``check_adamw_step_scalars``).
     """
     _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
     _checks.check_hyper(_NAME, "momentum", group["momentum"], where, "Invalid momentum value")
@@ -197,6 +201,9 @@ class SGD(FusedOptimizer):
         self, group: dict[str, Any], step: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
     ) -> Tensor:
         lr = group["lr"]
+        if not isinstance(lr, Tensor) and not _checks.float_lr_in_range(lr):
+            # a guard for dynamo (see float_lr_in_range): _init_group refused such an lr already
+            raise AssertionError(f"{_NAME}: an lr out of range reached the compiled step: {lr}")
         if step is None:
             step = torch.zeros((), dtype=torch.float32, device=dev)
         return _traced.sgd_step_scalars(step, grad_scale, _traced.lr_tensor(lr))
@@ -245,7 +252,7 @@ class SGD(FusedOptimizer):
             state_dict,
             opt_name=_NAME,
             required_group_keys=("lr", "momentum", "dampening", "weight_decay", "nesterov"),
-            validate_group=_validate_group,
+            validate_group=functools.partial(_validate_group, check_tensor_lr=True),  # off the hot path
             required_state_keys=lambda g: (),
             fp32_state_keys=("momentum_buffer", "master_param"),
             group_defaults=lambda g: {

@@ -163,3 +163,127 @@ def two_optimizer_loop(
         for opt in opts:
             opt.zero_grad(set_to_none=True)
     return nets, scales, skipped
+
+
+# ---------------------------------------------------------------- a GAN: backward, step, backward, step
+# The loop of torch's DCGAN example, scaled as torch's amp recipe scales a loop with several
+# optimizers: each loss scaled and its optimizer stepped in turn, one update per iteration.
+# G: Linear(8, 8), D: Linear(8, 1). The G loss backpropagates through D (D's grads from it are
+# zeroed before D's next backward, as in the example).
+
+GAN_STEPS = 12
+GAN_OVERFLOW_AT = {2: "D", 5: "G", 8: "D", 9: "G"}  # iteration -> the net whose (scaled) grad gets an inf
+# "every": both optimizers step every iteration; "G every 2nd": D steps every iteration, G every
+# other one (a critic trained more often), so some iterations end with one optimizer not stepped
+GAN_PATTERNS = {"every": 1, "G every 2nd": 2}
+GAN_OPTIMIZERS = ("fastamp.SGD", "torch.AdamW(fused)", "torch.SGD")
+
+
+def gan_nets() -> tuple:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+
+def gan_batches(n: int = GAN_STEPS) -> list:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(4, 8, generator=g) for _ in range(n)]
+
+
+def gan_loss_d(G, D, x):
+    real, fake = D(x).float(), D(G(x).detach()).float()
+    return torch.nn.functional.mse_loss(real, torch.ones_like(real)) + torch.nn.functional.mse_loss(
+        fake, torch.zeros_like(fake)
+    )
+
+
+def gan_loss_g(G, D, x):
+    fake = D(G(x)).float()
+    return torch.nn.functional.mse_loss(fake, torch.ones_like(fake))
+
+
+def gan_inject(G, D, i, net) -> None:
+    """After ``net``'s backward of iteration ``i``: an inf in its grad where GAN_OVERFLOW_AT says so."""
+    if GAN_OVERFLOW_AT.get(i) == net:
+        (G if net == "G" else D).weight.grad.view(-1)[3] = float("inf")
+
+
+def gan_steps_g(i: int, every: int) -> bool:
+    return i % every == every - 1
+
+
+def gan_loop(optimizer, every, scaler, batches=None, update_after_each_step=False):
+    """torch's hand-written loop with ``scaler`` (torch.amp.GradScaler): backward(lossD), step(optD),
+    backward(lossG), step(optG) (every ``every`` iterations), update(). Returns the nets, the scale
+    each loss was scaled with, and the scale after every iteration. ``update_after_each_step``: an
+    update after each step instead (what Lightning's and Accelerate's own GradScaler paths do)."""
+    G, D = gan_nets()
+    opt_g, opt_d = TWO_OPTIMIZERS[optimizer](G.parameters()), TWO_OPTIMIZERS[optimizer](D.parameters())
+    scaled_with, scales = [], []
+
+    def backward(loss_fn, net, i, x):
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = loss_fn(G, D, x)
+        scaled_with.append(scaler.get_scale())
+        scaler.scale(loss).backward()
+        gan_inject(G, D, i, net)
+
+    for i, x in enumerate(gan_batches() if batches is None else batches):
+        opt_d.zero_grad()
+        backward(gan_loss_d, "D", i, x)
+        scaler.step(opt_d)
+        if update_after_each_step:
+            scaler.update()
+        if gan_steps_g(i, every):
+            opt_g.zero_grad()
+            backward(gan_loss_g, "G", i, x)
+            scaler.step(opt_g)
+            if update_after_each_step:
+                scaler.update()
+        if not update_after_each_step:
+            scaler.update()
+        scales.append(scaler.get_scale())
+    return (G, D), scaled_with, scales
+
+
+def assert_scales_move_both_ways(scales) -> None:
+    moves = {b / a for a, b in zip([2.0**16] + scales, scales)}
+    assert {0.5, 2.0} <= moves, moves  # backoffs at the overflows, growth in between
+
+
+def critic_twice_loop(optimizer="torch.SGD"):
+    """D stepped twice per iteration (on the two halves of the batch, a backward each), then G once, all
+    losses scaled with the iteration's one scale, written out without a GradScaler: grads unscaled by hand
+    (by a power of two: exact), a step skipped where its grads are not finite, and torch's update rule once
+    per iteration (backoff 0.5 on any overflow, growth 2 after 2 clean iterations). torch's loop cannot
+    step an optimizer twice between updates; this is what one update per iteration means then. Returns
+    the nets, the scale each loss was scaled with, the scale after every iteration, the skipped iterations."""
+    G, D = gan_nets()
+    opt_g, opt_d = TWO_OPTIMIZERS[optimizer](G.parameters()), TWO_OPTIMIZERS[optimizer](D.parameters())
+    scale, tracker, scaled_with, scales, skips = 2.0**16, 0, [], [], 0
+
+    def backward_and_step(loss_fn, x, net, opt, i):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16, cache_enabled=False):
+            loss = loss_fn(G, D, x)
+        scaled_with.append(scale)
+        (loss * torch.tensor(scale)).backward()
+        gan_inject(G, D, i, net)
+        grads = [p.grad for group in opt.param_groups for p in group["params"]]
+        for g in grads:
+            g.mul_(1.0 / scale)
+        finite = all(bool(torch.isfinite(g).all()) for g in grads)
+        if finite:
+            opt.step()
+        return not finite
+
+    for i, x in enumerate(gan_batches()):
+        found = [backward_and_step(gan_loss_d, half, "D", opt_d, i) for half in (x[:2], x[2:])]
+        found.append(backward_and_step(gan_loss_g, x, "G", opt_g, i))
+        if any(found):
+            scale, tracker, skips = scale * 0.5, 0, skips + 1
+        else:
+            tracker += 1
+            if tracker == 2:
+                scale, tracker = scale * 2.0, 0
+        scales.append(scale)
+    return (G, D), scaled_with, scales, skips

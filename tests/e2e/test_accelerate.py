@@ -7,6 +7,7 @@ grows. References: the same training written by hand with ``fastamp.Scaler`` (bi
 and Accelerate with torch's ``GradScaler`` set up as Accelerate sets it up on a GPU.
 """
 
+import contextlib
 import warnings
 
 import pytest
@@ -16,13 +17,25 @@ pytest.importorskip("accelerate", reason="Accelerate is not installed (requireme
 
 from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.utils import GradScalerKwargs  # noqa: E402
 from e2e._frameworks import (  # noqa: E402
+    GAN_OPTIMIZERS,
+    GAN_PATTERNS,
     OPTIMIZERS,
     PATTERNS,
     TWO_OPTIMIZERS,
     HostReadGuard,
     assert_equal_lists,
     assert_equal_optimizer_states,
+    assert_scales_move_both_ways,
+    critic_twice_loop,
+    gan_batches,
+    gan_inject,
+    gan_loop,
+    gan_loss_d,
+    gan_loss_g,
+    gan_nets,
+    gan_steps_g,
     inject_inf,
     inject_inf_into,
     mlp,
@@ -61,17 +74,33 @@ def _batches():
     return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)) for _ in range(MICRO_BATCHES)]
 
 
-def _accelerator(precision="fp16", scaler="fastamp"):
+def _accelerator(precision="fp16", scaler="fastamp", accumulate=ACCUMULATE, growth_interval=GROWTH_INTERVAL):
+    """``scaler``: "fastamp" (use_fastamp_scaler), "torch" (Accelerate's GPU setup, see below), None (Accelerate
+    alone), or the disabled settings: "fastamp, GradScalerKwargs(enabled=False)", "fastamp, Scaler('cuda')"
+    (disabled on a machine without CUDA), and torch's GradScaler in the same two settings."""
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
-    accelerator = Accelerator(mixed_precision=precision, cpu=True, gradient_accumulation_steps=ACCUMULATE)
+    handlers = [GradScalerKwargs(enabled=False)] if scaler and "enabled=False" in scaler else []
+    accelerator = Accelerator(
+        mixed_precision=precision, cpu=True, gradient_accumulation_steps=accumulate, kwargs_handlers=handlers
+    )
     if scaler == "fastamp":
-        use_fastamp_scaler(accelerator, growth_interval=GROWTH_INTERVAL)
+        use_fastamp_scaler(accelerator, growth_interval=growth_interval)
     elif scaler == "torch":
         # What Accelerate builds for fp16 on a GPU (native_amp: autocast in the prepared
         # forward; torch's GradScaler); on CPU it builds neither.
         accelerator.native_amp = True
-        accelerator.scaler = torch.amp.GradScaler("cpu", growth_interval=GROWTH_INTERVAL)
+        accelerator.scaler = torch.amp.GradScaler("cpu", growth_interval=growth_interval)
+    elif scaler == "fastamp, GradScalerKwargs(enabled=False)":
+        use_fastamp_scaler(accelerator)
+    elif scaler == "fastamp, Scaler('cuda')":
+        use_fastamp_scaler(accelerator, fastamp.Scaler("cuda"))
+    elif scaler == "torch, GradScalerKwargs(enabled=False)":
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", **accelerator.scaler_handler.to_kwargs())
+    elif scaler == "torch, GradScaler('cuda')":
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cuda")
     return accelerator
 
 
@@ -107,7 +136,8 @@ class _Run:
                     self.scheduler.step()
                 self.opt.zero_grad()
                 if acc.sync_gradients and acc.scaler is not None:
-                    self.scales.append(acc.scaler._get_scale_async().clone())
+                    if acc.scaler.is_enabled():
+                        self.scales.append(acc.scaler._get_scale_async().clone())
                     self.skipped.append(self.opt.step_was_skipped)
         return self
 
@@ -492,3 +522,130 @@ def test_refusals_and_why_the_helper_switches_fp16_on_on_cpu():
         use_fastamp_scaler(_accelerator("fp16", scaler=None), torch.amp.GradScaler("cpu"))
     with pytest.raises(TypeError, match="expected an accelerate.Accelerator"):
         use_fastamp_scaler(object())
+
+
+# ---- a GAN: backward, step, backward, step --------------------------------------------------
+
+GAN_LOOPS = ("prepared dataloader", "accumulate block", "neither")
+
+
+def _gan_run(optimizer, every, loop, scaler="fastamp"):
+    """The GAN iteration of e2e._frameworks with two prepared models and optimizers, no accumulation; the batches
+    from a prepared dataloader, or inside ``accelerator.accumulate(G, D)``, or neither."""
+    accelerator = _accelerator(scaler=scaler, accumulate=1, growth_interval=2)
+    G, D = gan_nets()
+    make = TWO_OPTIMIZERS[optimizer]
+    G, D, opt_g, opt_d = accelerator.prepare(G, D, make(G.parameters()), make(D.parameters()))
+    batches = gan_batches()
+    if loop == "prepared dataloader":
+        batches = accelerator.prepare(torch.utils.data.DataLoader(batches, batch_size=None))
+    scaled_with, scales = [], []
+
+    def backward(loss, net, i):
+        accelerator.backward(loss)
+        scaled_with.append(accelerator.scaler.get_scale())  # the scale the loss was scaled with
+        gan_inject(G, D, i, net)
+
+    for i, x in enumerate(batches):
+        with accelerator.accumulate(G, D) if loop == "accumulate block" else contextlib.nullcontext():
+            opt_d.zero_grad()
+            backward(gan_loss_d(G, D, x), "D", i)
+            opt_d.step()
+            if gan_steps_g(i, every):
+                opt_g.zero_grad()
+                backward(gan_loss_g(G, D, x), "G", i)
+                opt_g.step()
+        scales.append(accelerator.scaler.get_scale())
+    return (G, D), scaled_with, scales, accelerator
+
+
+@pytest.mark.parametrize("loop", GAN_LOOPS)
+@pytest.mark.parametrize("pattern", list(GAN_PATTERNS))
+@pytest.mark.parametrize("optimizer", GAN_OPTIMIZERS)
+def test_a_gans_backward_step_backward_step_gets_one_update_per_iteration_as_torchs_loop(optimizer, pattern, loop):
+    """backward(loss_d), opt_d.step(), backward(loss_g), opt_g.step() per iteration, 12 iterations, injected
+    overflows in D's and in G's grads, growth every 2 clean iterations.
+
+    Iterating a prepared dataloader or inside ``accelerator.accumulate(...)``: one update per iteration, as
+    torch's hand-written loop with torch.amp.GradScaler: the scale every loss was scaled with, the scale after
+    every iteration and both nets' params bit-identical ("G every 2nd": iterations where only D steps are
+    closed by the next batch / the block's end). Neither: no iteration end to wait for, so a pending update
+    runs at the next backward: an update after each step, which is what Accelerate does with torch's
+    GradScaler (bit for bit, also shown here). (Before the fix every loop gave the latter.)
+    """
+    every = GAN_PATTERNS[pattern]
+    nets, scaled_with, scales, accelerator = _gan_run(optimizer, every, loop)
+    torch_loop = gan_loop(optimizer, every, torch.amp.GradScaler("cpu", growth_interval=2))
+    each_step = gan_loop(optimizer, every, torch.amp.GradScaler("cpu", growth_interval=2), update_after_each_step=True)
+    theirs = _gan_run(optimizer, every, loop, scaler="torch")
+    assert theirs[1] == each_step[1] != torch_loop[1]  # Accelerate's own: an update after each step
+    ref = torch_loop if loop != "neither" else each_step
+    assert scaled_with == ref[1]
+    if loop == "accumulate block":
+        assert scales == ref[2]  # the update runs as the block ends
+    elif loop == "prepared dataloader":
+        # the update runs as the next batch is fetched (where only D stepped) or the loop ends
+        assert scales[-1] == ref[2][-1]
+    assert_scales_move_both_ways(torch_loop[2])
+    for net, ref_net in zip(nets, ref[0]):
+        assert_equal_lists(params(net), params(ref_net))
+    if loop != "neither":
+        backoffs = sum(b / a == 0.5 for a, b in zip([2.0**16] + torch_loop[2], torch_loop[2]))
+        assert int(accelerator.scaler.skipped_steps) == backoffs >= 4
+
+
+@pytest.mark.parametrize("optimizer", ["fastamp.AdamW", "torch.AdamW(fused)", "torch.SGD"])
+@pytest.mark.parametrize("setting", ["GradScalerKwargs(enabled=False)", "Scaler('cuda') without CUDA"])
+def test_a_disabled_scaler_runs_accelerates_paths_as_with_a_disabled_gradscaler(setting, optimizer):
+    """A disabled fastamp scaler (``GradScalerKwargs(enabled=False)``, or a "cuda" scaler on a machine without
+    CUDA) == Accelerate with a disabled torch GradScaler: fp16 autocast, no scaling, nothing skipped (the
+    prepared LR scheduler steps every time), accelerator.clip_grad_norm_ (torch's clip), accumulation, bit for
+    bit: losses and params."""
+    if setting.endswith("without CUDA") and torch.cuda.is_available():
+        pytest.skip("a machine without CUDA is the setting")
+    ours_scaler, theirs_scaler = {
+        "GradScalerKwargs(enabled=False)": ("fastamp, GradScalerKwargs(enabled=False)",
+                                            "torch, GradScalerKwargs(enabled=False)"),
+        "Scaler('cuda') without CUDA": ("fastamp, Scaler('cuda')", "torch, GradScaler('cuda')"),
+    }[setting]  # fmt: skip
+    ours = _Run(optimizer, scaler=ours_scaler, overflow_at=(), lr=True).train()
+    theirs = _Run(optimizer, scaler=theirs_scaler, overflow_at=(), lr=True).train()
+    assert isinstance(ours.accelerator.scaler, fastamp.Scaler) and not ours.accelerator.scaler.is_enabled()
+    assert not theirs.accelerator.scaler.is_enabled()
+    assert torch.equal(torch.stack(ours.losses), torch.stack(theirs.losses))
+    assert_equal_lists(params(ours.model), params(theirs.model))
+    steps = MICRO_BATCHES // ACCUMULATE
+    assert ours.skipped == theirs.skipped == [False] * steps
+    assert ours.scheduler.scheduler.last_epoch == theirs.scheduler.scheduler.last_epoch == steps
+    assert ours.opt.step_was_skipped_tensor is False
+
+
+def test_an_optimizer_stepped_twice_in_one_iteration_unscales_with_the_scale_its_grads_were_made_with():
+    """A critic stepped twice per batch of a prepared dataloader (a backward each), then G: every loss of the
+    iteration is scaled with one scale, D's second step unscales with it too, and the iteration's one update
+    (at the next batch) counts every step's overflow: e2e._frameworks.critic_twice_loop, bit for bit."""
+    accelerator = _accelerator(accumulate=1, growth_interval=2)
+    G, D = gan_nets()
+    make = TWO_OPTIMIZERS["torch.SGD"]
+    G, D, opt_g, opt_d = accelerator.prepare(G, D, make(G.parameters()), make(D.parameters()))
+    loader = accelerator.prepare(torch.utils.data.DataLoader(gan_batches(), batch_size=None))
+    scaled_with = []
+
+    def backward_and_step(loss, net, opt, i):
+        opt.zero_grad()
+        accelerator.backward(loss)
+        scaled_with.append(accelerator.scaler.get_scale())
+        gan_inject(G, D, i, net)
+        opt.step()
+
+    for i, x in enumerate(loader):
+        for half in (x[:2], x[2:]):
+            backward_and_step(gan_loss_d(G, D, half), "D", opt_d, i)
+        backward_and_step(gan_loss_g(G, D, x), "G", opt_g, i)
+    nets, ref_scaled_with, ref_scales, skips = critic_twice_loop()
+    assert scaled_with == ref_scaled_with
+    assert accelerator.scaler.get_scale() == ref_scales[-1]
+    assert int(accelerator.scaler.skipped_steps) == skips >= 4
+    assert_scales_move_both_ways(ref_scales)
+    for net, ref in zip((G, D), nets):
+        assert_equal_lists(params(net), params(ref))

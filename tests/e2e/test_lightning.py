@@ -17,12 +17,23 @@ import torch
 L = pytest.importorskip("lightning", reason="Lightning is not installed (requirements-dev.txt pins it)")
 
 from e2e._frameworks import (  # noqa: E402
+    GAN_OPTIMIZERS,
+    GAN_PATTERNS,
     OPTIMIZERS,
     PATTERNS,
     TWO_OPTIMIZERS,
     HostReadGuard,
     assert_equal_lists,
     assert_equal_optimizer_states,
+    assert_scales_move_both_ways,
+    critic_twice_loop,
+    gan_batches,
+    gan_inject,
+    gan_loop,
+    gan_loss_d,
+    gan_loss_g,
+    gan_nets,
+    gan_steps_g,
     inject_inf,
     inject_inf_into,
     mlp,
@@ -88,7 +99,7 @@ class _Record(L.Callback):
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         scaler = trainer.precision_plugin.scaler
-        if scaler is None or (batch_idx + 1) % trainer.accumulate_grad_batches:
+        if scaler is None or not scaler.is_enabled() or (batch_idx + 1) % trainer.accumulate_grad_batches:
             return
         self.scales.append(scaler._get_scale_async().clone())
         if isinstance(scaler, fastamp.Scaler):
@@ -115,11 +126,19 @@ def _fit(module, plugin, clip=0.5, algorithm="norm", epochs=1, ckpt_path=None, a
     return trainer, record
 
 
-def _by_hand(optimizer: str, clip=0.5, algorithm="norm", precision="16-mixed", overflow_at=OVERFLOW_AT, accumulate=1):
+def _by_hand(
+    optimizer: str,
+    clip=0.5,
+    algorithm="norm",
+    precision="16-mixed",
+    overflow_at=OVERFLOW_AT,
+    accumulate=1,
+    enabled=True,
+):
     """The loop the plugin must run, written out: Lightning's order of calls, fastamp.Scaler."""
     module = _Net(optimizer)
     opt = module.configure_optimizers()
-    scaler = fastamp.Scaler("cpu", growth_interval=GROWTH_INTERVAL, enabled=precision == "16-mixed")
+    scaler = fastamp.Scaler("cpu", growth_interval=GROWTH_INTERVAL, enabled=precision == "16-mixed" and enabled)
     dtype = torch.float16 if precision == "16-mixed" else torch.bfloat16
     losses, scales, skipped = [], [], []
     for batch, (x, y) in enumerate(_loader()):
@@ -329,6 +348,110 @@ def test_an_optimizer_that_does_not_step_defers_the_update_to_the_next_backward(
         assert_equal_lists(params(net), params(ref))
 
 
+class _Gan(L.LightningModule):
+    """Manual optimization, a GAN's iteration: backward(loss_d), opt_d.step(), backward(loss_g), opt_g.step()
+    (G every ``every`` iterations), as Lightning's GAN example writes it."""
+
+    def __init__(self, optimizer: str, every: int, overflows: bool = True):
+        super().__init__()
+        self.G, self.D = gan_nets()
+        self.optimizer, self.every, self.overflows = optimizer, every, overflows
+        self.automatic_optimization = False
+        self.scaled_with = []
+
+    def _backward(self, loss, net, batch_idx):
+        self.manual_backward(loss)
+        # the scale the loss was scaled with (nothing updates it during a backward)
+        self.scaled_with.append(self.trainer.precision_plugin.scaler.get_scale())
+        if self.overflows:
+            gan_inject(self.G, self.D, batch_idx, net)
+
+    def training_step(self, x, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        opt_d.zero_grad()
+        self._backward(gan_loss_d(self.G, self.D, x), "D", batch_idx)
+        opt_d.step()
+        if gan_steps_g(batch_idx, self.every):
+            opt_g.zero_grad()
+            self._backward(gan_loss_g(self.G, self.D, x), "G", batch_idx)
+            opt_g.step()
+
+    def configure_optimizers(self):
+        make = TWO_OPTIMIZERS[self.optimizer]
+        return [make(self.G.parameters()), make(self.D.parameters())]
+
+
+def _gan_loader():
+    return torch.utils.data.DataLoader(gan_batches(), batch_size=None)
+
+
+@pytest.mark.parametrize("pattern", list(GAN_PATTERNS))
+@pytest.mark.parametrize("optimizer", GAN_OPTIMIZERS)
+def test_a_gans_backward_step_backward_step_gets_one_update_per_iteration_as_torchs_loop(optimizer, pattern):
+    """backward(loss_d), opt_d.step(), backward(loss_g), opt_g.step() in one training_step: one scale update
+    per iteration, at its end, as torch's hand-written loop (step(opt_d) ... step(opt_g); update()) with
+    torch.amp.GradScaler: the scale every loss was scaled with, the scale after every iteration and both nets'
+    params bit-identical over 12 iterations with injected overflows in D's and in G's grads (skips and
+    backoffs) and growth every 2 clean iterations. "G every 2nd": iterations where only D steps end with the
+    update too. Lightning's own plugin (torch's GradScaler) updates after each step instead: two updates per
+    GAN iteration, exactly the hand-written loop with an update after each step. (Before the fix the plugin
+    updated at the second backward: Lightning's sequence, not torch's.)
+    """
+    every = GAN_PATTERNS[pattern]
+    module = _Gan(optimizer, every)
+    plugin = MixedPrecision("16-mixed", "cpu", growth_interval=2, log_metrics=False)
+    _, record = _fit(module, plugin, clip=None, loader=_gan_loader())
+    nets, scaled_with, scales = gan_loop(optimizer, every, torch.amp.GradScaler("cpu", growth_interval=2))
+    assert module.scaled_with == scaled_with
+    assert [float(s) for s in record.scales] == scales
+    assert_scales_move_both_ways(scales)
+    # every backoff is an iteration with an overflow (the 4 injected ones and natural ones at a grown scale)
+    backoffs = sum(b / a == 0.5 for a, b in zip([2.0**16] + scales, scales))
+    assert int(plugin.skipped_steps) == backoffs >= 4
+    for net, ref in zip((module.G, module.D), nets):
+        assert_equal_lists(params(net), params(ref))
+
+    theirs = _Gan(optimizer, every)
+    _fit(theirs, LightningMixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", growth_interval=2)), clip=None,
+         loader=_gan_loader())  # fmt: skip
+    each_step = gan_loop(optimizer, every, torch.amp.GradScaler("cpu", growth_interval=2), update_after_each_step=True)
+    assert theirs.scaled_with == each_step[1] != scaled_with
+    for net, ref in zip((theirs.G, theirs.D), each_step[0]):
+        assert_equal_lists(params(net), params(ref))
+
+
+class _CriticTwice(_Gan):
+    """D steps twice per training_step (two backwards), G once: D's second step has no update before it."""
+
+    def training_step(self, x, batch_idx):
+        opt_g, opt_d = self.optimizers()
+        for half in (x[:2], x[2:]):
+            opt_d.zero_grad()
+            self._backward(gan_loss_d(self.G, self.D, half), "D", batch_idx)
+            opt_d.step()
+        opt_g.zero_grad()
+        self._backward(gan_loss_g(self.G, self.D, x), "G", batch_idx)
+        opt_g.step()
+
+
+def test_an_optimizer_stepped_twice_in_one_training_step_unscales_with_the_scale_its_grads_were_made_with():
+    """A critic stepped twice per training_step: every loss of the iteration is scaled with one scale, D's
+    second step unscales with it too (no update in between: an update there would have to come before D's
+    second backward, and torch's loop has no place for it), and the iteration's one update counts every
+    step's overflow: e2e._frameworks.critic_twice_loop, bit for bit."""
+    module = _CriticTwice("torch.SGD", 1)
+    plugin = MixedPrecision("16-mixed", "cpu", growth_interval=2, log_metrics=False)
+    _, record = _fit(module, plugin, clip=None, loader=_gan_loader())
+
+    (G, D), scaled_with, scales, skips = critic_twice_loop()
+    assert module.scaled_with == scaled_with
+    assert [float(s) for s in record.scales] == scales
+    assert skips == int(plugin.skipped_steps) >= 4  # the injected overflows, and natural ones
+    assert_scales_move_both_ways(scales)
+    for net, ref in zip((module.G, module.D), (G, D)):
+        assert_equal_lists(params(net), params(ref))
+
+
 @pytest.mark.parametrize("clip", [1e9, 0.5], ids=["clip-never-binds", "clip-binds"])
 def test_matches_lightnings_torch_amp_path(clip):
     """Against Lightning's own MixedPrecision plugin with torch.amp.GradScaler, same torch AdamW.
@@ -359,6 +482,70 @@ def test_matches_lightnings_torch_amp_path(clip):
         # the forward runs in fp16: params that differ by ulps can round an output to the
         # neighbouring fp16 value, so a loss may move by up to one fp16 ulp (relative 2^-10)
         torch.testing.assert_close(got_losses, want_losses, atol=0, rtol=torch.finfo(torch.float16).eps)
+
+
+DISABLED = {
+    # what a user writes, and what Lightning's own plugin gets in the same setting
+    "Scaler(enabled=False)": (
+        lambda: MixedPrecision("16-mixed", "cpu", scaler=fastamp.Scaler("cpu", enabled=False)),
+        lambda: LightningMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False)),
+    ),
+    # torch disables a "cuda" GradScaler on a machine without CUDA (with a warning), and so does fastamp
+    "16-mixed on cuda, no CUDA": (
+        lambda: MixedPrecision("16-mixed", "cuda"),
+        lambda: LightningMixedPrecision("16-mixed", "cuda"),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "optimizer, clip, algorithm",
+    [("torch.SGD", 0.5, "norm"), ("torch.AdamW", 0.02, "value"), ("fastamp.AdamW", None, "norm"),
+     ("torch.AdamW(fused)", None, "norm")],
+)  # fmt: skip
+@pytest.mark.parametrize("setting", list(DISABLED))
+def test_a_disabled_scaler_trains_as_lightnings_plugin_with_a_disabled_gradscaler(setting, optimizer, clip, algorithm):
+    """A disabled scaler: fp16 autocast, no scaling, no skips, as Lightning's plugin with a disabled GradScaler:
+    losses and params bit-identical, clipping included (amp-aware optimizers unclipped: Lightning's plugin
+    refuses to clip them). No metrics logged, skipped_steps 0, an empty checkpoint entry. (Before the fix:
+    AttributeError '_per_optimizer_states' at the first step.)"""
+    if setting.endswith("no CUDA") and torch.cuda.is_available():
+        pytest.skip("a machine without CUDA is the setting")
+    ours, theirs = (make() for make in DISABLED[setting])
+    assert not ours.scaler.is_enabled() and not theirs.scaler.is_enabled()
+    a, b = _Net(optimizer, overflow_at=()), _Net(optimizer, overflow_at=())
+    trainer, _ = _fit(a, ours, clip=clip, algorithm=algorithm)
+    _fit(b, theirs, clip=clip, algorithm=algorithm)
+    assert torch.equal(torch.stack(a.losses), torch.stack(b.losses))
+    assert_equal_lists(params(a), params(b))
+    assert ours.skipped_steps == 0 and not any(k.startswith("fastamp/") for k in trainer.callback_metrics)
+    assert ours.state_dict() == theirs.state_dict() == {}
+
+
+def test_a_disabled_scaler_clips_amp_aware_optimizers_as_they_are():
+    """With nothing scaled, the clip is torch's on the grads as they are, for amp-aware optimizers too
+    (Lightning's plugin refuses those): the hand-written loop with the disabled scaler, bit for bit."""
+    module = _Net("fastamp.AdamW", overflow_at=())
+    _fit(module, MixedPrecision("16-mixed", "cpu", scaler=fastamp.Scaler("cpu", enabled=False)), clip=0.5)
+    ref, *_ = _by_hand("fastamp.AdamW", clip=0.5, overflow_at=(), enabled=False)
+    assert_equal_lists(params(module), params(ref))
+
+
+@pytest.mark.parametrize("pattern", list(GAN_PATTERNS))
+def test_a_gan_with_a_disabled_scaler_trains_as_lightnings_plugin(pattern):
+    """Manual optimization with two optimizers and a disabled scaler: as Lightning's plugin with a disabled
+    GradScaler (no updates to count, nothing pending), bit for bit."""
+    nets = []
+    for plugin in (
+        MixedPrecision("16-mixed", "cpu", scaler=fastamp.Scaler("cpu", enabled=False)),
+        LightningMixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", enabled=False)),
+    ):
+        module = _Gan("fastamp.SGD", GAN_PATTERNS[pattern], overflows=False)
+        _fit(module, plugin, clip=None, loader=_gan_loader())
+        assert module.scaled_with == [1.0] * len(module.scaled_with)
+        nets.append((module.G, module.D))
+    for net, ref in zip(*nets):
+        assert_equal_lists(params(net), params(ref))
 
 
 def test_lightnings_plugin_refuses_what_this_one_does():
