@@ -21,6 +21,7 @@ from fastamp.optim import _traced
 from fastamp.optim._checks import (
     GRAD_DTYPES,
     PARAM_DTYPES,
+    TensorLRChecks,
     _StateValidation,
     check_backend_arg,
     check_grad,
@@ -148,6 +149,13 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         super().__init__(params, defaults)
         self._step_supports_amp_scaling = True
         self._finish_init()
+
+    def _lr_checks(self) -> TensorLRChecks:
+        """Which tensor lrs were checked (made on first use: also after unpickling, which does not keep it)."""
+        checks = self.__dict__.get("_tensor_lr_checks")
+        if checks is None:
+            checks = self._tensor_lr_checks = TensorLRChecks()
+        return checks
 
     def _setup(self, backend: Any) -> None:
         self.backend = check_backend_arg(self._NAME, backend)

@@ -117,22 +117,52 @@ def validate_lr(opt_name: str, lr: Any, check_value: bool, where: str = "the def
     """torch.optim's lr checks and messages, plus finiteness; returns the value checked.
 
     A tensor lr's value is read when ``check_value`` (construction, ``add_param_group``,
-    ``load_state_dict``: off the hot path) and, on the CPU, at every step too (reading a CPU
-    tensor waits for no device). A device tensor's value is not read at a step, where it would
-    be a host sync per step: returns None then.
+    ``load_state_dict``, and the first step that sees a tensor not yet checked, see
+    :class:`TensorLRChecks`); returns None without reading it otherwise: a read at every step
+    would be a host sync per step on a device, and one rule holds on every device.
     """
     if isinstance(lr, Tensor):
         if lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
         if not lr.is_floating_point():
             raise TypeError(f"{opt_name}: a Tensor lr must be floating point, got {lr.dtype}")
-        if not (check_value or lr.device.type == "cpu"):
+        if not check_value:
             return None
         v = float(lr)
         if not 0.0 <= v <= FP32_MAX:
             raise ValueError(at(f"Invalid learning rate: {lr}", where))
         return v
     return check_hyper(opt_name, "lr", lr, where, "Invalid learning rate")
+
+
+class TensorLRChecks:
+    """Which tensor lr each param group's value was last checked for, and with which settings.
+
+    A step reads a tensor lr (one host read; a sync on a device) only when its group holds a
+    tensor other than the one checked last, or when a setting the check depends on changed
+    (AdamW: beta1 and weight_decay): the first step after a scheduler or the user put a new
+    tensor into the group refuses an out-of-range value before anything changes, and the
+    steps after it read nothing. A value written in place into the same tensor (a scheduler's
+    ``fill_``, :class:`fastamp.DeviceLR`) is not read again, as in torch's fused optimizers;
+    its step may then write inf. The tensors are held (not weakly referenced) so that an
+    identity test cannot be fooled by a reused ``id``; groups are keyed by ``id`` and live as
+    long as the optimizer.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[Tensor, tuple]] = {}
+
+    def needs_read(self, group: dict[str, Any], settings: tuple) -> bool:
+        lr = group["lr"]
+        if not isinstance(lr, Tensor):
+            return False
+        seen = self._seen.get(id(group))
+        return seen is None or seen[0] is not lr or seen[1] != settings
+
+    def checked(self, group: dict[str, Any], settings: tuple) -> None:
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            self._seen[id(group)] = (lr, settings)
 
 
 def check_adamw_step_scalars(opt_name: str, lr: float, beta1: float, weight_decay: float, where: str) -> None:

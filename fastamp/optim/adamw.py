@@ -19,14 +19,17 @@ _NAME = "AdamW"
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
-def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
+def _validate_group(
+    group: dict[str, Any], where: str, check_tensor_lr: bool = False, lr_checks: _checks.TensorLRChecks | None = None
+) -> None:
     """torch.optim.Adam's checks and messages, applied to every group (torch checks only the defaults).
 
     Stricter than torch where torch lets a value through that would silently wreck the
     run: inf ``lr``/``eps``/``weight_decay`` (and values beyond fp32's range), and an lr whose
     step scalars overflow fp32 (:func:`~fastamp.optim._checks.check_adamw_step_scalars`; a
-    device tensor lr is checked only where its value is read, see ``validate_lr``). Tensor
-    betas are read here (a host read, a sync for device tensors), as at every step.
+    tensor lr is read where it enters and not at every step, see
+    :class:`~fastamp.optim._checks.TensorLRChecks`). Tensor betas are read here (a host read,
+    a sync for device tensors), as at every step.
     """
     lr = _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
     _checks.check_hyper(_NAME, "eps", group["eps"], where, "Invalid epsilon value")
@@ -34,8 +37,13 @@ def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = F
     weight_decay = _checks.check_hyper(
         _NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value"
     )
+    settings = (beta1, weight_decay)
+    if lr is None and lr_checks is not None and lr_checks.needs_read(group, settings):
+        lr = _checks.validate_lr(_NAME, group["lr"], True, where)
     if lr is not None:
         _checks.check_adamw_step_scalars(_NAME, lr, beta1, weight_decay, where)
+        if lr_checks is not None:
+            lr_checks.checked(group, settings)
     for flag in ("amsgrad", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
@@ -279,7 +287,7 @@ class AdamW(FusedOptimizer):
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
-        _validate_group(group, where, check_tensor_lr)
+        _validate_group(group, where, check_tensor_lr, self._lr_checks())
 
     def _group_setdefaults(self) -> dict[str, Any]:
         return {**super()._group_setdefaults(), "amsgrad": False, "state_dtype": torch.float32}

@@ -18,7 +18,9 @@ __all__ = ["SGD"]
 _NAME = "SGD"
 
 
-def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
+def _validate_group(
+    group: dict[str, Any], where: str, check_tensor_lr: bool = False, lr_checks: _checks.TensorLRChecks | None = None
+) -> None:
     """torch.optim.SGD's checks and messages, applied to every group (torch checks only the defaults).
 
     Stricter than torch where torch lets a value through that would silently wreck the
@@ -29,7 +31,9 @@ def _validate_group(group: dict[str, Any], where: str, check_tensor_lr: bool = F
     momentum, ``1 - dampening`` and weight_decay are fp32-finite too (AdamW's bias-corrected
     step size is what can overflow, see ``check_adamw_step_scalars``).
     """
-    _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
+    read = check_tensor_lr or (lr_checks is not None and lr_checks.needs_read(group, ()))
+    if _checks.validate_lr(_NAME, group["lr"], read, where) is not None and lr_checks is not None:
+        lr_checks.checked(group, ())  # a tensor lr: see TensorLRChecks
     _checks.check_hyper(_NAME, "momentum", group["momentum"], where, "Invalid momentum value")
     _checks.check_hyper(_NAME, "dampening", group["dampening"], where, "Invalid dampening value")
     _checks.check_hyper(_NAME, "weight_decay", group["weight_decay"], where, "Invalid weight_decay value")
@@ -145,7 +149,7 @@ class SGD(FusedOptimizer):
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
-        _validate_group(group, where, check_tensor_lr)
+        _validate_group(group, where, check_tensor_lr, self._lr_checks())
 
     def _group_setdefaults(self) -> dict[str, Any]:
         return {**super()._group_setdefaults(), "nesterov": False}
