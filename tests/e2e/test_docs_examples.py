@@ -202,12 +202,7 @@ def _cases():
             continue
         yield pytest.param(block, not cuda, id=block.id)
         if not cuda and (block.file, block.section, block.index) == AS_WRITTEN_ON_CPU:
-            yield pytest.param(
-                block,
-                False,
-                id=f"{block.id}:as-written",
-                marks=pytest.mark.xfail(strict=False, reason="disabled-scaler defect, issue 20 item 8"),
-            )
+            yield pytest.param(block, False, id=f"{block.id}:as-written")
 
 
 @pytest.mark.slow  # ~30 s in all on 2 cores: a fresh interpreter per example, Lightning, transformers, inductor
