@@ -92,7 +92,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     _COUNT_BEFORE = True
     _STEP_REQUIRED = False  # a non-empty state must hold a ``step`` (AdamW: bias corrections)
     _step_supports_amp_scaling = True
-    _compiled_steps = False  # set by every compiled step (see _forget_compiled_steps)
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
@@ -151,6 +150,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         self._plan: _Plan | None = None
         self._known_steps: dict[int, list[Any]] = {}
         self._step_of: dict[int, Tensor] = {}  # id(param) -> the step tensor it was given
+        self._compiled = {"ran": False}  # see _forget_compiled_steps
         # torch's __init__ adds the groups one by one: check shared memory once at the end
         # (once per group would cost groups x params, e.g. one group per param)
         self._constructing = True
@@ -204,6 +204,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         self._param_versions = {}
         self._known_steps = {}
         self._step_of = {}
+        self._compiled = {"ran": False}
         for group in self.param_groups:
             for k, v in self._group_setdefaults().items():
                 group.setdefault(k, v)
@@ -427,7 +428,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
         if type(self.state) is not StateTable:
             self._track_state()
-        if self._compiled_steps:
+        if self._compiled["ran"]:
             self._forget_compiled_steps()
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, f"param group {gi}")
@@ -474,7 +475,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, f"param group {gi}")
             self._check_traceable(group, f"param group {gi}")
-        if self._compiled_steps:
+        if self._compiled["ran"]:
             self._forget_compiled_steps()
         self._plan = None
         if not hasattr(self, "_trace_epoch"):

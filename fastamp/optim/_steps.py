@@ -85,14 +85,17 @@ class _StepRecords:
         self._trace_epoch = f"plan {self._epochs}"
 
     def _forget_compiled_steps(self) -> None:
-        """What the host recorded before compiled steps ran (they set ``_compiled_steps``): forget it.
+        """What the host recorded before compiled steps ran (they set ``_compiled["ran"]``): forget it.
 
         A compiled step advances the counts and writes the params without the host
-        bookkeeping (and, compiled by inductor, moves their version counters): the next plan
-        reads the counts once, and a remainder-mode param written between a compiled step
-        and the next eager one is not re-synced (nothing recorded its version).
+        bookkeeping (and moves their version counters): the next plan reads the counts
+        once, and a remainder-mode param written between a compiled step and the next
+        eager one is not re-synced (nothing recorded its version). The mark is a dict
+        entry, not an attribute of the optimizer: torch 2.13's dynamo drops attribute
+        stores on an optimizer object (it does not track it for side effects), and
+        replays item stores on a dict it holds.
         """
-        self._compiled_steps = False
+        self._compiled["ran"] = False
         self._plan = None
         self._step_of = {}
         self._param_versions = {}

@@ -40,9 +40,9 @@ None``) and plans again with eager's cohorts. A param skipped by some steps keep
 count; when a plan (eager or traced) sees params that shared a cohort move apart,
 ``_retire_compiled_steps`` changes ``_trace_epoch``, a string the graph reads (so dynamo
 guards its value), and every compiled step of this optimizer retraces: none can go on
-sharing step scalars between counts that now differ. Every compiled step sets
-``_compiled_steps`` (a side effect dynamo replays after each run); the next eager step then
-reads the counts once and plans again.
+sharing step scalars between counts that now differ. Every compiled step marks
+``_compiled["ran"]`` (a side effect dynamo replays after each run); the next eager step then
+reads the counts once, plans again and forgets the params' recorded versions.
 
 Not supported under compile (refused at trace time, with the reason): tensor ``betas`` (the
 kernels take them as numbers, read on the host at every step) and DTensor params.
@@ -224,5 +224,6 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                     inc = (_amp_found_inf(found_inf, dev) == 0).to(torch.float32)
                     torch._foreach_add_(steps, [inc] * len(steps))
     # a side effect dynamo replays after every run of the graph: the host's records are stale now
-    opt._compiled_steps = True
+    # (a dict item: see FusedOptimizer._forget_compiled_steps)
+    opt._compiled["ran"] = True
     return loss
