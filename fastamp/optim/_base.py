@@ -98,7 +98,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     _COUNT_BEFORE = True
     _STEP_REQUIRED = False  # a non-empty state must hold a ``step`` (AdamW: bias corrections)
     _step_supports_amp_scaling = True
-    _compiled_steps = False  # set by every compiled step (see _forget_compiled_steps)
+    _traced = False  # set by the first trace: plans then name their cohorts (see _name_cohorts)
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
@@ -164,6 +164,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         self._plan: _Plan | None = None
         self._known_steps: dict[int, list[Any]] = {}
         self._step_of: dict[int, Tensor] = {}  # id(param) -> the step tensor it was given
+        self._compiled = {"ran": False}  # see _forget_compiled_steps
         # torch's __init__ adds the groups one by one: check shared memory once at the end
         # (once per group would cost groups x params, e.g. one group per param)
         self._constructing = True
@@ -217,6 +218,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         self._param_versions = {}
         self._known_steps = {}
         self._step_of = {}
+        self._compiled = {"ran": False}
         for group in self.param_groups:
             for k, v in self._group_setdefaults().items():
                 group.setdefault(k, v)
@@ -305,7 +307,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         plan = _Plan()
         cohorts = self._cohorts
         cohorts.begin_step()
-        tokens_before = cohorts.snapshot()
         sr_ids: dict[int, int] | None = None
         for group, items in work:
             gp = _GroupPlan(group, self._plan_key(group))
@@ -321,8 +322,16 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 if st:
                     value = step_values.get(id(p))
                     if value is not None:
-                        st["step"] = torch.full((), value, dtype=torch.float32, device=p.device)
-                        token = cohorts.of_value(value)
+                        step = st["step"]
+                        # an fp32 count in place is kept: a compiled step guards on its identity
+                        if not (
+                            type(step) is Tensor
+                            and step.dtype == torch.float32
+                            and step.dim() == 0
+                            and step.device == p.device
+                        ):
+                            st["step"] = torch.full((), value, dtype=torch.float32, device=p.device)
+                        token = cohorts.of_value(value, cohorts.get(p))
                     else:
                         token = cohorts.get(p)
                 kind = self._kind(group, p)
@@ -364,7 +373,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 plan.needed.add((op, p.device))
             for key, bucket in buckets.items():
                 # Every step in a bucket holds the same value (see StepCohorts).
-                bucket.share_steps(step_states[key], self._remember_steps)
+                bucket.share_steps(step_states[key], self._remember_steps, self._owns_steps)
                 self._step_of.update(zip(step_params[key], bucket.steps))
                 for run in bucket.runs.values():
                     run.seal(len(gp.params))
@@ -372,8 +381,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             plan.groups.append(gp)
         plan.state = self.state
         plan.n_state = len(self.state)
-        if cohorts.split_since(tokens_before):
-            self._retire_compiled_steps()
+        if self._traced:
+            self._name_cohorts()
         return plan
 
     def _gather(self, plan: _Plan | None) -> list[list[Tensor | None]] | None:
@@ -441,7 +450,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
         if type(self.state) is not StateTable:
             self._track_state()
-        if self._compiled_steps:
+        if self._compiled["ran"]:
             self._forget_compiled_steps()
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, f"param group {gi}")
@@ -503,15 +512,17 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         for gi, group in enumerate(self.param_groups):
             self._validate_group(group, f"param group {gi}")
             self._check_traceable(group, f"param group {gi}")
-        if self._compiled_steps:
+        if self._compiled["ran"]:
             self._forget_compiled_steps()
         self._plan = None
+        self._traced = True
         if not hasattr(self, "_trace_epoch"):
-            self._retire_compiled_steps()
+            self._name_cohorts()
         work, step_values = self._collect()
         if not any(items for _, items in work):
             return ()
         plan = self._build_plan(work, step_values)
+        self._hold_guarded_steps([s for gp in plan.groups for b in gp.buckets for s in b.steps])
         chosen = {(op, dev): backends.resolve(op, dev, self.backend) for op, dev in plan.needed}
         for op, backend in chosen.items():
             backends.get_impl(op[0], backend)  # imports a Triton kernel module (see _traced.kernel)

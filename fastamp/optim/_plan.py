@@ -9,9 +9,11 @@ when ``optimizer.state`` changes, and :class:`AmpInputs` carries a grad scaler's
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 import operator
 import weakref
+from array import array
 from collections import defaultdict
 from collections.abc import Iterable
 from copy import deepcopy
@@ -97,14 +99,20 @@ class StepCohorts:
     from equal counts and took part in the same ``step()`` calls carry the same token
     (their counts were incremented by the same on-device ``found_inf`` flags), and only
     params with equal tokens share a launch. In the usual case (every param has a grad
-    every step) there is one cohort. A count the host knows by value (just created, just
-    loaded, or read after a write from outside) gets the token of that value.
+    every step) there is one cohort.
+
+    A count the host knows by value (just created, just loaded, or read because it was
+    written from outside) gets the token of its value within its cohort: a read splits a
+    cohort whose counts differ but never joins two cohorts, so the cohorts change only
+    when a step's grad pattern or an outside write splits them (see :meth:`digest`).
+    Joining by value is sound too, but a compiled step guards on the cohorts it was traced
+    with: cohorts that join and split again would retrace it each time.
     """
 
     def __init__(self) -> None:
         self._token: dict[int, object] = {}
         self._remap: dict[object, object] = {}
-        self._by_value: dict[float, object] = {}
+        self._by_value: dict[tuple[object, float], object] = {}
 
     def begin_step(self) -> None:
         self._remap = {}
@@ -113,8 +121,9 @@ class StepCohorts:
     def get(self, p: Tensor) -> object | None:
         return self._token.get(id(p))
 
-    def of_value(self, value: float) -> object:
-        return self._by_value.setdefault(value, object())
+    def of_value(self, value: float, prior: object | None = None) -> object:
+        """The token of a count known to hold ``value``, in cohort ``prior`` (None: a new count)."""
+        return self._by_value.setdefault((prior, value), object())
 
     def advance(self, p: Tensor, token: object) -> None:
         new = self._remap.get(token)
@@ -122,22 +131,19 @@ class StepCohorts:
             new = self._remap[token] = object()
         self._token[id(p)] = new
 
-    def snapshot(self) -> dict[int, object]:
-        return dict(self._token)
+    def digest(self, params: Iterable[Tensor]) -> str:
+        """A name of the partition of ``params`` into cohorts (equal names: the same partition).
 
-    def split_since(self, before: dict[int, object]) -> bool:
-        """Whether params that shared a token in ``before`` (a :meth:`snapshot`) no longer all do.
-
-        A compiled step bakes the launches of its plan in (see :mod:`fastamp.optim._traced`):
-        a split means that an already compiled step may group counts that now differ.
+        Cohorts are numbered by first appearance in ``params``, so the name does not depend
+        on the token objects: a step whose grad pattern splits no cohort keeps the name.
         """
-        after: dict[object, object] = {}
+        index: dict[object, int] = {}
         token = self._token
-        for key, old in before.items():
-            new = token.get(key)
-            if after.setdefault(old, new) is not new:
-                return True
-        return False
+        labels = array("q")
+        for p in params:
+            t = token.get(id(p))
+            labels.append(-1 if t is None else index.setdefault(t, len(index)))
+        return hashlib.blake2b(labels.tobytes(), digest_size=12).hexdigest()
 
     def rebuild(self, params_and_steps: Iterable[tuple[Tensor, float]]) -> None:
         """Tokens from known step values (after a load): equal counts share a token."""
@@ -358,15 +364,34 @@ class _Bucket:
         self.rngs: list[Tensor] = []
         self.known: list[Any] = [None, 0]  # the optimizer's record of step_buf: [weakref, expected version]
 
-    def share_steps(self, states: list[dict[str, Any]], remember: Callable[[Tensor], list[Any]]) -> None:
-        """Make the ``step`` tensors of ``states`` (equal values) views of one buffer."""
+    def share_steps(
+        self, states: list[dict[str, Any]], remember: Callable[[Tensor], list[Any]], ours: Callable[[Tensor], bool]
+    ) -> None:
+        """Make the ``step`` tensors of ``states`` (equal values) views of one buffer.
+
+        Counts that already are, in order, the views of a whole buffer this optimizer made
+        (``ours``) stay the same tensors: a compiled step guards on their identity (see
+        :mod:`fastamp.optim._traced`), so planning again the same cohort must not replace them.
+        """
         if not states:
             return
-        buf = torch.stack([st["step"].reshape(()) for st in states])
-        self.step_buf, self.states = buf, states
-        self.steps = list(buf.unbind(0))
-        for st, view in zip(states, self.steps):
-            st["step"] = view
+        steps = [st["step"] for st in states]
+        buf = steps[0]._base
+        if not (
+            buf is not None
+            and ours(buf)
+            and buf.dim() == 1
+            and buf.numel() == len(steps)
+            and all(
+                s._base is buf and s.dim() == 0 and s.storage_offset() == buf.storage_offset() + i * buf.stride(0)
+                for i, s in enumerate(steps)
+            )
+        ):
+            buf = torch.stack([s.reshape(()) for s in steps])
+            steps = list(buf.unbind(0))
+            for st, view in zip(states, steps):
+                st["step"] = view
+        self.step_buf, self.states, self.steps = buf, states, steps
         self.known = remember(buf)
 
     def intact(self) -> bool:

@@ -196,13 +196,16 @@ class _StateDictExport:
             from fastamp import reference
 
             params = [p for g in self.param_groups for p in g["params"]]
+            # compiled steps write the params without recording their versions, and the next
+            # step does not re-sync after them (see _forget_compiled_steps): the records are void
+            versions = {} if self._compiled["ran"] else self._param_versions
             for idx, st in list(sd["state"].items()):
                 if not (isinstance(idx, int) and isinstance(st, dict) and "master_remainder" in st):
                     continue
                 p = params[idx].detach()
                 st = dict(st)
                 rem = st.pop("master_remainder")
-                seen = self._param_versions.get(id(params[idx]))
+                seen = versions.get(id(params[idx]))
                 if seen is not None and params[idx]._version != seen:
                     master = fp32_copy_of(p)  # what the next step would re-sync to
                 else:

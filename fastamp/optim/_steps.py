@@ -3,8 +3,9 @@
 The optimizer vouches for the ``step`` tensors it gave out (views of buffers whose version
 counters it remembers), so a later step reads only the counts written from outside;
 after a load the counts become such views again, grouped in cohorts. A compiled step
-advances the counts without these records: it makes them stale (``_forget_compiled_steps``),
-and a plan that splits a cohort retraces every compiled step (``_retire_compiled_steps``).
+advances the counts without these records: it makes them stale (``_forget_compiled_steps``);
+the cohorts stay exact through compiled steps, and a plan that splits one renames the
+partition that every compiled step guards on (``_name_cohorts``).
 """
 
 from __future__ import annotations
@@ -75,24 +76,58 @@ class _StepRecords:
         self._cohorts.rebuild(pairs)
         self._retire_compiled_steps()
 
-    def _retire_compiled_steps(self) -> None:
-        """Make every compiled step of this optimizer retrace: launches it grouped may hold counts that differ now.
+    def _owns_steps(self, buf: Tensor) -> bool:
+        """Whether ``buf`` is a buffer of step counts this optimizer made (and still records)."""
+        entry = self._known_steps.get(id(buf))
+        return entry is not None and entry[0]() is buf
 
-        ``_trace_epoch`` is read in the graph (a string: dynamo guards its value and never
-        makes it dynamic, as it would an int).
-        """
+    def _retire_compiled_steps(self) -> None:
+        """Make every compiled step of this optimizer retrace (after a load: new state, cohorts from values)."""
         self._epochs = getattr(self, "_epochs", 0) + 1
-        self._trace_epoch = f"plan {self._epochs}"
+        self.__dict__.pop("_held_steps", None)
+        self._name_cohorts()
+
+    def _hold_guarded_steps(self, steps: list[Tensor]) -> None:
+        """Keep the counts a compiled step is traced with alive for as long as it may run.
+
+        The step guards their identity by ``id`` (see :mod:`fastamp.optim._traced`): a count
+        freed while a graph guarding it lives could leave its address to a new tensor, which
+        would then pass the guard. They are held until every compiled step retraces (a load;
+        or here, past a bound, for a run that keeps replacing its counts).
+        """
+        held = self.__dict__.setdefault("_held_steps", {})
+        if len(held) + len(steps) > 2 * sum(len(g["params"]) for g in self.param_groups) + 64:
+            self._retire_compiled_steps()
+            held = self.__dict__.setdefault("_held_steps", {})
+        for s in steps:
+            held[id(s)] = s
+
+    def _name_cohorts(self) -> None:
+        """Name the current step cohorts in ``_trace_epoch``, the value every compiled step guards on.
+
+        A compiled step is traced with the launches of the cohorts *after* its own plan
+        (``_init_group``) and reads ``_trace_epoch`` then: it runs again only while the
+        cohorts are exactly those, and then, every class of the partition being either
+        wholly stepped or wholly skipped by its grad pattern, it leaves them as they are.
+        Any plan (eager or traced) that splits a cohort renames it, and every compiled step
+        that may now group counts that differ retraces. A string: dynamo guards its value
+        and never makes it dynamic, as it would an int.
+        """
+        params = [p for group in self.param_groups for p in group["params"]]
+        self._trace_epoch = f"plan {getattr(self, '_epochs', 0)}: cohorts {self._cohorts.digest(params)}"
 
     def _forget_compiled_steps(self) -> None:
-        """What the host recorded before compiled steps ran (they set ``_compiled_steps``): forget it.
+        """What the host recorded before compiled steps ran (they set ``_compiled["ran"]``): forget it.
 
         A compiled step advances the counts and writes the params without the host
-        bookkeeping (and, compiled by inductor, moves their version counters): the next plan
-        reads the counts once, and a remainder-mode param written between a compiled step
-        and the next eager one is not re-synced (nothing recorded its version).
+        bookkeeping (and moves their version counters): the next plan reads the counts
+        once, and a remainder-mode param written between a compiled step and the next
+        eager one is not re-synced (nothing recorded its version). The mark is a dict
+        entry, not an attribute of the optimizer: torch 2.13's dynamo drops attribute
+        stores on an optimizer object (it does not track it for side effects), and
+        replays item stores on a dict it holds.
         """
-        self._compiled_steps = False
+        self._compiled["ran"] = False
         self._plan = None
         self._step_of = {}
         self._param_versions = {}

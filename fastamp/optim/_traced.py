@@ -27,22 +27,35 @@ re-derive the fp64 ``pow`` with another rounding. The ``step`` and ``rng`` incre
 exact (fp32 / int64 adds of 0 or 1).
 
 What a compiled step does not re-check (dynamo guards dtypes, shapes, devices, strides,
-which params have a grad, the group settings and the state's keys): values written into
-state tensors from outside (an in-place write to a ``step`` count: a launch takes its
-scalars from its first param's count, as eager does within a cohort), a remainder-mode
-param written outside the optimizer between a compiled step and the next (eager re-syncs
-its master with a warning), and the backend: it is resolved at trace time, so
-``FASTAMP_BACKEND`` / :func:`fastamp.backends.set_backend` changed later do not apply to
-an already compiled step.
+which params have a grad, the group settings, the state's keys and the identity of every
+``step`` count it reads): values written in place into state tensors from outside (an
+in-place write to a ``step`` count, ``.zero_()``, ``.fill_()``, ``+=``: dynamo guards
+neither tensor values nor version counters, and a launch takes one set of step scalars;
+such a write is seen from the next retrace or eager step on, which read the counts; a
+replaced count is seen at once), a remainder-mode param written outside the optimizer
+between a compiled step and the next (eager re-syncs its master with a warning), and the
+backend: it is resolved at trace time, so ``FASTAMP_BACKEND`` /
+:func:`fastamp.backends.set_backend` changed later do not apply to an already compiled step.
 
-Step cohorts: a change of which params have a grad recompiles (dynamo guards ``p.grad is
-None``) and plans again with eager's cohorts. A param skipped by some steps keeps its own
-count; when a plan (eager or traced) sees params that shared a cohort move apart,
-``_retire_compiled_steps`` changes ``_trace_epoch``, a string the graph reads (so dynamo
-guards its value), and every compiled step of this optimizer retraces: none can go on
-sharing step scalars between counts that now differ. Every compiled step sets
-``_compiled_steps`` (a side effect dynamo replays after each run); the next eager step then
-reads the counts once and plans again.
+Step cohorts: a launch computes its step scalars from one count, so its params must hold
+equal counts whenever its graph runs. A change of which params have a grad recompiles
+(dynamo guards ``p.grad is None``) and plans again with eager's cohorts; a param skipped
+by some steps keeps its own count. The host's cohorts follow the history of the steps (a
+read of the counts splits a cohort whose counts differ, never joins two; a load starts
+from the loaded values), and every plan,
+eager or traced, names the partition in ``_trace_epoch`` (``_name_cohorts``), a string
+the graph reads after its trace-time plan (so dynamo guards its value). A graph therefore
+runs only while the cohorts are those its own plan left, under which each cohort is
+either wholly stepped or wholly skipped by its grad pattern: running it leaves them as
+they are, and the host's records cannot go stale, whatever the sequence of grad patterns
+and eager steps. A plan that splits a cohort (a new grad pattern, a count replaced or
+written) renames the partition, and each compiled step retraces at its next call. The
+cost: one graph per (grad pattern, partition); with every param stepped every step, one.
+A replaced ``step`` tensor fails the identity guard (``_identity_guarded``) and the
+retrace reads it. Every compiled step marks ``_compiled["ran"]`` (a side effect dynamo
+replays after each run); the next eager step then reads the counts once, plans again
+with the same cohorts and ``step`` tensors (so the compiled steps' guards still pass),
+and forgets the params' recorded versions (see ``_forget_compiled_steps``).
 
 Not supported under compile (refused at trace time, with the reason): tensor ``betas`` (the
 kernels take them as numbers, read on the host at every step), betas or momentum cycled by an
@@ -188,6 +201,16 @@ class Launch(NamedTuple):
     rng_base: int
 
 
+def _identity_guarded(t: Tensor) -> Tensor:
+    """``t``, with its identity guarded: dynamo guards the source of a tensor whose ``id`` a trace takes.
+
+    A ``step`` count replaced between compiled steps then retraces, and the new plan reads it
+    (the optimizer holds the guarded counts alive: see ``_hold_guarded_steps``).
+    """
+    id(t)
+    return t
+
+
 def traced_step(opt: Any, closure: Any = None) -> Any:
     """``opt.step(closure)`` as dynamo traces it (see the module doc)."""
     loss = None
@@ -198,7 +221,7 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
     grad_scale = AmpInputs._as_tensor(opt._NAME, "grad_scale", getattr(opt, "grad_scale", None))
     found_inf = AmpInputs._as_tensor(opt._NAME, "found_inf", getattr(opt, "found_inf", None))
     plan = opt._init_group()
-    if opt._trace_epoch == "":  # read after the trace-time plan, so guarded: see FusedOptimizer._retire_compiled_steps
+    if opt._trace_epoch == "":  # read after the trace-time plan, so guarded: see FusedOptimizer._name_cohorts
         raise AssertionError("unreachable")
     state = opt.state
     rng_delta: dict[Any, Tensor] = {}
@@ -227,7 +250,7 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                 )
                 for i in strided:
                     ps[i].copy_(launch_params[i])
-                steps.extend(st["step"] for st in sts if "step" in st)
+                steps.extend(_identity_guarded(st["step"]) for st in sts if "step" in st)
                 if rng is not None:
                     delta = rng_delta.get(dev)
                     if delta is None:
@@ -241,5 +264,6 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                     inc = (_amp_found_inf(found_inf, dev) == 0).to(torch.float32)
                     torch._foreach_add_(steps, [inc] * len(steps))
     # a side effect dynamo replays after every run of the graph: the host's records are stale now
-    opt._compiled_steps = True
+    # (a dict item: see FusedOptimizer._forget_compiled_steps)
+    opt._compiled["ran"] = True
     return loss

@@ -215,6 +215,10 @@ class AdamW(FusedOptimizer):
         next step sees the write (identity and version counter of the step tensors),
         reads the counts it can no longer vouch for, and bias-corrects each param with its
         own count. Writes through ``.data`` bypass version counters and are not seen.
+        Under ``torch.compile`` a replaced ``step`` or state makes the compiled step retrace
+        (one more graph) and is honoured at once; an in-place write is honoured from the
+        next retrace or eager step on (a compiled step cannot see tensor values or version
+        counters): replace the tensor instead (see :mod:`fastamp.optim._traced`).
 
     .. note::
         Two Parameters over one storage (a weight and its transposed view as separate
