@@ -236,13 +236,6 @@ def test_scaler_attributes_set_inside_the_compiled_function(opt_name, backend):
     _no_graph_breaks()
 
 
-@pytest.mark.xfail(
-    reason="issue 20 items 1 and 4 (another branch): through a real backend the compiled steps' writes move the "
-    "params' version counters while the host's records stay those of the last eager step (dynamo drops the "
-    "traced step's `opt._compiled_steps = True`: attribute writes to an optimizer are not replayed, torch 2.13), so "
-    "the next eager step re-syncs the remainder masters (a warning, and the params then differ from eager's)",
-    strict=False,
-)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grad_pattern_changes_and_eager_steps_in_between(backend):
     """Eager and compiled steps mixed, a param without grad for a while, remainder masters.
