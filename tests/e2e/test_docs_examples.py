@@ -37,9 +37,7 @@ TIMEOUT_S = 300
 MARK_KINDS = ("continues", "not-runnable")
 # Marks for blocks in sections whose text is edited elsewhere, applied as if written before the
 # block's fence: (file, section) -> mark. Move one into the markdown and drop it here.
-PENDING_MARKS = {
-    ("README.md", "torch.compile and CUDA graphs"): "continues: Usage",
-}
+PENDING_MARKS: dict[tuple[str, str], str] = {}
 # The Lightning example names the device "cuda". Copied as written onto a machine without CUDA it
 # must still run: fastamp.Scaler("cuda") warns and disables itself there, as torch's does.
 AS_WRITTEN_ON_CPU = ("README.md", "Using fastamp with Lightning / Accelerate / HF Trainer", 0)
