@@ -36,3 +36,12 @@ def pytest_collection_modifyitems(config, items):
         gpu = item.get_closest_marker("gpu")
         if gpu is not None and not cuda:
             item.add_marker(pytest.mark.skip(reason=gpu.kwargs.get("reason", _NO_CUDA)))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """dynamo's caches and counters empty before and after a compile test (its compiles are counted)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -100,3 +100,7 @@ def native_cpu_isas() -> list:
     order = ("scalar", "avx2", "avx512")
     best = torch.ops.fastamp.cpu_isa()
     return [i for i in order if order.index(i) <= order.index(best)][::-1]
+
+
+# the real backends every compile test that claims eager's bits runs through (inductor's cases are long)
+COMPILE_BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]

@@ -23,13 +23,14 @@ import warnings
 
 import pytest
 import torch
+from helpers import COMPILE_BACKENDS
 from tolerances import ADAMW_VS_TORCH_ATOL, ADAMW_VS_TORCH_RTOL
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fastamp
 from fastamp import reference
 
-BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]  # inductor: 2-26 s a case here
+BACKENDS = COMPILE_BACKENDS  # inductor: 2-26 s a case here
 CHEAP_BACKENDS = ["aot_eager", "inductor"]  # one or two graphs
 
 # param blocks: indices of SHAPES; a grad pattern is a set of blocks
@@ -67,13 +68,10 @@ OPTIMIZERS = {
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+def _fresh_dynamo(fresh_dynamo):
     # GRAPHS > the default limit (8): several grad patterns need a graph each (see the README)
     with torch._dynamo.config.patch(recompile_limit=16):
         yield
-    torch._dynamo.reset()
 
 
 def _params(dtype):

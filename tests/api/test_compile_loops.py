@@ -30,6 +30,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import COMPILE_BACKENDS
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.optim import lr_scheduler
 
@@ -38,15 +39,12 @@ import fastamp
 STEPS = 14
 OVERFLOW = {4, 9}  # scaler loops: the first grad holds an inf on these steps
 SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
-BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+BACKENDS = COMPILE_BACKENDS
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
+def _fresh_dynamo(fresh_dynamo):
+    pass
 
 
 def _no_graph_breaks():

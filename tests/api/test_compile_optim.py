@@ -21,6 +21,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import COMPILE_BACKENDS
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import fastamp
@@ -45,15 +46,12 @@ OPTIMIZERS = {
 
 
 # the real backends every compile test runs through (see the module doc)
-BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+BACKENDS = COMPILE_BACKENDS
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
+def _fresh_dynamo(fresh_dynamo):
+    pass
 
 
 def _params(dtype, device, shapes=SHAPES):

@@ -22,7 +22,7 @@ import math
 
 import pytest
 import torch
-from helpers import bits
+from helpers import COMPILE_BACKENDS, bits
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.amp.grad_scaler import OptState
 
@@ -74,15 +74,12 @@ PATTERNS = {
 
 
 # the real backends every compiled function runs through (see the module doc)
-BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+BACKENDS = COMPILE_BACKENDS
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
+def _fresh_dynamo(fresh_dynamo):
+    pass
 
 
 def _world(opt_name, config, device="cpu", lr=1e-2, backend=None):

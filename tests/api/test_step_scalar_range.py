@@ -296,15 +296,7 @@ COMPILED_EDITS = {
 }
 
 
-@pytest.fixture
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("dynamic", [False, True], ids=["lr-specialised", "lr-a-graph-input"])
 @pytest.mark.parametrize("compiler", ["counter", "aot_eager", "inductor"])
 @pytest.mark.parametrize("edit", list(COMPILED_EDITS))
@@ -352,7 +344,7 @@ def test_a_compiled_step_refuses_an_edited_float_lr(edit, compiler, dynamic):
     _assert_same(_snapshot(opt, params), _snapshot(twin, twin_params))
 
 
-@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("how", ["written in place", "replaced"])
 def test_a_compiled_step_reads_a_tensor_lr_only_when_traced(how):
     """What happens with a tensor lr under torch.compile: its value is checked when the step is traced, but

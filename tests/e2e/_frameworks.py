@@ -1,5 +1,8 @@
 """What the framework tests (test_lightning.py, test_accelerate.py) share."""
 
+import contextlib
+import warnings
+
 import torch
 
 import fastamp
@@ -287,3 +290,17 @@ def critic_twice_loop(optimizer="torch.SGD"):
                 scale, tracker = scale * 2.0, 0
         scales.append(scale)
     return (G, D), scaled_with, scales, skips
+
+
+@contextlib.contextmanager
+def fresh_accelerate_state():
+    """Accelerate keeps one process-wide state: reset before and after, its warnings silenced in between."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -8,7 +8,6 @@ and Accelerate with torch's ``GradScaler`` set up as Accelerate sets it up on a 
 """
 
 import contextlib
-import warnings
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from e2e._frameworks import (  # noqa: E402
     assert_equal_optimizer_states,
     assert_scales_move_both_ways,
     critic_twice_loop,
+    fresh_accelerate_state,
     gan_batches,
     gan_inject,
     gan_loop,
@@ -59,14 +59,8 @@ CLIP = 0.5
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    # Accelerate keeps one process-wide state; each test builds its accelerators from scratch
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with fresh_accelerate_state():
         yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _batches():

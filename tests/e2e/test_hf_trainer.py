@@ -10,7 +10,6 @@ sets it up on a GPU; for the resume: the uninterrupted run.
 """
 
 import os
-import warnings
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 pytest.importorskip("transformers", reason="transformers is not installed (requirements-dev.txt pins it)")
 
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-from e2e._frameworks import assert_equal_optimizer_states  # noqa: E402
+from e2e._frameworks import assert_equal_optimizer_states, fresh_accelerate_state  # noqa: E402
 from tolerances import NORM_RTOL  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
@@ -39,14 +38,8 @@ GROWTH_INTERVAL = 2
 
 @pytest.fixture(autouse=True)
 def _quiet_and_fresh_accelerate_state():
-    # Accelerate keeps one process-wide state; every Trainer here builds its Accelerator afresh
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with fresh_accelerate_state():
         yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
 
 
 def _model(seed=0):
