@@ -488,7 +488,7 @@ def test_progress_is_one_line_redrawn_within_the_terminal_width(tmp_path):
     assert p.wait(timeout=600) == 0
     text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
     lines = text.split("\n")
-    bar_lines = [line for line in lines if "steps [" in line]
+    bar_lines = [line for line in lines if "eta " in line]
     # one terminal line, redrawn in place with carriage returns, left on screen at the end
     assert len(bar_lines) == 1, lines
     frames = [f for f in bar_lines[0].split("\r") if f]
