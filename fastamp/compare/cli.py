@@ -22,7 +22,7 @@ from fastamp.compare.models import SmallCNN, TinyGPT
 from fastamp.compare.progress import JobProgress
 from fastamp.compare.regimes import FULL_MODEL_REGIMES, MODEL_REGIMES, REGIMES
 from fastamp.compare.report import report_lines, summarise
-from fastamp.compare.train import CUDA_CHUNK, MEMORY_STEP, MIN_STEPS, PROFILED_STEPS, RegimeResult, RegimeRun
+from fastamp.compare.train import MEMORY_STEP, MIN_STEPS, PROFILED_STEPS, RegimeResult, RegimeRun
 
 MODELS = ("gpt", "cnn", "cnn-raw12")
 
@@ -167,8 +167,8 @@ def _parse(argv: list[str] | None):
     steps = args.steps or preset["steps"]
     if steps < MIN_STEPS:
         raise SystemExit(
-            f"fastamp-compare: --steps must be at least {MIN_STEPS} (3 warm-up steps, 3 profiled ones, then "
-            f"timed ones), got {steps}"
+            f"fastamp-compare: --steps must be at least {MIN_STEPS} (7 set-up steps: warm-up, memory, "
+            f"op profile; then a block of an untimed and a timed step), got {steps}"
         )
     growth_interval = preset["growth_interval"] if args.growth_interval is None else args.growth_interval
     if growth_interval < 0:
@@ -211,31 +211,29 @@ def _build(model_name: str, g: dict, c: dict, device: torch.device, seed: int):
     return ImageData(c["image"], c["batch"], device, seed=seed, bits=bits), SmallCNN(c["width"])
 
 
-def _train_interleaved(runs: dict, failed: dict, device: torch.device, bar: JobProgress) -> None:
-    """Advance every regime of every model in turn, a step (CPU) or a chunk (CUDA) at a time.
+def _train_interleaved(runs: dict, failed: dict, bar: JobProgress) -> None:
+    """Advance every regime of every model in turn, a block of steps at a time.
 
     Interleaved, every regime meets the same load from other processes, and the slow
-    regimes' costs are measured in the first rounds, which the ETA needs.
+    regimes' costs are measured in the first round, which the ETA needs.
     """
-    chunk = CUDA_CHUNK if device.type == "cuda" else 1
     while True:
         active = [(k, r) for k, r in runs.items() if k not in failed and not r.done]
         if not active:
             return
         for key, run in active:
-            step = run.next_step
-            n = run.chunk(chunk)
+            first = run.next_step
             try:
-                wall, _ = run.advance(n)
+                done = run.advance()
             except Exception as e:  # one broken regime must not hide the others' numbers
                 failed[key] = f"{type(e).__name__}: {e}"
                 print(f"fastamp-compare: {key[0]}/{key[1]} failed: {failed[key]}", file=sys.stderr)
-                for _ in range(run.steps - step):
+                for step in range(first, run.steps):
                     bar.record(key, 0.0, step, estimate=False)
                 continue
-            profiled = (step == MEMORY_STEP or step in PROFILED_STEPS) and n == 1
-            for i in range(n):
-                bar.record(key, wall, step + i, estimate=not profiled, label=f"{key[0]}/{key[1]}")
+            for step, wall, _ in done:
+                measured = step != MEMORY_STEP and step not in PROFILED_STEPS
+                bar.record(key, wall, step, estimate=measured, label=f"{key[0]}/{key[1]}")
 
 
 def run(argv: list[str] | None = None) -> CompareRun:
@@ -301,7 +299,7 @@ def _run(parsed, threads: int, why: str) -> CompareRun:
             "fastamp-compare: no progress line: tqdm is not installed (pip install 'fastamp[compare]')", file=sys.stderr
         )
     try:
-        _train_interleaved(runs, failed, device, bar)
+        _train_interleaved(runs, failed, bar)
     finally:
         bar.close()
     end = load.snapshot()

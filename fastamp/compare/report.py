@@ -10,7 +10,7 @@ import torch
 from fastamp._harness import markdown_table
 from fastamp.compare.hotspots import dominant_ops, hotspot_table, slowdown_lines, top_ops_text
 from fastamp.compare.regimes import REGIME_INFO
-from fastamp.compare.train import RegimeResult
+from fastamp.compare.train import BLOCK, RegimeResult
 
 _BF16, _FP16 = torch.bfloat16, torch.float16
 
@@ -418,9 +418,10 @@ def report_lines(info, results, rows, models, model_regimes, device, verdict, me
     else:
         how = "wall clock per step (more than one thread: CPU time would add the threads' waits)"
     lines += [
-        f"- step time: median over the {timed} timed steps of each regime (steps 0-2 warm up, step 2 is measured "
-        f"for memory, steps 3-5 are profiled), by {how}; the regimes run interleaved, one step each in turn, so that "
-        f"every regime meets the same load",
+        f"- step time: median over the {timed} timed steps of each regime, by {how}. Steps 0-6 set up and measure "
+        f"(warm-up; step 2 measured for memory; steps 4-6 profiled), then the regimes run interleaved, a block of "
+        f"{BLOCK.get(device.type, BLOCK['cuda'])} steps each in turn, so that every regime meets the same load; the first "
+        f"step of each block is not timed, as it finds the caches full of the previous regime's data",
         "- final val loss: mean cross-entropy on 8 held-out batches, evaluated in the regime's own precision",
         "- convergence % of fp32: (first-step loss - final val loss) / the same for fp32, x100",
         "- skipped steps: steps minus the optimizer's step counter (overflow steps skipped on device); "
@@ -448,7 +449,7 @@ def report_lines(info, results, rows, models, model_regimes, device, verdict, me
         lines.append("")
     lines += ["## Where the time goes", ""]
     lines += [
-        "torch.profiler over three training steps per regime (steps 3-5), each profiled on its own: each op's "
+        "torch.profiler over three training steps per regime (steps 4-6), each profiled on its own: each op's "
         "self time, summed by op name within a step, then the median over the three steps (so that an op "
         "preempted by another process in one step does not stand out); the shares are of the time spent in ops.",
         "",

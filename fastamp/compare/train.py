@@ -1,15 +1,18 @@
 """One regime's training run, step by step: the loop, its timing, its memory, its losses and loss scales.
 
-A :class:`RegimeRun` holds one regime's model and optimizer and runs its steps a few at a
+A :class:`RegimeRun` holds one regime's model and optimizer and runs its steps a block at a
 time, so that the job can interleave the regimes (every regime then sees the same load from
-other processes) and time each step on its own. :func:`train_regime` runs one regime
-start to finish.
+other processes). :func:`train_regime` runs one regime start to finish.
 
-Steps 0-2 warm up (the optimizer state is created at step 0; step 2 is measured for peak
-memory), steps 3-5 are profiled op by op (``torch.profiler``; the report takes each op's
-median over the three, so that one preempted op does not stand out), the rest are timed. On CPU each
-step is timed on its own, by wall clock and by the process's CPU time; on CUDA a chunk of
-steps between two synchronisations.
+The first block, steps 0-6, sets up and measures: steps 0-1 warm up (the optimizer state is
+created at step 0), step 2 is measured for peak memory, step 3 warms the caches again after
+the memory profiler, steps 4-6 are profiled op by op (``torch.profiler``; the report takes
+each op's median over the three, so that one op preempted by another process does not stand
+out). Then blocks of :data:`BLOCK` steps: the first step of each block runs untimed, because
+it finds the caches full of the previous regime's data (measured: an fp32 GPT step right
+after an fp16 CNN step took 1.4 ms longer), and the others are timed. On CPU each timed step
+is timed on its own, by wall clock and by the process's CPU time; on CUDA the timed steps of
+a block together, between two synchronisations.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ from fastamp.compare.models import bn_running_var_max
 from fastamp.compare.regimes import build_regime
 
 MEMORY_STEP = 2
-PROFILED_STEPS = (3, 4, 5)
-FIRST_TIMED_STEP = 6
-MIN_STEPS = FIRST_TIMED_STEP + 1
-# Steps per timed chunk on CUDA: enough to hide the synchronisation around the chunk.
-CUDA_CHUNK = 10
+PROFILED_STEPS = (4, 5, 6)
+FIRST_TIMED_BLOCK = 7
+# steps per block after the first: one untimed step, then timed ones (more on CUDA, where a
+# block's timed steps share one pair of synchronisations)
+BLOCK = {"cpu": 4, "cuda": 10}
+MIN_STEPS = FIRST_TIMED_BLOCK + 2
 
 
 @dataclass
@@ -174,9 +178,6 @@ class RegimeRun:
     def done(self) -> bool:
         return self.next_step >= self.steps
 
-    def timed(self, step: int) -> bool:
-        return step >= FIRST_TIMED_STEP or (step in PROFILED_STEPS and not self.profile_ops)
-
     def _autocast(self):
         dt = self.autocast_dtype
         return torch.autocast(self.device.type, dtype=dt or torch.float32, enabled=dt is not None)
@@ -209,39 +210,64 @@ class RegimeRun:
             opt.step()
         self.losses.append(loss.detach().float().reshape(()))
 
-    def chunk(self, max_steps: int) -> int:
-        """How many steps the next :meth:`advance` runs: 1 for an untimed step, else up to ``max_steps``."""
-        if self.done:
-            return 0
-        if not self.timed(self.next_step):
-            return 1
-        return max(1, min(max_steps, self.steps - self.next_step))
+    def chunk(self) -> int:
+        """How many steps the next :meth:`advance` runs: the set-up block, then :data:`BLOCK` (a lone last step joins it)."""
+        left = self.steps - self.next_step
+        if self.next_step == 0:
+            return min(FIRST_TIMED_BLOCK, left)
+        n = min(BLOCK.get(self.device.type, BLOCK["cuda"]), left)
+        return left if left - n == 1 else n
 
-    def advance(self, n: int = 1) -> tuple[float, bool]:
-        """Run the next ``n`` steps; return (wall seconds per step, whether they were timed steps)."""
+    def advance(self, n: int | None = None) -> list[tuple[int, float, bool]]:
+        """Run the next block (``n`` steps, default :meth:`chunk`); return (step, wall seconds, timed) per step."""
         first = self.next_step
-        n = min(n, self.steps - first)
-        timed = self.timed(first)
+        n = min(self.chunk() if n is None else n, self.steps - first)
         dev = self.device
+        out: list[tuple[int, float, bool]] = []
         with pitfalls_recorded(self.result.guards):
-            sync(dev)
-            t0, c0 = time.perf_counter(), time.process_time()
-            if first == MEMORY_STEP and self.measure_memory:
-                meter = CudaPeakMeter(dev) if dev.type == "cuda" else CpuPeakMeter()
-                meter.measure(lambda: self._one_step(first), self.model, self.opt, self.scaler)
-                self.result.peak_mem_bytes = float(meter.peak)
-            elif first in PROFILED_STEPS and self.profile_ops:
-                self.profiles.append(profile_step(lambda: self._one_step(first), dev))
-            else:
+            if first < FIRST_TIMED_BLOCK:
                 for step in range(first, first + n):
-                    self._one_step(step)
-            sync(dev)
-            wall, cpu = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+                    t0 = time.perf_counter()
+                    if step == MEMORY_STEP and self.measure_memory:
+                        meter = CudaPeakMeter(dev) if dev.type == "cuda" else CpuPeakMeter()
+                        meter.measure(lambda s=step: self._one_step(s), self.model, self.opt, self.scaler)
+                        self.result.peak_mem_bytes = float(meter.peak)
+                    elif step in PROFILED_STEPS and self.profile_ops:
+                        self.profiles.append(profile_step(lambda s=step: self._one_step(s), dev))
+                    else:
+                        self._one_step(step)
+                    sync(dev)
+                    out.append((step, time.perf_counter() - t0, False))
+            else:
+                t0 = time.perf_counter()
+                self._one_step(first)  # untimed: it refills the caches
+                sync(dev)
+                out.append((first, time.perf_counter() - t0, False))
+                out += self._timed(first + 1, n - 1)
         self.next_step = first + n
-        if timed:
+        return out
+
+    def _timed(self, first: int, n: int) -> list[tuple[int, float, bool]]:
+        if n <= 0:
+            return []
+        if self.device.type != "cpu":
+            t0, c0 = time.perf_counter(), time.process_time()
+            for step in range(first, first + n):
+                self._one_step(step)
+            sync(self.device)
+            wall, cpu = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
             self.walls += [wall] * n
             self.cpus += [cpu] * n
-        return wall, timed
+            return [(step, wall, True) for step in range(first, first + n)]
+        out = []
+        for step in range(first, first + n):
+            t0, c0 = time.perf_counter(), time.process_time()
+            self._one_step(step)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            self.walls.append(wall)
+            self.cpus.append(cpu)
+            out.append((step, wall, True))
+        return out
 
     def finish(self) -> RegimeResult:
         """Evaluate on held-out batches (in the regime's own precision) and fill the result."""
@@ -297,11 +323,9 @@ def train_regime(
         model_name, regime, base_model, data, device, steps, lr, clip, growth_interval=growth_interval,
         measure_memory=measure_memory, profile_ops=profile_ops, cpu_clock=cpu_clock,
     )  # fmt: skip
-    chunk = CUDA_CHUNK if device.type == "cuda" else 1
     while not run.done:
-        n = run.chunk(chunk)
-        run.advance(n)
+        ran = run.advance()
         if progress:
-            for _ in range(n):
+            for _ in ran:
                 progress()
     return run.finish()

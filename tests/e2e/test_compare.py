@@ -48,7 +48,7 @@ def test_text_and_image_batches_are_deterministic_per_step():
 
 @pytest.mark.slow
 def test_cnn_raw12_runs_the_batchnorm_regimes_unless_told_otherwise(tmp_path):
-    args = ["--device", "cpu", "--size", "tiny", "--steps", "7", "--model", "cnn-raw12", "--out", str(tmp_path)]
+    args = ["--device", "cpu", "--size", "tiny", "--steps", "9", "--model", "cnn-raw12", "--out", str(tmp_path)]
     rows = compare.run(args + ["--no-progress", "--no-plot"]).rows
     assert [r["regime"] for r in rows] == list(compare.MODEL_REGIMES["cnn-raw12"])
     rows = compare.run(args + ["--no-progress", "--no-plot", "--full"]).rows
@@ -188,7 +188,7 @@ def test_same_regime_twice_is_bit_identical():
 @pytest.mark.slow
 def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     regimes = "fp32,torch-amp-fp16,fastamp-scaler-fp16,fastamp-fp16,fastamp-bf16-sr,pure-fp16"
-    args = ["--device", "cpu", "--size", "tiny", "--steps", "7", "--regimes", regimes, "--out", str(tmp_path)]
+    args = ["--device", "cpu", "--size", "tiny", "--steps", "9", "--regimes", regimes, "--out", str(tmp_path)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         done = compare.run(args + ["--no-progress", "--note", "a test run"])
@@ -227,7 +227,7 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     assert gpt["pure-fp16"]["peak_mem_bytes"] < gpt["fp32"]["peak_mem_bytes"]
     with open(tmp_path / "compare-cpu-curves.csv", newline="") as f:
         curves = list(csv.DictReader(f))
-    assert len(curves) == 3 * 6 * 7
+    assert len(curves) == 3 * 6 * 9
     assert {c["skipped"] for c in curves if c["regime"] == "fp32"} == {""}
     assert {c["skipped"] for c in curves if c["regime"] == "torch-amp-fp16"} <= {"0", "1"}
     png = tmp_path / "compare-cpu.png"
@@ -239,7 +239,7 @@ def test_bad_arguments_are_named():
         compare.main(["--regimes", "fp8", "--device", "cpu"])
     with pytest.raises(SystemExit, match="unknown --model"):
         compare.main(["--model", "resnet", "--device", "cpu"])
-    with pytest.raises(SystemExit, match="at least 7"):
+    with pytest.raises(SystemExit, match="at least 9"):
         compare.main(["--steps", "2", "--device", "cpu"])
     with pytest.raises(SystemExit, match="--threads must be >= 0"):
         compare.main(["--threads", "-1", "--device", "cpu"])
@@ -403,7 +403,7 @@ def test_cpu_features_are_read_from_the_flags():
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # A small, quick job: the transformer with two regimes, the tiny preset.
-_QUICK = ["--size", "tiny", "--model", "gpt", "--regimes", "fp32,fastamp-bf16", "--steps", "7"]
+_QUICK = ["--size", "tiny", "--model", "gpt", "--regimes", "fp32,fastamp-bf16", "--steps", "9"]
 # What pip's generated ``fastamp-compare`` script does with the entry point of pyproject.toml.
 _CONSOLE_SCRIPT = "import sys; from fastamp.compare import main; sys.exit(main())"
 
@@ -583,41 +583,31 @@ def test_threads_can_be_chosen_and_the_job_restores_torchs_count(tmp_path, capfd
 
 
 def test_interleaved_regimes_train_as_they_do_alone(tmp_path):
-    """The job advances every regime a step at a time in turn; each must train exactly as it does alone."""
+    """The job advances every regime a block of steps at a time in turn; each must train exactly as it does alone."""
     regimes = ["fp32", "torch-amp-fp16", "fastamp-scaler-fp16", "fastamp-bf16-sr"]
+    steps = 12  # the set-up block (steps 0-6), then one block of 5: an untimed step and 4 timed ones
     done = compare.run(
-        ["--size", "tiny", "--model", "gpt", "--regimes", ",".join(regimes), "--steps", "8", "--no-progress"]
-        + ["--no-plot", "--out", str(tmp_path)]
+        ["--size", "tiny", "--model", "gpt", "--regimes", ",".join(regimes), "--steps", str(steps)]
+        + ["--no-progress", "--no-plot", "--out", str(tmp_path)]
     )
     g = compare.SIZES["tiny"]["gpt"]
     dev = torch.device("cpu")
     data = compare.TextData(g["seq_len"], g["batch"], dev)
     torch.manual_seed(0)
     base = compare.TinyGPT(len(data.vocab), g["seq_len"], g["n_layer"], g["d_model"], g["n_head"])
+    gi = compare.SIZES["tiny"]["growth_interval"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the job ran them: torch's fp32 reductions depend on the thread count
     try:
         alone = {
-            r.regime: compare.train_regime(
-                "gpt",
-                r.regime,
-                base,
-                data,
-                dev,
-                8,
-                3e-3,
-                1.0,
-                measure_memory=False,
-                growth_interval=compare.SIZES["tiny"]["growth_interval"],
-            )  # fmt: skip
+            r.regime: compare.train_regime("gpt", r.regime, base, data, dev, steps, 3e-3, 1.0, growth_interval=gi)
             for r in done.results
         }
     finally:
         torch.set_num_threads(threads)
     for r in done.results:
-        alone_r = alone[r.regime]
-        assert r.losses == alone_r.losses and r.scales == alone_r.scales, r.regime
-        assert r.timed_steps == 8 - 6 and r.clock == "cpu" and r.step_ms == r.step_cpu_ms > 0
+        assert r.losses == alone[r.regime].losses and r.scales == alone[r.regime].scales, r.regime
+        assert r.timed_steps == 4 and r.clock == "cpu" and r.step_ms == r.step_cpu_ms > 0
         assert r.op_profile is not None and r.op_profile.steps == 3 and r.op_profile.ops
 
 
