@@ -331,12 +331,14 @@ def _run(parsed, threads: int, why: str) -> CompareRun:
     write_csv(csv_path, rows)
     with open(curves_path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["model", "regime", "step", "loss", "scale", "skipped"])
+        w.writerow(["model", "regime", "step", "loss", "scale", "skipped", "step_wall_ms", "step_cpu_ms"])
         for r in results:
             skipped = set(r.skipped_at or ())
+            times = {step: (f"{1e3 * wall:.4f}", f"{1e3 * cpu:.4f}") for step, wall, cpu in r.step_times}
             for i, loss in enumerate(r.losses):
                 scale = r.scales[i] if i < len(r.scales) else ""
-                w.writerow([r.model, r.regime, i, loss, scale, "" if r.skipped_at is None else int(i in skipped)])
+                row = [r.model, r.regime, i, loss, scale, "" if r.skipped_at is None else int(i in skipped)]
+                w.writerow(row + list(times.get(i, ("", ""))))
     mem_note = CudaPeakMeter.method if device.type == "cuda" else CpuPeakMeter.method
     text = "\n".join(
         report_lines(info, results, rows, models, model_regimes, device, verdict, mem_note, growth_interval)

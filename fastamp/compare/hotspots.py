@@ -9,7 +9,6 @@ self device time (kernels), since the CPU side only launches them.
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,7 +24,7 @@ TOP_N = 3
 
 @dataclass
 class OpProfile:
-    """Self time per op name (microseconds) in one profiled step (or the median over ``steps``), largest first."""
+    """Self time per op name (microseconds) in one profiled step (or the least over ``steps``), largest first."""
 
     device: str
     ops: list[tuple[str, float]] = field(default_factory=list)
@@ -45,11 +44,15 @@ class OpProfile:
         return self.ops[:n]
 
     @classmethod
-    def median(cls, profiles: list[OpProfile]) -> OpProfile:
-        """Each op's median self time over ``profiles`` (0 where a profile lacks it), largest first."""
+    def fastest(cls, profiles: list[OpProfile]) -> OpProfile:
+        """Each op's least self time over the ``profiles`` it appears in, largest first.
+
+        The profiler times ops by the wall clock: an op during which another process held
+        the CPU looks longer, never shorter, so the least of a few steps is the op's own time.
+        """
         names = list(dict.fromkeys(n for p in profiles for n, _ in p.ops))
-        ops = [(n, statistics.median(p.us(n) for p in profiles)) for n in names]
-        ops = sorted((x for x in ops if x[1] > 0), key=lambda x: -x[1])
+        ops = [(n, min(p.us(n) for p in profiles if any(m == n for m, _ in p.ops))) for n in names]
+        ops.sort(key=lambda x: -x[1])
         return cls(profiles[0].device if profiles else "cpu", ops, len(profiles))
 
 

@@ -378,7 +378,7 @@ def cpu_speed_note(results: list[RegimeResult], features: dict[str, bool] | None
     why = ""
     if dominant:
         why = (
-            " Where the slower rows' extra time went (torch.profiler, one step per regime): "
+            " Where the slower rows' extra time went (torch.profiler, three steps per regime): "
             + "; ".join(f"{op} in {', '.join(rows)}" for op, rows in dominant.items())
             + " (see 'Where the time goes')."
         )
@@ -411,14 +411,16 @@ def report_lines(info, results, rows, models, model_regimes, device, verdict, me
     if clock == "cpu":
         how = (
             "the process's CPU time per step (one thread: the time the step computed, without the time it waited "
-            "for a CPU while other processes ran; the wall-clock median is in the CSV, step_wall_ms)"
+            "for a CPU while other processes ran; the wall clock's is in the CSV, step_wall_ms, and every step's "
+            "times are in the curves CSV)"
         )
     elif device.type == "cuda":
         how = "wall clock over chunks of steps between two device synchronisations"
     else:
         how = "wall clock per step (more than one thread: CPU time would add the threads' waits)"
     lines += [
-        f"- step time: median over the {timed} timed steps of each regime, by {how}. Steps 0-6 set up and measure "
+        f"- step time: the lower quartile of the {timed} timed steps of each regime (other processes only make a "
+        f"step longer, and the quartile stays clear of the ~7% cheaper steps a scaler skips), by {how}. Steps 0-6 set up and measure "
         f"(warm-up; step 2 measured for memory; steps 4-6 profiled), then the regimes run interleaved, a block of "
         f"{BLOCK.get(device.type, BLOCK['cuda'])} steps each in turn, so that every regime meets the same load; the first "
         f"step of each block is not timed, as it finds the caches full of the previous regime's data",
@@ -450,8 +452,9 @@ def report_lines(info, results, rows, models, model_regimes, device, verdict, me
     lines += ["## Where the time goes", ""]
     lines += [
         "torch.profiler over three training steps per regime (steps 4-6), each profiled on its own: each op's "
-        "self time, summed by op name within a step, then the median over the three steps (so that an op "
-        "preempted by another process in one step does not stand out); the shares are of the time spent in ops.",
+        "self time, summed by op name within a step, then the least over the three steps (the profiler times ops "
+        "by the wall clock, so an op during which another process held the CPU only looks longer); the shares are "
+        "of the time spent in ops. Under load the small ops' shares stay noisy; a dominant op shows in every step.",
         "",
     ]
     for model_name in models:

@@ -230,6 +230,10 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     assert len(curves) == 3 * 6 * 9
     assert {c["skipped"] for c in curves if c["regime"] == "fp32"} == {""}
     assert {c["skipped"] for c in curves if c["regime"] == "torch-amp-fp16"} <= {"0", "1"}
+    # every timed step's wall and CPU time (steps 0-6 set up and measure, 7 opens a block: not timed)
+    assert {c["step"] for c in curves if c["step_cpu_ms"]} == {"8"} and all(
+        float(c["step_wall_ms"]) > 0 for c in curves if c["step_cpu_ms"]
+    )
     png = tmp_path / "compare-cpu.png"
     assert png.exists() and png.stat().st_size > 20_000
 
@@ -608,6 +612,9 @@ def test_interleaved_regimes_train_as_they_do_alone(tmp_path):
     for r in done.results:
         assert r.losses == alone[r.regime].losses and r.scales == alone[r.regime].scales, r.regime
         assert r.timed_steps == 4 and r.clock == "cpu" and r.step_ms == r.step_cpu_ms > 0
+        assert [step for step, _, _ in r.step_times] == [8, 9, 10, 11]  # step 7 opens the block, untimed
+        cpu = sorted(c for _, _, c in r.step_times)
+        assert r.step_cpu_ms == 1e3 * cpu[0]  # the lower quartile of 4: the nearest rank below
         assert r.op_profile is not None and r.op_profile.steps == 3 and r.op_profile.ops
 
 
@@ -622,8 +629,10 @@ def test_the_op_profile_names_what_took_the_time():
     assert p.ops[0][0] == "aten::mm" and 0 < p.share("aten::mm") <= 1
     assert p.ops == sorted(p.ops, key=lambda x: -x[1])
     P = compare.OpProfile
-    med = P.median([P("cpu", [("a", 10.0), ("b", 1.0)]), P("cpu", [("a", 12.0)]), P("cpu", [("a", 500.0), ("b", 3.0)])])
-    assert med.ops == [("a", 12.0), ("b", 1.0)] and med.steps == 3  # one preempted op does not stand out
+    least = P.fastest(
+        [P("cpu", [("a", 10.0), ("b", 3.0)]), P("cpu", [("a", 12.0)]), P("cpu", [("a", 500.0), ("b", 1.0)])]
+    )
+    assert least.ops == [("a", 10.0), ("b", 1.0)] and least.steps == 3  # a preempted op only looks longer
     R = compare.RegimeResult
     fp32 = R("cnn", "fp32", step_ms=5.0, op_profile=P("cpu", [("aten::convolution_backward", 2000.0), ("x", 3000.0)]))
     fp16 = R("cnn", "fastamp-fp16", step_ms=300.0,
