@@ -26,12 +26,13 @@ from fastamp.compare.train import MEMORY_STEP, MIN_STEPS, PROFILED_STEPS, Regime
 
 MODELS = ("gpt", "cnn", "cnn-raw12")
 
-# What --full costs on a 2-core CPU, measured (README, benchmarks/results/compare-cpu.md).
-FULL_SET_DURATION = "about 15 minutes on a 2-core Xeon"
-DEFAULT_DURATION = "about 3 minutes on a 2-core Xeon"
+# What a run costs on a 2-core CPU with one thread (the job's CPU time, measured on a 2-core
+# Xeon: README "The two commands", benchmarks/results/compare-cpu*.md); printed by --help.
+DEFAULT_DURATION = "about 3 minutes on a free 2-core Xeon"
+FULL_SET_DURATION = "about 11 minutes on a free 2-core Xeon"
 
-# Size presets. "small" is the CPU default: its default regime set runs in a few minutes on
-# a 2-core CPU with one thread (DEFAULT_DURATION), the full set (--full) in FULL_SET_DURATION.
+# Size presets: "small" is the CPU default (DEFAULT_DURATION with the default regime set,
+# FULL_SET_DURATION with --full), "large" the CUDA default, "tiny" a smoke run of seconds.
 SIZES = {
     "tiny": {
         "gpt": {"n_layer": 1, "d_model": 32, "n_head": 2, "seq_len": 32, "batch": 8},
@@ -86,7 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
         + f". {FULL_SET_DURATION} at --size small",
     )
     p.add_argument(
-        "--size", default=None, choices=sorted(SIZES), help="size preset (default: small on CPU, large on CUDA)"
+        "--size",
+        default=None,
+        choices=sorted(SIZES),
+        help=f"size preset (default: small on CPU, {DEFAULT_DURATION}; large on CUDA; tiny: a smoke run of seconds)",
     )
     p.add_argument("--steps", type=int, default=None, help="training steps per regime (default: from --size)")
     p.add_argument(
