@@ -28,8 +28,8 @@ MODELS = ("gpt", "cnn", "cnn-raw12")
 
 # What a run costs on a 2-core CPU with one thread (the job's CPU time, measured on a 2-core
 # Xeon: README "The two commands", benchmarks/results/compare-cpu*.md); printed by --help.
-DEFAULT_DURATION = "about 3 minutes on a free 2-core Xeon"
-FULL_SET_DURATION = "about 11 minutes on a free 2-core Xeon"
+DEFAULT_DURATION = "about 2.5 minutes on a free 2-core Xeon"
+FULL_SET_DURATION = "about 8.5 minutes on a free 2-core Xeon"
 
 # Size presets: "small" is the CPU default (DEFAULT_DURATION with the default regime set,
 # FULL_SET_DURATION with --full), "large" the CUDA default, "tiny" a smoke run of seconds.

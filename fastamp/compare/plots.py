@@ -125,6 +125,9 @@ def plot(
         elif any_scale:
             ax_s.annotate("markers: skipped steps (overflow: scale x0.5, update skipped)", (0.02, 0.02),
                           xycoords="axes fraction", fontsize=8)  # fmt: skip
+        else:
+            ax_s.annotate("no fp16 regime with a loss scaler ran on this model\n(on CPU, --full runs them all)",
+                          (0.5, 0.5), xycoords="axes fraction", ha="center", fontsize=9)  # fmt: skip
         ax_s.set_yscale("log", base=2)
         every = "" if growth_interval is None else f", x2 after {growth_interval} clean steps"
         ax_s.set_title(f"{model}: loss scale in effect at each step (fp16 regimes with a scaler{every})", fontsize=10)
