@@ -54,11 +54,12 @@ torch's and fastamp's side by side, the pitfall guards that fired (recorded per 
 printed), and the CPU's features next to the measured speeds.
 
 Timing: on CPU with one torch thread (the default; ``--threads``), every regime of every
-model advances one step in turn, each step timed by the process's CPU time and wall clock;
-the table shows the lower quartile of the timed steps. The machine's load (other processes, steal) is measured
-before and during the run, and a run under load says so in the report and on the PNG
-(``load``). One step per regime is profiled op by op (``hotspots``): the report says which
-ops took the time.
+model advances a block of 4 steps in turn (the first untimed: it finds the previous regime's
+data in the caches), each timed step timed by the process's CPU time and the wall clock; the
+table shows the lower quartile of the timed steps. The machine's load (other processes,
+steal) is measured before and during the run, and a run under load says so in the report and
+on the PNG (``load``). Three steps per regime are profiled op by op (``hotspots``): the report
+says which ops took the time.
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""Where a training step's time goes: torch.profiler over one step per regime, the top ops.
+"""Where a training step's time goes: torch.profiler over a few steps per regime, the top ops.
 
 The report explains the speed column from this measurement: for each low-precision row
 much slower than fp32, the op whose time grew the most against fp32's profile of the same
@@ -106,7 +106,8 @@ def hotspot_table(results: list, model: str) -> str:
         cells.append({"regime": r.regime, "ops": _ms(p.total_us), "top": top_ops_text(p)})
     if not cells:
         return ""
-    kind = "device" if cells and results[0].op_profile and results[0].op_profile.device == "cuda" else "CPU"
+    device = next(r.op_profile.device for r in results if r.model == model and r.op_profile is not None)
+    kind = "device" if device == "cuda" else "CPU"
     cols = [("regime", "regime"), ("ops", f"self {kind} time in ops"), ("top", "top ops (share of that time)")]
     return markdown_table(cells, cols, cell=str)
 
