@@ -15,8 +15,9 @@ Models:
            (integers 0..4095, not normalised, as a camera RAW or a depth / medical sensor
            gives them). The first convolution's outputs then have a variance near 1e6:
            fine in fp16 as values, but above fp16's largest number (65504) as BatchNorm's
-           running variance. By default only the regimes that show the difference run
-           (fp32, torch-amp-fp16, fastamp-fp16, half-fp16-fastamp, pure-fp16).
+           running variance. Only the regimes that show the difference run there (on CPU
+           by default fp32, fastamp-fp16 and half-fp16-fastamp; with ``--full`` also
+           torch-amp-fp16 and pure-fp16).
 
 Regimes:
   ``fp32``            fp32 params, ``torch.optim.AdamW(fused=True)``.
@@ -40,9 +41,11 @@ Regimes:
                       fp16 params, no masters, no scaler, no autocast: the guides' cautionary row.
   ``pure-bf16``       the same in bf16.
 
-By default (``MODEL_REGIMES``) gpt runs every regime but ``half-fp16-fastamp``, cnn every one
-but ``fastamp-scaler-fp16`` (fp16 rows are the costly ones on a CPU; each runs where it shows
-something), cnn-raw12 the BatchNorm ones; ``--regimes`` runs the given ones on every model.
+Which regimes run: on CPU by default (``MODEL_REGIMES``) gpt runs every regime but
+``half-fp16-fastamp``, cnn every one without fp16, cnn-raw12 ``fp32``, ``fastamp-fp16`` and
+``half-fp16-fastamp`` (the BatchNorm point): fp16 CNN steps are the costly ones on a CPU.
+``--full`` (and the default on CUDA, ``FULL_MODEL_REGIMES``) adds the other fp16 CNN rows;
+``--regimes`` runs the given ones on every model.
 
 Every scaler, torch's and fastamp's, runs with the same settings: start at 2^16, x0.5 and a
 skipped step on an overflow, x2 after ``--growth-interval`` clean steps (10 in the CPU-sized
@@ -50,28 +53,49 @@ run, so that the scale is seen to move). The report lists the skipped steps of e
 torch's and fastamp's side by side, the pitfall guards that fired (recorded per regime, not
 printed), and the CPU's features next to the measured speeds.
 
+Timing: on CPU with one torch thread (the default; ``--threads``), every regime of every
+model advances a block of 4 steps in turn (the first untimed: it finds the previous regime's
+data in the caches), each timed step timed by the process's CPU time and the wall clock; the
+table shows the lower quartile of the timed steps. The machine's load (other processes,
+steal) is measured before and during the run, and a run under load says so in the report and
+on the PNG (``load``). Three steps per regime are profiled op by op (``hotspots``): the report
+says which ops took the time.
+
 Usage::
 
-    fastamp-compare                                  # all models, all regimes, CPU-sized
+    fastamp-compare                                  # all models, CPU default set, CPU-sized
+    fastamp-compare --full                           # every regime on CPU too (fp16 CNN rows: slow)
+    fastamp-compare --size tiny                      # seconds: a smoke run
     python -m fastamp.compare --device cuda --size large --steps 600
     fastamp-compare --model gpt --regimes fp32,torch-amp-bf16,fastamp-bf16 --steps 100
 
 Layout, in the order a run goes through it: ``data`` and ``models`` (what is trained),
-``regimes`` (how each regime sets the model and optimizer up), ``train`` (the loop, timed;
-``memory`` measures its peak on CPU), ``report`` (ratios to fp32, verdicts, Markdown),
-``plots`` (the PNG), ``cli`` (arguments and files; ``python -m fastamp.compare`` runs it).
-The machine header, progress bar and CSV / Markdown writers are ``fastamp._harness``, shared
-with the microbenchmarks.
+``regimes`` (how each regime sets the model and optimizer up), ``train`` (one regime's
+steps, timed; ``memory`` measures the peak of a step, ``hotspots`` profiles one), ``load``
+(the machine's load), ``progress`` (the progress line and its ETA), ``report`` (ratios to
+fp32, verdicts, Markdown), ``plots`` (the PNG), ``cli`` (arguments, the interleaved schedule,
+files; ``python -m fastamp.compare`` runs it). The machine header and CSV / Markdown writers
+are ``fastamp._harness``, shared with the microbenchmarks.
 """
 
-from fastamp.compare.cli import MODELS, SIZES, build_parser, main
+from fastamp.compare.cli import MODELS, SIZES, CompareRun, build_parser, main, run
 from fastamp.compare.data import _NUMBERS as _NUMBERS  # private; the tests use it
 from fastamp.compare.data import ImageData, TextData, synthetic_text
+from fastamp.compare.hotspots import OpProfile, profile_step
+from fastamp.compare.load import LoadVerdict, assess
 from fastamp.compare.machine import cpu_features, cpu_features_line, cpu_flags
-from fastamp.compare.memory import CpuPeakMeter, live_bytes
+from fastamp.compare.memory import CpuPeakMeter, CudaPeakMeter, live_bytes
 from fastamp.compare.models import SmallCNN, TinyGPT, bn_running_var_max
 from fastamp.compare.plots import plot
-from fastamp.compare.regimes import BN_DEMO_REGIMES, MODEL_REGIMES, REGIME_INFO, REGIMES, build_regime
+from fastamp.compare.progress import JobProgress, eta_seconds
+from fastamp.compare.regimes import (
+    BN_DEMO_REGIMES,
+    FULL_MODEL_REGIMES,
+    MODEL_REGIMES,
+    REGIME_INFO,
+    REGIMES,
+    build_regime,
+)
 from fastamp.compare.report import (
     CONVERGENCE_RTOL,
     SCALE_PAIRS,
@@ -85,13 +109,14 @@ from fastamp.compare.report import (
     summarise,
     verdicts,
 )
-from fastamp.compare.train import RegimeResult, pitfalls_recorded, train_regime
+from fastamp.compare.train import RegimeResult, RegimeRun, pitfalls_recorded, train_regime
 from fastamp.compare.train import _lr_at as _lr_at  # private; the tests use it
 from fastamp.compare.train import _step_count as _step_count  # private; the tests use it
 
 __all__ = [
     "BN_DEMO_REGIMES",
     "CONVERGENCE_RTOL",
+    "FULL_MODEL_REGIMES",
     "MODELS",
     "MODEL_REGIMES",
     "REGIMES",
@@ -99,12 +124,19 @@ __all__ = [
     "SCALE_PAIRS",
     "SIZES",
     "TABLE_COLS",
+    "CompareRun",
     "CpuPeakMeter",
+    "CudaPeakMeter",
     "ImageData",
+    "JobProgress",
+    "LoadVerdict",
+    "OpProfile",
     "RegimeResult",
+    "RegimeRun",
     "SmallCNN",
     "TextData",
     "TinyGPT",
+    "assess",
     "bn_running_var_max",
     "build_parser",
     "build_regime",
@@ -112,12 +144,15 @@ __all__ = [
     "cpu_features_line",
     "cpu_flags",
     "cpu_speed_note",
+    "eta_seconds",
     "guard_lines",
     "live_bytes",
     "main",
     "markdown",
     "pitfalls_recorded",
     "plot",
+    "profile_step",
+    "run",
     "scale_lines",
     "scale_moves",
     "scale_trajectories_match",

@@ -1,10 +1,10 @@
-"""What the CPU offers low-precision training: the instruction sets that decide fp16/bf16 matmul speed.
+"""What the CPU offers low-precision training: its instruction-set flags, for the report header.
 
 Read, not assumed: the flags come from ``/proc/cpuinfo`` (Linux), and torch's own choice of
-kernels from ``torch.backends.cpu.get_cpu_capability()``. The speed column of the report
-is then read against them (a CPU with AVX512-BF16 can run bf16 matmuls faster than fp32; one
-without AVX512-FP16 or AMX-FP16 has no native fp16 matmul).
-"""
+kernels from ``torch.backends.cpu.get_cpu_capability()``. They are reported as facts only:
+whether torch uses them for an op is another matter (on a Xeon with AVX512-FP16 torch's fp16
+convolution weight gradient ran about 100x slower than fp32's), so the report explains the
+speed column from the op profile it measures (:mod:`fastamp.compare.hotspots`), not from these."""
 
 from __future__ import annotations
 

@@ -117,3 +117,32 @@ class CpuPeakMeter:
             peak = max(peak, cur)
         self.peak = base + peak
         return out
+
+
+class CudaPeakMeter:
+    """Peak bytes of torch's CUDA allocator over one training step, measured as :class:`CpuPeakMeter` does.
+
+    The live storages reachable from the model, optimizer and scaler at the start of the step,
+    plus the highest ``torch.cuda.max_memory_allocated`` reached during the step above what
+    was allocated when it started. Other regimes' models, alive at the same time when the
+    job interleaves the regimes, are in neither term.
+    """
+
+    method = (
+        "CUDA: live tensor storages at step start (model, optimizer state, scaler) + torch.cuda.max_memory_allocated "
+        "during one full training step above the allocation at its start"
+    )
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = None
+
+    def measure(self, step_fn: Callable[[], Any], *objs: Any) -> Any:
+        base = live_bytes(*objs)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        start = torch.cuda.memory_allocated(self.device)
+        out = step_fn()
+        torch.cuda.synchronize(self.device)
+        self.peak = base + torch.cuda.max_memory_allocated(self.device) - start
+        return out

@@ -26,13 +26,23 @@ def _smooth(v: list[float], k: int) -> list[float]:
 _SKIP_MARKERS = {"torch-amp-fp16": ("o", 9), "fastamp-scaler-fp16": ("x", 7), "fastamp-fp16": ("^", 6)}
 
 
+def plot_title(device: str, commit: str, date: str, load=None) -> str:
+    """The PNG's title; a run under load says so first (``load``: a :class:`~fastamp.compare.load.LoadVerdict`)."""
+    title = f"fastamp-compare on {device} ({commit}, {date})"
+    if load is not None and load.under_load:
+        title = f"{load.banner()}: speed labels measured while other processes competed for the CPUs\n" + title
+    return title
+
+
 def plot(
     results: list[RegimeResult],
     rows: list[dict[str, Any]],
     path: str,
     title: str,
     growth_interval: int | None = None,
+    note: str = "",
 ) -> None:
+    """Write the PNG; ``title`` and ``note`` also go into its text metadata (Title, Description)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,6 +125,9 @@ def plot(
         elif any_scale:
             ax_s.annotate("markers: skipped steps (overflow: scale x0.5, update skipped)", (0.02, 0.02),
                           xycoords="axes fraction", fontsize=8)  # fmt: skip
+        else:
+            ax_s.annotate("no fp16 regime with a loss scaler ran on this model\n(on CPU, --full runs them all)",
+                          (0.5, 0.5), xycoords="axes fraction", ha="center", fontsize=9)  # fmt: skip
         ax_s.set_yscale("log", base=2)
         every = "" if growth_interval is None else f", x2 after {growth_interval} clean steps"
         ax_s.set_title(f"{model}: loss scale in effect at each step (fp16 regimes with a scaler{every})", fontsize=10)
@@ -139,7 +152,8 @@ def plot(
         ax_m.set_title(f"{model}: peak memory, speed vs fp32, convergence")
         if mem:
             ax_m.set_xlim(0, max(mem) * 1.9)
-    fig.suptitle(title, fontsize=10)
+    loaded = title.startswith("UNDER LOAD")
+    fig.suptitle(title, fontsize=11 if loaded else 10, color="firebrick" if loaded else "black")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata={"Title": title, "Description": note})
     plt.close(fig)

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from fastamp._harness import markdown_table
+from fastamp.compare.hotspots import dominant_ops, hotspot_table, slowdown_lines, top_ops_text
 from fastamp.compare.regimes import REGIME_INFO
-from fastamp.compare.train import RegimeResult
+from fastamp.compare.train import BLOCK, RegimeResult
 
 _BF16, _FP16 = torch.bfloat16, torch.float16
 
@@ -69,6 +70,10 @@ def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
                         else "-"
                     ),
                     "step_ms": _fmt(r.step_ms, 2),
+                    "step_clock": r.clock,
+                    "step_wall_ms": _fmt(r.step_wall_ms, 2),
+                    "step_cpu_ms": _fmt(r.step_cpu_ms, 2),
+                    "timed_steps": r.timed_steps,
                     "speed_vs_fp32": (
                         "-"
                         if not math.isfinite(r.speed_vs_fp32)
@@ -89,6 +94,7 @@ def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
                     "bn_running_var_max": "-" if r.bn_var_max is None else f"{r.bn_var_max:.4g}",
                     "skipped_at": "-" if r.skipped_at is None else " ".join(map(str, r.skipped_at)),
                     "guards": " ".join(r.guards),
+                    "top_ops": top_ops_text(r.op_profile) if r.op_profile is not None and r.op_profile.ops else "",
                     "error": r.error,
                 }
             )
@@ -347,8 +353,12 @@ def guard_lines(results: list[RegimeResult]) -> list[str]:
     return out
 
 
-def cpu_speed_note(results: list[RegimeResult], features: dict[str, bool] | None) -> str:
-    """The CPU caveat from what was measured: the CPU's matmul features and the speed ratios per dtype and model."""
+def cpu_speed_note(results: list[RegimeResult], features: dict[str, bool] | None = None) -> str:
+    """The CPU caveat, from what was measured: the speed ratios per dtype and model, and the op that dominates.
+
+    ``features`` (the CPU's flags) is not used to explain anything: the flags are in the
+    header, and which ops took the time is measured (:mod:`fastamp.compare.hotspots`).
+    """
     parts = []
     for model in dict.fromkeys(r.model for r in results):
         per = []
@@ -360,20 +370,104 @@ def cpu_speed_note(results: list[RegimeResult], features: dict[str, bool] | None
                 and math.isfinite(r.speed_vs_fp32)
             ]  # fmt: skip
             if v:
-                per.append(f"{name} {min(v):.2f}-{max(v):.2f}x" if len(v) > 1 else f"{name} {v[0]:.2f}x")
+                per.append(f"{name} {_ratio(min(v))}-{_ratio(max(v))}" if len(v) > 1 else f"{name} {_ratio(v[0])}")
         if per:
             parts.append(f"{model}: " + ", ".join(per))
     speeds = "; ".join(parts) if parts else "no speed measured"
-
-    def has(*labels: str) -> str:
-        if features is None:
-            return "unknown"
-        return ", ".join(f"{x} {'yes' if features.get(x) else 'no'}" for x in labels)
-
+    dominant = dominant_ops(results)
+    why = ""
+    if dominant:
+        why = (
+            " Where the slower rows' extra time went (torch.profiler, three steps per regime): "
+            + "; ".join(f"{op} in {', '.join(rows)}" for op, rows in dominant.items())
+            + " (see 'Where the time goes')."
+        )
     return (
-        f"a bf16 matmul has a native CPU path with AVX512-BF16 or AMX-BF16 (here: {has('AVX512-BF16', 'AMX-BF16')}), "
-        f"an fp16 one with AVX512-FP16 or AMX-FP16 (here: {has('AVX512-FP16', 'AMX-FP16')}); without one, it is "
-        f"converted or emulated. Measured here, speed vs fp32 (lowest-highest over each dtype's regimes): {speeds}. "
-        f"The speed column is this machine's; a GPU's mixed-precision speed-up is not measured on a CPU. Memory "
-        f"and convergence carry over."
+        f"measured here, speed vs fp32 (lowest-highest over each dtype's regimes): {speeds}.{why} The speed column "
+        f"is this machine's; a GPU's mixed-precision speed-up is not measured on a CPU. Memory and convergence "
+        f"carry over."
     )
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}x" if x >= 0.1 else f"{x:.3f}x"
+
+
+def report_lines(info, results, rows, models, model_regimes, device, verdict, mem_note, growth_interval) -> list[str]:
+    """The Markdown report: header (machine, load, method), regimes, tables, where the time goes, checks."""
+    lines = [f"# fastamp-compare ({device.type})", ""]
+    if verdict is not None and verdict.under_load:
+        lines += [
+            f"**This run was under load**: {'; '.join(verdict.reasons)}. Other processes competed for the CPUs, "
+            f"so the step times are not this machine's unloaded ones; the speed ratios are measured in the same "
+            f"interleaved rounds and by CPU time with one thread, which keeps them comparable, but treat them with "
+            f"care. Memory and convergence do not depend on the load.",
+            "",
+        ]
+    lines += [f"- {k}: {v}" for k, v in info.items()]
+    lines += [f"- peak memory: {mem_note}"]
+    timed = max((r.timed_steps for r in results if not r.error), default=0)
+    clock = next((r.clock for r in results if not r.error), "wall")
+    if clock == "cpu":
+        how = (
+            "the process's CPU time per step (one thread: the time the step computed, without the time it waited "
+            "for a CPU while other processes ran; the wall clock's is in the CSV, step_wall_ms, and every step's "
+            "times are in the curves CSV)"
+        )
+    elif device.type == "cuda":
+        how = "wall clock over chunks of steps between two device synchronisations"
+    else:
+        how = "wall clock per step (more than one thread: CPU time would add the threads' waits)"
+    lines += [
+        f"- step time: the lower quartile of the {timed} timed steps of each regime (other processes only make a "
+        f"step longer, and the quartile stays clear of the ~7% cheaper steps a scaler skips), by {how}. Steps 0-6 set up and measure "
+        f"(warm-up; step 2 measured for memory; steps 4-6 profiled), then the regimes run interleaved, a block of "
+        f"{BLOCK.get(device.type, BLOCK['cuda'])} steps each in turn, so that every regime meets the same load; the first "
+        f"step of each block is not timed, as it finds the caches full of the previous regime's data",
+        "- final val loss: mean cross-entropy on 8 held-out batches, evaluated in the regime's own precision",
+        "- convergence % of fp32: (first-step loss - final val loss) / the same for fp32, x100",
+        "- skipped steps: steps minus the optimizer's step counter (overflow steps skipped on device); "
+        "'-' where no scaler is used",
+    ]
+    if device.type == "cpu":
+        lines += ["- CPU note: " + cpu_speed_note(results)]
+    lines += [
+        "- data: gpt: text of a synthetic grammar; cnn: synthetic 10-class images, normalised; cnn-raw12: the same "
+        "images as raw 12-bit sensor values (0..4095, not normalised)",
+    ]
+    ran = [r for r in REGIME_INFO if any(r in v for v in model_regimes.values())]
+    lines += ["", "## Regimes", ""] + [f"- `{r}`: {REGIME_INFO[r][1]}" for r in ran]
+    lines.append("")
+    for model_name in models:
+        lines += [
+            f"## {model_name} ({info.get(model_name + '_params', '?')} params)",
+            "",
+            markdown(rows, model_name),
+            "",
+        ]
+        for r in rows:
+            if r["model"] == model_name and r["error"]:
+                lines.append(f"- {r['regime']} failed: {r['error']}")
+        lines.append("")
+    lines += ["## Where the time goes", ""]
+    lines += [
+        "torch.profiler over three training steps per regime (steps 4-6), each profiled on its own: each op's "
+        "self time, summed by op name within a step, then the least over the three steps (the profiler times ops "
+        "by the wall clock, so an op during which another process held the CPU only looks longer); the shares are "
+        "of the time spent in ops. Under load the small ops' shares stay noisy; a dominant op shows in every step.",
+        "",
+    ]
+    for model_name in models:
+        table = hotspot_table(results, model_name)
+        if table:
+            lines += [f"### {model_name}", "", table, ""]
+    slow = slowdown_lines(results)
+    if slow:
+        lines += ["Rows slower than fp32 by more than 1.5x, and the op that grew the most:", ""]
+        lines += [f"- {v}" for v in slow] + [""]
+    lines += ["## Loss scale", ""] + scale_lines(results, growth_interval) + [""]
+    lines += ["## Pitfall guards", ""] + guard_lines(results) + [""]
+    checks = verdicts(results)
+    if checks:
+        lines += ["## Convergence checks", ""] + [f"- {c}" for c in checks] + [""]
+    return lines

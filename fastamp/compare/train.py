@@ -1,4 +1,19 @@
-"""One regime's training run: the loop, its timing, its memory, its losses and loss scales."""
+"""One regime's training run, step by step: the loop, its timing, its memory, its losses and loss scales.
+
+A :class:`RegimeRun` holds one regime's model and optimizer and runs its steps a block at a
+time, so that the job can interleave the regimes (every regime then sees the same load from
+other processes). :func:`train_regime` runs one regime start to finish.
+
+The first block, steps 0-6, sets up and measures: steps 0-1 warm up (the optimizer state is
+created at step 0), step 2 is measured for peak memory, step 3 warms the caches again after
+the memory profiler, steps 4-6 are profiled op by op (``torch.profiler``; the report takes
+each op's least time over the three, as an op preempted by another process only looks
+longer). Then blocks of :data:`BLOCK` steps: the first step of each block runs untimed, because
+it finds the caches full of the previous regime's data (measured: an fp32 GPT step right
+after an fp16 CNN step took 1.4 ms longer), and the others are timed. On CPU each timed step
+is timed on its own, by wall clock and by the process's CPU time; on CUDA the timed steps of
+a block together, between two synchronisations.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +30,23 @@ import torch
 import torch.nn as nn
 
 from fastamp._harness import sync, unscale_and_clip
-from fastamp.compare.memory import CpuPeakMeter
+from fastamp.compare.hotspots import OpProfile, profile_step
+from fastamp.compare.memory import CpuPeakMeter, CudaPeakMeter
 from fastamp.compare.models import bn_running_var_max
 from fastamp.compare.regimes import build_regime
+
+MEMORY_STEP = 2
+PROFILED_STEPS = (4, 5, 6)
+FIRST_TIMED_BLOCK = 7
+# steps per block after the first: one untimed step, then timed ones (more on CUDA, where a
+# block's timed steps share one pair of synchronisations)
+BLOCK = {"cpu": 4, "cuda": 10}
+MIN_STEPS = FIRST_TIMED_BLOCK + 2
+# The table's step time is this quantile of the timed steps. Another process can only make a
+# step longer (CPU time too: it refills the caches the other process used), so a low quantile
+# is nearer the step's own time than the median; not the minimum, which would pick the
+# cheaper steps an fp16 scaler skips (about 7% of the steps here).
+STEP_QUANTILE = 0.25
 
 
 @dataclass
@@ -25,7 +54,14 @@ class RegimeResult:
     model: str
     regime: str
     peak_mem_bytes: float = float("nan")
+    # the step time the table shows: the lower quartile (STEP_QUANTILE) of the timed steps, by ``clock``
     step_ms: float = float("nan")
+    step_wall_ms: float = float("nan")
+    step_cpu_ms: float = float("nan")
+    clock: str = "wall"
+    timed_steps: int = 0
+    # (step, wall seconds, CPU seconds) of every timed step (on CUDA a block's mean per step)
+    step_times: list[tuple[int, float, float]] = field(default_factory=list)
     final_loss: float = float("nan")
     initial_loss: float = float("nan")
     skipped_steps: Any = "-"
@@ -40,8 +76,15 @@ class RegimeResult:
     init_scale: float | None = None
     # fastamp pitfall guards that fired during the run (AmpPitfallWarning keys, first-fired order)
     guards: list[str] = field(default_factory=list)
+    op_profile: OpProfile | None = None
     speed_vs_fp32: float = float("nan")
     convergence_pct: float = float("nan")
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (the nearest rank below, no interpolation)."""
+    v = sorted(values)
+    return v[int(q * (len(v) - 1))]
 
 
 def _lr_at(step: int, steps: int, base_lr: float) -> float:
@@ -95,6 +138,179 @@ def _step_counter(opt: torch.optim.Optimizer) -> torch.Tensor:
     return torch.zeros(())
 
 
+class RegimeRun:
+    """One regime's model, optimizer and scaler, trained a few steps per :meth:`advance` call.
+
+    ``growth_interval`` goes to every scaler (torch's and fastamp's alike). The pitfall
+    warnings fastamp raises are recorded in ``result.guards``, not printed. The loop has
+    no host sync; a timed chunk synchronises the device at its two ends only.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        regime: str,
+        base_model: nn.Module,
+        data,
+        device: torch.device,
+        steps: int,
+        lr: float,
+        clip: float,
+        growth_interval: int = 2000,
+        measure_memory: bool = True,
+        profile_ops: bool = True,
+        cpu_clock: bool = False,
+    ):
+        self.result = RegimeResult(model_name, regime)
+        self.data, self.device, self.steps, self.lr, self.clip = data, device, steps, lr, clip
+        self.measure_memory, self.profile_ops = measure_memory, profile_ops
+        # CPU time measures the work of a step even while other processes hold the CPU; it is
+        # the step's time only when one thread does the work (more threads add their waits)
+        self.result.clock = "cpu" if cpu_clock and device.type == "cpu" else "wall"
+        self.next_step = 0
+        self.losses: list[torch.Tensor] = []
+        self.scales: list[torch.Tensor] = []
+        self.counters: list[torch.Tensor] = []
+        self.profiles: list[OpProfile] = []
+        with pitfalls_recorded(self.result.guards):
+            self.model = copy.deepcopy(base_model).to(device)
+            self.opt, self.scaler, self.autocast_dtype, self.in_dtype = build_regime(
+                regime, self.model, lr, device, growth_interval
+            )
+        if self.scaler is not None:
+            self.result.init_scale = float(self.scaler.get_scale())
+        # the drop-in regime keeps torch's loop (unscale_ + clip_grad_norm_), not fastamp's fused clip
+        self.torch_loop = regime == "fastamp-scaler-fp16"
+        self.params = list(self.model.parameters())
+        self.loss_fn = type(self.model).loss
+
+    @property
+    def done(self) -> bool:
+        return self.next_step >= self.steps
+
+    def _autocast(self):
+        dt = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dt or torch.float32, enabled=dt is not None)
+
+    def _one_step(self, step: int) -> None:
+        x, y = self.data.train_batch(step)
+        if self.in_dtype is not None and x.is_floating_point():
+            x = x.to(self.in_dtype)
+        opt, scaler = self.opt, self.scaler
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, self.steps, self.lr)
+        opt.zero_grad(set_to_none=True)
+        with self._autocast():
+            loss = self.loss_fn(self.model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if self.clip > 0 and self.torch_loop:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+            elif self.clip > 0:
+                unscale_and_clip(scaler, opt, self.params, self.clip)
+            scaler.step(opt)
+            scaler.update()
+            self.scales.append(scaler._get_scale_async().detach().clone().reshape(()))
+            self.counters.append(_step_counter(opt))
+        else:
+            loss.backward()
+            if self.clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+            opt.step()
+        self.losses.append(loss.detach().float().reshape(()))
+
+    def chunk(self) -> int:
+        """How many steps the next :meth:`advance` runs: the set-up block, then :data:`BLOCK` (a lone last step joins it)."""
+        left = self.steps - self.next_step
+        if self.next_step == 0:
+            return min(FIRST_TIMED_BLOCK, left)
+        n = min(BLOCK.get(self.device.type, BLOCK["cuda"]), left)
+        return left if left - n == 1 else n
+
+    def advance(self, n: int | None = None) -> list[tuple[int, float, bool]]:
+        """Run the next block (``n`` steps, default :meth:`chunk`); return (step, wall seconds, timed) per step."""
+        first = self.next_step
+        n = min(self.chunk() if n is None else n, self.steps - first)
+        dev = self.device
+        out: list[tuple[int, float, bool]] = []
+        with pitfalls_recorded(self.result.guards):
+            if first < FIRST_TIMED_BLOCK:
+                for step in range(first, first + n):
+                    t0 = time.perf_counter()
+                    if step == MEMORY_STEP and self.measure_memory:
+                        meter = CudaPeakMeter(dev) if dev.type == "cuda" else CpuPeakMeter()
+                        meter.measure(lambda s=step: self._one_step(s), self.model, self.opt, self.scaler)
+                        self.result.peak_mem_bytes = float(meter.peak)
+                    elif step in PROFILED_STEPS and self.profile_ops:
+                        self.profiles.append(profile_step(lambda s=step: self._one_step(s), dev))
+                    else:
+                        self._one_step(step)
+                    sync(dev)
+                    out.append((step, time.perf_counter() - t0, False))
+            else:
+                t0 = time.perf_counter()
+                self._one_step(first)  # untimed: it refills the caches
+                sync(dev)
+                out.append((first, time.perf_counter() - t0, False))
+                out += self._timed(first + 1, n - 1)
+        self.next_step = first + n
+        return out
+
+    def _timed(self, first: int, n: int) -> list[tuple[int, float, bool]]:
+        if n <= 0:
+            return []
+        if self.device.type != "cpu":
+            t0, c0 = time.perf_counter(), time.process_time()
+            for step in range(first, first + n):
+                self._one_step(step)
+            sync(self.device)
+            wall, cpu = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+            self.result.step_times += [(step, wall, cpu) for step in range(first, first + n)]
+            return [(step, wall, True) for step in range(first, first + n)]
+        out = []
+        for step in range(first, first + n):
+            t0, c0 = time.perf_counter(), time.process_time()
+            self._one_step(step)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            self.result.step_times.append((step, wall, cpu))
+            out.append((step, wall, True))
+        return out
+
+    def finish(self) -> RegimeResult:
+        """Evaluate on held-out batches (in the regime's own precision) and fill the result."""
+        res = self.result
+        if self.profiles:
+            res.op_profile = OpProfile.fastest(self.profiles)
+        if res.step_times:
+            res.timed_steps = len(res.step_times)
+            res.step_wall_ms = quantile([w for _, w, _ in res.step_times], STEP_QUANTILE) * 1e3
+            res.step_cpu_ms = quantile([c for _, _, c in res.step_times], STEP_QUANTILE) * 1e3
+            res.step_ms = res.step_cpu_ms if res.clock == "cpu" else res.step_wall_ms
+        with pitfalls_recorded(res.guards):
+            self.model.eval()
+            with torch.no_grad():
+                vals = []
+                for x, y in self.data.val_batches():
+                    if self.in_dtype is not None and x.is_floating_point():
+                        x = x.to(self.in_dtype)
+                    with self._autocast():
+                        vals.append(self.loss_fn(self.model(x), y).float())
+                res.final_loss = float(torch.stack(vals).mean())
+        res.bn_var_max = bn_running_var_max(self.model)
+        res.losses = torch.stack(self.losses).cpu().tolist() if self.losses else []
+        res.nonfinite_losses = sum(1 for v in res.losses if not math.isfinite(v))
+        res.initial_loss = res.losses[0] if res.losses else float("nan")
+        if self.scaler is not None:
+            res.scales = torch.stack(self.scales).cpu().tolist()
+            res.final_scale = float(self.scaler.get_scale())
+            count = _step_count(self.opt)
+            res.skipped_steps = self.steps - int(count) if count is not None else "?"
+            seen = torch.stack(self.counters).cpu().tolist()
+            res.skipped_at = [i for i, c in enumerate(seen) if c == (seen[i - 1] if i else 0.0)]
+        return res
+
+
 def train_regime(
     model_name: str,
     regime: str,
@@ -107,109 +323,17 @@ def train_regime(
     measure_memory: bool = True,
     progress: Callable[[], None] | None = None,
     growth_interval: int = 2000,
+    profile_ops: bool = False,
+    cpu_clock: bool = False,
 ) -> RegimeResult:
-    """Train a copy of ``base_model`` for ``steps`` steps under ``regime``; no host sync inside the loop.
-
-    ``growth_interval`` goes to every scaler (torch's and fastamp's alike). The pitfall
-    warnings fastamp raises are recorded in ``guards``, not printed.
-    """
-    res = RegimeResult(model_name, regime)
-    with pitfalls_recorded(res.guards):
-        _train(res, base_model, data, device, steps, lr, clip, measure_memory, progress, growth_interval)
-    return res
-
-
-def _train(res, base_model, data, device, steps, lr, clip, measure_memory, progress, growth_interval) -> None:
-    regime = res.regime
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-        mem_before = torch.cuda.memory_allocated(device)
-    model = copy.deepcopy(base_model).to(device)
-    opt, scaler, autocast_dtype, in_dtype = build_regime(regime, model, lr, device, growth_interval)
-    if scaler is not None:
-        res.init_scale = float(scaler.get_scale())
-    # the drop-in regime keeps torch's loop (unscale_ + clip_grad_norm_), not fastamp's fused clip
-    torch_loop = regime == "fastamp-scaler-fp16"
-
-    params = [p for p in model.parameters()]
-    loss_fn = type(model).loss
-    losses: list[torch.Tensor] = []
-    scales: list[torch.Tensor] = []
-    counters: list[torch.Tensor] = []
-
-    def one_step(step: int):
-        x, y = data.train_batch(step)
-        if in_dtype is not None and x.is_floating_point():
-            x = x.to(in_dtype)
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, steps, lr)
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-            loss = loss_fn(model(x), y)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            if clip > 0 and torch_loop:
-                scaler.unscale_(opt)
-                torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-            elif clip > 0:
-                unscale_and_clip(scaler, opt, params, clip)
-            scaler.step(opt)
-            scaler.update()
-            scales.append(scaler._get_scale_async().detach().clone().reshape(()))
-            counters.append(_step_counter(opt))
-        else:
-            loss.backward()
-            if clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-            opt.step()
-        losses.append(loss.detach().float().reshape(()))
-
-    # Steps 0-2 warm up (the optimizer state is created at step 0); step 2 is profiled for
-    # memory on CPU; the rest are timed.
-    warm = min(3, steps)
-    meter = CpuPeakMeter()
-    timed_from = warm
-    for step in range(warm):
-        if step == 2 and measure_memory and device.type == "cpu":
-            meter.measure(lambda s=step: one_step(s), model, opt, scaler)
-        else:
-            one_step(step)
+    """Train a copy of ``base_model`` for ``steps`` steps under ``regime``, start to finish."""
+    run = RegimeRun(
+        model_name, regime, base_model, data, device, steps, lr, clip, growth_interval=growth_interval,
+        measure_memory=measure_memory, profile_ops=profile_ops, cpu_clock=cpu_clock,
+    )  # fmt: skip
+    while not run.done:
+        ran = run.advance()
         if progress:
-            progress()
-    sync(device)
-    t0 = time.perf_counter()
-    for step in range(timed_from, steps):
-        one_step(step)
-        if progress:
-            progress()
-    sync(device)
-    n_timed = steps - timed_from
-    res.step_ms = (time.perf_counter() - t0) / n_timed * 1e3 if n_timed > 0 else float("nan")
-
-    if device.type == "cuda":
-        res.peak_mem_bytes = float(torch.cuda.max_memory_allocated(device) - mem_before)
-    elif meter.peak is not None:
-        res.peak_mem_bytes = float(meter.peak)
-
-    # Validation loss, in the regime's own precision (what the trained model produces).
-    model.eval()
-    with torch.no_grad():
-        vals = []
-        for x, y in data.val_batches():
-            if in_dtype is not None and x.is_floating_point():
-                x = x.to(in_dtype)
-            with torch.autocast(device.type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
-                vals.append(loss_fn(model(x), y).float())
-        res.final_loss = float(torch.stack(vals).mean())
-    res.bn_var_max = bn_running_var_max(model)
-    res.losses = torch.stack(losses).cpu().tolist() if losses else []
-    res.nonfinite_losses = sum(1 for v in res.losses if not math.isfinite(v))
-    res.initial_loss = res.losses[0] if res.losses else float("nan")
-    if scaler is not None:
-        res.scales = torch.stack(scales).cpu().tolist()
-        res.final_scale = float(scaler.get_scale())
-        count = _step_count(opt)
-        res.skipped_steps = steps - int(count) if count is not None else "?"
-        seen = torch.stack(counters).cpu().tolist()
-        res.skipped_at = [i for i, c in enumerate(seen) if c == (seen[i - 1] if i else 0.0)]
+            for _ in ran:
+                progress()
+    return run.finish()

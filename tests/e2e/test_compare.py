@@ -3,6 +3,9 @@
 import csv
 import math
 import os
+import subprocess
+import sys
+import time
 import warnings
 
 import pytest
@@ -45,10 +48,12 @@ def test_text_and_image_batches_are_deterministic_per_step():
 
 @pytest.mark.slow
 def test_cnn_raw12_runs_the_batchnorm_regimes_unless_told_otherwise(tmp_path):
-    args = ["--device", "cpu", "--size", "tiny", "--steps", "4", "--model", "cnn-raw12", "--out", str(tmp_path)]
-    rows = compare.main(args + ["--no-progress", "--no-plot"])
+    args = ["--device", "cpu", "--size", "tiny", "--steps", "9", "--model", "cnn-raw12", "--out", str(tmp_path)]
+    rows = compare.run(args + ["--no-progress", "--no-plot"]).rows
+    assert [r["regime"] for r in rows] == list(compare.MODEL_REGIMES["cnn-raw12"])
+    rows = compare.run(args + ["--no-progress", "--no-plot", "--full"]).rows
     assert [r["regime"] for r in rows] == list(compare.BN_DEMO_REGIMES)
-    rows = compare.main(args + ["--no-progress", "--no-plot", "--regimes", "fp32,fastamp-bf16"])
+    rows = compare.run(args + ["--no-progress", "--no-plot", "--regimes", "fp32,fastamp-bf16"]).rows
     assert [r["regime"] for r in rows] == ["fp32", "fastamp-bf16"]
 
 
@@ -183,10 +188,12 @@ def test_same_regime_twice_is_bit_identical():
 @pytest.mark.slow
 def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     regimes = "fp32,torch-amp-fp16,fastamp-scaler-fp16,fastamp-fp16,fastamp-bf16-sr,pure-fp16"
-    args = ["--device", "cpu", "--size", "tiny", "--steps", "4", "--regimes", regimes, "--out", str(tmp_path)]
+    args = ["--device", "cpu", "--size", "tiny", "--steps", "9", "--regimes", regimes, "--out", str(tmp_path)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        rows = compare.main(args + ["--no-progress", "--note", "a test run"])
+        done = compare.run(args + ["--no-progress", "--note", "a test run"])
+    rows = done.rows
+    assert done.ok and str(tmp_path / "compare-cpu.png") in done.written
     # pure-fp16 trips two guards (the optimizer hook cast_model(fp16) installed for the process sees
     # torch's AdamW step fp16 params with no scaler and no master): recorded per regime, not warned
     assert not [w for w in caught if issubclass(w.category, fastamp.AmpPitfallWarning)]
@@ -220,9 +227,13 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     assert gpt["pure-fp16"]["peak_mem_bytes"] < gpt["fp32"]["peak_mem_bytes"]
     with open(tmp_path / "compare-cpu-curves.csv", newline="") as f:
         curves = list(csv.DictReader(f))
-    assert len(curves) == 3 * 6 * 4
+    assert len(curves) == 3 * 6 * 9
     assert {c["skipped"] for c in curves if c["regime"] == "fp32"} == {""}
     assert {c["skipped"] for c in curves if c["regime"] == "torch-amp-fp16"} <= {"0", "1"}
+    # every timed step's wall and CPU time (steps 0-6 set up and measure, 7 opens a block: not timed)
+    assert {c["step"] for c in curves if c["step_cpu_ms"]} == {"8"} and all(
+        float(c["step_wall_ms"]) > 0 for c in curves if c["step_cpu_ms"]
+    )
     png = tmp_path / "compare-cpu.png"
     assert png.exists() and png.stat().st_size > 20_000
 
@@ -232,8 +243,12 @@ def test_bad_arguments_are_named():
         compare.main(["--regimes", "fp8", "--device", "cpu"])
     with pytest.raises(SystemExit, match="unknown --model"):
         compare.main(["--model", "resnet", "--device", "cpu"])
-    with pytest.raises(SystemExit, match="at least 4"):
+    with pytest.raises(SystemExit, match="at least 9"):
         compare.main(["--steps", "2", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--threads must be >= 0"):
+        compare.main(["--threads", "-1", "--device", "cpu"])
+    with pytest.raises(SystemExit, match="--full and --regimes"):
+        compare.main(["--full", "--regimes", "fp32", "--device", "cpu"])
 
 
 def test_verdicts_flag_divergence_and_tolerance():
@@ -383,5 +398,261 @@ def test_cpu_features_are_read_from_the_flags():
     if os.path.exists("/proc/cpuinfo"):
         assert compare.cpu_flags() and all(isinstance(v, bool) for v in compare.cpu_features().values())
     assert compare.cpu_flags("/nonexistent/cpuinfo") is None
+    # the speed note states what was measured, and no longer explains speed from the flags
     note = compare.cpu_speed_note([], {"AVX512-BF16": True, "AMX-BF16": False})
-    assert "(here: AVX512-BF16 yes, AMX-BF16 no)" in note and "no speed measured" in note
+    assert "no speed measured" in note and "AVX512" not in note and "emulated" not in note
+
+
+# --- the job as a user runs it: exit code, missing extras, threads, load, progress, ETA ---
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# A small, quick job: the transformer with two regimes, the tiny preset.
+_QUICK = ["--size", "tiny", "--model", "gpt", "--regimes", "fp32,fastamp-bf16", "--steps", "9"]
+# What pip's generated ``fastamp-compare`` script does with the entry point of pyproject.toml.
+_CONSOLE_SCRIPT = "import sys; from fastamp.compare import main; sys.exit(main())"
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def _script(code, args, tmp_path, **env):
+    return subprocess.run(
+        [sys.executable, "-c", code, *args, "--out", str(tmp_path)],
+        capture_output=True, text=True, env=_env(**env), cwd=tmp_path, timeout=600,
+    )  # fmt: skip
+
+
+def test_console_script_exits_0_and_prints_the_thread_choice(tmp_path):
+    with open(os.path.join(_ROOT, "pyproject.toml")) as f:
+        assert 'fastamp-compare = "fastamp.compare:main"' in f.read()
+    p = _script(_CONSOLE_SCRIPT, _QUICK + ["--no-plot"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    # the result rows are returned to Python callers of run(), not dumped by sys.exit
+    assert "{'model'" not in p.stderr and "'regime'" not in p.stderr, p.stderr
+    assert "fastamp-compare: torch threads: 1 (one intra-op thread" in p.stderr
+    assert "- torch_threads: 1: one intra-op thread" in p.stdout
+    assert "- cpu: " in p.stdout and "torch threads 1," in p.stdout
+    assert "- machine_load: " in p.stdout
+    assert (tmp_path / "compare-cpu.md").exists() and not (tmp_path / "compare-cpu.png").exists()
+
+
+def test_python_m_runs_the_same_entry(tmp_path):
+    p = subprocess.run(
+        [sys.executable, "-m", "fastamp.compare", *_QUICK, "--no-plot", "--no-progress", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=_env(), timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert f"wrote {tmp_path}" in p.stderr
+
+
+def test_a_missing_matplotlib_is_reported_as_missing(tmp_path):
+    blocked = "import sys; sys.modules['matplotlib'] = None; " + _CONSOLE_SCRIPT.split("; ", 1)[1]
+    p = _script(blocked, _QUICK + ["--no-progress"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "no plot: matplotlib is not installed" in p.stderr and "fastamp[compare]" in p.stderr
+    wrote = next(line for line in p.stderr.splitlines() if "wrote" in line)
+    assert ".png" not in wrote and "compare-cpu.md" in wrote
+    assert "not written: the PNG" in p.stderr
+    assert not (tmp_path / "compare-cpu.png").exists() and (tmp_path / "compare-cpu.csv").exists()
+
+
+def test_a_missing_tqdm_is_reported_and_the_job_still_runs(tmp_path):
+    blocked = "import sys; sys.modules['tqdm'] = None; " + _CONSOLE_SCRIPT.split("; ", 1)[1]
+    p = _script(blocked, _QUICK + ["--no-plot"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "no progress line: tqdm is not installed" in p.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a pseudo-terminal (Linux)")
+def test_progress_is_one_line_redrawn_within_the_terminal_width(tmp_path):
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    args = [sys.executable, "-m", "fastamp.compare", *_QUICK, "--no-plot", "--out", str(tmp_path)]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=slave, env=_env(COLUMNS="80"), cwd=tmp_path)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert p.wait(timeout=600) == 0
+    text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    lines = text.split("\n")
+    bar_lines = [line for line in lines if "eta " in line]
+    # one terminal line, redrawn in place with carriage returns, left on screen at the end
+    assert len(bar_lines) == 1, lines
+    frames = [f for f in bar_lines[0].split("\r") if f]
+    assert len(frames) >= 2 and "eta" in frames[-1]
+    assert max(len(f) for f in frames) <= 80, max(frames, key=len)
+
+
+def test_eta_sums_each_regimes_steps_left_times_its_own_cost():
+    assert compare.eta_seconds({"a": 10, "b": 5, "done": 0}, {"a": 0.1, "b": 2.0}) == pytest.approx(11.0)
+    assert compare.eta_seconds({"a": 10, "b": 5}, {"a": 0.1}) is None  # b has steps left, no cost yet
+    assert compare.eta_seconds({}, {}) == 0.0
+    bar = compare.JobProgress({"fast": 4, "slow": 4}, enabled=False)
+    bar.record("fast", 1.0, step=0)  # the first step (state set-up) counts only until a later one is timed
+    bar.record("slow", 5.0, step=0)
+    assert bar.eta() == pytest.approx(3 * 1.0 + 3 * 5.0)
+    bar.record("fast", 0.1, step=1)
+    bar.record("slow", 99.0, step=1, estimate=False)  # a profiled step: counted, but not a cost sample
+    bar.record("slow", 2.0, step=2)
+    assert bar.costs() == {"fast": pytest.approx(0.1), "slow": pytest.approx(2.0)}
+    assert bar.eta() == pytest.approx(2 * 0.1 + 1 * 2.0)
+    assert compare.progress.format_eta(None) == "?" and compare.progress.format_eta(151.4) == "2m31s"
+
+
+def _snap(t, job, busy, idle, steal=0.0, loadavg=(0.1, 0.1, 0.1)):
+    from fastamp.compare import load
+
+    return load.Snapshot(t, job, load.CpuTimes(busy, idle, steal), loadavg)
+
+
+def test_load_verdict_from_measured_cpu_times():
+    from fastamp.compare import load
+
+    # 10 s on 2 CPUs: the job used one, the other idled
+    quiet = load.assess(None, _snap(0, 0, 0, 0), _snap(10, 10, 10.2, 9.8), nproc=2, threads=1)
+    assert not quiet.under_load and quiet.banner() == "" and quiet.summary.startswith("not loaded")
+    # two busy processes: the job had its thread on a CPU 2/3 of the time, others 1.33 CPUs
+    busy = load.assess(None, _snap(0, 0, 0, 0), _snap(12, 8, 24, 0), nproc=2, threads=1)
+    assert busy.under_load and busy.share == pytest.approx(8 / 12)
+    assert any("had a CPU 67%" in r for r in busy.reasons)
+    assert any("kept 1.33 of the 2 CPUs busy during the run" in r for r in busy.reasons)
+    assert busy.banner().startswith("UNDER LOAD: ")
+    # busy only just before the job started (the 0.5 s probe): reported, but the run itself was not loaded
+    before = load.Interval(0.5, 0.0, 1.9, 0.0)
+    burst = load.assess(before, _snap(0, 0, 0, 0), _snap(10, 10, 10, 10), nproc=2, threads=1)
+    assert not burst.under_load and "1.90 in the 0.5 s before it" in burst.summary
+    stolen = load.assess(None, _snap(0, 0, 0, 0), _snap(10, 10, 10, 8, steal=2), nproc=2, threads=1)
+    assert stolen.under_load and any("steal" in r for r in stolen.reasons)
+    # without /proc/stat (not Linux) only the job's own share is known
+    none = load.assess(None, load.Snapshot(0, 0, None, None), load.Snapshot(10, 9.9, None, None), 2, 1)
+    assert not none.under_load and "other processes" not in none.summary
+    assert load.read_proc_stat("/nonexistent/stat") is None
+    if os.path.exists("/proc/stat"):
+        assert load.read_proc_stat().total > 0
+
+
+@pytest.mark.slow
+def test_a_run_under_load_says_so_in_the_report_and_on_the_png(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    from fastamp.compare import load
+
+    nproc = os.cpu_count() or 1
+    t0 = time.perf_counter()
+
+    def every_cpu_busy():  # other processes keep every CPU busy the whole time
+        elapsed = time.perf_counter() - t0
+        return load.CpuTimes(busy=nproc * elapsed + time.process_time(), idle=0.0, steal=0.0)
+
+    monkeypatch.setattr(load, "read_proc_stat", every_cpu_busy)
+    done = compare.run(_QUICK + ["--no-progress", "--out", str(tmp_path)])
+    assert done.load.under_load and done.ok
+    report = (tmp_path / "compare-cpu.md").read_text()
+    assert report.splitlines()[2].startswith("**This run was under load**: ")
+    assert f"other processes kept {nproc:.2f} of the {nproc} CPUs busy" in report
+    meta = Image.open(tmp_path / "compare-cpu.png").text
+    assert meta["Title"].startswith("UNDER LOAD: ") and "competed for the CPUs" in meta["Title"]
+    assert meta["Description"].startswith("under load: ")
+    monkeypatch.undo()
+    quiet = compare.plots.plot_title("cpu", "abc", "today", compare.LoadVerdict(False, "not loaded: ..."))
+    assert quiet == "fastamp-compare on cpu (abc, today)"
+
+
+def test_threads_can_be_chosen_and_the_job_restores_torchs_count(tmp_path, capfd):
+    before = torch.get_num_threads()
+    done = compare.run(_QUICK + ["--no-progress", "--no-plot", "--threads", "2", "--out", str(tmp_path)])
+    out, err = capfd.readouterr()
+    assert done.threads == 2 and torch.get_num_threads() == before
+    assert "fastamp-compare: torch threads: 2 (--threads)" in err and "- torch_threads: 2: --threads" in out
+    # more than one thread: CPU time would add the threads' waits, so the table uses the wall clock
+    assert all(r.clock == "wall" and r.step_ms == r.step_wall_ms for r in done.results)
+
+
+def test_interleaved_regimes_train_as_they_do_alone(tmp_path):
+    """The job advances every regime a block of steps at a time in turn; each must train exactly as it does alone."""
+    regimes = ["fp32", "torch-amp-fp16", "fastamp-scaler-fp16", "fastamp-bf16-sr"]
+    steps = 12  # the set-up block (steps 0-6), then one block of 5: an untimed step and 4 timed ones
+    done = compare.run(
+        ["--size", "tiny", "--model", "gpt", "--regimes", ",".join(regimes), "--steps", str(steps)]
+        + ["--no-progress", "--no-plot", "--out", str(tmp_path)]
+    )
+    g = compare.SIZES["tiny"]["gpt"]
+    dev = torch.device("cpu")
+    data = compare.TextData(g["seq_len"], g["batch"], dev)
+    torch.manual_seed(0)
+    base = compare.TinyGPT(len(data.vocab), g["seq_len"], g["n_layer"], g["d_model"], g["n_head"])
+    gi = compare.SIZES["tiny"]["growth_interval"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the job ran them: torch's fp32 reductions depend on the thread count
+    try:
+        alone = {
+            r.regime: compare.train_regime("gpt", r.regime, base, data, dev, steps, 3e-3, 1.0, growth_interval=gi)
+            for r in done.results
+        }
+    finally:
+        torch.set_num_threads(threads)
+    for r in done.results:
+        assert r.losses == alone[r.regime].losses and r.scales == alone[r.regime].scales, r.regime
+        assert r.timed_steps == 4 and r.clock == "cpu" and r.step_ms == r.step_cpu_ms > 0
+        assert [step for step, _, _ in r.step_times] == [8, 9, 10, 11]  # step 7 opens the block, untimed
+        cpu = sorted(c for _, _, c in r.step_times)
+        assert r.step_cpu_ms == 1e3 * cpu[0]  # the lower quartile of 4: the nearest rank below
+        assert r.op_profile is not None and r.op_profile.steps == 3 and r.op_profile.ops
+
+
+def test_the_op_profile_names_what_took_the_time():
+    a = torch.randn(384, 384)
+
+    def step():
+        for _ in range(10):
+            (a @ a) / 3.0  # the product has about 400x the flops of the division
+
+    # one thread and the least of 3 profiles, as the job takes them: on a loaded machine two threads wait for
+    # each other in every op (a division then took as long as the product), and an op preempted by another
+    # process only looks longer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        p = compare.OpProfile.fastest([compare.profile_step(step, torch.device("cpu")) for _ in range(3)])
+    finally:
+        torch.set_num_threads(threads)
+    assert p.ops[0][0] == "aten::mm" and 0.5 < p.share("aten::mm") <= 1, p.ops[:4]
+    assert p.ops == sorted(p.ops, key=lambda x: -x[1])
+    P = compare.OpProfile
+    least = P.fastest(
+        [P("cpu", [("a", 10.0), ("b", 3.0)]), P("cpu", [("a", 12.0)]), P("cpu", [("a", 500.0), ("b", 1.0)])]
+    )
+    assert least.ops == [("a", 10.0), ("b", 1.0)] and least.steps == 3  # a preempted op only looks longer
+    R = compare.RegimeResult
+    fp32 = R("cnn", "fp32", step_ms=5.0, op_profile=P("cpu", [("aten::convolution_backward", 2000.0), ("x", 3000.0)]))
+    fp16 = R("cnn", "fastamp-fp16", step_ms=300.0,
+             op_profile=P("cpu", [("aten::convolution_backward", 290000.0), ("x", 3000.0)]))  # fmt: skip
+    bf16 = R("cnn", "fastamp-bf16", step_ms=4.0, op_profile=P("cpu", [("x", 4000.0)]))
+    compare.summarise([fp32, fp16, bf16])
+    from fastamp.compare.hotspots import dominant_ops, hotspot_table, slowdown_lines
+
+    assert dominant_ops([fp32, fp16, bf16]) == {"aten::convolution_backward": ["cnn/fastamp-fp16"]}
+    (line,) = slowdown_lines([fp32, fp16, bf16])
+    assert "cnn/fastamp-fp16 (0.0167x" in line and "aten::convolution_backward took 290.00 ms" in line
+    assert "(99% of its op time) against 2.00 ms in fp32's (40%)" in line and "100% of the extra time" in line
+    assert "| fastamp-fp16 | 293.00 ms | aten::convolution_backward 99%, x 1% |" in hotspot_table([fp32, fp16], "cnn")
+    note = compare.cpu_speed_note([fp32, fp16, bf16])
+    assert "cnn: bf16 1.25x, fp16 0.017x" in note and "aten::convolution_backward in cnn/fastamp-fp16" in note
