@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 
+import setuptools
 from setuptools import setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -177,7 +178,16 @@ def _extensions():
 
 ext_modules, cmdclass = _extensions()
 
+# setuptools >= 77 deprecates a license given as text (the TOML table `license = {text = ...}`
+# printed a warning block at every build) and takes an SPDX expression; older ones, such as the
+# 65.x a fresh venv of torch 2.11 gets, know only the text field and reject the SPDX form in
+# pyproject.toml. So the license is dynamic and set here in the form this setuptools knows.
+_LICENSE = "BSD-3-Clause"
+_SETUPTOOLS_MAJOR = int(setuptools.__version__.split(".")[0])
+_LICENSE_KW = {"license_expression": _LICENSE} if _SETUPTOOLS_MAJOR >= 77 else {"license": _LICENSE}
+
 setup(
+    **_LICENSE_KW,
     packages=["fastamp", "fastamp.optim", "fastamp.compare", "fastamp.kernels"],
     package_dir={"fastamp.kernels": "kernels"},
     ext_modules=ext_modules,
