@@ -54,6 +54,7 @@ from fastamp._device_scalars import (
     _step_grad_scale,
     _total_norm,
 )
+from fastamp.optim._checks import cycles_momentum
 
 _COMPILE_HELP = (
     "fastamp.Scaler.{name}() cannot be captured by torch.compile: it decides on the host what to run "
@@ -259,8 +260,8 @@ def _eager_reason(scaler, optimizer) -> str | None:
     # without fullgraph), checked first so that the scaler's call runs eagerly instead
     if any(isinstance(b, Tensor) for group in optimizer.param_groups for b in group.get("betas", ())):
         return "tensor_betas"
-    # the keys those schedulers add to a group (see FusedOptimizer._check_traceable)
-    if any("max_momentum" in group or "base_momentum" in group for group in optimizer.param_groups):
+    # (see FusedOptimizer._check_traceable)
+    if any(cycles_momentum(group) for group in optimizer.param_groups):
         return "cycled_momentum"
     if scaler._track_stats:
         return "stats"

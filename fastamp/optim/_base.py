@@ -27,6 +27,7 @@ from fastamp.optim._checks import (
     check_grad,
     check_no_shared_memory,
     check_param_dtype,
+    cycles_momentum,
     where_of,
 )
 from fastamp.optim._masters import _MasterWeights
@@ -562,7 +563,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:
         """Refuse, at trace time, a group setting a compiled step cannot honour."""
-        if "max_momentum" in group or "base_momentum" in group:
+        if cycles_momentum(group):
             key = "betas" if "betas" in group else "momentum"
             raise NotImplementedError(
                 f"{self._NAME}: {where} has its {key} cycled by an LR scheduler (OneCycleLR or CyclicLR with "

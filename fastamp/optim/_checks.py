@@ -211,8 +211,14 @@ def float_lr_in_range(lr: Any, beta1: Any = None, weight_decay: Any = None) -> b
     """
     ok = 0.0 <= lr <= FP32_MAX
     if ok and beta1 is not None:
-        ok = abs(lr / (1.0 - beta1)) < FP32_OVERFLOW and abs(1.0 - lr * weight_decay) < FP32_OVERFLOW
+        ok = fits_fp32(lr / (1.0 - beta1)) and fits_fp32(1.0 - lr * weight_decay)
     return ok
+
+
+def cycles_momentum(group: dict[str, Any]) -> bool:
+    """Whether an LR scheduler cycles the group's betas / momentum (OneCycleLR, CyclicLR with
+    ``cycle_momentum=True``: the keys they add to the group), which a compiled step cannot take."""
+    return "max_momentum" in group or "base_momentum" in group
 
 
 def check_backend_arg(opt_name: str, backend: Any) -> Any:

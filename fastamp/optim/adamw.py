@@ -124,10 +124,11 @@ class AdamW(FusedOptimizer):
             Refused (ValueError, nothing changed) when a step scalar would overflow fp32: the
             first step's step size ``lr / (1 - beta1)`` or the decay ``1 - lr * weight_decay``
             (torch fails there mid-step). A tensor lr's value is read for that at
-            construction, ``add_param_group`` and ``load_state_dict``, and at every eager step
-            when it lives on the CPU; a device tensor's value is not read at steps (a host sync
-            per step), nor is any tensor lr's inside a compiled step: a value written there
-            later that overflows writes inf into the params, as torch's fused AdamW does.
+            construction, ``add_param_group``, ``load_state_dict`` and the first step that
+            finds a new tensor in its group (or a changed beta1 / weight_decay), not at every
+            step (a host sync per step on a device), nor inside a compiled step: a value
+            written into it in place later that overflows writes inf into the params, as
+            torch's fused AdamW does.
         betas (Tuple[float, float] or Tuple[Tensor, Tensor], optional): coefficients of the
             running averages of the gradient and its square (default: (0.9, 0.999)), each in
             [0, 1). As in torch, both numbers or both 1-element tensors; tensor betas are kept
