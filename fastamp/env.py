@@ -55,22 +55,31 @@ _ENV_VARS = (
 )
 
 
-def _cpu() -> dict[str, Any]:
-    model, flags, source = None, None, None
+def read_cpuinfo(path: str = "/proc/cpuinfo") -> tuple[str | None, set[str] | None] | None:
+    """``(model, flags)`` of the first processor listed in ``path`` (Linux; either None where its line is
+    missing); None where the file cannot be read. Also what ``fastamp.compare`` reports the flags from."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(path) as f:
             text = f.read()
     except OSError:
-        text = ""
+        return None
+    model, flags = None, None
     for line in text.splitlines():
         key, _, value = line.partition(":")
         key, value = key.strip().lower(), value.strip()
         if model is None and key in ("model name", "hardware", "processor") and value and not value.isdigit():
             model = value
         if flags is None and key in ("flags", "features"):
-            present = set(value.split())
-            flags = [f for f in _X86_FLAGS + _ARM_FLAGS if f in present]
-            source = "/proc/cpuinfo"
+            flags = set(value.split())
+    return model, flags
+
+
+def _cpu() -> dict[str, Any]:
+    model, present = read_cpuinfo() or (None, None)
+    flags, source = None, None
+    if present is not None:
+        flags = [f for f in _X86_FLAGS + _ARM_FLAGS if f in present]
+        source = "/proc/cpuinfo"
     if flags is None:
         import torch
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from fastamp.env import read_cpuinfo
+
 # (label in the report, /proc/cpuinfo flags any of which means "yes")
 CPU_FEATURES = (
     ("AMX", ("amx_tile",)),
@@ -24,15 +26,10 @@ CPU_FEATURES = (
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> set[str] | None:
     """The CPU flags of the first processor listed in ``path``; None where there is no such file."""
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
-    except OSError:
+    info = read_cpuinfo(path)
+    if info is None:
         return None
-    return set()
+    return info[1] if info[1] is not None else set()
 
 
 def cpu_features(flags: set[str] | None = None) -> dict[str, bool] | None:
