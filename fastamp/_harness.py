@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -185,7 +186,10 @@ class Progress:
         bar = "#" * int(width * frac) + "-" * (width - int(width * frac))
         line = f"{self.label} [{bar}] {self.n}/{self.total} {elapsed:5.0f}s eta {eta:4.0f}s {msg}"
         if self.tty:
-            self.stream.write("\r" + line[:150].ljust(150))
+            # never wider than the terminal: a wrapped line is no longer redrawn in place by "\r"
+            # and scrolls at every update (a fixed 150 columns did on an 80-column terminal)
+            columns = max(20, shutil.get_terminal_size().columns - 1)
+            self.stream.write("\r" + line[:columns].ljust(columns))
             if self.n == self.total:
                 self.stream.write("\n")
         else:

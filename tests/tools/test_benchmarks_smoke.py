@@ -276,3 +276,24 @@ def test_gpu_cost_model_bytes_match_the_benchmarks(tmp_path):
     # 1e9 params x 30 B at 1,000 GB/s = 30 ms
     assert "| fastamp step, bf16 | 30 | 30.000 |" in text
     assert out.read_text() == text
+
+
+def test_bench_progress_bar_stays_within_the_terminal_width(monkeypatch):
+    """``make bench``'s progress line is redrawn with a carriage return: wider than the terminal it wraps and
+    scrolls at every update (it was padded to 150 columns)."""
+    import io
+
+    from fastamp._harness import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("COLUMNS", "80")
+    out = Tty()
+    bar = Progress(3, label="bench_adamw with a long label", stream=out)
+    for _ in range(3):
+        bar.update(msg="config 64x262144 bf16 native and a long message " * 3)
+    frames = out.getvalue().replace("\n", "\r").split("\r")
+    assert len([f for f in frames if f]) == 3
+    assert all(len(f) < 80 for f in frames)
