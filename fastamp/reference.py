@@ -20,7 +20,7 @@ The per-element C++ twin of this file is ``csrc/fastamp_math.h``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -186,8 +186,9 @@ def adamw_step_scalars(
 ) -> Tensor:
     """The per-step fp32 scalars ``[step_size, bc2_sqrt, decay, grad_mul]`` of ``adamw_``.
 
-    ``step`` is the (already incremented) step count as a tensor, ``lr`` a float or a
-    tensor, ``grad_mul`` the factor applied to raw grads (``1/scale`` times the clip
+    ``step`` is the (already incremented) step count as a tensor, or a 1-D tensor of
+    counts, one per tensor of a launch (the result is then ``[n, 4]``, row ``i`` computed
+    from ``step[i]``: see :func:`scalar_rows`), ``lr`` a float or a tensor, ``grad_mul`` the factor applied to raw grads (``1/scale`` times the clip
     coefficient) or None for 1. Computed in fp64 on ``step``'s device (where the device
     supports fp64), rounded once to fp32: no host sync.
 
@@ -202,7 +203,7 @@ def adamw_step_scalars(
     """
     dev = step.device
     wide = torch.float32 if dev.type == "mps" else torch.float64
-    st = step.reshape(()).to(wide)
+    st = (step if step.dim() == 1 else step.reshape(())).to(wide)
     lr_t = (
         lr.reshape(()).to(device=dev, dtype=wide)
         if isinstance(lr, Tensor)
@@ -218,7 +219,7 @@ def adamw_step_scalars(
         if grad_mul is not None
         else torch.ones((), dtype=wide, device=dev)
     )
-    return torch.stack([step_size, bc2_sqrt, decay, gm]).float()
+    return torch.stack(torch.broadcast_tensors(step_size, bc2_sqrt, decay, gm), dim=-1).float()
 
 
 def _lerp_low(beta1: float) -> bool:
@@ -229,6 +230,22 @@ def _lerp_low(beta1: float) -> bool:
 def _f32(x: float, dev) -> Tensor:
     # torch.full, not torch.tensor: the latter copies from host memory (a sync on CUDA)
     return torch.full((), x, dtype=torch.float32, device=dev)
+
+
+def scalar_rows(step_scalars: Tensor, n: int, k: int) -> Callable[[int], tuple[Tensor, ...]]:
+    """The step scalars of tensor ``i`` of a launch of ``n`` tensors: ``rows(i)`` -> ``k`` fp32 0-dim tensors.
+
+    ``step_scalars`` holds either one set shared by every tensor (shape ``[k]``) or one set
+    per tensor (shape ``[n, k]``: row ``i`` for tensor ``i``, e.g. bias corrections from
+    each param's own step count). Every backend reads it the same way.
+    """
+    s = step_scalars.to(torch.float32)
+    if s.dim() == 2:
+        if tuple(s.shape) != (n, k):
+            raise ValueError(f"step_scalars of shape {tuple(s.shape)} for {n} tensors: expected [{k}] or [{n}, {k}]")
+        return lambda i: tuple(s[i].unbind(0))
+    shared = tuple(s.reshape(k).unbind(0))
+    return lambda i: shared
 
 
 def adamw_(
@@ -270,13 +287,14 @@ def adamw_(
     if len(params) == 0:
         return
     dev = params[0].device
-    step_size, bc2_sqrt, decay, grad_mul = step_scalars.to(torch.float32).unbind(0)
+    rows = scalar_rows(step_scalars, len(params), 4)
     b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
     b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
     eps_t = _f32(eps, dev)
     keep = None if found_inf is None else (found_inf.reshape(()) != 0)
     use_master = len(masters) > 0
     for i, p in enumerate(params):
+        step_size, bc2_sqrt, decay, grad_mul = rows(i)
         p32 = masters[i] if use_master else p.float()
         m, v = exp_avgs[i], exp_avg_sqs[i]
         g = grads[i].float() * grad_mul
@@ -348,7 +366,7 @@ def adamw_bf16_(
     if len(params) == 0:
         return
     dev = params[0].device
-    step_size, bc2_sqrt, decay, grad_mul = step_scalars.to(torch.float32).unbind(0)
+    rows = scalar_rows(step_scalars, len(params), 4)
     b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
     b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
     eps_t = _f32(eps, dev)
@@ -358,6 +376,7 @@ def adamw_bf16_(
     if rng is not None:
         seed, counter = rng.reshape(-1)[0], rng.reshape(-1)[1]
     for i, p in enumerate(params):
+        step_size, bc2_sqrt, decay, grad_mul = rows(i)
         n = p.numel()
 
         def rand(k: int, i: int = i, n: int = n) -> Tensor | None:
@@ -410,12 +429,14 @@ def sgd_step_scalars(lr, step: Tensor, grad_mul: Tensor | None = None) -> Tensor
 
     ``step`` is the number of steps applied *before* this one (a device tensor), so
     ``is_first = (step == 0)``: a first step skipped on overflow stays the first. No sync.
+    A 1-D ``step`` (one count per tensor of a launch) gives ``[n, 3]``, row ``i`` from ``step[i]``.
     """
     dev = step.device
     lr_t = lr.reshape(()).to(device=dev, dtype=torch.float32) if isinstance(lr, Tensor) else _f32(lr, dev)
     gm = grad_mul.reshape(()).to(device=dev, dtype=torch.float32) if grad_mul is not None else _f32(1.0, dev)
-    first = (step.reshape(()) == 0).to(torch.float32)
-    return torch.stack([lr_t, gm, first])
+    counts = step if step.dim() == 1 else step.reshape(())
+    first = (counts == 0).to(torch.float32)
+    return torch.stack(torch.broadcast_tensors(lr_t, gm, first), dim=-1)
 
 
 def sgd_(
@@ -450,11 +471,12 @@ def sgd_(
     if len(params) == 0:
         return
     dev = params[0].device
-    lr, grad_mul, first = step_scalars.to(torch.float32).unbind(0)
+    rows = scalar_rows(step_scalars, len(params), 3)
     mom, omd, wd = _f32(momentum, dev), _f32(1.0 - dampening, dev), _f32(weight_decay, dev)
     keep = None if found_inf is None else (found_inf.reshape(()) != 0)
     masters_kind = "none" if len(masters) == 0 else ("remainder" if masters[0].dtype == torch.int16 else "fp32")
     for i, p in enumerate(params):
+        lr, grad_mul, first = rows(i)
         if masters_kind == "fp32":
             p32 = masters[i]
         elif masters_kind == "remainder":

@@ -317,3 +317,74 @@ def test_reference_is_the_same_whatever_instruction_set_torch_uses():
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert proc.stdout.strip().splitlines()[-1] == here, f"reference differs with ATEN_CPU_CAPABILITY={capability}"
+
+
+# ---- per-tensor step scalars: row i of an [n, k] tensor is tensor i's ----
+
+
+def _optim_case(op: str, n: int, seed: int):
+    """A launch of ``n`` tensors of op ``op`` (reference arguments) with one count per tensor."""
+    g = torch.Generator().manual_seed(seed)
+    sizes = [1 + 37 * i for i in range(n)]
+    counts = torch.tensor([1.0, 2.0, 7.0, 1000.0, 3.0][:n])
+    params = [torch.randn(s, generator=g).bfloat16() for s in sizes]
+    grads = [torch.randn(s, generator=g).bfloat16() for s in sizes]
+    if op == "sgd_":
+        bufs = [torch.randn(s, generator=g) for s in sizes]
+        scalars = reference.sgd_step_scalars(0.1, counts - 1, torch.tensor(0.5))
+        return params, grads, [p.float() for p in params], [bufs], scalars, (None, None, 0, 0.9, 0.1, 0.01, True, False)
+    m = [torch.randn(s, generator=g) for s in sizes]
+    v = [torch.rand(s, generator=g) for s in sizes]
+    scalars = reference.adamw_step_scalars(1e-3, counts, 0.9, 0.999, 0.01, torch.tensor(0.25))
+    if op == "adamw_":
+        return params, grads, [p.float() for p in params], [m, v, []], scalars, (None, 0.9, 0.999, 1e-8, False, False)
+    rem = [torch.zeros(s, dtype=torch.int16) for s in sizes]
+    return params, grads, rem, [m, v, []], scalars, (None, None, 0, 0.9, 0.999, 1e-8, False, False)
+
+
+@pytest.mark.parametrize("op", ["adamw_", "adamw_bf16_", "sgd_"])
+def test_per_tensor_step_scalars_are_each_tensors_own(op):
+    """``step_scalars`` of shape [n, k]: the launch equals n launches of one tensor, each with its row."""
+    n = 5
+    params, grads, masters, states, scalars, rest = _optim_case(op, n, seed=3)
+    k = 3 if op == "sgd_" else 4
+    assert scalars.shape == (n, k) and scalars.dtype == torch.float32
+    fn = getattr(reference, op)
+    each = [[t.clone() for t in ts] for ts in (params, masters, *states)]
+    fn(params, grads, masters, *states, scalars, *rest)
+    for i in range(n):
+        sl = [[ts[i]] if ts else [] for ts in each]
+        fn(sl[0], [grads[i]], sl[1], *sl[2:], scalars[i].clone(), *rest)
+        assert torch.equal(each[0][i].view(torch.int16), params[i].view(torch.int16)), f"tensor {i}"
+        for got, want in zip(each[2:], states):
+            if want:
+                assert torch.equal(got[i], want[i]), f"tensor {i}"
+    # rows differ, so the shared form would not have given this
+    assert not torch.equal(scalars[0], scalars[-1])
+
+
+@pytest.mark.parametrize("fn", ["adamw", "sgd"])
+def test_step_scalars_of_a_count_vector_are_the_0dim_ones(fn):
+    """Row i of the vector form is bit-identical to the 0-dim form at count i, for every count.
+
+    The counts are many (so torch's vectorised fp64 loops run, not only their scalar tails)
+    and cover the early steps, where ``1 - beta**count`` amplifies any rounding difference.
+    """
+    counts = torch.cat([torch.arange(0.0, 3000.0), torch.tensor([123456.0, 2.0**24 - 1, 2.0**24])])
+    if fn == "adamw":
+        vec = reference.adamw_step_scalars(3e-4, counts.clamp(min=1), 0.9, 0.999, 0.1, torch.tensor(2.0**-16))
+    else:
+        vec = reference.sgd_step_scalars(0.1, counts, torch.tensor(0.5))
+    for i, c in enumerate(counts):
+        if fn == "adamw":
+            one = reference.adamw_step_scalars(3e-4, c.clamp(min=1), 0.9, 0.999, 0.1, torch.tensor(2.0**-16))
+        else:
+            one = reference.sgd_step_scalars(0.1, c, torch.tensor(0.5))
+        assert torch.equal(vec[i], one), (fn, float(c))
+
+
+def test_step_scalars_of_the_wrong_shape_are_refused():
+    p = [torch.zeros(3), torch.zeros(4)]
+    with pytest.raises(ValueError, match=r"expected \[4\] or \[2, 4\]"):
+        reference.adamw_(p, p, [], [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(4)], [],
+                         torch.zeros(3, 4), None, 0.9, 0.999, 1e-8, False, False)
