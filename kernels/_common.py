@@ -296,7 +296,7 @@ def store_from_f32(ptr, idx, x, mask, KIND: tl.constexpr, MASKED: tl.constexpr):
 # ---- low-bit master state: the twins of reference.sr_random16 / split_master / join_master ----
 # All integer maths is uint32 with wrap-around. Measured under TRITON_INTERPRET=1 (numpy
 # uint32 arrays) and by definition on a GPU, uint32 multiplication wraps mod 2^32 exactly as
-# _mul32 of fastamp/_lowbit_reference.py, so no emulation is needed (tests compare the bits).
+# _mul32 of fastamp/reference/formats.py, so no emulation is needed (tests compare the bits).
 
 
 @triton.jit
