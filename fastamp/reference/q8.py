@@ -61,8 +61,9 @@ Encode, per finite element ``x`` (m: the value; v: ``w = sqrt_rn(v)``), with ``a
 A carry (``k = 2^(P+1)``) moves into the next binade by itself; above the top code it
 saturates (``q`` max: 0x7F for m, 0xFF for w), which only happens for values within half a
 code step (RNE) or one step (SR) of the scale. ``shift >= 18`` always; clamping it at 40 changes
-nothing (``sig < 2^24``, so both roundings give 0 beyond 40), and lets a backend work in
-64-bit (or 32-bit, computing ``sig >> min(shift, 31)``).
+nothing (``sig < 2^24``: both roundings give ``k = 0`` for any shift >= 40, RNE already from 25),
+and keeps every intermediate below 2^41 (a 32-bit backend computes ``sig >> min(shift, 31)`` and
+``rem`` only for shift <= 24).
 
 ``up`` for round-to-nearest-even (``rand16=None``, ``state_rounding="nearest"``): ``rem = sig &
 (2^shift - 1)``; up if ``rem > 2^(shift-1)``, or ``rem == 2^(shift-1)`` and ``sig >> shift`` odd.
@@ -76,7 +77,9 @@ v, element index = the flat index in the whole tensor)::
 i.e. the 16 random bits are added just below the kept mantissa and the sum truncated. Bits of
 ``x`` more than 16 below the kept mantissa are ignored (truncated), so
 ``E[decode(encode(x))] - x`` lies in ``(-2^-16, 0]`` code steps in magnitude (exactly 0 when
-``x`` has no bits there), besides saturation at the top and the nonzero floor of w.
+``x`` has no bits there), besides saturation at the top and the nonzero floor of w. For v the
+unbiased quantity is ``w = sqrt(v)``: the decoded v is ``w'^2`` with ``E[w'] = w``, so it is
+biased up by the variance of ``w'`` (at most a quarter of a squared code step).
 
 Sign (m): bit 7 is the sign bit of ``x``, also when the magnitude codes to 0, so ``-0.0`` and
 negative values that round to zero decode to ``-0.0`` (as IEEE rounding does). w ignores the

@@ -232,6 +232,27 @@ def test_q8_stochastic_rounding_is_unbiased_and_picks_a_neighbour(which):
     assert bool((y == t).all(dim=0)[exact].all())
 
 
+def test_q8_stochastic_rounding_tracks_an_ema_that_nearest_stalls():
+    """v = 0.999 v + 0.001 g^2 with g^2 = 1 from v = 4, 2,000 steps through q8 (decode, update, encode).
+
+    Exact: 1 + 3 * 0.999^2000 = 1.4056. Each step moves v by about 0.003, below half a code step
+    near v = 4 (w = 2 on a scale of 4: steps of 1/16 in w, about 1/4 in v), so round-to-nearest
+    never leaves its start (measured 3.876); stochastic rounding follows the decay (measured 1.394).
+    """
+    n, steps = 1024, 2000
+    exact = 1 + 3 * 0.999**steps
+    for mode in ("nearest", "stochastic"):
+        codes, scales = q8_encode_v(torch.full((n,), 4.0))
+        for t in range(steps):
+            v = q8_decode_v(codes, scales) * 0.999 + 0.001
+            codes, scales = q8_encode_v(v, _rand(n, counter=t, stream=2) if mode == "stochastic" else None)
+        mean = float(q8_decode_v(codes, scales).double().mean())
+        if mode == "nearest":
+            assert mean > 3.8
+        else:
+            assert abs(mean / exact - 1) < 0.03, mean
+
+
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_q8_nonzero_v_never_decodes_to_zero(stochastic):
     tiny = [1e-45, 2.0**-149 * 3, 1e-40, 1.1754942e-38, 1e-30, 1e-20]
@@ -305,6 +326,13 @@ def test_q8_same_bits_for_same_seed_and_any_split_at_multiples_of_32(which):
     c_full, s_full = encode(x, rand)
     c_again, s_again = encode(x.clone(), rand.clone())
     assert torch.equal(c_full, c_again) and torch.equal(s_full, s_again)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        c_one, s_one = encode(x, rand)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(c_full, c_one) and torch.equal(s_full, s_one)  # integer maths: any thread count
     c_other, _ = encode(x, sr_random16(99, torch.tensor(18), 13, n, "cpu"))
     assert not torch.equal(c_full, c_other)  # the bits do depend on the step counter
     for bounds in ([0, 16384, 32768, 49152, n], [0, 4096, 8192, 20480, 45056, n], [0, 32, 16384 + 32, n]):
