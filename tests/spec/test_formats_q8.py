@@ -282,6 +282,18 @@ def test_q8_partial_blocks_and_shapes(which, n):
     assert decode(codes, scales).shape == x.shape
 
 
+@pytest.mark.parametrize("which", ["m", "v"])
+def test_q8_non_contiguous_input_codes_in_row_major_order(which):
+    encode, decode, *_ = CODECS[which]
+    x = _adversarial_values(48 * 40, seed=9, which=which).reshape(48, 40).t()[:, ::2]
+    rand = _rand(x.numel())
+    codes, scales = encode(x, rand)
+    c2, s2 = encode(x.contiguous(), rand)
+    assert_bits_equal(codes, c2, "codes")
+    assert_bits_equal(scales, s2, "scales")
+    assert codes.shape == x.shape and decode(codes, scales).shape == x.shape
+
+
 @pytest.mark.parametrize(
     "which,bad", [(w, b) for w in ("m", "v") for b in (math.nan, math.inf, -math.inf)] + [("v", -1.0)]
 )
