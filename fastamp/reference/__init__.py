@@ -18,15 +18,21 @@ The per-element C++ twin of this package is ``csrc/fastamp_math.h``.
 
 Modules: :mod:`~fastamp.reference.amp` (the scaler's ops), :mod:`~fastamp.reference.optim`
 (the optimizers' ops and step scalars), :mod:`~fastamp.reference.formats` (random bits,
-stochastic rounding, bf16 + int16 masters), :mod:`~fastamp.reference.numerics`
-(:func:`sqrt_rn`). Every public name is re-exported here: ``fastamp.reference.adamw_`` etc.,
-and :func:`fastamp.backends.get_impl` finds the ``torch`` backend's op by its name here.
+stochastic rounding, bf16 + int16 masters), :mod:`~fastamp.reference.q8` (8-bit block-scaled
+moments), :mod:`~fastamp.reference.ulp8` (16-bit param + int8 master correction),
+:mod:`~fastamp.reference.layout` (what each state format stores, bytes per param),
+:mod:`~fastamp.reference.numerics` (:func:`sqrt_rn`). Every public name is re-exported
+here: ``fastamp.reference.adamw_`` etc., and :func:`fastamp.backends.get_impl` finds the
+``torch`` backend's op by its name here.
 """
 
 from fastamp.reference.amp import unscale_check_, unscale_check_stats_, update_scale_
 from fastamp.reference.formats import join_master, round_bf16_stochastic, split_master, sr_random16
+from fastamp.reference.layout import state_bytes_per_param
 from fastamp.reference.numerics import sqrt_rn
 from fastamp.reference.optim import adamw_, adamw_bf16_, adamw_step_scalars, scalar_rows, sgd_, sgd_step_scalars
+from fastamp.reference.q8 import q8_decode_m, q8_decode_v, q8_encode_m, q8_encode_v
+from fastamp.reference.ulp8 import ulp8_decode, ulp8_encode
 
 __all__ = [
     "unscale_check_",
@@ -43,4 +49,11 @@ __all__ = [
     "sr_random16",
     "round_bf16_stochastic",
     "sqrt_rn",
+    "q8_encode_m",
+    "q8_decode_m",
+    "q8_encode_v",
+    "q8_decode_v",
+    "ulp8_encode",
+    "ulp8_decode",
+    "state_bytes_per_param",
 ]
