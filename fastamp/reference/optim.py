@@ -71,12 +71,13 @@ def scalar_rows(step_scalars: Tensor, n: int, k: int) -> Callable[[int], tuple[T
     per tensor (shape ``[n, k]``: row ``i`` for tensor ``i``, e.g. bias corrections from
     each param's own step count). Every backend reads it the same way.
     """
+    shape = tuple(step_scalars.shape)
+    if shape not in ((k,), (n, k)):
+        raise ValueError(f"step_scalars of shape {list(shape)} for {n} tensors: expected [{k}] or [{n}, {k}]")
     s = step_scalars.to(torch.float32)
     if s.dim() == 2:
-        if tuple(s.shape) != (n, k):
-            raise ValueError(f"step_scalars of shape {tuple(s.shape)} for {n} tensors: expected [{k}] or [{n}, {k}]")
         return lambda i: tuple(s[i].unbind(0))
-    shared = tuple(s.reshape(k).unbind(0))
+    shared = tuple(s.unbind(0))
     return lambda i: shared
 
 
