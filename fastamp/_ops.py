@@ -94,7 +94,8 @@ OPS: dict[str, OpDef] = {
         "float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()",
         _fake_in_place,
         "step_scalars",
-        "writes params, masters, both moments and max_exp_avg_sqs (nothing at all when found_inf is non-zero)",
+        "writes params, masters, both moments and max_exp_avg_sqs (nothing at all when found_inf is non-zero); "
+        "step_scalars: fp32 [4] shared by all tensors or [n, 4] (contiguous, row i for tensor i)",
     ),
     "adamw_bf16_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] remainders, Tensor(c!)[] exp_avgs, "
@@ -103,7 +104,7 @@ OPS: dict[str, OpDef] = {
         _fake_in_place,
         "step_scalars",
         "writes params, remainders, both moments and max_exp_avg_sqs (nothing when found_inf is non-zero); "
-        "reads rng, never advances it",
+        "reads rng, never advances it; step_scalars: fp32 [4] shared or [n, 4] (contiguous, row i for tensor i)",
     ),
     "sgd_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] momentum_buffers, "
@@ -111,7 +112,8 @@ OPS: dict[str, OpDef] = {
         "float weight_decay, bool nesterov, bool maximize) -> ()",
         _fake_in_place,
         "step_scalars",
-        "writes params, masters and momentum_buffers (nothing when found_inf is non-zero); reads rng",
+        "writes params, masters and momentum_buffers (nothing when found_inf is non-zero); reads rng; "
+        "step_scalars: fp32 [3] shared or [n, 3] (contiguous, row i for tensor i)",
     ),
     "unscale_check_stats_": OpDef(
         "(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq, "
