@@ -27,7 +27,8 @@ builds) or does not load against the installed torch, ``NATIVE_ERROR`` says why.
 Schema conventions: ``Tensor(a!)`` marks every argument an op writes (lists too), nothing
 aliases an output (the returned tensor of the check ops is new), and every op of
 :data:`OPS` returns either nothing or that one 0-dim fp32 tensor; the fake kernels say only
-that. The ops of :data:`OPTIM_OPS` write nothing and return a new 1-D fp32 tensor.
+that. The ops of :data:`OPTIM_OPS` write nothing and return a new fp32 tensor: ``[k]`` for a
+0-dim ``step``, ``[n, k]`` (one row per count) for a 1-D one.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _fake_in_place(args: dict):
 
 
 def _fake_step_scalars(n: int) -> Callable[[dict], object]:
+    # a 0-dim count gives one set [n], a 1-D vector of counts one row each [len, n]
     def fake(args: dict):
-        return args["step"].new_empty((n,), dtype=torch.float32)
+        return args["step"].new_empty((*args["step"].shape, n), dtype=torch.float32)
 
     return fake
 
