@@ -10,9 +10,15 @@ as NaN whatever its payload) on the native CPU and CUDA kernels and on Triton un
 interpreter; Triton's AdamW on a GPU within ``tolerances.ADAMW_GPU_RTOL`` (its sqrt/division
 may not be correctly rounded, see ``_matrix.assert_state_matches``), its SGD bit-exact.
 
-The reference result of a case does not depend on the backend: it is computed once per case
-and shared by the backends that follow it (``_expected``; the parameter lists keep a case's
-backends together).
+The reference result of a case does not depend on the backend: it is computed once per case,
+with the case's start state, and shared by the backends that follow it (``_shared``; the
+parameter lists keep a case's backends together).
+
+Cost: the cases are a covering design, not the cross product of the axes (the whole of
+tests/backends, slow tests included, runs in CI on 2 cores). test_matches_reference runs, per
+backend family, every dtype pair of every (rule, format) with each compiled kernel variant and
+every hyperparameter case at least once (``_match_cover``); the other cases run on the formats of
+``Format.cover`` with the hyperparameters that use every state list.
 """
 
 import math
@@ -48,24 +54,26 @@ from helpers import assert_bits_equal, misaligned
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def _params(combos, slow=lambda c: False):
-    """(backend, *combo) for every backend, a case's backends next to each other (for ``_expected``)."""
+def _params(combos, runs_on=lambda b, combo: True):
+    """(backend, *combo) for every backend that runs the combination, a case's backends next to each
+    other (for ``_shared``)."""
     out = []
     for combo_id, combo in combos:
         for b in BACKENDS:
-            marks = backend_marks(b) + ([pytest.mark.slow] if slow(combo) else [])
-            out.append(pytest.param(b, *combo, id=f"{b.id}-{combo_id}", marks=marks))
+            if runs_on(b, combo):
+                out.append(pytest.param(b, *combo, id=f"{b.id}-{combo_id}", marks=backend_marks(b)))
     return out
 
 
-def _rf_params(extra=((None, ()),), slow=lambda c: not c[1].cover):
-    """(backend, rule, format, *extra) for every supported (rule, format); formats outside the default
-    cover (``Format.cover``) are slow."""
+def _rf_params(extra=((None, ()),)):
+    """(backend, rule, format, *extra) for every supported (rule, format) of the cover (``Format.cover``)."""
     combos = []
     for rule, fmt in RULE_FORMATS:
+        if not fmt.cover:
+            continue
         for eid, e in extra:
             combos.append((f"{rule.name}-{fmt.name}" + (f"-{eid}" if eid is not None else ""), (rule, fmt, *e)))
-    return _params(combos, slow)
+    return _params(combos)
 
 
 @pytest.fixture(autouse=True)
@@ -81,8 +89,9 @@ def _kernels_of_the_backend(request, monkeypatch):
 _CACHE: dict = {}
 
 
-def _expected(key, build):
-    """``build()`` once per key (the reference's result of a case, the same for every backend)."""
+def _shared(key, build):
+    """``build()`` once per key: what does not depend on the backend (a case's start state and the
+    reference's result from it), made by the first backend of the case and reused by the next."""
     if key not in _CACHE:
         if len(_CACHE) >= 8:
             _CACHE.pop(next(iter(_CACHE)))
@@ -105,6 +114,17 @@ def _steps(fn_of_op, rule, fmt, st, h, steps, **kw):
     return out
 
 
+def _reference_case(key, rule, fmt, h, make, steps, **kw):
+    """(start state, the reference's snapshots after each of ``steps`` steps from it), built once per key;
+    a backend runs on ``clone_state(start)`` (misaligned tensors stay misaligned)."""
+
+    def build():
+        start = make()
+        return start, _steps(ref_op, rule, fmt, clone_state(start), h, steps, **kw)
+
+    return _shared(key, build)
+
+
 def _compare_steps(backend, rule, fmt, got, exp, what):
     for k, (g, e) in enumerate(zip(got, exp)):
         assert_state_matches(backend, rule, fmt, g, e, f"{what} step {k}")
@@ -118,43 +138,60 @@ def _full_state_hyper(rule):
 # ---- case: multi-step comparison over dtypes and hyperparameters ----------------------------------------
 
 
-def _match_combos():
-    combos = []
+def _family(b) -> int:
+    """The index of the backend's (kind, device): the ISAs of the native CPU kernels are one family."""
+    return list(dict.fromkeys((x.kind, x.device) for x in BACKENDS)).index((b.kind, b.device))
+
+
+def _match_cover(rule, fmt, rotation, variants=True):
+    """(param dtype, grad dtype, hyperparameter case) triples: every dtype pair of the format with each
+    kernel variant (``Rule.kernel_variant``: every compiled kernel; without ``variants``, each dtype
+    pair once), every hyperparameter case at least once; ``rotation`` shifts which case meets which pair."""
+    pairs = [(p, g) for p in fmt.param_dtypes for g in DTYPES]
+    by_variant: dict = {}
+    for name, h in rule.hypers.items():
+        by_variant.setdefault(rule.kernel_variant(h) if variants else None, []).append(name)
+    out = []
+    for names in by_variant.values():
+        for j in range(max(len(pairs), len(names))):
+            out.append((*pairs[j % len(pairs)], names[(j + rotation) % len(names)]))
+    return out
+
+
+def _match_params():
+    """A covering design, not the cross product (~450 combinations per backend): per backend family
+    (one rotation each, so the families meet different (dtype pair, case) pairs) the cover of every
+    (rule, format); the ISAs of the native CPU kernels share theirs, and with it the reference's result.
+    The interpreter (~0.1 s a launch) runs each dtype pair once, not once per kernel variant."""
+    covers, combos = {}, {}
+    families = {_family(b): not b.interpreted for b in BACKENDS}
     for rule, fmt in RULE_FORMATS:
-        k = 0
-        for pdt in fmt.param_dtypes:
-            for gdt in DTYPES:
-                for i, hyper in enumerate(rule.hypers):
-                    cover = i == k % len(rule.hypers)  # the default run: every hyperparameter case once per row
-                    cid = f"{rule.name}-{fmt.name}-p{SHORT[pdt]}-g{SHORT[gdt]}-{hyper}"
-                    combos.append((cid, (rule, fmt, pdt, gdt, hyper, cover)))
-                k += 1
-    return combos
+        for fam, variants in sorted(families.items()):
+            for pdt, gdt, hyper in _match_cover(rule, fmt, fam, variants):
+                cid = f"{rule.name}-{fmt.name}-p{SHORT[pdt]}-g{SHORT[gdt]}-{hyper}"
+                combos[cid] = (rule, fmt, pdt, gdt, hyper)
+                covers.setdefault(cid, set()).add(fam)
+    return _params(combos.items(), lambda b, combo: _family(b) in covers[_match_id(*combo)])
 
 
-# The full cross product (~450 combinations per backend, ~0.2 s each for the reference on CPU and
-# longer under the Triton interpreter) is slow; the default run keeps one hyperparameter case per
-# (rule, format, param dtype, grad dtype), rotating so that every hyperparameter case runs, over the
-# formats of the default cover.
-@pytest.mark.parametrize(
-    "backend, rule, fmt, pdt, gdt, hyper, cover", _params(_match_combos(), lambda c: not (c[-1] and c[1].cover))
-)
-def test_matches_reference(backend, rule, fmt, pdt, gdt, hyper, cover):
+def _match_id(rule, fmt, pdt, gdt, hyper):
+    return f"{rule.name}-{fmt.name}-p{SHORT[pdt]}-g{SHORT[gdt]}-{hyper}"
+
+
+@pytest.mark.parametrize("backend, rule, fmt, pdt, gdt, hyper", _match_params())
+def test_matches_reference(backend, rule, fmt, pdt, gdt, hyper):
+    """Two steps (the second from the state the kernel wrote; SGD: the first step's buffer := grad)."""
     h = rule.hypers[hyper]
     sizes = backend.short_sizes()
     seed = _seed(rule.name, fmt.name, pdt, gdt, hyper)
-
-    def build():
-        return _steps(
-            ref_op, rule, fmt, make_state(rule, fmt, pdt, gdt, h, sizes, seed, backend.device), h, 3, seed=seed
-        )
-
-    exp = _expected(("match", rule.name, fmt.name, pdt, gdt, hyper, tuple(sizes), backend.device), build)
-    st = make_state(rule, fmt, pdt, gdt, h, sizes, seed, backend.device)
-    before = clone_state(st)
-    got = _steps(backend.op, rule, fmt, st, h, 3, seed=seed)
+    start, exp = _reference_case(
+        ("match", rule.name, fmt.name, pdt, gdt, hyper, tuple(sizes), backend.device), rule, fmt, h,
+        lambda: make_state(rule, fmt, pdt, gdt, h, sizes, seed, backend.device), 2, seed=seed,
+    )  # fmt: skip
+    st = clone_state(start)
+    got = _steps(backend.op, rule, fmt, st, h, 2, seed=seed)
     _compare_steps(backend, rule, fmt, got, exp, f"{pdt}/{gdt} {hyper}")
-    assert any(not torch.equal(a, b) for a, b in zip(st["params"], before["params"])), "the update must move params"
+    assert any(not torch.equal(a, b) for a, b in zip(st["params"], start["params"])), "the update must move params"
     if fmt.master == "fp32":
         for p, w in zip(st["params"], st["master"]):
             assert_bits_equal(p, w.to(p.dtype), "param is its master rounded")
@@ -191,9 +228,9 @@ def test_adversarial_values_propagate_like_reference(backend, rule, fmt):
             _plant_adversarial(st, rule)
             return st
 
-        exp = _expected(("adv", rule.name, fmt.name, pdt, backend.chunk, backend.device),
-                        lambda: _steps(ref_op, rule, fmt, state(), h, 2, grad_mul=1.0, seed=seed))  # noqa: B023 (called at once)  # fmt: skip
-        got = _steps(backend.op, rule, fmt, state(), h, 2, grad_mul=1.0, seed=seed)
+        key = ("adv", rule.name, fmt.name, pdt, backend.chunk, backend.device)
+        start, exp = _reference_case(key, rule, fmt, h, state, 2, grad_mul=1.0, seed=seed)
+        got = _steps(backend.op, rule, fmt, clone_state(start), h, 2, grad_mul=1.0, seed=seed)
         _compare_steps(backend, rule, fmt, got, exp, f"adversarial {pdt}")
 
 
@@ -202,26 +239,27 @@ def test_adversarial_values_propagate_like_reference(backend, rule, fmt):
 
 @pytest.mark.parametrize("backend, rule, fmt", _rf_params())
 def test_sizes_alone_and_together(backend, rule, fmt):
-    """0, 1, primes, around the vector block: each alone in a call (one step); then every size up to
-    more than two chunks in one call (two steps), every other param and grad misaligned by one element."""
+    """Sizes around the vector block and the scalar tail's lengths each alone in a call
+    (``Backend.alone_sizes``); then every size, 0 to more than two chunks, in one call, every other
+    param and grad misaligned by one element (on Triton: a launch of its own, without the alignment hint)."""
     h = rule.hypers[_full_state_hyper(rule)]
     pdt = fmt.param_dtypes[-1]
-    sizes = backend.sizes()
-    groups = [([n], 1) for n in sizes if n <= 33 or abs(n - backend.block) <= 1] + [(sizes, 2)]
-    for i, (group, steps) in enumerate(groups):
-        gdt = DTYPES[i % 3]
-        seed = _seed("sizes", rule.name, fmt.name, i)
+    groups = [[n] for n in backend.alone_sizes()] + [backend.sizes()]
 
-        def state(group=group, gdt=gdt, seed=seed):
-            st = make_state(rule, fmt, pdt, gdt, h, group, seed, backend.device)
+    def build():
+        cases = []
+        for i, group in enumerate(groups):
+            seed = _seed("sizes", rule.name, fmt.name, i)
+            st = make_state(rule, fmt, pdt, DTYPES[i % 3], h, group, seed, backend.device)
             if len(group) > 1:
                 for key in ("params", "grads"):
                     st[key] = [misaligned(t) if j % 2 == 0 else t for j, t in enumerate(st[key])]
-            return st
+            cases.append((st, _steps(ref_op, rule, fmt, clone_state(st), h, 1, seed=seed)))
+        return cases
 
-        key = ("sizes", rule.name, fmt.name, i, tuple(group), backend.device)
-        exp = _expected(key, lambda: _steps(ref_op, rule, fmt, state(), h, steps, seed=seed))  # noqa: B023 (called at once)
-        got = _steps(backend.op, rule, fmt, state(), h, steps, seed=seed)
+    cases = _shared(("sizes", rule.name, fmt.name, tuple(map(tuple, groups)), backend.device), build)
+    for i, (group, (start, exp)) in enumerate(zip(groups, cases)):
+        got = _steps(backend.op, rule, fmt, clone_state(start), h, 1, seed=_seed("sizes", rule.name, fmt.name, i))
         _compare_steps(backend, rule, fmt, got, exp, f"sizes {group if len(group) == 1 else 'all'}")
 
 
@@ -233,43 +271,38 @@ def test_many_tiny_tensors(backend, rule, fmt):
     """Hundreds of tensors of 0 to 50 elements and one of several chunks, in one call."""
     h = rule.hypers[_full_state_hyper(rule)]
     gen = torch.Generator().manual_seed(12)
-    # the reference (and the Triton interpreter) pays per tensor in Python: 600 on CPU, more on a GPU
-    count = {"cpu": 300, "cuda": 3000}[backend.device] if backend.id != "triton-cpu" else 40
+    # the reference, the comparison (and the Triton interpreter) pay per tensor in Python: 120 on CPU
+    # (still over a hundred chunks), more on a GPU
+    count = 40 if backend.interpreted else {"cpu": 120, "cuda": 3000}[backend.device]
     sizes = torch.randint(0, 50, (count,), generator=gen).tolist() + [3 * backend.chunk + 1]
     pdt = fmt.param_dtypes[-1]
-
-    def state():
-        return make_state(rule, fmt, pdt, BF16, h, sizes, 13, backend.device, edge=False)
-
     kw = dict(first=2, grad_mul=0.5)
-    exp = _expected(("tiny", rule.name, fmt.name, count, backend.chunk, backend.device),
-                    lambda: _steps(ref_op, rule, fmt, state(), h, 1, **kw))  # fmt: skip
-    got = _steps(backend.op, rule, fmt, state(), h, 1, **kw)
+    start, exp = _reference_case(
+        ("tiny", rule.name, fmt.name, count, backend.chunk, backend.device), rule, fmt, h,
+        lambda: make_state(rule, fmt, pdt, BF16, h, sizes, 13, backend.device, edge=False), 1, **kw,
+    )  # fmt: skip
+    got = _steps(backend.op, rule, fmt, clone_state(start), h, 1, **kw)
     _compare_steps(backend, rule, fmt, got, exp, "many tiny tensors")
 
 
 # ---- cases: found_inf ----------------------------------------------------------------------------------
 
-_FOUND = [(f"found{v}", (v,)) for v in (1.0, math.nan, -2.0, math.inf)]
 
-
-# -2 and inf take the same "non-zero" branch as 1 and NaN: slow, like the formats outside the cover
-@pytest.mark.parametrize(
-    "backend, rule, fmt, found", _rf_params(_FOUND, slow=lambda c: not c[1].cover or c[2] in (-2.0, math.inf))
-)
-def test_found_inf_skips_and_writes_nothing(backend, rule, fmt, found):
-    """found_inf non-zero (NaN included): every tensor bit-identical, on every param dtype of the format;
+@pytest.mark.parametrize("backend, rule, fmt", _rf_params())
+def test_found_inf_skips_and_writes_nothing(backend, rule, fmt):
+    """found_inf 1, NaN, -2 and inf: every tensor bit-identical, on every param dtype of the format;
     the next applied step is still the first (SGD: buf := grad)."""
     h = rule.hypers[_full_state_hyper(rule)]
     sizes = [5, backend.block + 3, backend.chunk + 1, 130]
     for pdt in fmt.param_dtypes:
-        st = make_state(rule, fmt, pdt, F16, h, sizes, 11, backend.device)
-        before = clone_state(st)
-        run_steps(backend.op, rule, fmt, st, h, 1, found=found)
-        assert_unchanged(st, before, f"skipped step ({pdt})")
+        before = make_state(rule, fmt, pdt, F16, h, sizes, 11, backend.device)
+        for found in (1.0, math.nan, -2.0, math.inf):
+            st = clone_state(before)
+            run_steps(backend.op, rule, fmt, st, h, 1, found=found)
+            assert_unchanged(st, before, f"skipped step ({pdt}, found_inf {found})")
     seed = _seed("after-skip", rule.name, fmt.name)
-    exp = _expected(("after-skip", rule.name, fmt.name, tuple(sizes), backend.device),
-                    lambda: _steps(ref_op, rule, fmt, clone_state(before), h, 1, seed=seed))  # fmt: skip
+    start, exp = _reference_case(("after-skip", rule.name, fmt.name, tuple(sizes), backend.device), rule, fmt, h,
+                                 lambda: before, 1, seed=seed)  # fmt: skip
     got = _steps(backend.op, rule, fmt, st, h, 1, seed=seed)
     _compare_steps(backend, rule, fmt, got, exp, "first applied step after a skip")
 
@@ -280,14 +313,13 @@ def test_found_inf_zero_runs(backend, rule, fmt):
     sizes = [5, backend.block + 3, 2]
     pdt = fmt.param_dtypes[-1]
     seed = _seed("zero", rule.name, fmt.name)
-    exp = _expected(("zero", rule.name, fmt.name, tuple(sizes), backend.device),
-                    lambda: _steps(ref_op, rule, fmt, make_state(rule, fmt, pdt, F16, h, sizes, seed, backend.device),
-                                   h, 2, found=0.0, seed=seed))  # fmt: skip
-    st = make_state(rule, fmt, pdt, F16, h, sizes, seed, backend.device)
-    before = clone_state(st)
+    start, exp = _reference_case(("zero", rule.name, fmt.name, tuple(sizes), backend.device), rule, fmt, h,
+                                 lambda: make_state(rule, fmt, pdt, F16, h, sizes, seed, backend.device), 2, found=0.0,
+                                 seed=seed)  # fmt: skip
+    st = clone_state(start)
     got = _steps(backend.op, rule, fmt, st, h, 2, found=0.0, seed=seed)
     _compare_steps(backend, rule, fmt, got, exp, "found_inf = 0")
-    assert not torch.equal(st["params"][1], before["params"][1])
+    assert not torch.equal(st["params"][1], start["params"][1])
 
 
 @pytest.mark.parametrize("backend, rule, fmt", _rf_params())
@@ -330,7 +362,7 @@ def test_through_functional(backend, rule, fmt):
 # ---- case: bad inputs ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, bad", _params([(b.id, (b,)) for b in BAD], slow=lambda c: False))
+@pytest.mark.parametrize("backend, bad", _params([(b.id, (b,)) for b in BAD]))
 def test_bad_inputs_refused_and_change_nothing(backend, bad):
     """The kernel refuses (with its message where the row gives one) and so does fastamp.functional; nothing changes."""
     if bad.only and family(backend) not in bad.only:
