@@ -88,6 +88,6 @@ print("[cuda-build tier] every op has a CPU and a CUDA kernel;", fastamp.__file_
 # interpreter. CUDA-device tests skip with their reason. -P: import the installed fastamp.
 t2=$(date +%s)
 "$VENV/bin/python" -P -m pytest -q -p no:cacheprovider -o addopts="" -rfE -W ignore::UserWarning -W ignore::DeprecationWarning \
-    tests/backends/test_native_cpu.py tests/backends/test_triton.py tests/backends/test_triton_lowbit.py tests/api/test_adamw_amp.py \
+    tests/backends/test_native_cpu.py tests/backends/test_optim_matrix.py tests/backends/test_triton.py tests/backends/test_triton_lowbit.py tests/api/test_adamw_amp.py \
     tests/backends/test_cuda.py tests/backends/test_cuda_lowbit.py
 say "tests ran in $(($(date +%s) - t2))s; tier total $(($(date +%s) - t0))s"
