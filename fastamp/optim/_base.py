@@ -9,13 +9,14 @@ and :mod:`._steps`.
 
 from __future__ import annotations
 
+import functools
 import operator
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from fastamp import _compile_errors
+from fastamp import _compile_errors, _ops, functional
 from fastamp._dtensor import is_dtensor
 from fastamp.optim import _traced
 from fastamp.optim._checks import (
@@ -31,9 +32,21 @@ from fastamp.optim._checks import (
     where_of,
 )
 from fastamp.optim._masters import _MasterWeights
-from fastamp.optim._plan import AmpInputs, StateTable, _Bucket, _GroupPlan, _Plan, _Run, _to_device
+from fastamp.optim._plan import AmpInputs, StateTable, _Bucket, _GroupPlan, _Plan, _Run
 from fastamp.optim._state_dict import _StateDictExport
 from fastamp.optim._steps import _StepRecords
+
+
+@functools.cache
+def _keyword_args(op: str) -> tuple[int, tuple[str, ...]]:
+    """How ``fastamp.functional.<op>`` takes the op's arguments: ``(n positional, names of the rest)``.
+
+    The wrappers take the tensors (and ``rng``, ``rng_base``) by position and the
+    hyperparameters (the op table's float and bool arguments) by keyword, with the schema's names.
+    """
+    args = _ops.schema(_ops.NATIVE_NS, op).arguments
+    n = next(i for i, a in enumerate(args) if str(a.type) in ("float", "bool"))
+    return n, tuple(a.name for a in args[n:])
 
 
 class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRecords, torch.optim.Optimizer):
@@ -41,7 +54,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     A subclass defines its update through a few hooks: ``_validate_group``, ``_kernel_op``,
     ``_init_state`` (its own state: moments, buffers, ``step``), ``_moment_keys``,
-    ``_extra_key``, ``_uses_rng``, ``_hyper``, ``_scalars`` and ``_launch``;
+    ``_extra_key``, ``_uses_rng``, ``_hyper``, ``_step_scalars`` and ``_kernel_args`` (the last
+    two serve the eager and the compiled step alike: no optimizer writes its kernel call twice);
     ``_COUNT_BEFORE`` says whether ``step`` is incremented before the step scalars are
     computed (AdamW: bias corrections use the new count) or after (SGD: ``is_first`` uses
     the count of applied steps before this one).
@@ -129,25 +143,21 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         """The group as the kernels read it this step (e.g. tensor betas read as floats)."""
         return group
 
-    def _scalars(self, group: dict[str, Any], lr: Any, counts: Tensor | None, grad_mul, dev) -> Tensor:
-        """The step scalars of a launch: one row per entry of the 1-D ``counts`` (``[n, k]``), or ``[k]`` for None.
+    def _step_scalars(
+        self, group: dict[str, Any], counts: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+    ) -> Tensor:
+        """A launch's step scalars: one row per entry of the 1-D ``counts`` (``[n, k]``), or ``[k]`` for None.
 
-        ``counts``: each param's count as the update uses it (see ``_COUNT_BEFORE``); None for
-        params without a ``step`` (SGD without momentum: the count is not used).
+        ``counts``: each param's count *before* this step (None for params without a
+        ``step``: SGD without momentum does not use it); ``found_inf`` / ``grad_scale``: the
+        grad scaler's, as handed over (None without one). Eager and compiled steps both call
+        this, and it calls one op of :data:`fastamp._ops.OPTIM_OPS` (its kernel is eager code
+        that inductor cannot re-derive), so the two paths compute the same bits.
         """
         raise NotImplementedError
 
-    def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
-        raise NotImplementedError
-
-    def _traced_scalars(
-        self, group: dict[str, Any], steps: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
-    ) -> Tensor:
-        """The step scalars under torch.compile from the 1-D counts *before* this step (None: ``[k]``), see ``_traced``."""
-        raise NotImplementedError
-
-    def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
-        """The kernel call of one launch under torch.compile (the op ``_launch`` reaches in eager mode)."""
+    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
+        """The positional arguments of ``launch.op`` for one launch (eager and compiled alike)."""
         raise NotImplementedError
 
     # ---- construction / pickling ---------------------------------------------------------
@@ -587,13 +597,9 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 versions = [p._version for p in gp.remainder]
                 if versions != gp.versions:
                     self._resync_written(gp, versions)
-            lr_per_device: dict[torch.device, Any] = {}
-            lr = group["lr"]
             for b in gp.buckets:
                 dev = b.dev
-                grad_mul, found_inf, inc = amp.on(dev)
-                if dev not in lr_per_device:
-                    lr_per_device[dev] = _to_device(lr, dev) if isinstance(lr, Tensor) else lr
+                _, found_inf, inc = amp.on(dev)
                 rows = shared = None
                 if b.step_buf is not None:
                     # One row per param from its own count. The count vector is the bucket's
@@ -603,10 +609,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                     # reference.adamw_step_scalars over the same vector. torch's CPU loops give
                     # a vector's lanes and its tail other last bits than a 0-dim call: equal
                     # vectors are what makes eager and compiled steps bit-identical.
-                    counts = b.counts()
-                    if self._COUNT_BEFORE:
-                        counts = counts + (1.0 if inc is None else inc)
-                    rows = self._scalars(group, lr_per_device[dev], counts, grad_mul, dev)
+                    rows = self._step_scalars(group, b.counts(), amp.found_inf, amp.grad_scale, dev)
                 for run in b.runs.values():
                     run.refresh(grads)
                     try:
@@ -615,9 +618,16 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                                 scalars = rows[part.row0 : part.row0 + len(part.params)]
                             else:
                                 if shared is None:
-                                    shared = self._scalars(group, lr_per_device[dev], None, grad_mul, dev)
+                                    shared = self._step_scalars(group, None, amp.found_inf, amp.grad_scale, dev)
                                 scalars = shared
-                            self._launch(group, part, scalars, found_inf)
+                            launch = _traced.Launch(
+                                part.op, self.backend, part.kind, part.params, part.grads, part.launch,
+                                found_inf, part.rng, part.rng_base,
+                            )  # fmt: skip
+                            args = self._kernel_args(group, launch, scalars)
+                            n, names = _keyword_args(part.op)
+                            kw = dict(zip(names, args[n:]))
+                            getattr(functional, part.op)(*args[:n], **kw, backend=self.backend)
                         for p, tmp in run.copy_back:
                             p.copy_(tmp)
                     finally:

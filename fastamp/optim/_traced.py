@@ -184,7 +184,7 @@ _NO_STATE: dict[str, Tensor] = {}
 
 
 class Launch(NamedTuple):
-    """One kernel call of a compiled step: what ``_traced_launch`` hands to the op."""
+    """One kernel call (eager or compiled): what ``FusedOptimizer._kernel_args`` turns into the op's arguments."""
 
     op: str
     backend: str
@@ -219,7 +219,7 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
             # each launch slices its rows as eager does (see FusedOptimizer._execute): the
             # step-scalar op then runs eager's code over the same vector.
             steps = [state[params[i]]["step"] for i in counted]
-            rows = opt._traced_scalars(group, torch.stack(steps), found_inf, grad_scale, dev) if steps else None
+            rows = opt._step_scalars(group, torch.stack(steps), found_inf, grad_scale, dev) if steps else None
             shared = None
             for op, backend, kind, keys, positions, rng_base, strided, row0 in launches:
                 ps = [params[i] for i in positions]
@@ -227,7 +227,7 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                     scalars = rows[row0 : row0 + len(ps)]
                 else:
                     if shared is None:
-                        shared = opt._traced_scalars(group, None, found_inf, grad_scale, dev)
+                        shared = opt._step_scalars(group, None, found_inf, grad_scale, dev)
                     scalars = shared
                 sts = [state.get(p, _NO_STATE) for p in ps]  # SGD without momentum keeps none
                 grads = [p.grad for p in ps]
@@ -236,9 +236,8 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                 tensors = {key: [st[key] for st in sts] for key in keys}
                 fi = None if found_inf is None else _amp_found_inf(found_inf, dev)
                 rng = tensors["rng"][0] if "rng" in tensors else None
-                opt._traced_launch(
-                    group, Launch(op, backend, kind, launch_params, grads, tensors, fi, rng, rng_base), scalars
-                )
+                launch = Launch(op, backend, kind, launch_params, grads, tensors, fi, rng, rng_base)
+                kernel(op, backend)(*opt._kernel_args(group, launch, scalars))
                 for i in strided:
                     ps[i].copy_(launch_params[i])
                 if rng is not None:

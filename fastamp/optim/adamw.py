@@ -8,10 +8,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from fastamp import functional, reference
 from fastamp.optim import _checks, _masters, _state_dict, _traced
 from fastamp.optim._base import FusedOptimizer
-from fastamp.optim._plan import _Run
 
 __all__ = ["AdamW"]
 
@@ -337,30 +335,36 @@ class AdamW(FusedOptimizer):
                 st[key] = _masters.state_copy(p, t, mdt)
         return created
 
-    def _scalars(self, group: dict[str, Any], lr: Any, counts: Tensor | None, grad_mul, dev) -> Tensor:
+    def _step_scalars(
+        self, group: dict[str, Any], counts: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+    ) -> Tensor:
+        lr = group["lr"]
         beta1, beta2 = group["betas"]
-        return reference.adamw_step_scalars(lr, counts, beta1, beta2, group["weight_decay"], grad_mul)
-
-    def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
-        beta1, beta2 = group["betas"]
-        m = run.state_list("exp_avg")
-        v = run.state_list("exp_avg_sq")
-        vmax = run.state_list("max_exp_avg_sq") if group["amsgrad"] else []
-        kw = dict(
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            amsgrad=group["amsgrad"],
-            maximize=group["maximize"],
-            backend=self.backend,
+        if not isinstance(lr, Tensor) and not _checks.float_lr_in_range(lr, beta1, group["weight_decay"]):
+            # a guard for dynamo (see float_lr_in_range): the group's checks refused such an lr already
+            raise AssertionError(f"{_NAME}: an lr out of range reached the step: {lr}")
+        return _traced.adamw_step_scalars(
+            counts,
+            found_inf,
+            grad_scale,
+            _traced.lr_tensor(lr),
+            float(beta1),
+            float(beta2),
+            float(group["weight_decay"]),
         )
-        if run.op == "adamw_bf16_":
-            rem = run.masters if run.kind == "remainder" else []
-            functional.adamw_bf16_(
-                run.params, run.grads, rem, m, v, vmax, scalars, found_inf, run.rng, run.rng_base, **kw
-            )
-        else:
-            functional.adamw_(run.params, run.grads, run.masters, m, v, vmax, scalars, found_inf, **kw)
+
+    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
+        beta1, beta2 = group["betas"]
+        st = launch.state
+        vmax = st["max_exp_avg_sq"] if group["amsgrad"] else []
+        hyper = (float(beta1), float(beta2), float(group["eps"]), bool(group["amsgrad"]), bool(group["maximize"]))
+        head = (launch.params, launch.grads)
+        if launch.op == "adamw_bf16_":
+            rem = st["master_remainder"] if launch.kind == "remainder" else []
+            return (*head, rem, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, launch.rng,
+                    launch.rng_base, *hyper)  # fmt: skip
+        masters = st["master_param"] if launch.kind == "fp32" else []
+        return (*head, masters, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, *hyper)
 
     # ---- torch.compile (see fastamp.optim._traced) -----------------------------------------
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:
@@ -370,39 +374,6 @@ class AdamW(FusedOptimizer):
                 f"{_NAME}: tensor betas in {where} cannot be compiled: the kernels take them as numbers, read on the "
                 "host at every step; use float betas, or call opt.step() outside the compiled function"
             )
-
-    def _traced_scalars(
-        self, group: dict[str, Any], steps: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
-    ) -> Tensor:
-        lr = group["lr"]
-        beta1, beta2 = group["betas"]
-        if not isinstance(lr, Tensor) and not _checks.float_lr_in_range(lr, beta1, group["weight_decay"]):
-            # a guard for dynamo (see float_lr_in_range): _init_group refused such an lr already
-            raise AssertionError(f"{_NAME}: an lr out of range reached the compiled step: {lr}")
-        return _traced.adamw_step_scalars(
-            steps,
-            found_inf,
-            grad_scale,
-            _traced.lr_tensor(lr),
-            float(beta1),
-            float(beta2),
-            float(group["weight_decay"]),
-        )
-
-    def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
-        beta1, beta2 = group["betas"]
-        st = launch.state
-        vmax = st["max_exp_avg_sq"] if group["amsgrad"] else []
-        hyper = (float(beta1), float(beta2), float(group["eps"]), bool(group["amsgrad"]), bool(group["maximize"]))
-        impl = _traced.kernel(launch.op, launch.backend)
-        if launch.op == "adamw_bf16_":
-            rem = st["master_remainder"] if launch.kind == "remainder" else []
-            impl(launch.params, launch.grads, rem, st["exp_avg"], st["exp_avg_sq"], vmax, scalars,
-                 launch.found_inf, launch.rng, launch.rng_base, *hyper)  # fmt: skip
-        else:
-            masters = st["master_param"] if launch.kind == "fp32" else []
-            impl(launch.params, launch.grads, masters, st["exp_avg"], st["exp_avg_sq"], vmax, scalars,
-                 launch.found_inf, *hyper)  # fmt: skip
 
     # ---- state_dict ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

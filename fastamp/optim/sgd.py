@@ -8,10 +8,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from fastamp import functional, reference
 from fastamp.optim import _checks, _masters, _state_dict, _traced
 from fastamp.optim._base import FusedOptimizer
-from fastamp.optim._plan import _Run
 
 __all__ = ["SGD"]
 
@@ -177,46 +175,22 @@ class SGD(FusedOptimizer):
             st["momentum_buffer"] = _masters.state_copy(p, buf, torch.float32)
         return created
 
-    def _scalars(self, group: dict[str, Any], lr: Any, counts: Tensor | None, grad_mul, dev) -> Tensor:
-        if counts is None:  # no momentum: is_first is not used
-            counts = torch.zeros((), dtype=torch.float32, device=dev)
-        return reference.sgd_step_scalars(lr, counts, grad_mul)
-
-    def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
-        bufs = run.state_list("momentum_buffer") if group["momentum"] != 0 else []
-        functional.sgd_(
-            run.params,
-            run.grads,
-            run.masters,
-            bufs,
-            scalars,
-            found_inf,
-            run.rng,
-            run.rng_base,
-            momentum=group["momentum"],
-            dampening=group["dampening"],
-            weight_decay=group["weight_decay"],
-            nesterov=group["nesterov"],
-            maximize=group["maximize"],
-            backend=self.backend,
-        )
-
     # ---- torch.compile (see fastamp.optim._traced) -----------------------------------------
-    def _traced_scalars(
-        self, group: dict[str, Any], steps: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+    def _step_scalars(
+        self, group: dict[str, Any], counts: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
     ) -> Tensor:
         lr = group["lr"]
         if not isinstance(lr, Tensor) and not _checks.float_lr_in_range(lr):
-            # a guard for dynamo (see float_lr_in_range): _init_group refused such an lr already
-            raise AssertionError(f"{_NAME}: an lr out of range reached the compiled step: {lr}")
-        if steps is None:
-            steps = torch.zeros((), dtype=torch.float32, device=dev)
-        return _traced.sgd_step_scalars(steps, grad_scale, _traced.lr_tensor(lr))
+            # a guard for dynamo (see float_lr_in_range): the group's checks refused such an lr already
+            raise AssertionError(f"{_NAME}: an lr out of range reached the step: {lr}")
+        if counts is None:  # no momentum: is_first is not used
+            counts = torch.zeros((), dtype=torch.float32, device=dev)
+        return _traced.sgd_step_scalars(counts, grad_scale, _traced.lr_tensor(lr))
 
-    def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
+    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
         st = launch.state
         masters = {"fp32": "master_param", "remainder": "master_remainder"}.get(launch.kind)
-        _traced.kernel(launch.op, launch.backend)(
+        return (
             launch.params,
             launch.grads,
             st[masters] if masters else [],

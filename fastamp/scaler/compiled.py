@@ -254,7 +254,7 @@ def _eager_reason(scaler, optimizer) -> str | None:
     """
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "ordinary"
-    if getattr(type(optimizer), "_traced_launch", None) is None:  # not a fastamp.optim optimizer
+    if getattr(type(optimizer), "_kernel_args", None) is None:  # not a fastamp.optim optimizer
         return "foreign_step"
     # what the optimizers' _check_traceable refuses at trace time (there a hard error even
     # without fullgraph), checked first so that the scaler's call runs eagerly instead
