@@ -599,7 +599,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                     self._resync_written(gp, versions)
             for b in gp.buckets:
                 dev = b.dev
-                _, found_inf, inc = amp.on(dev)
+                found_inf, inc = amp.on(dev)
                 rows = shared = None
                 if b.step_buf is not None:
                     # One row per param from its own count. The count vector is the bucket's

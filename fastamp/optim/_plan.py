@@ -43,8 +43,7 @@ class AmpInputs:
     def __init__(self, opt_name: str, grad_scale: Any, found_inf: Any) -> None:
         self.grad_scale = self._as_tensor(opt_name, "grad_scale", grad_scale)
         self.found_inf = self._as_tensor(opt_name, "found_inf", found_inf)
-        self._grad_mul: Tensor | None = None
-        self._per_device: dict[torch.device, tuple[Tensor | None, Tensor | None, Tensor | None]] = {}
+        self._per_device: dict[torch.device, tuple[Tensor | None, Tensor | None]] = {}
 
     @staticmethod
     def _as_tensor(opt_name: str, name: str, value: Any) -> Tensor | None:
@@ -62,29 +61,21 @@ class AmpInputs:
             return torch.tensor(float(value), dtype=torch.float32)
         raise TypeError(f"{opt_name}: {name} must be a Tensor or None, got {type(value).__name__}")
 
-    def on(self, device: torch.device) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """``(grad_mul, found_inf, step_increment)`` on ``device`` (each None when not given).
+    def on(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
+        """``(found_inf, step_increment)`` on ``device`` (each None when not given).
 
-        ``grad_mul = 1/grad_scale`` is computed like ``GradScaler.unscale_``'s ``inv_scale``
-        (fp64 reciprocal rounded to fp32), so a power-of-two scale unscales exactly.
         ``step_increment = (found_inf == 0)``: a skipped step (any non-zero flag, NaN
-        included) does not count.
+        included) does not count. ``1/grad_scale`` is the step-scalar op's (see
+        :meth:`FusedOptimizer._step_scalars <fastamp.optim._base.FusedOptimizer._step_scalars>`).
         """
         cached = self._per_device.get(device)
         if cached is not None:
             return cached
-        grad_mul = None
-        if self.grad_scale is not None:
-            if self._grad_mul is None:
-                gs = self.grad_scale
-                wide = torch.float32 if gs.device.type == "mps" else torch.float64
-                self._grad_mul = gs.to(wide).reciprocal().to(torch.float32)
-            grad_mul = _to_device(self._grad_mul, device)
         found_inf = inc = None
         if self.found_inf is not None:
             found_inf = _to_device(self.found_inf.to(torch.float32), device)
             inc = (found_inf == 0).to(torch.float32)
-        self._per_device[device] = (grad_mul, found_inf, inc)
+        self._per_device[device] = (found_inf, inc)
         return self._per_device[device]
 
 

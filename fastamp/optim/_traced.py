@@ -89,8 +89,8 @@ def _amp_found_inf(found_inf: Tensor, device: torch.device) -> Tensor:
 
 
 def _grad_mul(grad_scale: Tensor, device: torch.device) -> Tensor:
-    wide = torch.float32 if grad_scale.device.type == "mps" else torch.float64
-    gm = grad_scale.reshape(()).to(wide).reciprocal().to(torch.float32)
+    # what the kernels multiply raw grads by: the scaler's reciprocal rule (reference.inv_scale)
+    gm = reference.inv_scale(grad_scale.reshape(()))
     return gm if gm.device == device else gm.to(device)
 
 

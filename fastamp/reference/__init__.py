@@ -26,7 +26,7 @@ here: ``fastamp.reference.adamw_`` etc., and :func:`fastamp.backends.get_impl` f
 ``torch`` backend's op by its name here.
 """
 
-from fastamp.reference.amp import unscale_check_, unscale_check_stats_, update_scale_
+from fastamp.reference.amp import inv_scale, unscale_check_, unscale_check_stats_, update_scale_
 from fastamp.reference.formats import join_master, round_bf16_stochastic, split_master, sr_random16
 from fastamp.reference.layout import state_bytes_per_param
 from fastamp.reference.numerics import sqrt_rn
@@ -37,6 +37,7 @@ from fastamp.reference.ulp8 import ulp8_decode, ulp8_encode
 __all__ = [
     "unscale_check_",
     "update_scale_",
+    "inv_scale",
     "adamw_",
     "adamw_step_scalars",
     "adamw_bf16_",

@@ -16,6 +16,18 @@ from torch import Tensor
 from fastamp.reference.numerics import _compute_dtype, _round_f32
 
 
+def inv_scale(scale: Tensor) -> Tensor:
+    """``1 / scale`` as ``torch.amp.GradScaler`` computes it: the fp64 reciprocal rounded once to fp32.
+
+    On the scale's device, its shape kept; MPS has no fp64, so there it is the fp32 reciprocal.
+    A power-of-two scale gives an exact reciprocal, so unscaling by it is exact. The one rule
+    for every ``1/scale`` of fastamp: the scaler's ``inv_scale`` and the optimizers' ``1/grad_scale``.
+    """
+    if scale.device.type == "mps":
+        return scale.to(torch.float32).reciprocal()
+    return scale.double().reciprocal().float()
+
+
 def unscale_check_(
     grads: Sequence[Tensor],
     found_inf: Tensor,

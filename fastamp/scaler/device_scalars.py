@@ -32,11 +32,8 @@ class _PerDevice:
         return t
 
 
-def _inv_scale(scale: Tensor) -> Tensor:
-    # fp64 reciprocal rounded to fp32, as torch ("FP32 division can be imprecise").
-    if scale.device.type == "mps":
-        return scale.reciprocal()
-    return scale.double().reciprocal().float()
+# the fp64 reciprocal rounded to fp32, as torch ("FP32 division can be imprecise")
+_inv_scale = reference.inv_scale
 
 
 def _new_found_inf(scale: Tensor) -> Tensor:
