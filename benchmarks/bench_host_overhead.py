@@ -146,7 +146,7 @@ def native_rows(args) -> tuple[list[dict], dict]:
     rows = [Row(prov, lay, n, m) for lay in layouts for prov in ("fastamp", "torch") for n, m in shapes]
     samples: dict[tuple, list[float]] = {}
     keys = [(t, r, what) for t in threads for r in rows for what in ("step", "whole")]
-    for t, r, what in keys[: len(keys) // len(threads)]:  # warm up: first steps build plans and state
+    for _t, r, what in keys[: len(keys) // len(threads)]:  # warm up: first steps build plans and state
         for _ in range(2):
             r.new_grads()
             getattr(r, what)()
