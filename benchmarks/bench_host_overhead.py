@@ -113,7 +113,9 @@ def _checks(layouts) -> list[str]:
             if kind == "torch" and dtype != torch.float32:
                 continue
             ok, msg = common.run_check(
-                common.Provider(kind, "step", layout, 0, lambda: None, make_check(kind, dtype, torch.device("cpu"), "native"))
+                common.Provider(
+                    kind, "step", layout, 0, lambda: None, make_check(kind, dtype, torch.device("cpu"), "native")
+                )
             )
             out.append(f"{kind} {layout}: {'ok' if ok else 'FAILED'}: {msg}")
             if not ok:
@@ -291,7 +293,9 @@ def cuda_plan_host(n: int, m: int, reps: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         src, exe = os.path.join(d, "plan.cpp"), os.path.join(d, "plan")
         with open(src, "w") as f:
-            f.write(_PLAN_DRIVER.replace("#include <vector>", "#include <algorithm>\n#include <cstdlib>\n#include <vector>"))
+            f.write(
+                _PLAN_DRIVER.replace("#include <vector>", "#include <algorithm>\n#include <cstdlib>\n#include <vector>")
+            )
         cmd = [cxx, "-std=c++17", "-O2", "-I", os.path.join(ROOT, "csrc", "cuda"), src, "-o", exe]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if res.returncode != 0:
