@@ -63,7 +63,8 @@ class Borrowed {
     const c10::DispatchKeySet keys = impl->key_set();
     // raw bits: DispatchKeySet's operator- keeps the backend bits
     if ((keys.raw_repr() & ~kPlainKeys.raw_repr()) != 0) return false;
-    if (grad_mode_ && impl->requires_grad()) return false;
+    // requires_grad() is out of line; a tensor without autograd meta never requires grad
+    if (grad_mode_ && impl->autograd_meta() != nullptr && impl->requires_grad()) return false;
     keys_ = keys_ | keys;
     Py_INCREF(obj);
     held_.push_back(obj);
