@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import setuptools
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -188,7 +188,9 @@ _LICENSE_KW = {"license_expression": _LICENSE} if _SETUPTOOLS_MAJOR >= 77 else {
 
 setup(
     **_LICENSE_KW,
-    packages=["fastamp", "fastamp.optim", "fastamp.compare", "fastamp.kernels"],
+    # every package under fastamp/ (a folder left out installs without it: an ImportError only
+    # users of a non-editable install see; tests/tools/test_packaging.py builds the wheel)
+    packages=["fastamp", *(f"fastamp.{p}" for p in find_packages("fastamp")), "fastamp.kernels"],
     package_dir={"fastamp.kernels": "kernels"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

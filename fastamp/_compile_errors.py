@@ -15,7 +15,7 @@ name), and the error is also a ``RuntimeError`` (every dynamo exception is one).
 
 Nothing here imports torch._dynamo at ``import fastamp``: the classes are made when the
 first error is raised, and :func:`raise_traced` is marked ``assume_constant_result`` by
-:func:`fastamp._compile._prepare_eager_entries` (with the scaler's other trace-time hooks).
+:func:`fastamp.scaler.compiled._prepare_eager_entries` (with the scaler's other trace-time hooks).
 """
 
 from __future__ import annotations

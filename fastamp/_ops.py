@@ -27,7 +27,8 @@ builds) or does not load against the installed torch, ``NATIVE_ERROR`` says why.
 Schema conventions: ``Tensor(a!)`` marks every argument an op writes (lists too), nothing
 aliases an output (the returned tensor of the check ops is new), and every op of
 :data:`OPS` returns either nothing or that one 0-dim fp32 tensor; the fake kernels say only
-that. The ops of :data:`OPTIM_OPS` write nothing and return a new 1-D fp32 tensor.
+that. The ops of :data:`OPTIM_OPS` write nothing and return a new fp32 tensor: ``[k]`` for a
+0-dim ``step``, ``[n, k]`` (one row per count) for a 1-D one.
 """
 
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _fake_in_place(args: dict):
 
 
 def _fake_step_scalars(n: int) -> Callable[[dict], object]:
+    # a 0-dim count gives one set [n], a 1-D vector of counts one row each [len, n]
     def fake(args: dict):
-        return args["step"].new_empty((n,), dtype=torch.float32)
+        return args["step"].new_empty((*args["step"].shape, n), dtype=torch.float32)
 
     return fake
 
@@ -92,7 +94,8 @@ OPS: dict[str, OpDef] = {
         "float beta1, float beta2, float eps, bool amsgrad, bool maximize) -> ()",
         _fake_in_place,
         "step_scalars",
-        "writes params, masters, both moments and max_exp_avg_sqs (nothing at all when found_inf is non-zero)",
+        "writes params, masters, both moments and max_exp_avg_sqs (nothing at all when found_inf is non-zero); "
+        "step_scalars: fp32 [4] shared by all tensors or [n, 4] (contiguous, row i for tensor i)",
     ),
     "adamw_bf16_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] remainders, Tensor(c!)[] exp_avgs, "
@@ -101,7 +104,7 @@ OPS: dict[str, OpDef] = {
         _fake_in_place,
         "step_scalars",
         "writes params, remainders, both moments and max_exp_avg_sqs (nothing when found_inf is non-zero); "
-        "reads rng, never advances it",
+        "reads rng, never advances it; step_scalars: fp32 [4] shared or [n, 4] (contiguous, row i for tensor i)",
     ),
     "sgd_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] momentum_buffers, "
@@ -109,7 +112,8 @@ OPS: dict[str, OpDef] = {
         "float weight_decay, bool nesterov, bool maximize) -> ()",
         _fake_in_place,
         "step_scalars",
-        "writes params, masters and momentum_buffers (nothing when found_inf is non-zero); reads rng",
+        "writes params, masters and momentum_buffers (nothing when found_inf is non-zero); reads rng; "
+        "step_scalars: fp32 [3] shared or [n, 3] (contiguous, row i for tensor i)",
     ),
     "unscale_check_stats_": OpDef(
         "(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq, "

@@ -4,7 +4,8 @@ Which layer checks what, and why:
 
 * **here** (called by :mod:`fastamp.functional`): everything a caller can get wrong, with a
   message naming the op, the argument and the index: types, devices, list lengths, dtypes,
-  element counts, layouts, contiguity, hyperparameter ranges, the step-scalar layouts. A
+  element counts, layouts, contiguity, hyperparameter ranges, the step-scalar layouts
+  (``[k]`` shared, or ``[n, k]``: one row per tensor). A
   refused call raises before any backend runs, so it changes nothing.
 * **the native kernels** (``csrc/cpu/*.cpp`` with ``csrc/cpu/optim_checks.h``,
   ``csrc/cuda/bindings.cpp``): every check their memory accesses rely on, always, before
@@ -146,10 +147,30 @@ def _streams(op: str, params, grads, param_dtypes, state: list) -> None:
                 raise ValueError(f"{op}: {name}[{i}] must be contiguous")
 
 
-def _device_scalars(op: str, dev, step_scalars, count: int, layout: str, found_inf, rng) -> None:
-    if not isinstance(step_scalars, Tensor) or step_scalars.numel() != count or not step_scalars.is_floating_point():
-        got = f"shape {tuple(step_scalars.shape)} {step_scalars.dtype}" if isinstance(step_scalars, Tensor) else "?"
-        raise ValueError(f"{op}: step_scalars must be {count} floats {layout}, got {got}")
+def step_scalar_rows(op: str, step_scalars, n: int, count: int, layout: str) -> int:
+    """The row stride of ``step_scalars``: 0 for ``count`` floats shared by the ``n`` tensors (shape
+    ``[count]``), ``count`` for one row per tensor (shape ``[n, count]``, contiguous fp32, row i for
+    tensor i). Anything else raises ValueError naming both shapes."""
+    if isinstance(step_scalars, Tensor) and step_scalars.is_floating_point():
+        shape = tuple(step_scalars.shape)
+        if shape == (count,):
+            return 0
+        if shape == (n, count) and step_scalars.dtype == torch.float32 and step_scalars.is_contiguous():
+            return count
+    got = (
+        f"shape {tuple(step_scalars.shape)} {step_scalars.dtype}"
+        + ("" if step_scalars.is_contiguous() else " (not contiguous)")
+        if isinstance(step_scalars, Tensor)
+        else type(step_scalars).__name__
+    )
+    raise ValueError(
+        f"{op}: step_scalars must be {count} floats {layout}, shape [{count}] or [{n}, {count}] "
+        f"(shared by all tensors, or one contiguous fp32 row per tensor), got {got}"
+    )
+
+
+def _device_scalars(op: str, dev, step_scalars, n: int, count: int, layout: str, found_inf, rng) -> None:
+    step_scalar_rows(op, step_scalars, n, count, layout)
     if step_scalars.device != dev:
         raise ValueError(f"{op}: step_scalars is on {step_scalars.device} but params are on {dev}")
     if found_inf is not None:
@@ -191,7 +212,7 @@ def adamw(
     _lists(op, dev, params, lists)
     if not strict:
         return
-    _device_scalars(op, dev, step_scalars, 4, "[step_size, bc2_sqrt, decay, grad_mul]", found_inf, rng)
+    _device_scalars(op, dev, step_scalars, len(params), 4, "[step_size, bc2_sqrt, decay, grad_mul]", found_inf, rng)
     moments = _STATE_DTYPES if bf16 else (torch.float32,)
     state = [("exp_avgs", exp_avgs, moments), ("exp_avg_sqs", exp_avg_sqs, moments)]
     if len(masters):
@@ -212,7 +233,7 @@ def sgd(
     _lists(op, dev, params, lists)
     if not strict:
         return
-    _device_scalars(op, dev, step_scalars, 3, "[lr, grad_mul, is_first]", found_inf, rng)
+    _device_scalars(op, dev, step_scalars, len(params), 3, "[lr, grad_mul, is_first]", found_inf, rng)
     remainder = len(masters) > 0 and masters[0].dtype == torch.int16
     if remainder:
         for i, p in enumerate(params):

@@ -253,7 +253,11 @@ def adamw_(
 
     All ``params`` share one dtype and device, all ``grads`` one dtype; ``masters``,
     moments are fp32 and contiguous. ``masters`` empty means the params are updated
-    directly. Skips everything on device when ``found_inf`` is non-zero. No host sync.
+    directly. ``step_scalars`` (``[step_size, bc2_sqrt, decay, grad_mul]``, see
+    :func:`fastamp.reference.adamw_step_scalars`) is shape ``[4]``, shared by every tensor,
+    or ``[n, 4]``, contiguous fp32, row ``i`` for ``params[i]`` (e.g. bias corrections from
+    each param's own step count); any other shape is refused. Skips everything on device
+    when ``found_inf`` is non-zero. No host sync.
     """
     op = "adamw_"
     if len(params) == 0:
@@ -286,7 +290,8 @@ def adamw_bf16_(
 ) -> None:
     """AdamW for bf16 params with int16 master remainders and/or stochastic rounding.
 
-    See :func:`fastamp.reference.adamw_bf16_`. No host sync.
+    See :func:`fastamp.reference.adamw_bf16_`. ``step_scalars`` as in :func:`adamw_`: ``[4]``
+    shared, or ``[n, 4]`` (contiguous fp32) with row ``i`` for ``params[i]``. No host sync.
     """
     op = "adamw_bf16_"
     if len(params) == 0:
@@ -317,7 +322,9 @@ def sgd_(
 ) -> None:
     """Fused SGD (torch.optim.SGD's update) with fp32 / remainder / no masters.
 
-    See :func:`fastamp.reference.sgd_`. No host sync.
+    See :func:`fastamp.reference.sgd_`. ``step_scalars`` (``[lr, grad_mul, is_first]``, see
+    :func:`fastamp.reference.sgd_step_scalars`) is ``[3]``, shared, or ``[n, 3]`` (contiguous
+    fp32) with row ``i`` for ``params[i]``. No host sync.
     """
     op = "sgd_"
     if len(params) == 0:

@@ -5,7 +5,8 @@ apply): one launch covers every chunk of every tensor of a dtype group. The tabl
 int64 tensor on the device, laid out as::
 
     [ptrs of kind 0 (n_tensors), ..., ptrs of kind K-1, numel (n_tensors),
-     chunk -> tensor index (n_chunks), chunk -> first element (n_chunks)]
+     chunk -> tensor index (n_chunks), chunk -> first element (n_chunks),
+     (optimizer tables) tensor -> offset of its step scalars (n_tensors)]
 
 so a launch needs one host-to-device copy, from pinned memory without blocking on CUDA (no
 host sync). See :func:`build_table` for when tables are cached and how they stay valid under
@@ -27,6 +28,7 @@ import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import triton
@@ -185,6 +187,14 @@ def chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR: tl.constexpr, CHUNK: tl
 
 
 @triton.jit
+def scalar_row(table_ptr, n_tensors, n_chunks, t, step_scalars_ptr, N_PTR: tl.constexpr):
+    """The step scalars of launch tensor ``t``: the table's last column holds where they start in
+    ``step_scalars`` (its index in the op call times the row stride: k for ``[n, k]``, 0 for the
+    shared ``[k]``). Once per program: per-tensor scalars cost nothing per element."""
+    return step_scalars_ptr + tl.load(table_ptr + (N_PTR + 1) * n_tensors + 2 * n_chunks + t)
+
+
+@triton.jit
 def block_index(off, BLOCK: tl.constexpr):
     """Element indices ``off + [0, BLOCK)`` of a block; ``off`` is a multiple of BLOCK (chunk start + k * BLOCK)."""
     return tl.multiple_of(off + tl.arange(0, BLOCK), BLOCK)
@@ -298,7 +308,7 @@ def store_from_f32(ptr, idx, x, mask, KIND: tl.constexpr, MASKED: tl.constexpr):
 # ---- low-bit master state: the twins of reference.sr_random16 / split_master / join_master ----
 # All integer maths is uint32 with wrap-around. Measured under TRITON_INTERPRET=1 (numpy
 # uint32 arrays) and by definition on a GPU, uint32 multiplication wraps mod 2^32 exactly as
-# _mul32 of fastamp/_lowbit_reference.py, so no emulation is needed (tests compare the bits).
+# _mul32 of fastamp/reference/formats.py, so no emulation is needed (tests compare the bits).
 
 
 @triton.jit
@@ -456,7 +466,7 @@ _TABLE_CACHE_SIZE = 64
 _CAPTURED_TABLES: list = []
 
 
-def _table_values(ptr_columns, numels, chunk):
+def _table_values(ptr_columns, numels, chunk, rows=None):
     """The table's int64 values as an ``array('q')`` and its chunk count.
 
     Built with C-level list operations (no Python loop per tensor when every tensor fits in
@@ -471,6 +481,8 @@ def _table_values(ptr_columns, numels, chunk):
     if n == 0 or max(numels) <= chunk:
         values.extend(range(n))
         values.frombytes(bytes(8 * n))  # every chunk starts at element 0
+        if rows is not None:
+            values.extend(rows)
         return values, n
     chunk_tensor = []
     chunk_start = []
@@ -480,6 +492,8 @@ def _table_values(ptr_columns, numels, chunk):
         chunk_start.extend(starts)
     values.extend(chunk_tensor)
     values.extend(chunk_start)
+    if rows is not None:
+        values.extend(rows)
     return values, len(chunk_tensor)
 
 
@@ -490,12 +504,19 @@ def _host_table(values) -> torch.Tensor:
     return torch.frombuffer(values, dtype=torch.int64).clone()
 
 
-def build_table(ptr_columns: Sequence[Sequence[int]], numels: Sequence[int], chunk: int, device: torch.device):
+def build_table(
+    ptr_columns: Sequence[Sequence[int]],
+    numels: Sequence[int],
+    chunk: int,
+    device: torch.device,
+    rows: Optional[Sequence[int]] = None,
+):
     """The launch table for ``n`` tensors and its chunk count: ``(table, n_chunks)``.
 
     ``ptr_columns`` holds one list of ``data_ptr()`` per pointer kind (each of length n),
-    ``numels`` the element counts (all > 0). Chunk ``c`` of a tensor starts at element
-    ``c * chunk``. A table depends only on these values, so a cached one is reused for other
+    ``numels`` the element counts (all > 0), ``rows`` (optimizer launches) where each tensor's
+    step scalars start in ``step_scalars`` (:func:`scalar_row`). Chunk ``c`` of a tensor starts
+    at element ``c * chunk``. A table depends only on these values, so a cached one is reused for other
     tensors at the same addresses. On CUDA (call with ``device`` current):
 
     * eager: the table is copied from pinned memory without blocking on the current stream,
@@ -508,18 +529,18 @@ def build_table(ptr_columns: Sequence[Sequence[int]], numels: Sequence[int], chu
       against); the table and its pinned source are kept alive for good, so nothing the graph
       points at is ever recycled.
     """
-    content = (chunk, tuple(numels), *map(tuple, ptr_columns))
+    content = (chunk, tuple(numels), None if rows is None else tuple(rows), *map(tuple, ptr_columns))
     if device.type != "cuda":
         key = (device, None, content)
     elif torch.cuda.is_current_stream_capturing():
-        return _captured_table(ptr_columns, numels, chunk, device)
+        return _captured_table(ptr_columns, numels, chunk, device, rows)
     else:
         key = (device, torch.cuda.current_stream(device).cuda_stream, content)
     hit = _TABLE_CACHE.get(key)
     if hit is not None:
         _TABLE_CACHE.move_to_end(key)
         return hit
-    values, n_chunks = _table_values(ptr_columns, numels, chunk)
+    values, n_chunks = _table_values(ptr_columns, numels, chunk, rows)
     host = _host_table(values)
     if device.type == "cpu":
         table = host
@@ -533,8 +554,8 @@ def build_table(ptr_columns: Sequence[Sequence[int]], numels: Sequence[int], chu
     return result
 
 
-def _captured_table(ptr_columns, numels, chunk, device):
-    values, n_chunks = _table_values(ptr_columns, numels, chunk)
+def _captured_table(ptr_columns, numels, chunk, device, rows=None):
+    values, n_chunks = _table_values(ptr_columns, numels, chunk, rows)
     host = _host_table(values).pin_memory()
     table = torch.empty(host.shape, dtype=torch.int64, device=device)
     table.copy_(host, non_blocking=True)
@@ -588,12 +609,13 @@ def launch_groups(streams, key) -> dict:
     return groups
 
 
-def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device) -> tuple:
+def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scalar_stride: int) -> tuple:
     """The :func:`build_table` table of the tensors ``idxs``: ``(table, n_chunks, n_ptr)``.
 
     One column of ``data_ptr()`` per tensor list of ``streams`` (params first: their numels
     count), then, unless ``ids_base`` is None, the random stream's tensor ids ``ids_base + i``
-    (the index in the call, not in the group).
+    (the index in the call, not in the group); last, the offsets ``i * scalar_stride`` of the
+    tensors' step scalars (:func:`scalar_row`; ``scalar_stride`` from :func:`checked_scalars`).
     """
     if isinstance(idxs, _Members) and idxs.source is streams:
         if len(idxs) == len(idxs.numels):  # every tensor of the call in this group
@@ -606,7 +628,13 @@ def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device) -> t
         counts = [streams[0][i].numel() for i in idxs]
     if ids_base is not None:
         columns.append([ids_base + i for i in idxs])
-    table, n_chunks = build_table(columns, counts, chunk, device)
+    if scalar_stride == 0:
+        rows = [0] * len(idxs)
+    elif idxs and idxs[-1] == len(idxs) - 1:  # indices 0..n-1: the whole call
+        rows = list(range(0, len(idxs) * scalar_stride, scalar_stride))
+    else:
+        rows = [i * scalar_stride for i in idxs]
+    table, n_chunks = build_table(columns, counts, chunk, device, rows)
     return table, n_chunks, len(columns)
 
 
@@ -625,22 +653,25 @@ def adam_hyper_args(beta1, beta2, eps, found_inf, maximize) -> tuple:
 
 
 def checked_scalars(op: str, device: torch.device, params, lists, step_scalars, count: int, found_inf, rng):
-    """An optimizer launcher's guards and its :func:`device_scalars`.
+    """An optimizer launcher's guards and its :func:`device_scalars`, plus the step-scalar row stride.
 
-    In order: the ``count`` step scalars, ``found_inf`` and ``rng`` (:func:`_guards.guard_scalars`),
-    each list of ``lists`` against the params (:func:`_guards.guard_lists`), the device.
+    In order: the ``count`` step scalars (``[count]`` or ``[len(params), count]``), ``found_inf``
+    and ``rng`` (:func:`_guards.guard_scalars`), each list of ``lists`` against the params
+    (:func:`_guards.guard_lists`), the device. Returns ``(scalars, found_inf, rng, stride)``:
+    ``stride`` 0 (shared) or ``count`` (one row per tensor), for :func:`launch_table`.
     """
-    G.guard_scalars(op, device, step_scalars, count, found_inf, rng)
+    stride = G.guard_scalars(op, device, step_scalars, len(params), count, found_inf, rng)
     G.guard_lists(op, device, [p.numel() for p in params], lists)
     check_runnable(op, device)
-    return device_scalars(step_scalars, found_inf, rng)
+    return (*device_scalars(step_scalars, found_inf, rng), stride)
 
 
 def device_scalars(step_scalars, found_inf, rng):
     """The optimizer launchers' device scalars as the kernels read them.
 
-    ``step_scalars`` flat contiguous fp32; ``found_inf`` fp32 (any non-zero value, NaN included,
-    stays non-zero: a tiny fp64 could round to 0); ``rng`` contiguous. Copies only when needed.
+    ``step_scalars`` flat contiguous fp32 (an ``[n, k]`` one already is: the guards see to it);
+    ``found_inf`` fp32 (any non-zero value, NaN included, stays non-zero: a tiny fp64 could
+    round to 0); ``rng`` contiguous. Copies only when needed.
     """
     scalars = step_scalars.reshape(-1)
     if scalars.dtype != torch.float32 or not scalars.is_contiguous():

@@ -34,12 +34,19 @@ def guard_lists(op: str, device: torch.device, numels, lists) -> None:
                 )
 
 
-def guard_scalars(op: str, device: torch.device, step_scalars, count: int, found_inf, rng) -> None:
-    """The optimizer launchers' device scalars: ``count`` float step scalars, 1-element found_inf, int64 rng."""
+def guard_scalars(op: str, device: torch.device, step_scalars, n: int, count: int, found_inf, rng) -> int:
+    """The optimizer launchers' device scalars: the step scalars, shared (``[count]`` floats) or one
+    row per tensor (``[n, count]``, contiguous fp32), a 1-element found_inf, an int64 rng. Returns
+    the step-scalar row stride: 0 (shared) or ``count``."""
+    shape = tuple(step_scalars.shape)
+    shared = shape == (count,) and step_scalars.is_floating_point()
+    rows = shape == (n, count) and step_scalars.dtype == torch.float32 and step_scalars.is_contiguous()
     guard(
-        step_scalars.numel() == count and step_scalars.is_floating_point() and step_scalars.device == device,
+        (shared or rows) and step_scalars.device == device,
         op,
-        f"step_scalars must hold {count} floats on {device}",
+        f"step_scalars must hold {count} floats, shape [{count}] or [{n}, {count}] (contiguous fp32 rows), "
+        f"on {device}, got {step_scalars.dtype} {shape} on {step_scalars.device}",
     )
     guard(found_inf is None or (found_inf.numel() == 1 and found_inf.device == device), op, "found_inf")
     guard(rng is None or (rng.dtype == torch.int64 and rng.numel() >= 2 and rng.device == device), op, "rng")
+    return 0 if shared else count

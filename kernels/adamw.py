@@ -10,7 +10,9 @@ whose data is not 16-byte aligned go to a second launch, compiled without the al
 hint). Each program reads ``found_inf`` and, when it is non-zero (NaN included), treats its
 chunk as empty: nothing is loaded or stored, so a skipped step leaves every tensor
 bit-identical without a host sync. The step scalars ``[step_size, bc2_sqrt, decay,
-grad_mul]`` are read from the device tensor. ``maximize``, torch.lerp's branch and whether
+grad_mul]`` are read from the device tensor, at the offset the table's last column gives the
+program's tensor: its row of an ``[n, 4]`` (index in the call times 4), or 0 for a shared
+``[4]``; both forms run the same compiled kernel. ``maximize``, torch.lerp's branch and whether
 ``found_inf`` is given are runtime flags, not constexprs, so they compile no new variant.
 
 Agreement with the reference: bit-exact under ``TRITON_INTERPRET=1`` (numpy fp32
@@ -133,6 +135,8 @@ def _adamw_kernel(
         vmax_ptr = C.load_ptr(table_ptr, (4 + HAS_MASTER) * n_tensors + t, 0, ALIGNED)
     else:
         vmax_ptr = m_ptr
+    # this tensor's row of an [n, k] step_scalars, or the shared [k]
+    step_scalars_ptr = C.scalar_row(table_ptr, n_tensors, n_chunks, t, step_scalars_ptr, N_PTR)
     step_size = tl.load(step_scalars_ptr)
     bc2_sqrt = tl.load(step_scalars_ptr + 1)
     decay = tl.load(step_scalars_ptr + 2)
@@ -180,7 +184,7 @@ def _adamw_impl(
     lists += [("exp_avgs", exp_avgs, G.F32, True), ("exp_avg_sqs", exp_avg_sqs, G.F32, True)]
     lists += [("masters", masters, G.F32, True)] if masters else []
     lists += [("max_exp_avg_sqs", max_exp_avg_sqs, G.F32, True)] if amsgrad else []
-    scalars, found_inf, _ = C.checked_scalars("adamw_", dev, params, lists, step_scalars, 4, found_inf, None)
+    scalars, found_inf, _, stride = C.checked_scalars("adamw_", dev, params, lists, step_scalars, 4, found_inf, None)
     has_master = len(masters) > 0
     grads = C.contiguous(grads)
     streams = [params, grads, exp_avgs, exp_avg_sqs, *([masters] if has_master else [])]
@@ -189,7 +193,7 @@ def _adamw_impl(
     chunk, block, opts = C.launch_config("adamw")
     with C.device_guard(dev):
         for (p_dtype, g_dtype, aligned), idxs in groups.items():
-            table, n_chunks, n_ptr = C.launch_table(idxs, streams, None, chunk, dev)
+            table, n_chunks, n_ptr = C.launch_table(idxs, streams, None, chunk, dev, stride)
             _adamw_kernel[(n_chunks,)](
                 table,
                 len(idxs),

@@ -163,6 +163,8 @@ def _adamw_bf16_kernel(
         key_m = key_p
         key_v = key_p
         key_vmax = key_p
+    # this tensor's row of an [n, k] step_scalars, or the shared [k]
+    step_scalars_ptr = C.scalar_row(table_ptr, n_tensors, n_chunks, t, step_scalars_ptr, N_PTR)
     step_size = tl.load(step_scalars_ptr)
     bc2_sqrt = tl.load(step_scalars_ptr + 1)
     decay = tl.load(step_scalars_ptr + 2)
@@ -211,7 +213,9 @@ def _adamw_bf16_impl(
     lists += [("exp_avgs", exp_avgs, _STATE_DTYPES, True), ("exp_avg_sqs", exp_avg_sqs, _STATE_DTYPES, True)]
     lists += [("remainders", remainders, (torch.int16,), True)] if remainders else []
     lists += [("max_exp_avg_sqs", max_exp_avg_sqs, _STATE_DTYPES, True)] if amsgrad else []
-    scalars, found_inf, rng = C.checked_scalars("adamw_bf16_", dev, params, lists, step_scalars, 4, found_inf, rng)
+    scalars, found_inf, rng, stride = C.checked_scalars(
+        "adamw_bf16_", dev, params, lists, step_scalars, 4, found_inf, rng
+    )
     has_rem = len(remainders) > 0
     grads = C.contiguous(grads)
     streams = [params, grads, exp_avgs, exp_avg_sqs, *([remainders] if has_rem else [])]
@@ -229,7 +233,7 @@ def _adamw_bf16_impl(
             use_rng = rng is not None and (
                 not has_rem or torch.bfloat16 in (m_dtype, v_dtype) or (amsgrad and vmax_dtype == torch.bfloat16)
             )
-            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if use_rng else None, chunk, dev)
+            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if use_rng else None, chunk, dev, stride)
             _adamw_bf16_kernel[(n_chunks,)](
                 table,
                 len(idxs),

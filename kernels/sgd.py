@@ -102,6 +102,17 @@ def _sgd_block(
         C.store_from_f32(p_ptr, idx, pv, mask, P_KIND, MASKED)
 
 
+@triton.jit
+def _sgd_scalars(step_scalars_ptr):
+    """``(lr, grad_mul, is_first)``. Read per block (cached; one address for every lane): live
+    across the chunk loop, their pointer takes fewer registers than they do, and ptxas spilled
+    8 bytes on sm_80 (P=f16, G=f32, fp32 masters, momentum) with them read once per program."""
+    lr = tl.load(step_scalars_ptr)
+    grad_mul = tl.load(step_scalars_ptr + 1)
+    first = tl.load(step_scalars_ptr + 2) != 0
+    return lr, grad_mul, first
+
+
 @C.jit_launched
 def _sgd_kernel(
     table_ptr,
@@ -150,20 +161,21 @@ def _sgd_kernel(
         key = C.sr_stream_key(C.sr_base_key(rng_ptr), tensor_id, 0)
     else:
         key = tl.full([], 0, tl.uint32)
-    lr = tl.load(step_scalars_ptr)
-    grad_mul = tl.load(step_scalars_ptr + 1)
-    first = tl.load(step_scalars_ptr + 2) != 0
+    # this tensor's row of an [n, k] step_scalars, or the shared [k]
+    step_scalars_ptr = C.scalar_row(table_ptr, n_tensors, n_chunks, t, step_scalars_ptr, N_PTR)
     # A non-zero (or NaN) found_inf empties the chunk: no load, no store.
     end = C.chunk_end(start, numel, found_inf_ptr, check_found_inf, CHUNK)
     # full blocks unmasked (vector loads/stores), then the last partial block masked (see adamw)
     off = start
     while off + BLOCK <= end:
+        lr, grad_mul, first = _sgd_scalars(step_scalars_ptr)
         _sgd_block(
             p_ptr, g_ptr, w_ptr, r_ptr, buf_ptr, off, end, key, lr, grad_mul, first, momentum,
             one_minus_dampening, weight_decay, maximize, nesterov, has_weight_decay,
             P_KIND, G_KIND, MASTER, HAS_MOMENTUM, SR, BLOCK, False,
         )  # fmt: skip
         off += BLOCK
+    lr, grad_mul, first = _sgd_scalars(step_scalars_ptr)
     _sgd_block(
         p_ptr, g_ptr, w_ptr, r_ptr, buf_ptr, off, end, key, lr, grad_mul, first, momentum,
         one_minus_dampening, weight_decay, maximize, nesterov, has_weight_decay,
@@ -195,7 +207,7 @@ def _sgd_impl(
     lists += [("grads", grads, G.FLOAT_DTYPES, False)]
     lists += [("masters", masters, (torch.int16,) if remainder else G.F32, True)] if masters else []
     lists += [("momentum_buffers", momentum_buffers, G.F32, True)] if momentum != 0 else []
-    scalars, found_inf, rng = C.checked_scalars("sgd_", dev, params, lists, step_scalars, 3, found_inf, rng)
+    scalars, found_inf, rng, stride = C.checked_scalars("sgd_", dev, params, lists, step_scalars, 3, found_inf, rng)
     if not masters:
         master_kind = _NO_MASTER
     else:
@@ -210,7 +222,7 @@ def _sgd_impl(
         for (p_dtype, g_dtype, aligned), idxs in groups.items():
             # stochastic rounding only where the reference does it: bf16 params without a master
             sr = rng is not None and master_kind == _NO_MASTER and p_dtype == torch.bfloat16
-            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if sr else None, chunk, dev)
+            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if sr else None, chunk, dev, stride)
             _sgd_kernel[(n_chunks,)](
                 table,
                 len(idxs),

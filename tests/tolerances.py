@@ -44,3 +44,10 @@ ADAMW_GPU_RTOL = 1e-6
 # after 300 steps on params up to ~13. Absolute and relative, per element.
 SGD_VS_TORCH_ATOL = 1e-5
 SGD_VS_TORCH_RTOL = 1e-5
+
+# Stochastic rounding is unbiased: the mean of R draws (each within one rounding step of the
+# value, so standard deviation <= 1/2 step) lies within this many standard errors of the value.
+# The tests use fixed seeds, so they are deterministic; 6 standard errors keeps a correct
+# implementation passing for any seed (chance of a false failure below 1e-8 per checked value)
+# while a bias of a few percent of a step, at R = 4096, fails (6 * 0.5 / 64 = 0.047 step).
+SR_MEAN_SIGMAS = 6

@@ -5,6 +5,7 @@
 // (csrc/cpu/multi_tensor.h): reads grad, master (or param), m, v (and max v) and writes
 // them plus the param rounded to its dtype. Bit-exact with the reference for every
 // instruction set (AVX-512, AVX2, scalar). A non-zero (or NaN) found_inf writes nothing.
+// step_scalars is [4] (shared) or [n, 4] (row i for tensor i, picked per chunk).
 //
 // fastamp::adamw_bf16_ (bf16 params with int16 master remainders and/or stochastic
 // rounding, fp32 or bf16 moments) is the same pass: the exact fp32 master is rebuilt from
@@ -37,6 +38,13 @@ struct AdamWArgs {
   math::AdamWHyper h;
   bool maximize;
 };
+
+// `a` with the step scalars at `row` (the shared [4], or the chunk's tensor's row of
+// [n, 4]): set once per chunk, so per-tensor scalars cost nothing per element.
+inline AdamWArgs with_row(AdamWArgs a, const float* row) {
+  a.s = math::AdamWStepScalars{row[0], row[1], row[2], row[3]};
+  return a;
+}
 
 // Pointers of one chunk, already offset to its first element.
 struct AdamWChunk {
@@ -189,12 +197,8 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
               "fastamp::adamw_: amsgrad needs one max_exp_avg_sqs tensor per "
               "param, got ",
               max_exp_avg_sqs.size(), " for ", n, " params");
-  TORCH_CHECK(step_scalars.device().is_cpu(), "fastamp::adamw_: step_scalars must be a CPU tensor, got device ",
-              step_scalars.device());
-  TORCH_CHECK(step_scalars.scalar_type() == at::kFloat && step_scalars.numel() == 4 && step_scalars.is_contiguous(),
-              "fastamp::adamw_: step_scalars must be a contiguous float32 tensor of 4 elements "
-              "[step_size, bc2_sqrt, decay, grad_mul], got dtype ",
-              step_scalars.scalar_type(), " and shape ", step_scalars.sizes());
+  const int64_t scalar_stride =
+      check_step_scalars("adamw_", step_scalars, n, 4, "[step_size, bc2_sqrt, decay, grad_mul]");
   if (found_inf) {
     TORCH_CHECK(found_inf->device().is_cpu(), "fastamp::adamw_: found_inf must be a CPU tensor, got device ",
                 found_inf->device());
@@ -228,7 +232,6 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
   }
   const float* sc = step_scalars.data_ptr<float>();
   AdamWArgs args;
-  args.s = math::AdamWStepScalars{sc[0], sc[1], sc[2], sc[3]};
   args.h = math::AdamWHyper{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
                             static_cast<float>(1.0 - beta2), static_cast<float>(eps)};
   args.maximize = maximize;
@@ -260,7 +263,7 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
                             b.exp_avg + o,
                             b.exp_avg_sq + o,
                             b.max_exp_avg_sq ? b.max_exp_avg_sq + o : nullptr};
-      fn(ptrs, ch.len, args);
+      fn(ptrs, ch.len, with_row(args, sc + ch.tensor * scalar_stride));
     }
   });
 }
@@ -323,7 +326,7 @@ void adamw_bf16_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
               "fastamp::adamw_bf16_: amsgrad needs one max_exp_avg_sqs "
               "tensor per param, got ",
               max_exp_avg_sqs.size(), " for ", n, " params");
-  check_step_scalars(op, step_scalars, 4, "[step_size, bc2_sqrt, decay, grad_mul]");
+  const int64_t scalar_stride = check_step_scalars(op, step_scalars, n, 4, "[step_size, bc2_sqrt, decay, grad_mul]");
   check_found_inf(op, found_inf);
   check_rng(op, rng);
   if (n == 0) return;
@@ -355,7 +358,6 @@ void adamw_bf16_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
 
   const float* sc = step_scalars.data_ptr<float>();
   AdamWArgs args;
-  args.s = math::AdamWStepScalars{sc[0], sc[1], sc[2], sc[3]};
   args.h = math::AdamWHyper{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
                             static_cast<float>(1.0 - beta2), static_cast<float>(eps)};
   args.maximize = maximize;
@@ -400,7 +402,7 @@ void adamw_bf16_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
       ptrs.exp_avg_sq = static_cast<char*>(b.exp_avg_sq) + o * moment_size;
       ptrs.max_exp_avg_sq = b.max_exp_avg_sq ? static_cast<char*>(b.max_exp_avg_sq) + o * moment_size : nullptr;
       ptrs.index0 = static_cast<uint64_t>(o);
-      fns[grad_slots[t]](ptrs, ch.len, args);
+      fns[grad_slots[t]](ptrs, ch.len, with_row(args, sc + static_cast<int64_t>(t) * scalar_stride));
     }
   });
 }

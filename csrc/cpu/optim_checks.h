@@ -33,11 +33,17 @@ inline void check_list_tensor(const char* op, const char* list, size_t i, const 
               " elements but params[", i, "] has ", param.numel());
 }
 
-inline void check_step_scalars(const char* op, const at::Tensor& t, int64_t count, const char* layout) {
+// step_scalars: `k` fp32 shared by every tensor (shape [k]) or one row of `k` per tensor
+// (shape [n, k], row i for tensor i). Returns the row stride in floats: 0 (shared) or k.
+inline int64_t check_step_scalars(const char* op, const at::Tensor& t, size_t n, int64_t k, const char* layout) {
   TORCH_CHECK(t.device().is_cpu(), "fastamp::", op, ": step_scalars must be a CPU tensor, got device ", t.device());
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == count && t.is_contiguous(), "fastamp::", op,
-              ": step_scalars must be a contiguous float32 tensor of ", count, " elements ", layout, ", got dtype ",
-              t.scalar_type(), " and shape ", t.sizes());
+  const bool shared = t.dim() == 1 && t.size(0) == k;
+  const bool rows = t.dim() == 2 && t.size(0) == static_cast<int64_t>(n) && t.size(1) == k;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && (shared || rows) && t.is_contiguous(), "fastamp::", op,
+              ": step_scalars must be a contiguous float32 tensor of shape [", k, "] or [", n, ", ", k, "] (", layout,
+              " shared by all tensors, or one row per tensor), got dtype ", t.scalar_type(), ", shape ", t.sizes(),
+              " and strides ", t.strides());
+  return rows ? k : 0;
 }
 
 inline void check_found_inf(const char* op, const std::optional<at::Tensor>& found_inf) {

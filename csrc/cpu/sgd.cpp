@@ -8,8 +8,9 @@
 // (math::join_master / split_master), or the param itself (bf16 rounded stochastically
 // when an rng tensor is given, with the counter hash in integer vector lanes). Bit-exact
 // with the reference for every instruction set (AVX-512, AVX2, scalar). A non-zero (or
-// NaN) found_inf writes nothing; step_scalars[2] != 0 marks the first applied step (the
-// momentum buffer takes the gradient).
+// NaN) found_inf writes nothing; is_first (step_scalars[..., 2]) != 0 marks the first applied
+// step (the momentum buffer takes the gradient). step_scalars is [3] (shared) or [n, 3] (row i
+// for tensor i, picked per chunk).
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -159,7 +160,7 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
               masters.size(), " masters for ", n, " params");
   TORCH_CHECK(!has_momentum || momentum_buffers.size() == n, "fastamp::sgd_: momentum=", momentum,
               " needs one momentum_buffers tensor per param, got ", momentum_buffers.size(), " for ", n, " params");
-  check_step_scalars(op, step_scalars, 3, "[lr, grad_mul, is_first]");
+  const int64_t scalar_stride = check_step_scalars(op, step_scalars, n, 3, "[lr, grad_mul, is_first]");
   check_found_inf(op, found_inf);
   check_rng(op, rng);
   if (n == 0) return;
@@ -197,7 +198,6 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
 
   const float* sc = step_scalars.data_ptr<float>();
   SgdArgs args;
-  args.s = math::SgdStepScalars{sc[0], sc[1], sc[2]};
   args.h = math::SgdHyper{static_cast<float>(momentum),
                           static_cast<float>(1.0 - dampening),
                           static_cast<float>(weight_decay),
@@ -239,7 +239,11 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
                           b.momentum_buffer ? b.momentum_buffer + o : nullptr,
                           static_cast<uint64_t>(o),
                           b.key};
-      fns[t](ptrs, ch.len, args);
+      SgdArgs a = args;
+      // the shared [3] (stride 0) or this tensor's row of [n, 3]: once per chunk
+      const float* row = sc + static_cast<int64_t>(t) * scalar_stride;
+      a.s = math::SgdStepScalars{row[0], row[1], row[2]};
+      fns[t](ptrs, ch.len, a);
     }
   });
 }

@@ -17,13 +17,25 @@ namespace {
 
 using detail::kBlockSize;
 
-// Table rows: param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq.
+// Table rows: param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, step scalars.
 constexpr int kDepth = kAdamWDepth;
 using Table = detail::TableView<kDepth>;
 
 // Elements per thread per iteration: one 16-byte access for the fp32 lists, 8 bytes for
 // 16-bit params/grads.
 constexpr int kVec = 4;
+
+// A chunk's step scalars, from its tensor's table row (its row of an [n, 4] step_scalars, or
+// the shared [4]): read once per chunk, so per-tensor scalars cost nothing per element.
+__device__ __forceinline__ math::AdamWStepScalars load_step_scalars(const void* row) {
+  const float* sc = static_cast<const float*>(row);
+  math::AdamWStepScalars s;
+  s.step_size = sc[0];
+  s.bc2_sqrt = sc[1];
+  s.decay = sc[2];
+  s.grad_mul = sc[3];
+  return s;
+}
 
 template <typename PE, typename GE>
 __device__ __forceinline__ void adamw_group(typename PE::storage_t* __restrict__ param,
@@ -124,17 +136,12 @@ constexpr int kAdamWMinBlocks = 2;
 
 template <typename PE, typename GE>
 __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
-    adamw_kernel(const Table table, const float* __restrict__ step_scalars, const float* __restrict__ found_inf,
-                 math::AdamWHyper hyper, bool amsgrad, bool maximize) {
+    adamw_kernel(const Table table, const float* __restrict__ found_inf, math::AdamWHyper hyper, bool amsgrad,
+                 bool maximize) {
   using PS = typename PE::storage_t;
   using GS = typename GE::storage_t;
   // The skip decision stays on the device: a non-zero (or NaN) flag means nothing is written.
   if (found_inf != nullptr && *found_inf != 0.0f) return;
-  math::AdamWStepScalars s;
-  s.step_size = step_scalars[0];
-  s.bc2_sqrt = step_scalars[1];
-  s.decay = step_scalars[2];
-  s.grad_mul = step_scalars[3];
 
   int64_t first = 0;
   int64_t last = 0;
@@ -150,6 +157,7 @@ __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
     float* exp_avg = static_cast<float*>(row[3]);
     float* exp_avg_sq = static_cast<float*>(row[4]);
     float* max_exp_avg_sq = static_cast<float*>(row[5]);
+    const math::AdamWStepScalars s = load_step_scalars(row[6]);
     // Chunk offsets are multiples of kVec, so aligned tensors stay aligned chunk by chunk.
     const bool aligned = detail::is_aligned_for_pack<PS, kVec>(param) && detail::is_aligned_for_pack<GS, kVec>(grad) &&
                          detail::is_aligned_for_pack<float, kVec>(exp_avg) &&
@@ -169,24 +177,22 @@ __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
 }
 
 template <typename PE, typename GE>
-cudaError_t launch_adamw(const PlannedLaunch& l, const Table& view, const float* step_scalars, const float* found_inf,
+cudaError_t launch_adamw(const PlannedLaunch& l, const Table& view, const float* found_inf,
                          const math::AdamWHyper& hyper, bool amsgrad, bool maximize, cudaStream_t stream) {
-  adamw_kernel<PE, GE>
-      <<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, step_scalars, found_inf, hyper, amsgrad, maximize);
+  adamw_kernel<PE, GE><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, found_inf, hyper, amsgrad, maximize);
   return cudaGetLastError();
 }
 
 template <typename PE>
-cudaError_t launch_adamw_grad(DType grad, const PlannedLaunch& l, const Table& view, const float* step_scalars,
-                              const float* found_inf, const math::AdamWHyper& hyper, bool amsgrad, bool maximize,
-                              cudaStream_t stream) {
+cudaError_t launch_adamw_grad(DType grad, const PlannedLaunch& l, const Table& view, const float* found_inf,
+                              const math::AdamWHyper& hyper, bool amsgrad, bool maximize, cudaStream_t stream) {
   switch (grad) {
     case DType::kFloat32:
-      return launch_adamw<PE, detail::F32>(l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
+      return launch_adamw<PE, detail::F32>(l, view, found_inf, hyper, amsgrad, maximize, stream);
     case DType::kFloat16:
-      return launch_adamw<PE, detail::F16>(l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
+      return launch_adamw<PE, detail::F16>(l, view, found_inf, hyper, amsgrad, maximize, stream);
     case DType::kBFloat16:
-      return launch_adamw<PE, detail::BF16>(l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
+      return launch_adamw<PE, detail::BF16>(l, view, found_inf, hyper, amsgrad, maximize, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -194,7 +200,7 @@ cudaError_t launch_adamw_grad(DType grad, const PlannedLaunch& l, const Table& v
 // ---- adamw_bf16_ ----
 
 // Table rows: param (bf16), grad, remainder (int16 or null), exp_avg, exp_avg_sq,
-// max_exp_avg_sq (moment dtype), and the tensor's RNG stream as a tag.
+// max_exp_avg_sq (moment dtype), the tensor's RNG stream as a tag, and its step scalars.
 constexpr int kBf16Depth = kAdamWBf16Depth;
 using Bf16Table = detail::TableView<kBf16Depth>;
 
@@ -212,17 +218,11 @@ __device__ __forceinline__ typename ME::storage_t store_moment(float x, bool sto
 
 template <typename GE, typename ME>
 __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
-    adamw_bf16_kernel(const Bf16Table table, const float* __restrict__ step_scalars,
-                      const float* __restrict__ found_inf, const int64_t* __restrict__ rng, math::AdamWHyper hyper,
-                      bool amsgrad, bool maximize) {
+    adamw_bf16_kernel(const Bf16Table table, const float* __restrict__ found_inf, const int64_t* __restrict__ rng,
+                      math::AdamWHyper hyper, bool amsgrad, bool maximize) {
   using GS = typename GE::storage_t;
   using MS = typename ME::storage_t;
   if (found_inf != nullptr && *found_inf != 0.0f) return;
-  math::AdamWStepScalars s;
-  s.step_size = step_scalars[0];
-  s.bc2_sqrt = step_scalars[1];
-  s.decay = step_scalars[2];
-  s.grad_mul = step_scalars[3];
   const bool stochastic = rng != nullptr;
   const uint64_t seed = stochastic ? static_cast<uint64_t>(rng[0]) : 0u;
   const uint64_t counter = stochastic ? static_cast<uint64_t>(rng[1]) : 0u;
@@ -241,6 +241,7 @@ __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
     MS* exp_avg = static_cast<MS*>(row[3]);
     MS* exp_avg_sq = static_cast<MS*>(row[4]);
     MS* max_exp_avg_sq = static_cast<MS*>(row[5]);
+    const math::AdamWStepScalars s = load_step_scalars(row[7]);
     const bool has_rem = remainder != nullptr;
     // Keys of the streams 4 * tensor_id + k (k: 0 param, 1 exp_avg, 2 exp_avg_sq, 3 max).
     uint32_t key[4] = {0u, 0u, 0u, 0u};
@@ -305,18 +306,18 @@ __global__ void __launch_bounds__(kBlockSize, kAdamWMinBlocks)
 }
 
 template <typename GE, typename ME>
-cudaError_t launch_adamw_bf16(const PlannedLaunch& l, const Bf16Table& view, const float* step_scalars,
-                              const float* found_inf, const int64_t* rng, const math::AdamWHyper& hyper, bool amsgrad,
-                              bool maximize, cudaStream_t stream) {
-  adamw_bf16_kernel<GE, ME><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, step_scalars, found_inf, rng,
-                                                                                 hyper, amsgrad, maximize);
+cudaError_t launch_adamw_bf16(const PlannedLaunch& l, const Bf16Table& view, const float* found_inf, const int64_t* rng,
+                              const math::AdamWHyper& hyper, bool amsgrad, bool maximize, cudaStream_t stream) {
+  adamw_bf16_kernel<GE, ME>
+      <<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, found_inf, rng, hyper, amsgrad, maximize);
   return cudaGetLastError();
 }
 
 template <typename ME>
 cudaError_t adamw_bf16_moment(const AdamWBf16TensorRef* tensors, int64_t num_tensors, const float* step_scalars,
-                              const float* found_inf, const int64_t* rng, const math::AdamWHyper& hyper, bool amsgrad,
-                              bool maximize, TableMemory& tables, cudaStream_t stream) {
+                              int64_t scalar_stride, const float* found_inf, const int64_t* rng,
+                              const math::AdamWHyper& hyper, bool amsgrad, bool maximize, TableMemory& tables,
+                              cudaStream_t stream) {
   bool capturing = false;
   const cudaError_t err = detail::stream_is_capturing(stream, &capturing);
   if (err != cudaSuccess) return err;
@@ -337,18 +338,16 @@ cudaError_t adamw_bf16_moment(const AdamWBf16TensorRef* tensors, int64_t num_ten
     row[4] = r.exp_avg_sq;
     row[5] = amsgrad ? r.max_exp_avg_sq : nullptr;
     row[6] = detail::tag_as_row(r.rng_stream);
+    row[7] = detail::scalars_as_row(step_scalars, i, scalar_stride);
   };
   auto launch = [&](const PlannedLaunch& l, const Bf16Table& view) -> cudaError_t {
     switch (static_cast<DType>(l.group)) {
       case DType::kFloat32:
-        return launch_adamw_bf16<detail::F32, ME>(l, view, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
-                                                  stream);
+        return launch_adamw_bf16<detail::F32, ME>(l, view, found_inf, rng, hyper, amsgrad, maximize, stream);
       case DType::kFloat16:
-        return launch_adamw_bf16<detail::F16, ME>(l, view, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
-                                                  stream);
+        return launch_adamw_bf16<detail::F16, ME>(l, view, found_inf, rng, hyper, amsgrad, maximize, stream);
       case DType::kBFloat16:
-        return launch_adamw_bf16<detail::BF16, ME>(l, view, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
-                                                   stream);
+        return launch_adamw_bf16<detail::BF16, ME>(l, view, found_inf, rng, hyper, amsgrad, maximize, stream);
     }
     return cudaErrorInvalidValue;
   };
@@ -368,9 +367,9 @@ math::AdamWHyper make_hyper(double beta1, double beta2, double eps) {
 
 }  // namespace
 
-cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars, const float* found_inf,
-                  double beta1, double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
-                  cudaStream_t stream) {
+cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars, int64_t scalar_stride,
+                  const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
+                  TableMemory& tables, cudaStream_t stream) {
   const math::AdamWHyper hyper = make_hyper(beta1, beta2, eps);
   bool capturing = false;
   const cudaError_t err = detail::stream_is_capturing(stream, &capturing);
@@ -393,17 +392,17 @@ cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const floa
     row[3] = r.exp_avg;
     row[4] = r.exp_avg_sq;
     row[5] = amsgrad ? r.max_exp_avg_sq : nullptr;
+    row[6] = detail::scalars_as_row(step_scalars, i, scalar_stride);
   };
   auto launch = [&](const PlannedLaunch& l, const Table& view) -> cudaError_t {
     const auto grad = static_cast<DType>(l.group % 3);
     switch (static_cast<DType>(l.group / 3)) {
       case DType::kFloat32:
-        return launch_adamw_grad<detail::F32>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
+        return launch_adamw_grad<detail::F32>(grad, l, view, found_inf, hyper, amsgrad, maximize, stream);
       case DType::kFloat16:
-        return launch_adamw_grad<detail::F16>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize, stream);
+        return launch_adamw_grad<detail::F16>(grad, l, view, found_inf, hyper, amsgrad, maximize, stream);
       case DType::kBFloat16:
-        return launch_adamw_grad<detail::BF16>(grad, l, view, step_scalars, found_inf, hyper, amsgrad, maximize,
-                                               stream);
+        return launch_adamw_grad<detail::BF16>(grad, l, view, found_inf, hyper, amsgrad, maximize, stream);
     }
     return cudaErrorInvalidValue;
   };
@@ -411,17 +410,17 @@ cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const floa
 }
 
 cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, DType moment_dtype,
-                       const float* step_scalars, const float* found_inf, const int64_t* rng, double beta1,
-                       double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
+                       const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
+                       double beta1, double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
                        cudaStream_t stream) {
   const math::AdamWHyper hyper = make_hyper(beta1, beta2, eps);
   if (moment_dtype == DType::kBFloat16) {
-    return adamw_bf16_moment<detail::BF16>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
-                                           tables, stream);
+    return adamw_bf16_moment<detail::BF16>(tensors, num_tensors, step_scalars, scalar_stride, found_inf, rng, hyper,
+                                           amsgrad, maximize, tables, stream);
   }
   if (moment_dtype != DType::kFloat32) return cudaErrorInvalidValue;
-  return adamw_bf16_moment<detail::F32>(tensors, num_tensors, step_scalars, found_inf, rng, hyper, amsgrad, maximize,
-                                        tables, stream);
+  return adamw_bf16_moment<detail::F32>(tensors, num_tensors, step_scalars, scalar_stride, found_inf, rng, hyper,
+                                        amsgrad, maximize, tables, stream);
 }
 
 }  // namespace cuda

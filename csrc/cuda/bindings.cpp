@@ -184,6 +184,20 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker
                                 backoff_factor, growth_interval, hysteresis, min_scale, max_scale, stream));
 }
 
+// step_scalars: `count` fp32 shared by every tensor (shape [count]) or one row per tensor (shape
+// [n, count], row i for tensor i). Returns the row stride in floats: 0 (shared) or count.
+int64_t check_step_scalars(const char* op, const at::Tensor& t, const at::Device& device, size_t n, int64_t count) {
+  TORCH_CHECK(t.device() == device, "fastamp::", op, ": step_scalars is on ", t.device(), " but params are on ",
+              device);
+  const bool shared = t.dim() == 1 && t.size(0) == count;
+  const bool rows = t.dim() == 2 && t.size(0) == static_cast<int64_t>(n) && t.size(1) == count;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && (shared || rows) && t.is_contiguous(), "fastamp::", op,
+              ": step_scalars must be a contiguous float32 tensor of shape [", count, "] or [", n, ", ", count,
+              "] (shared by all tensors, or one row per tensor), got dtype ", t.scalar_type(), ", shape ", t.sizes(),
+              " and strides ", t.strides());
+  return rows ? count : 0;
+}
+
 void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avgs,
                 at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, const at::Tensor& step_scalars,
                 const std::optional<at::Tensor>& found_inf, double beta1, double beta2, double eps, bool amsgrad,
@@ -202,12 +216,7 @@ void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
               ": params[0] must be a CUDA tensor, got device ", params[0].device());
   const at::Device device = params[0].device();
 
-  TORCH_CHECK(step_scalars.device() == device, "fastamp::", op, ": step_scalars is on ", step_scalars.device(),
-              " but params are on ", device);
-  TORCH_CHECK(step_scalars.scalar_type() == at::kFloat, "fastamp::", op, ": step_scalars must be float32, got ",
-              step_scalars.scalar_type());
-  TORCH_CHECK(step_scalars.numel() == 4 && step_scalars.is_contiguous(), "fastamp::", op,
-              ": step_scalars must be a contiguous 4-element tensor, got shape ", step_scalars.sizes());
+  const int64_t scalar_stride = check_step_scalars(op, step_scalars, device, n, 4);
   const float* found_inf_ptr = nullptr;
   if (found_inf.has_value() && found_inf->defined()) {
     check_cuda_scalar(op, "found_inf", *found_inf, at::kFloat, device);
@@ -246,20 +255,11 @@ void adamw_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   TorchTableMemory tables(device);
-  check_launch(op, adamw(refs.data(), static_cast<int64_t>(refs.size()), step_scalars.data_ptr<float>(), found_inf_ptr,
-                         beta1, beta2, eps, amsgrad, maximize, tables, stream));
+  check_launch(op, adamw(refs.data(), static_cast<int64_t>(refs.size()), step_scalars.data_ptr<float>(), scalar_stride,
+                         found_inf_ptr, beta1, beta2, eps, amsgrad, maximize, tables, stream));
 }
 
-// Shared checks of the optimizer ops: list lengths, step_scalars, found_inf and rng.
-void check_step_scalars(const char* op, const at::Tensor& step_scalars, const at::Device& device, int64_t count) {
-  TORCH_CHECK(step_scalars.device() == device, "fastamp::", op, ": step_scalars is on ", step_scalars.device(),
-              " but params are on ", device);
-  TORCH_CHECK(step_scalars.scalar_type() == at::kFloat, "fastamp::", op, ": step_scalars must be float32, got ",
-              step_scalars.scalar_type());
-  TORCH_CHECK(step_scalars.numel() == count && step_scalars.is_contiguous(), "fastamp::", op,
-              ": step_scalars must be a contiguous ", count, "-element tensor, got shape ", step_scalars.sizes());
-}
-
+// Shared checks of the optimizer ops: found_inf and rng (step_scalars: check_step_scalars).
 const float* optional_found_inf(const char* op, const std::optional<at::Tensor>& found_inf, const at::Device& device) {
   if (!found_inf.has_value() || !found_inf->defined()) return nullptr;
   check_cuda_scalar(op, "found_inf", *found_inf, at::kFloat, device);
@@ -299,7 +299,7 @@ void adamw_bf16_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
               ": params[0] must be a CUDA tensor, got device ", params[0].device());
   const at::Device device = params[0].device();
-  check_step_scalars(op, step_scalars, device, 4);
+  const int64_t scalar_stride = check_step_scalars(op, step_scalars, device, n, 4);
   const float* found_inf_ptr = optional_found_inf(op, found_inf, device);
   const int64_t* rng_ptr = optional_rng(op, rng, device);
   TORCH_CHECK(exp_avgs[0].defined(), "fastamp::", op, ": exp_avgs[0] is undefined");
@@ -347,8 +347,9 @@ void adamw_bf16_cuda(at::TensorList params, at::TensorList grads, at::TensorList
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   const DType mdt = moment_type == at::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
   TorchTableMemory tables(device);
-  check_launch(op, adamw_bf16(refs.data(), static_cast<int64_t>(refs.size()), mdt, step_scalars.data_ptr<float>(),
-                              found_inf_ptr, rng_ptr, beta1, beta2, eps, amsgrad, maximize, tables, stream));
+  check_launch(
+      op, adamw_bf16(refs.data(), static_cast<int64_t>(refs.size()), mdt, step_scalars.data_ptr<float>(), scalar_stride,
+                     found_inf_ptr, rng_ptr, beta1, beta2, eps, amsgrad, maximize, tables, stream));
 }
 
 void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList momentum_buffers,
@@ -367,7 +368,7 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList master
   TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
               ": params[0] must be a CUDA tensor, got device ", params[0].device());
   const at::Device device = params[0].device();
-  check_step_scalars(op, step_scalars, device, 3);
+  const int64_t scalar_stride = check_step_scalars(op, step_scalars, device, n, 3);
   const float* found_inf_ptr = optional_found_inf(op, found_inf, device);
   const int64_t* rng_ptr = optional_rng(op, rng, device);
   MasterKind kind = MasterKind::kNone;
@@ -419,8 +420,9 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList master
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   TorchTableMemory tables(device);
-  check_launch(op, sgd(refs.data(), static_cast<int64_t>(refs.size()), kind, step_scalars.data_ptr<float>(),
-                       found_inf_ptr, rng_ptr, momentum, dampening, weight_decay, nesterov, maximize, tables, stream));
+  check_launch(op,
+               sgd(refs.data(), static_cast<int64_t>(refs.size()), kind, step_scalars.data_ptr<float>(), scalar_stride,
+                   found_inf_ptr, rng_ptr, momentum, dampening, weight_decay, nesterov, maximize, tables, stream));
 }
 
 }  // namespace

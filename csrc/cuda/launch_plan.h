@@ -48,9 +48,11 @@ FASTAMP_PLAN_HD int64_t num_chunks(int64_t numel) { return (numel + kChunkSize -
 // Table rows (pointers per tensor) of each op's kernels.
 constexpr int kUnscaleDepth = 1;       // grad
 constexpr int kUnscaleStatsDepth = 3;  // grad, counts row, absmax
-constexpr int kAdamWDepth = 6;         // param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq
-constexpr int kAdamWBf16Depth = 7;     // param, grad, remainder, exp_avg, exp_avg_sq, max_exp_avg_sq, rng tag
-constexpr int kSgdDepth = 5;           // param, grad, master, momentum buffer, rng tag
+// The optimizer tables end with each tensor's step scalars (its row of an [n, k] step_scalars,
+// or the shared [k]), so one launch serves tensors with different scalars.
+constexpr int kAdamWDepth = 7;      // param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars
+constexpr int kAdamWBf16Depth = 8;  // param, grad, remainder, exp_avg, exp_avg_sq, max_exp_avg_sq, rng tag, scalars
+constexpr int kSgdDepth = 6;        // param, grad, master, momentum buffer, rng tag, scalars
 
 // Table payload per fill kernel under stream capture: the kernel-argument space minus the
 // fill kernel's other arguments. CUDA 12.1+ accepts 32,764 bytes of kernel arguments on

@@ -86,13 +86,14 @@ struct AdamWTensorRef {
   DType grad_dtype;
 };
 
-// step_scalars: 4 fp32 on device, [step_size, bc2_sqrt, decay, grad_mul]
-// (reference.adamw_step_scalars). found_inf: null, or 1 fp32 read on device: non-zero
-// (NaN included) skips the whole update. Tensors may mix dtype combinations; the
-// launcher groups them, one multi-tensor launch sequence per combination.
-cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars, const float* found_inf,
-                  double beta1, double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
-                  cudaStream_t stream);
+// step_scalars: fp32 on device, [step_size, bc2_sqrt, decay, grad_mul]
+// (reference.adamw_step_scalars): tensor i reads step_scalars + i * scalar_stride, so
+// scalar_stride 0 shares 4 floats, 4 reads row i of [num_tensors, 4]. found_inf: null, or 1 fp32 read on device:
+// non-zero (NaN included) skips the whole update. Tensors may mix dtype combinations; the launcher groups them, one
+// multi-tensor launch sequence per combination.
+cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars, int64_t scalar_stride,
+                  const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
+                  TableMemory& tables, cudaStream_t stream);
 
 // ---- fastamp::adamw_bf16_ ----
 
@@ -112,8 +113,9 @@ struct AdamWBf16TensorRef {
 // when given, bf16 values without an exact master (params without remainder, bf16 moments)
 // are rounded stochastically, otherwise to nearest-even. Other arguments as adamw.
 cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, DType moment_dtype,
-                       const float* step_scalars, const float* found_inf, const int64_t* rng, double beta1,
-                       double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables, cudaStream_t stream);
+                       const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
+                       double beta1, double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
+                       cudaStream_t stream);
 
 // ---- fastamp::sgd_ ----
 
@@ -130,12 +132,13 @@ struct SgdTensorRef {
   uint32_t rng_stream;  // low 32 bits of 4 * (rng_base + list index)
 };
 
-// step_scalars: 3 fp32 on device, [lr, grad_mul, is_first] (reference.sgd_step_scalars).
+// step_scalars: fp32 on device, [lr, grad_mul, is_first] (reference.sgd_step_scalars), tensor i
+// at step_scalars + i * scalar_stride (0: shared; 3: row i of [num_tensors, 3]).
 // rng: null, or int64 [seed, counter] on device: bf16 params without a master are then
 // rounded stochastically. found_inf: null or 1 fp32; non-zero (NaN included) skips all.
 cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind master_kind, const float* step_scalars,
-                const float* found_inf, const int64_t* rng, double momentum, double dampening, double weight_decay,
-                bool nesterov, bool maximize, TableMemory& tables, cudaStream_t stream);
+                int64_t scalar_stride, const float* found_inf, const int64_t* rng, double momentum, double dampening,
+                double weight_decay, bool nesterov, bool maximize, TableMemory& tables, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fastamp

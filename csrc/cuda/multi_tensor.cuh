@@ -216,6 +216,12 @@ __device__ __forceinline__ uint32_t row_as_tag(const void* p) {
   return static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p));
 }
 
+// Tensor i's step scalars in a pointer row of an optimizer table: its row of an [n, k]
+// step_scalars (stride k) or the shared [k] (stride 0).
+inline void* scalars_as_row(const float* step_scalars, int64_t i, int64_t stride) {
+  return const_cast<float*>(step_scalars + i * stride);
+}
+
 // Loads/stores `count` (1..N) elements at p + e0: one N-wide access when `vectorised` (the
 // caller checked alignment and count == N), element by element otherwise. Slots past
 // `count` are zero on load and never stored.

@@ -17,7 +17,8 @@ namespace {
 using detail::kBlockSize;
 
 // Table rows: param, grad, master (fp32, int16 remainder or null), momentum buffer (fp32
-// or null), and the tensor's RNG stream as a tag.
+// or null), the tensor's RNG stream as a tag, and its step scalars (its row of an [n, 3]
+// step_scalars or the shared [3], read once per chunk).
 constexpr int kDepth = kSgdDepth;
 using Table = detail::TableView<kDepth>;
 
@@ -26,17 +27,13 @@ constexpr int kVec = 4;
 
 template <typename PE, typename GE>
 __global__ void __launch_bounds__(kBlockSize)
-    sgd_kernel(const Table table, MasterKind master_kind, const float* __restrict__ step_scalars,
-               const float* __restrict__ found_inf, const int64_t* __restrict__ rng, math::SgdHyper hyper) {
+    sgd_kernel(const Table table, MasterKind master_kind, const float* __restrict__ found_inf,
+               const int64_t* __restrict__ rng, math::SgdHyper hyper) {
   using PS = typename PE::storage_t;
   using GS = typename GE::storage_t;
   constexpr bool kBf16Param = PE::kDType == DType::kBFloat16;
   // The skip decision stays on the device: a non-zero (or NaN) flag means nothing is written.
   if (found_inf != nullptr && *found_inf != 0.0f) return;
-  math::SgdStepScalars s;
-  s.lr = step_scalars[0];
-  s.grad_mul = step_scalars[1];
-  s.first = step_scalars[2];
   const bool fp32_master = master_kind == MasterKind::kFloat32;
   const bool rem_master = kBf16Param && master_kind == MasterKind::kRemainder;
   // Stochastic rounding only where there is no master and the param is bf16.
@@ -58,6 +55,11 @@ __global__ void __launch_bounds__(kBlockSize)
     int16_t* remainder = rem_master ? static_cast<int16_t*>(row[2]) : nullptr;
     float* buf = hyper.has_momentum ? static_cast<float*>(row[3]) : nullptr;
     const uint32_t key = stochastic ? math::sr_stream_key(seed, counter, detail::row_as_tag(row[4])) : 0u;
+    const float* sc = static_cast<const float*>(row[5]);
+    math::SgdStepScalars s;
+    s.lr = sc[0];
+    s.grad_mul = sc[1];
+    s.first = sc[2];
     const bool aligned = detail::is_aligned_for_pack<PS, kVec>(param) && detail::is_aligned_for_pack<GS, kVec>(grad) &&
                          (!fp32_master || detail::is_aligned_for_pack<float, kVec>(master)) &&
                          (!rem_master || detail::is_aligned_for_pack<int16_t, kVec>(remainder)) &&
@@ -116,24 +118,23 @@ __global__ void __launch_bounds__(kBlockSize)
 }
 
 template <typename PE, typename GE>
-cudaError_t launch_sgd(const PlannedLaunch& l, const Table& view, MasterKind master_kind, const float* step_scalars,
-                       const float* found_inf, const int64_t* rng, const math::SgdHyper& hyper, cudaStream_t stream) {
-  sgd_kernel<PE, GE>
-      <<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, master_kind, step_scalars, found_inf, rng, hyper);
+cudaError_t launch_sgd(const PlannedLaunch& l, const Table& view, MasterKind master_kind, const float* found_inf,
+                       const int64_t* rng, const math::SgdHyper& hyper, cudaStream_t stream) {
+  sgd_kernel<PE, GE><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(view, master_kind, found_inf, rng, hyper);
   return cudaGetLastError();
 }
 
 template <typename PE>
 cudaError_t launch_sgd_grad(DType grad, const PlannedLaunch& l, const Table& view, MasterKind master_kind,
-                            const float* step_scalars, const float* found_inf, const int64_t* rng,
-                            const math::SgdHyper& hyper, cudaStream_t stream) {
+                            const float* found_inf, const int64_t* rng, const math::SgdHyper& hyper,
+                            cudaStream_t stream) {
   switch (grad) {
     case DType::kFloat32:
-      return launch_sgd<PE, detail::F32>(l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+      return launch_sgd<PE, detail::F32>(l, view, master_kind, found_inf, rng, hyper, stream);
     case DType::kFloat16:
-      return launch_sgd<PE, detail::F16>(l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+      return launch_sgd<PE, detail::F16>(l, view, master_kind, found_inf, rng, hyper, stream);
     case DType::kBFloat16:
-      return launch_sgd<PE, detail::BF16>(l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+      return launch_sgd<PE, detail::BF16>(l, view, master_kind, found_inf, rng, hyper, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -141,8 +142,8 @@ cudaError_t launch_sgd_grad(DType grad, const PlannedLaunch& l, const Table& vie
 }  // namespace
 
 cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind master_kind, const float* step_scalars,
-                const float* found_inf, const int64_t* rng, double momentum, double dampening, double weight_decay,
-                bool nesterov, bool maximize, TableMemory& tables, cudaStream_t stream) {
+                int64_t scalar_stride, const float* found_inf, const int64_t* rng, double momentum, double dampening,
+                double weight_decay, bool nesterov, bool maximize, TableMemory& tables, cudaStream_t stream) {
   // Rounded from doubles exactly as the reference's _f32(momentum), _f32(1.0 - dampening), ...
   math::SgdHyper hyper;
   hyper.momentum = static_cast<float>(momentum);
@@ -172,16 +173,17 @@ cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind mas
     row[2] = master_kind == MasterKind::kNone ? nullptr : r.master;
     row[3] = hyper.has_momentum ? r.momentum_buffer : nullptr;
     row[4] = detail::tag_as_row(r.rng_stream);
+    row[5] = detail::scalars_as_row(step_scalars, i, scalar_stride);
   };
   auto launch = [&](const PlannedLaunch& l, const Table& view) -> cudaError_t {
     const auto grad = static_cast<DType>(l.group % 3);
     switch (static_cast<DType>(l.group / 3)) {
       case DType::kFloat32:
-        return launch_sgd_grad<detail::F32>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+        return launch_sgd_grad<detail::F32>(grad, l, view, master_kind, found_inf, rng, hyper, stream);
       case DType::kFloat16:
-        return launch_sgd_grad<detail::F16>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+        return launch_sgd_grad<detail::F16>(grad, l, view, master_kind, found_inf, rng, hyper, stream);
       case DType::kBFloat16:
-        return launch_sgd_grad<detail::BF16>(grad, l, view, master_kind, step_scalars, found_inf, rng, hyper, stream);
+        return launch_sgd_grad<detail::BF16>(grad, l, view, master_kind, found_inf, rng, hyper, stream);
     }
     return cudaErrorInvalidValue;
   };

@@ -31,7 +31,7 @@ from fastamp.optim._checks import (
     where_of,
 )
 from fastamp.optim._masters import _MasterWeights
-from fastamp.optim._plan import AmpInputs, StateTable, StepCohorts, _Bucket, _GroupPlan, _Plan, _Run, _to_device
+from fastamp.optim._plan import AmpInputs, StateTable, _Bucket, _GroupPlan, _Plan, _Run, _to_device
 from fastamp.optim._state_dict import _StateDictExport
 from fastamp.optim._steps import _StepRecords
 
@@ -79,12 +79,16 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     Step counts: the ``step`` tensors of the params of one launch are 0-dim views of one
     buffer (one add per step, not one per param); they are saved, exported and loaded as
     ordinary per-param counts. Each param's bias correction uses its own count, as in
-    torch: a ``step`` replaced (``state[p]["step"] = torch.tensor(0.)``) or written in place
-    (``.zero_()``, ``.fill_()``, ``+=``; these move the version counter the views share)
-    is seen at the next step, which then reads the counts it can no longer vouch for (one
-    host read) and regroups the launches. Writes through ``.data`` (of a step, a state
-    tensor or a grad) bypass version counters and identity and are not seen; a same-address
-    rebind of a param (``p.data = p.data.t()``) is not either.
+    torch: the kernels take one row of step scalars per param, computed on the device from
+    the buffer, so the counts of one launch may differ and no count is read on the host to
+    step. A ``step`` written in place (``.zero_()``, ``.fill_()``, ``+=``; these move the
+    version counter the views share) is used by the next step as it is; one replaced
+    (``state[p]["step"] = torch.tensor(0.)``) leads to a new plan that stacks the counts
+    into a new buffer on the device. Either write is validated (finite, >= 0) at the next
+    step by one host read of the counts it can no longer vouch for. Writes through
+    ``.data`` (of a step, a state tensor or a grad) bypass version counters and identity:
+    a step count written so is used but not validated, and a same-address rebind of a
+    param (``p.data = p.data.t()``) is not seen.
 
     torch.compile: under ``torch.compiler.is_compiling()`` the step takes the path of
     :mod:`fastamp.optim._traced` (``fullgraph=True``, one compile, eager's bits): the checks
@@ -99,7 +103,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     _COUNT_BEFORE = True
     _STEP_REQUIRED = False  # a non-empty state must hold a ``step`` (AdamW: bias corrections)
     _step_supports_amp_scaling = True
-    _traced = False  # set by the first trace: plans then name their cohorts (see _name_cohorts)
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
@@ -126,16 +129,21 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         """The group as the kernels read it this step (e.g. tensor betas read as floats)."""
         return group
 
-    def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
+    def _scalars(self, group: dict[str, Any], lr: Any, counts: Tensor | None, grad_mul, dev) -> Tensor:
+        """The step scalars of a launch: one row per entry of the 1-D ``counts`` (``[n, k]``), or ``[k]`` for None.
+
+        ``counts``: each param's count as the update uses it (see ``_COUNT_BEFORE``); None for
+        params without a ``step`` (SGD without momentum: the count is not used).
+        """
         raise NotImplementedError
 
     def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
         raise NotImplementedError
 
     def _traced_scalars(
-        self, group: dict[str, Any], step: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+        self, group: dict[str, Any], steps: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
     ) -> Tensor:
-        """The step scalars under torch.compile, from the launch's count *before* this step (see ``_traced``)."""
+        """The step scalars under torch.compile from the 1-D counts *before* this step (None: ``[k]``), see ``_traced``."""
         raise NotImplementedError
 
     def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
@@ -160,7 +168,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     def _setup(self, backend: Any) -> None:
         self.backend = check_backend_arg(self._NAME, backend)
-        self._cohorts = StepCohorts()
         self._param_versions: dict[int, int] = {}
         self._plan: _Plan | None = None
         self._known_steps: dict[int, list[Any]] = {}
@@ -224,7 +231,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             for k, v in self._group_setdefaults().items():
                 group.setdefault(k, v)
         self._track_state()
-        self._rebuild_cohorts()
+        self._adopt_steps()
 
     def _group_setdefaults(self) -> dict[str, Any]:
         return {"maximize": False, "master_weights": None, "stochastic_rounding": False, "seed": 0}
@@ -301,30 +308,25 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         """Create missing state and masters and group the params with a grad into launches.
 
         Called when there is no plan or it no longer fits (see ``_gather``), after
-        ``_collect`` validated everything. Advances the step cohorts of the params it plans:
-        the plan is executed right after. ``step_values``: counts read from the host (written
-        from outside), which replace those params' step tensors and decide their cohorts.
+        ``_collect`` validated everything. ``step_values``: the counts ``_collect`` read to
+        validate them (written from outside); a count that is not an fp32 0-dim tensor on its
+        param's device is replaced by one holding the value. The launches of a group on one
+        device are one bucket whatever their counts: each param's step scalars come from its
+        own count (see ``_execute``).
         """
         plan = _Plan()
-        cohorts = self._cohorts
-        cohorts.begin_step()
         sr_ids: dict[int, int] | None = None
         for group, items in work:
             gp = _GroupPlan(group, self._plan_key(group))
-            # (device, cohort) -> bucket
-            buckets: dict[Any, _Bucket] = {}
-            step_states: dict[Any, list[dict[str, Any]]] = {}
-            step_params: dict[Any, list[int]] = {}
+            buckets: dict[torch.device, _Bucket] = {}
             for pos, p, g in items:
                 st = self.state.get(p)
                 if st is None:
                     st = {}
-                token = None
                 if st:
                     value = step_values.get(id(p))
                     if value is not None:
                         step = st["step"]
-                        # an fp32 count in place is kept: a compiled step guards on its identity
                         if not (
                             type(step) is Tensor
                             and step.dtype == torch.float32
@@ -332,13 +334,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                             and step.device == p.device
                         ):
                             st["step"] = torch.full((), value, dtype=torch.float32, device=p.device)
-                        token = cohorts.of_value(value, cohorts.get(p))
-                    else:
-                        token = cohorts.get(p)
                 kind = self._kind(group, p)
-                created = self._init_state(p, st, group, kind)
-                if created is not None:
-                    token = cohorts.of_value(created)
+                self._init_state(p, st, group, kind)
                 self._init_master(p, st, kind)
                 if kind == "remainder":
                     self._resync_if_written(p, st, "a param")
@@ -350,15 +347,9 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                     st["rng"] = rng
                 if st and self.state.get(p) is not st:
                     self.state[p] = st
-                cohorts.advance(p, token)
-                bucket = buckets.get((p.device, token))
+                bucket = buckets.get(p.device)
                 if bucket is None:
-                    bucket = buckets[(p.device, token)] = _Bucket(p.device)
-                    step_states[(p.device, token)] = []
-                    step_params[(p.device, token)] = []
-                if "step" in st:
-                    step_states[(p.device, token)].append(st)
-                    step_params[(p.device, token)].append(id(p))
+                    bucket = buckets[p.device] = _Bucket(p.device)
                 sr_id = None
                 if use_rng:
                     bucket.rngs.append(st["rng"])
@@ -366,24 +357,37 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                         sr_ids = self._bf16_ids()
                     sr_id = sr_ids[id(p)]
                 op = self._kernel_op(group, p, kind)
-                key = (op, p.dtype, g.dtype, kind, use_rng) + self._extra_key(group, p, st, kind)
+                counted = "step" in st
+                key = (op, p.dtype, g.dtype, kind, use_rng, counted) + self._extra_key(group, p, st, kind)
                 run = bucket.runs.get(key)
                 if run is None:
                     run = bucket.runs[key] = _Run(op, kind, self._launch_keys(group, kind, use_rng))
                 run.add(p, pos, st, sr_id)
                 plan.needed.add((op, p.device))
-            for key, bucket in buckets.items():
-                # Every step in a bucket holds the same value (see StepCohorts).
-                bucket.share_steps(step_states[key], self._remember_steps, self._owns_steps)
-                self._step_of.update(zip(step_params[key], bucket.steps))
+            stepped = {pos for pos, _, _ in items}
+            for dev, bucket in buckets.items():
+                # the count vector, run by run: each run's rows are consecutive
+                step_states: list[dict[str, Any]] = []
+                step_params: list[int] = []
                 for run in bucket.runs.values():
+                    if "step" in run.states[0]:
+                        run.row0 = len(step_states)
+                        step_states.extend(run.states)
+                        step_params.extend(id(gp.params[i]) for i in run.gidx)
                     run.seal(len(gp.params))
+                spare = []
+                for i, q in enumerate(gp.params):
+                    st = self.state.get(q) if i not in stepped and q.device == dev else None
+                    step = st.get("step") if st else None
+                    if type(step) is Tensor and step.dtype == torch.float32 and step.dim() == 0 and step.device == dev:
+                        spare.append((id(q), st))
+                for pid in bucket.share_steps(step_states, spare, self._remember_steps, self._recorded_steps):
+                    self._step_of.pop(pid, None)
+                self._step_of.update(zip(step_params, bucket.steps))
             gp.buckets = list(buckets.values())
             plan.groups.append(gp)
         plan.state = self.state
         plan.n_state = len(self.state)
-        if self._traced:
-            self._name_cohorts()
         return plan
 
     def _gather(self, plan: _Plan | None) -> list[list[Tensor | None]] | None:
@@ -499,12 +503,14 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         dynamo calls an optimizer's ``_init_group`` with the real objects and guards on what
         it finds afterwards (the hook torch's optimizers create their state in). This is the
         eager step's validation and planning (``_collect``, ``_build_plan``: missing state
-        and masters created, launches grouped by step cohort), returned as constants for
+        and masters created, launches grouped as eager groups them), returned as constants for
         :func:`fastamp.optim._traced.traced_step`:
-        ``((group index, ((step position, (launch, ...)), ...)), ...)`` per group with work,
-        per cohort, each launch ``(op, backend, kind, state keys, param positions, rng_base,
-        positions of strided params)``. See :mod:`fastamp.optim._traced` for what a compiled
-        step does not re-check.
+        ``((group index, ((count positions, (launch, ...)), ...)), ...)`` per group with work,
+        per device: the group positions of the params whose counts make the bucket's count
+        vector, in the order of eager's buffer, and each launch ``(op, backend, kind, state
+        keys, param positions, rng_base, positions of strided params, row0)``, its step
+        scalars being rows ``row0 ..`` of the vector's (``row0 < 0``: one shared set). See
+        :mod:`fastamp.optim._traced` for what a compiled step does not re-check.
         """
         from fastamp import backends
 
@@ -516,14 +522,10 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         if self._compiled["ran"]:
             self._forget_compiled_steps()
         self._plan = None
-        self._traced = True
-        if not hasattr(self, "_trace_epoch"):
-            self._name_cohorts()
         work, step_values = self._collect()
         if not any(items for _, items in work):
             return ()
         plan = self._build_plan(work, step_values)
-        self._hold_guarded_steps([s for gp in plan.groups for b in gp.buckets for s in b.steps])
         chosen = {(op, dev): backends.resolve(op, dev, self.backend) for op, dev in plan.needed}
         for op, backend in chosen.items():
             backends.get_impl(op[0], backend)  # imports a Triton kernel module (see _traced.kernel)
@@ -538,12 +540,13 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 )
             buckets = []
             for b in gp.buckets:
-                step_pos = -1
+                counted = []
                 launches = []
                 for run in b.runs.values():
-                    with_step = [pos for pos, st in zip(run.gidx, run.states) if "step" in st]
-                    if with_step and step_pos < 0:
-                        step_pos = with_step[0]
+                    if run.row0 >= 0:
+                        if run.row0 != len(counted):
+                            raise RuntimeError(f"{self._NAME}: internal error: a run's rows are not where planned")
+                        counted.extend(run.gidx)
                     strided = {pos for pos, _ in run.strided}
                     for start, stop, rng_base in _traced.rng_parts(run.ids, len(run.gidx)):
                         launches.append(
@@ -555,9 +558,10 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                                 tuple(run.gidx[start:stop]),
                                 rng_base,
                                 tuple(i - start for i in range(start, stop) if i in strided),
+                                run.row0 + start if run.row0 >= 0 else -1,
                             )
                         )
-                buckets.append((step_pos, tuple(launches)))
+                buckets.append((tuple(counted), tuple(launches)))
             out.append((gi, tuple(buckets)))
         return tuple(out)
 
@@ -590,26 +594,36 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 grad_mul, found_inf, inc = amp.on(dev)
                 if dev not in lr_per_device:
                     lr_per_device[dev] = _to_device(lr, dev) if isinstance(lr, Tensor) else lr
-                steps = []
-                if b.steps:
-                    # every view of the bucket's buffer holds the same count
-                    first = b.steps[0]
+                rows = shared = None
+                if b.step_buf is not None:
+                    # One row per param from its own count. The count vector is the bucket's
+                    # buffer as it is (its length and order), and each launch takes its rows
+                    # by slicing: a compiled step stacks the same counts in the same order and
+                    # slices the same rows (see _traced), so both compute the fp64 ``pow`` of
+                    # reference.adamw_step_scalars over the same vector. torch's CPU loops give
+                    # a vector's lanes and its tail other last bits than a 0-dim call: equal
+                    # vectors are what makes eager and compiled steps bit-identical.
+                    counts = b.counts()
                     if self._COUNT_BEFORE:
-                        first = first + (1.0 if inc is None else inc)
-                    steps = [first]
-                scalars = self._scalars(group, lr_per_device[dev], steps, grad_mul, dev)
+                        counts = counts + (1.0 if inc is None else inc)
+                    rows = self._scalars(group, lr_per_device[dev], counts, grad_mul, dev)
                 for run in b.runs.values():
                     run.refresh(grads)
                     try:
                         for part in run.split():
+                            if part.row0 >= 0:
+                                scalars = rows[part.row0 : part.row0 + len(part.params)]
+                            else:
+                                if shared is None:
+                                    shared = self._scalars(group, lr_per_device[dev], None, grad_mul, dev)
+                                scalars = shared
                             self._launch(group, part, scalars, found_inf)
                         for p, tmp in run.copy_back:
                             p.copy_(tmp)
                     finally:
                         run.release()
                 if b.step_buf is not None:
-                    b.step_buf.add_(1.0 if inc is None else inc)
-                    b.known[1] = b.step_buf._version
+                    b.advance(inc)
                 if b.rngs:
                     delta = rng_inc.get(dev)
                     if delta is None:

@@ -1,21 +1,19 @@
 """The launch plan of fastamp's fused optimizers, cached across steps while it fits.
 
-:class:`_Plan` holds per param group (:class:`_GroupPlan`) the launches per device and step
-cohort (:class:`_Bucket`), each a kernel call (:class:`_Run`); :class:`StepCohorts` tells
-which params may share step scalars without a host read, :class:`StateTable` drops the plan
-when ``optimizer.state`` changes, and :class:`AmpInputs` carries a grad scaler's
-``grad_scale``/``found_inf`` to each device without a host sync.
+:class:`_Plan` holds per param group (:class:`_GroupPlan`) the launches per device
+(:class:`_Bucket`, whose ``step`` counts are views of one buffer), each a kernel call
+(:class:`_Run`) that takes one row of step scalars per tensor, computed from that tensor's
+own count; :class:`StateTable` drops the plan when ``optimizer.state`` changes, and
+:class:`AmpInputs` carries a grad scaler's ``grad_scale``/``found_inf`` to each device
+without a host sync.
 """
 
 from __future__ import annotations
 
-import hashlib
 import numbers
 import operator
 import weakref
-from array import array
 from collections import defaultdict
-from collections.abc import Iterable
 from copy import deepcopy
 from typing import Any, Callable
 
@@ -90,69 +88,6 @@ class AmpInputs:
         return self._per_device[device]
 
 
-class StepCohorts:
-    """Which params are guaranteed to hold the same ``step`` value, known on the host.
-
-    A fused launch shares one set of step scalars (bias corrections), but torch keeps one
-    step count per param, and a param whose grad is None is not stepped. Reading the
-    counts would sync, so the host tracks a token per param instead: params that started
-    from equal counts and took part in the same ``step()`` calls carry the same token
-    (their counts were incremented by the same on-device ``found_inf`` flags), and only
-    params with equal tokens share a launch. In the usual case (every param has a grad
-    every step) there is one cohort.
-
-    A count the host knows by value (just created, just loaded, or read because it was
-    written from outside) gets the token of its value within its cohort: a read splits a
-    cohort whose counts differ but never joins two cohorts, so the cohorts change only
-    when a step's grad pattern or an outside write splits them (see :meth:`digest`).
-    Joining by value is sound too, but a compiled step guards on the cohorts it was traced
-    with: cohorts that join and split again would retrace it each time.
-    """
-
-    def __init__(self) -> None:
-        self._token: dict[int, object] = {}
-        self._remap: dict[object, object] = {}
-        self._by_value: dict[tuple[object, float], object] = {}
-
-    def begin_step(self) -> None:
-        self._remap = {}
-        self._by_value = {}
-
-    def get(self, p: Tensor) -> object | None:
-        return self._token.get(id(p))
-
-    def of_value(self, value: float, prior: object | None = None) -> object:
-        """The token of a count known to hold ``value``, in cohort ``prior`` (None: a new count)."""
-        return self._by_value.setdefault((prior, value), object())
-
-    def advance(self, p: Tensor, token: object) -> None:
-        new = self._remap.get(token)
-        if new is None:
-            new = self._remap[token] = object()
-        self._token[id(p)] = new
-
-    def digest(self, params: Iterable[Tensor]) -> str:
-        """A name of the partition of ``params`` into cohorts (equal names: the same partition).
-
-        Cohorts are numbered by first appearance in ``params``, so the name does not depend
-        on the token objects: a step whose grad pattern splits no cohort keeps the name.
-        """
-        index: dict[object, int] = {}
-        token = self._token
-        labels = array("q")
-        for p in params:
-            t = token.get(id(p))
-            labels.append(-1 if t is None else index.setdefault(t, len(index)))
-        return hashlib.blake2b(labels.tobytes(), digest_size=12).hexdigest()
-
-    def rebuild(self, params_and_steps: Iterable[tuple[Tensor, float]]) -> None:
-        """Tokens from known step values (after a load): equal counts share a token."""
-        self._token = {}
-        by_value: dict[float, object] = {}
-        for p, value in params_and_steps:
-            self._token[id(p)] = by_value.setdefault(value, object())
-
-
 class StateTable(defaultdict):
     """``optimizer.state`` that tells its optimizer when an entry is assigned or removed.
 
@@ -225,6 +160,11 @@ class _Run:
     hold them, so a tensor replaced by assignment is validated by a new plan before any
     kernel runs. :meth:`refresh` fills the per-step lists (this step's grads, contiguous
     copies of strided params).
+
+    ``row0``: where the run's counts start in its bucket's count vector (the run's params hold
+    consecutive entries, in order), so its step scalars are rows ``row0 .. row0 + n`` of the
+    bucket's; -1 for a run of params without a ``step`` (SGD without momentum), which takes one
+    shared set.
     """
 
     __slots__ = (
@@ -244,6 +184,7 @@ class _Run:
         "rng_base",
         "dtensor",
         "whole",
+        "row0",
     )
 
     def __init__(self, op: str, kind: str, keys: tuple[str, ...] = ()) -> None:
@@ -261,6 +202,7 @@ class _Run:
         self.rng_base = 0
         self.dtensor = False  # DTensor params (FSDP2): the kernels get the local shards
         self.whole = False  # holds every param of its group, in order: takes the group's grads as they are
+        self.row0 = -1
 
     def add(self, p: Tensor, pos: int, st: dict[str, Any], sr_id: int | None) -> None:
         if is_dtensor(p):
@@ -325,7 +267,10 @@ class _Run:
             self.params[pos] = p
 
     def split(self) -> list[_Run]:
-        """Runs whose stochastic-rounding tensor ids are consecutive (the kernel numbers them base + i)."""
+        """Runs whose stochastic-rounding tensor ids are consecutive (the kernel numbers them base + i).
+
+        Each keeps the rows of its own params (``row0``).
+        """
         ids = self.ids
         if not ids or ids[-1] - ids[0] == len(ids) - 1:
             return [self]
@@ -338,61 +283,106 @@ class _Run:
                 r.rng = r.launch["rng"][0]
                 r.rng_base = ids[start]
                 r.dtensor = self.dtensor
+                r.row0 = self.row0 + start if self.row0 >= 0 else -1
                 runs.append(r)
                 start = i
         return runs
 
 
 class _Bucket:
-    """Params of one group on one device whose step counts are equal (one set of step scalars).
+    """The params of one group on one device that a step updates, and their ``step`` counts.
 
-    Their ``step`` tensors are 0-dim views of one buffer, so a step increments them all in
-    one op. Each step checks that the states still hold these views (identity) and that
-    nobody wrote to them (the buffer's version counter, shared by its views, moved only by
-    the optimizer's own increment): ``state[p]["step"].zero_()`` or a replaced ``step``
-    leads to a new plan that reads the counts.
+    The counts of the group's params on the device are 0-dim views of one buffer, kept
+    across grad patterns (a param skipped by a step keeps its view). The count vector the
+    step scalars are computed from (one row per param, from its own count) lists the
+    bucket's counts run by run (each run's entries consecutive, from its ``row0``): the
+    buffer itself when it holds exactly those in that order, else the buffer gathered at
+    ``step_idx``; a step increments the same entries in one op. The counts may differ
+    (params skipped by some steps, counts reset). Each step checks that the states still
+    hold these views (identity) and that nobody wrote to the buffer (its version counter,
+    shared by its views, moved only by the optimizer's own increment): after
+    ``state[p]["step"].zero_()`` or a replaced ``step`` a new plan validates the counts,
+    stacking replaced ones into a new buffer on the device.
     """
 
-    __slots__ = ("dev", "runs", "steps", "step_buf", "states", "rngs", "known")
+    __slots__ = ("dev", "runs", "steps", "step_buf", "step_idx", "ones", "states", "rngs", "known")
 
     def __init__(self, dev: torch.device) -> None:
         self.dev = dev
         self.runs: dict[Any, _Run] = {}
         self.steps: list[Tensor] = []
         self.step_buf: Tensor | None = None
+        self.step_idx: Tensor | None = None  # where the bucket's counts sit in step_buf (None: all of it, in order)
+        self.ones: Tensor | None = None
         self.states: list[dict[str, Any]] = []
         self.rngs: list[Tensor] = []
         self.known: list[Any] = [None, 0]  # the optimizer's record of step_buf: [weakref, expected version]
 
     def share_steps(
-        self, states: list[dict[str, Any]], remember: Callable[[Tensor], list[Any]], ours: Callable[[Tensor], bool]
-    ) -> None:
-        """Make the ``step`` tensors of ``states`` (equal values) views of one buffer.
+        self,
+        states: list[dict[str, Any]],
+        spare: list[tuple[int, dict[str, Any]]],
+        remember: Callable[[Tensor], list[Any]],
+        recorded: Callable[[Tensor], list[Any] | None],
+    ) -> list[int]:
+        """Make the ``step`` tensors of ``states`` views of one buffer (device ops, no host read).
 
-        Counts that already are, in order, the views of a whole buffer this optimizer made
-        (``ours``) stay the same tensors: a compiled step guards on their identity (see
-        :mod:`fastamp.optim._traced`), so planning again the same cohort must not replace them.
+        ``spare``: ``(id(param), state)`` of the group's other params on the device whose
+        count is an fp32 0-dim tensor there (no grad this step): a new buffer holds their
+        counts too, so that the next grad pattern finds its counts in it. Counts that already
+        are views of a buffer this optimizer made and records (``recorded``), whose every
+        entry is a count of this group on this device, stay the same tensors: planning again
+        (a new grad pattern, a plan dropped after compiled steps, a load) neither copies nor
+        replaces them, and a compiled step that guards on the views' base finds it unchanged.
+        Returns the ids of spare params whose counts sit in a kept buffer written from
+        outside since the optimizer recorded it (not validated: no longer vouched for).
         """
         if not states:
-            return
+            return []
         steps = [st["step"] for st in states]
         buf = steps[0]._base
-        if not (
-            buf is not None
-            and ours(buf)
-            and buf.dim() == 1
-            and buf.numel() == len(steps)
-            and all(
-                s._base is buf and s.dim() == 0 and s.storage_offset() == buf.storage_offset() + i * buf.stride(0)
-                for i, s in enumerate(steps)
-            )
-        ):
-            buf = torch.stack([s.reshape(()) for s in steps])
-            steps = list(buf.unbind(0))
-            for st, view in zip(states, steps):
+        offsets = None
+        stale: list[int] = []
+        entry = None if buf is None else recorded(buf)
+        if entry is not None and buf.dim() == 1 and all(s._base is buf and s.dim() == 0 for s in steps):
+            mine = [(pid, st["step"]) for pid, st in spare if st["step"]._base is buf]
+            views = steps + [v for _, v in mine]
+            offsets = [(v.storage_offset() - buf.storage_offset()) // buf.stride(0) for v in views]
+            if sorted(offsets) != list(range(buf.numel())):
+                offsets = None
+            elif buf._version != entry[1]:
+                stale = [pid for pid, _ in mine]
+        if offsets is None:
+            every = states + [st for _, st in spare]
+            buf = torch.stack([st["step"].detach().reshape(()) for st in every])
+            for st, view in zip(every, buf.unbind(0)):
                 st["step"] = view
+            steps = [st["step"] for st in states]
+            offsets = list(range(len(every)))
+        idx = offsets[: len(steps)]
+        if idx == list(range(buf.numel())):
+            self.step_idx = self.ones = None
+        else:
+            self.step_idx = _to_device(torch.tensor(idx, dtype=torch.int64), self.dev)
+            self.ones = torch.ones(len(idx), dtype=buf.dtype, device=self.dev)
         self.step_buf, self.states, self.steps = buf, states, steps
         self.known = remember(buf)
+        return stale
+
+    def counts(self) -> Tensor:
+        """The bucket's counts, run by run (a new tensor when gathered, the buffer itself otherwise)."""
+        if self.step_idx is None:
+            return self.step_buf
+        return self.step_buf.index_select(0, self.step_idx)
+
+    def advance(self, inc: Tensor | None) -> None:
+        """Add ``inc`` (1 without a grad scaler, else ``found_inf == 0``) to the bucket's counts, exactly."""
+        buf = self.step_buf
+        if self.step_idx is None:
+            buf.add_(1.0 if inc is None else inc)
+        else:
+            buf.index_add_(0, self.step_idx, self.ones if inc is None else inc.expand(self.ones.shape))
+        self.known[1] = buf._version
 
     def intact(self) -> bool:
         """Whether the step views are untouched and every run's state tensors are the planned ones."""

@@ -217,4 +217,4 @@ class _StateDictExport:
     def _after_load(self) -> None:
         self._param_versions = {}
         self._plan = None
-        self._rebuild_cohorts()
+        self._adopt_steps()

@@ -10,12 +10,13 @@ guard on. Under ``torch.compiler.is_compiling()`` the step takes this path inste
   the hook torch's own optimizers use to create their state), then guards on the param
   groups and the state it finds afterwards. :meth:`FusedOptimizer._init_group` runs the
   eager step's own validation and planning there (every check of an eager step, missing
-  state and masters created, launches grouped exactly as eager groups them, step cohorts
-  included) and returns the plan as constants: which kernel, which backend, which param
+  state and masters created, launches grouped exactly as eager groups them) and returns the plan as constants: which kernel, which backend, which param
   positions, which state keys. Nothing of this is re-run when the compiled step replays.
-* **In the graph.** Per launch: the params, grads and state tensors (read from
-  ``param_groups`` and ``state`` at every call, so dynamo guards them), one opaque op for
-  the step scalars, the same kernel op eager calls (``torch.ops.fastamp.adamw_`` ...), the
+* **In the graph.** Per group and device: every ``step`` count of the launches, read from
+  ``state`` at every call and stacked into one vector, one opaque op that computes one row
+  of step scalars per count; per launch the params, grads and state tensors (read from
+  ``param_groups`` and ``state`` at every call, so dynamo guards them), the same kernel op
+  eager calls (``torch.ops.fastamp.adamw_`` ...) with the launch's rows (``[n, k]``), the
   step counts (and ``rng`` counters) advanced with tensor ops by ``found_inf == 0``.
 
 Bit-identity with eager: the kernels are the same ops, and the step scalars are computed by
@@ -23,38 +24,33 @@ Bit-identity with eager: the kernels are the same ops, and the step scalars are 
 (:data:`fastamp._ops.OPTIM_OPS`) whose kernels are the eager code
 (:func:`fastamp.reference.adamw_step_scalars`, with the grad scaler's ``1/grad_scale``
 reciprocal in fp64 and the increment ``step + (found_inf == 0)``), so inductor cannot
-re-derive the fp64 ``pow`` with another rounding. The ``step`` and ``rng`` increments are
-exact (fp32 / int64 adds of 0 or 1).
+re-derive the fp64 ``pow`` with another rounding. The op gets the same count vector as
+eager's for the same launches (the counts of eager's step buffer of the group and device,
+same length, same order: the trace-time plan hands their positions over) and each launch
+takes the same rows (a slice at the same offset): torch's CPU fp64 ``pow`` gives a vector's
+lanes and its scalar tail other last bits than a 0-dim call (41 of 2,062 sampled counts at
+fp64, before the rounding to fp32), so equal results rest on equal vectors, not on luck.
+The ``step`` and ``rng`` increments are exact (fp32 / int64 adds of 0 or 1).
 
-What a compiled step does not re-check (dynamo guards dtypes, shapes, devices, strides,
-which params have a grad, the group settings, the state's keys and the identity of every
-``step`` count it reads): values written in place into state tensors from outside (an
-in-place write to a ``step`` count, ``.zero_()``, ``.fill_()``, ``+=``: dynamo guards
-neither tensor values nor version counters, and a launch takes one set of step scalars;
-such a write is seen from the next retrace or eager step on, which read the counts; a
-replaced count is seen at once), a remainder-mode param written outside the optimizer
-between a compiled step and the next (eager re-syncs its master with a warning), and the
-backend: it is resolved at trace time, so ``FASTAMP_BACKEND`` /
-:func:`fastamp.backends.set_backend` changed later do not apply to an already compiled step.
+Writes between compiled steps: the graph reads every tensor of the state at run time, so a
+``step`` count replaced (``state[p]["step"] = torch.tensor(0.)``) or written in place
+(``.zero_()``, ``.fill_()``, ``+=``) is honoured by the next run, as are moments written in
+place or replaced; neither retraces (each param's bias correction comes from its own count,
+so the counts of a launch may differ). What a compiled step does not re-check (dynamo
+guards dtypes, shapes, devices, strides, which params have a grad, the group settings and
+the state's keys; not values nor version counters): the values written from outside (an
+eager step validates them: a negative or NaN count is refused there, not in a compiled
+step), a remainder-mode param written outside the optimizer between a compiled step and
+the next (eager re-syncs its master with a warning), and the backend: it is resolved at
+trace time, so ``FASTAMP_BACKEND`` / :func:`fastamp.backends.set_backend` changed later do
+not apply to an already compiled step.
 
-Step cohorts: a launch computes its step scalars from one count, so its params must hold
-equal counts whenever its graph runs. A change of which params have a grad recompiles
-(dynamo guards ``p.grad is None``) and plans again with eager's cohorts; a param skipped
-by some steps keeps its own count. The host's cohorts follow the history of the steps (a
-read of the counts splits a cohort whose counts differ, never joins two; a load starts
-from the loaded values), and every plan,
-eager or traced, names the partition in ``_trace_epoch`` (``_name_cohorts``), a string
-the graph reads after its trace-time plan (so dynamo guards its value). A graph therefore
-runs only while the cohorts are those its own plan left, under which each cohort is
-either wholly stepped or wholly skipped by its grad pattern: running it leaves them as
-they are, and the host's records cannot go stale, whatever the sequence of grad patterns
-and eager steps. A plan that splits a cohort (a new grad pattern, a count replaced or
-written) renames the partition, and each compiled step retraces at its next call. The
-cost: one graph per (grad pattern, partition); with every param stepped every step, one.
-A replaced ``step`` tensor fails the identity guard (``_identity_guarded``) and the
-retrace reads it. Every compiled step marks ``_compiled["ran"]`` (a side effect dynamo
-replays after each run); the next eager step then reads the counts once, plans again
-with the same cohorts and ``step`` tensors (so the compiled steps' guards still pass),
+Grad patterns: a change of which params have a grad recompiles (dynamo guards ``p.grad is
+None``) and plans again as eager does; a param skipped by some steps keeps its own count,
+read by every run. The cost: one graph per grad pattern (k patterns, k graphs), whatever
+the counts. Every compiled step marks ``_compiled["ran"]`` (a side effect dynamo replays
+after each run; an attribute store on the optimizer would be dropped); the next eager
+step then reads (validates) the counts once, plans again with the same ``step`` tensors,
 and forgets the params' recorded versions (see ``_forget_compiled_steps``).
 
 Not supported under compile (refused at trace time, with the reason): tensor ``betas`` (the
@@ -99,7 +95,7 @@ def _grad_mul(grad_scale: Tensor, device: torch.device) -> Tensor:
 
 
 def _count(step: Tensor, found_inf: Tensor | None) -> Tensor:
-    """The count the bias corrections use: ``step + 1``, or ``step + (found_inf == 0)`` under amp."""
+    """The counts the bias corrections use: ``step + 1``, or ``step + (found_inf == 0)`` under amp (as eager)."""
     if found_inf is None:
         return step + 1.0
     return step + (_amp_found_inf(found_inf, step.device) == 0).to(torch.float32)
@@ -131,19 +127,19 @@ def _adamw_step_scalars(
     beta2: float,
     weight_decay: float,
 ) -> Tensor:
-    """``[step_size, bc2_sqrt, decay, grad_mul]`` of a launch whose counts are ``step`` (before this step).
+    """``[n, 4]`` rows ``[step_size, bc2_sqrt, decay, grad_mul]`` of the params whose counts are ``step`` (1-D, before this step).
 
-    Exactly the eager computation: the count ``step + (found_inf == 0)`` (``+ 1`` without a
+    Exactly the eager computation: the counts ``step + (found_inf == 0)`` (``+ 1`` without a
     scaler), the grad scaler's ``1/grad_scale`` (fp64 reciprocal rounded to fp32), then
-    :func:`fastamp.reference.adamw_step_scalars`. ``lr``: see :func:`lr_tensor`.
+    :func:`fastamp.reference.adamw_step_scalars` over that vector. ``lr``: see :func:`lr_tensor`.
     """
     dev = step.device
     grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
-    return reference.adamw_step_scalars(lr, _count(step.reshape(()), found_inf), beta1, beta2, weight_decay, grad_mul)
+    return reference.adamw_step_scalars(lr, _count(step, found_inf), beta1, beta2, weight_decay, grad_mul)
 
 
 def _sgd_step_scalars(step: Tensor, grad_scale: Tensor | None, lr: Tensor) -> Tensor:
-    """``[lr, grad_mul, is_first]`` of an SGD launch whose applied-step count is ``step``, as eager computes it."""
+    """``[lr, grad_mul, is_first]`` from applied-step counts ``step`` (1-D: one row each; 0-dim: one set), as eager."""
     dev = step.device
     grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
     return reference.sgd_step_scalars(lr, step, grad_mul)
@@ -201,16 +197,6 @@ class Launch(NamedTuple):
     rng_base: int
 
 
-def _identity_guarded(t: Tensor) -> Tensor:
-    """``t``, with its identity guarded: dynamo guards the source of a tensor whose ``id`` a trace takes.
-
-    A ``step`` count replaced between compiled steps then retraces, and the new plan reads it
-    (the optimizer holds the guarded counts alive: see ``_hold_guarded_steps``).
-    """
-    id(t)
-    return t
-
-
 def traced_step(opt: Any, closure: Any = None) -> Any:
     """``opt.step(closure)`` as dynamo traces it (see the module doc)."""
     loss = None
@@ -221,23 +207,28 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
     grad_scale = AmpInputs._as_tensor(opt._NAME, "grad_scale", getattr(opt, "grad_scale", None))
     found_inf = AmpInputs._as_tensor(opt._NAME, "found_inf", getattr(opt, "found_inf", None))
     plan = opt._init_group()
-    if opt._trace_epoch == "":  # read after the trace-time plan, so guarded: see FusedOptimizer._name_cohorts
-        raise AssertionError("unreachable")
     state = opt.state
     rng_delta: dict[Any, Tensor] = {}
     for gi, buckets in plan:
         group = opt.param_groups[gi]
         params = group["params"]
-        for step_pos, launches in buckets:
-            steps = []
-            scalars = None
-            dev = None
-            for op, backend, kind, keys, positions, rng_base, strided in launches:
+        for counted, launches in buckets:
+            dev = params[launches[0][4][0]].device
+            # Read at every run: a count replaced or written in place between runs is honoured.
+            # The vector holds the counts of eager's buffer for this bucket, in its order, and
+            # each launch slices its rows as eager does (see FusedOptimizer._execute): the
+            # step-scalar op then runs eager's code over the same vector.
+            steps = [state[params[i]]["step"] for i in counted]
+            rows = opt._traced_scalars(group, torch.stack(steps), found_inf, grad_scale, dev) if steps else None
+            shared = None
+            for op, backend, kind, keys, positions, rng_base, strided, row0 in launches:
                 ps = [params[i] for i in positions]
-                dev = ps[0].device
-                if scalars is None:
-                    step = state[params[step_pos]]["step"] if step_pos >= 0 else None
-                    scalars = opt._traced_scalars(group, step, found_inf, grad_scale, dev)
+                if row0 >= 0:
+                    scalars = rows[row0 : row0 + len(ps)]
+                else:
+                    if shared is None:
+                        shared = opt._traced_scalars(group, None, found_inf, grad_scale, dev)
+                    scalars = shared
                 sts = [state.get(p, _NO_STATE) for p in ps]  # SGD without momentum keeps none
                 grads = [p.grad for p in ps]
                 grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
@@ -250,7 +241,6 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                 )
                 for i in strided:
                     ps[i].copy_(launch_params[i])
-                steps.extend(_identity_guarded(st["step"]) for st in sts if "step" in st)
                 if rng is not None:
                     delta = rng_delta.get(dev)
                     if delta is None:

@@ -200,26 +200,20 @@ class AdamW(FusedOptimizer):
     .. note::
         ``step()`` does not synchronise with the device. Exceptions: a CPU param whose
         ``lr``/``grad_scale``/``found_inf`` lives on a GPU (the copy to the CPU blocks),
-        tensor betas on a device (read at every step), the first ``step()`` after
-        unpickling or ``copy.deepcopy``, and the first ``step()`` after a ``step`` count
-        was written from outside (the counts are read once to know which params can share
-        a launch).
+        tensor betas on a device (read at every step), and the first ``step()`` after a
+        ``step`` count was written from outside or after compiled steps (the counts it can
+        no longer vouch for are read once, to validate them).
 
     .. note::
-        Params whose ``step`` counts are equal (known on the host: same starting count, same
-        ``step()`` calls with a grad) are updated in one launch per (device, param dtype,
-        grad dtype, master kind, moment dtype), with the step scalars computed from the
-        first param's count. A param skipped because its grad was None keeps its own count,
-        as in torch, and so does a param whose state was reset: ``state[p]["step"]``
-        replaced or written in place (``.zero_()``, ``.fill_()``, ``+=``), ``state[p]``
-        replaced, cleared or deleted, a partial state dict loaded, a param group added. The
-        next step sees the write (identity and version counter of the step tensors),
-        reads the counts it can no longer vouch for, and bias-corrects each param with its
-        own count. Writes through ``.data`` bypass version counters and are not seen.
-        Under ``torch.compile`` a replaced ``step`` or state makes the compiled step retrace
-        (one more graph) and is honoured at once; an in-place write is honoured from the
-        next retrace or eager step on (a compiled step cannot see tensor values or version
-        counters): replace the tensor instead (see :mod:`fastamp.optim._traced`).
+        Params are updated in one launch per (device, param dtype, grad dtype, master kind,
+        moment dtype), each param with the bias corrections of its own ``step`` count (one
+        row of step scalars per param, computed on the device), as in torch: a param
+        skipped because its grad was None keeps its own count, and so does a param whose
+        state was reset: ``state[p]["step"]`` replaced or written in place (``.zero_()``,
+        ``.fill_()``, ``+=``), ``state[p]`` replaced, cleared or deleted, a partial state dict
+        loaded, a param group added. Under ``torch.compile`` the compiled step reads every
+        count at run time: a count replaced or written in place between compiled steps is
+        honoured without a retrace (see :mod:`fastamp.optim._traced`).
 
     .. note::
         Two Parameters over one storage (a weight and its transposed view as separate
@@ -343,9 +337,9 @@ class AdamW(FusedOptimizer):
                 st[key] = _masters.state_copy(p, t, mdt)
         return created
 
-    def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
+    def _scalars(self, group: dict[str, Any], lr: Any, counts: Tensor | None, grad_mul, dev) -> Tensor:
         beta1, beta2 = group["betas"]
-        return reference.adamw_step_scalars(lr, steps[0], beta1, beta2, group["weight_decay"], grad_mul)
+        return reference.adamw_step_scalars(lr, counts, beta1, beta2, group["weight_decay"], grad_mul)
 
     def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
         beta1, beta2 = group["betas"]
@@ -378,7 +372,7 @@ class AdamW(FusedOptimizer):
             )
 
     def _traced_scalars(
-        self, group: dict[str, Any], step: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+        self, group: dict[str, Any], steps: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
     ) -> Tensor:
         lr = group["lr"]
         beta1, beta2 = group["betas"]
@@ -386,7 +380,13 @@ class AdamW(FusedOptimizer):
             # a guard for dynamo (see float_lr_in_range): _init_group refused such an lr already
             raise AssertionError(f"{_NAME}: an lr out of range reached the compiled step: {lr}")
         return _traced.adamw_step_scalars(
-            step, found_inf, grad_scale, _traced.lr_tensor(lr), float(beta1), float(beta2), float(group["weight_decay"])
+            steps,
+            found_inf,
+            grad_scale,
+            _traced.lr_tensor(lr),
+            float(beta1),
+            float(beta2),
+            float(group["weight_decay"]),
         )
 
     def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:

@@ -177,9 +177,10 @@ class SGD(FusedOptimizer):
             st["momentum_buffer"] = _masters.state_copy(p, buf, torch.float32)
         return created
 
-    def _scalars(self, group: dict[str, Any], lr: Any, steps: list[Tensor], grad_mul, dev) -> Tensor:
-        step = steps[0] if steps else torch.zeros((), dtype=torch.float32, device=dev)
-        return reference.sgd_step_scalars(lr, step, grad_mul)
+    def _scalars(self, group: dict[str, Any], lr: Any, counts: Tensor | None, grad_mul, dev) -> Tensor:
+        if counts is None:  # no momentum: is_first is not used
+            counts = torch.zeros((), dtype=torch.float32, device=dev)
+        return reference.sgd_step_scalars(lr, counts, grad_mul)
 
     def _launch(self, group: dict[str, Any], run: _Run, scalars: Tensor, found_inf: Tensor | None) -> None:
         bufs = run.state_list("momentum_buffer") if group["momentum"] != 0 else []
@@ -202,15 +203,15 @@ class SGD(FusedOptimizer):
 
     # ---- torch.compile (see fastamp.optim._traced) -----------------------------------------
     def _traced_scalars(
-        self, group: dict[str, Any], step: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
+        self, group: dict[str, Any], steps: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
     ) -> Tensor:
         lr = group["lr"]
         if not isinstance(lr, Tensor) and not _checks.float_lr_in_range(lr):
             # a guard for dynamo (see float_lr_in_range): _init_group refused such an lr already
             raise AssertionError(f"{_NAME}: an lr out of range reached the compiled step: {lr}")
-        if step is None:
-            step = torch.zeros((), dtype=torch.float32, device=dev)
-        return _traced.sgd_step_scalars(step, grad_scale, _traced.lr_tensor(lr))
+        if steps is None:
+            steps = torch.zeros((), dtype=torch.float32, device=dev)
+        return _traced.sgd_step_scalars(steps, grad_scale, _traced.lr_tensor(lr))
 
     def _traced_launch(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> None:
         st = launch.state

@@ -238,10 +238,9 @@ def test_scaler_attributes_set_inside_the_compiled_function(opt_name, backend):
 def test_grad_pattern_changes_and_eager_steps_in_between(backend):
     """Eager and compiled steps mixed, a param without grad for a while, remainder masters.
 
-    A param skipped by some steps keeps its own count, so it can no longer share a launch
-    (and its step scalars) with the others: the compiled step of the old pattern must not
-    be reused once the counts moved apart. Pattern A, B, A recompiles (3 graphs); after
-    that, alternating reuses them. No spurious remainder re-sync warning either (compiled
+    A param skipped by some steps keeps its own count; its launch takes one row of step
+    scalars per param, so the compiled step of the old pattern is reused with the counts
+    apart: one graph per grad pattern (2), whatever the counts. No spurious remainder re-sync warning either (compiled
     writes are not foreign writes).
     """
     compiled, eager = _twins("adamw", "bf16_remainder", torch.tensor(1e-3))
@@ -260,7 +259,7 @@ def test_grad_pattern_changes_and_eager_steps_in_between(backend):
             _assert_same(compiled, eager)
     counts = [float(compiled[1].state[p]["step"]) for p in compiled[0]]
     assert counts[1] == counts[0] - sum("B" in w for w in schedule)
-    assert cc.frame_count == 3
+    assert cc.frame_count == 2
     _no_graph_breaks()
 
 

@@ -1,4 +1,4 @@
-"""The Scaler's path under ``torch.compile(fullgraph=True)`` and the CUDA-graph preconditions (fastamp/_compile.py).
+"""The Scaler's path under ``torch.compile(fullgraph=True)`` and the CUDA-graph preconditions (fastamp/scaler/compiled.py).
 
 A compiled function doing ``clip_grad_norm_`` / ``unscale_`` + ``step`` + ``update`` (or only
 ``step`` + ``update``) drives one optimizer; an eager twin runs the same calls over the same

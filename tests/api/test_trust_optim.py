@@ -581,7 +581,7 @@ def test_optimizer_state_pickles_copies_and_saves_as_torch_state():
 
 @pytest.mark.parametrize("roundtrip", ["pickle", "deepcopy", "load_state_dict"])
 def test_step_written_right_after_a_reload_is_seen(roundtrip):
-    """A count written right after a reload (cohorts rebuilt from the stored counts) is seen."""
+    """A count written right after a reload (the stored counts adopted as the optimizer's own) is seen."""
     g = torch.Generator().manual_seed(9)
     init = [torch.randn(5, generator=g) for _ in range(3)]
     ours = [t.clone().requires_grad_() for t in init]

@@ -130,7 +130,7 @@ def test_compiled_step_and_update_give_the_eager_result_or_refuse_untouched(kind
 @pytest.fixture
 def scaler_twins_not_built():
     """As in a process where torch._dynamo was imported after the scaler's last eager call."""
-    from fastamp import scaler as scaler_module
+    from fastamp.scaler import compiled as scaler_module
 
     saved, ready = [slot[0] for slot, _, _ in scaler_module._EAGER_ENTRIES], scaler_module._eager_ready[0]
     for slot, _, _ in scaler_module._EAGER_ENTRIES:

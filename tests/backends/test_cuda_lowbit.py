@@ -528,7 +528,9 @@ def test_bad_inputs_raise_clear_errors():
     bad["masters"][1] = bad["masters"][1].double()
     with pytest.raises(RuntimeError, match="sgd_.*masters\\[1\\] must be Float"):
         _sgd_call(OPS.sgd_, bad, sc3, None, None, 0, h)
-    with pytest.raises(RuntimeError, match="sgd_.*step_scalars must be a contiguous 3-element"):
+    with pytest.raises(
+        RuntimeError, match=r"sgd_.*step_scalars must be a contiguous float32 tensor of shape \[3\] or \[2, 3\]"
+    ):
         _sgd_call(OPS.sgd_, _clone(sgd_st), torch.ones(4, device=DEV), None, None, 0, h)
 
     grads, f, inv = [torch.ones(3, device=DEV)], torch.zeros(1, device=DEV), torch.ones(1, device=DEV)

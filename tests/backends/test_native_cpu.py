@@ -533,7 +533,10 @@ def _bad_adamw_cases():
             "params must be float32, float16 or bfloat16",
         ),
         (dict(exp_avgs=[st[3][0], nc]), r"exp_avgs\[1\] must be contiguous"),
-        (dict(step_scalars=torch.zeros(3)), "step_scalars must be a contiguous float32 tensor of 4 elements"),
+        (
+            dict(step_scalars=torch.zeros(3)),
+            r"step_scalars must be a contiguous float32 tensor of shape \[4\] or \[2, 4\]",
+        ),
         (dict(step_scalars=torch.zeros(4, dtype=torch.float64)), "step_scalars must be a contiguous float32"),
         (dict(found_inf=torch.zeros(1, dtype=torch.int32)), "found_inf must be a 1-element float32 tensor"),
         (dict(found_inf=torch.zeros(2)), "found_inf must be a 1-element float32 tensor"),

@@ -591,7 +591,10 @@ def _bad_adam_cases():
         (dict(exp_avgs=[torch.zeros(5, dtype=torch.float16), st[3][1]]), "moments must be float32 or bfloat16"),
         (dict(exp_avg_sqs=[st[4][0], st[4][1].bfloat16()]), r"exp_avg_sqs\[1\] must have dtype Float, got BFloat16"),
         (dict(exp_avgs=[st[3][0], nc]), r"exp_avgs\[1\] must be contiguous"),
-        (dict(step_scalars=torch.zeros(3)), "step_scalars must be a contiguous float32 tensor of 4 elements"),
+        (
+            dict(step_scalars=torch.zeros(3)),
+            r"step_scalars must be a contiguous float32 tensor of shape \[4\] or \[2, 4\]",
+        ),
         (dict(found_inf=torch.zeros(2)), "found_inf must be a 1-element float32 tensor"),
         (
             dict(rng=torch.zeros(2)),
@@ -658,7 +661,7 @@ def _bad_sgd_cases():
         (dict(momentum_buffers=[st[3][0], torch.zeros(10)]), r"momentum_buffers\[1\] has 10 elements"),
         (
             dict(step_scalars=torch.zeros(4)),
-            r"step_scalars must be a contiguous float32 tensor of 3 elements \[lr, grad_mul",
+            r"step_scalars must be a contiguous float32 tensor of shape \[3\] or \[2, 3\] \(\[lr, grad_mul",
         ),
         (dict(found_inf=torch.zeros(1, dtype=torch.float64)), "found_inf must be a 1-element float32 tensor"),
         (dict(rng=torch.zeros(2, dtype=torch.int32)), "rng must be a contiguous int64 tensor of 2 elements"),

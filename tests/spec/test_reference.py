@@ -383,8 +383,22 @@ def test_step_scalars_of_a_count_vector_are_the_0dim_ones(fn):
         assert torch.equal(vec[i], one), (fn, float(c))
 
 
-def test_step_scalars_of_the_wrong_shape_are_refused():
+@pytest.mark.parametrize("shape", [(3, 4), (1, 4), (5,), (3,), (8,), (2, 4, 1)])
+def test_step_scalars_of_the_wrong_shape_are_refused(shape):
     p = [torch.zeros(3), torch.zeros(4)]
     with pytest.raises(ValueError, match=r"expected \[4\] or \[2, 4\]"):
-        reference.adamw_(p, p, [], [torch.zeros(3), torch.zeros(4)], [torch.zeros(3), torch.zeros(4)], [],
-                         torch.zeros(3, 4), None, 0.9, 0.999, 1e-8, False, False)
+        reference.adamw_(
+            p,
+            p,
+            [],
+            [torch.zeros(3), torch.zeros(4)],
+            [torch.zeros(3), torch.zeros(4)],
+            [],
+            torch.zeros(shape),
+            None,
+            0.9,
+            0.999,
+            1e-8,
+            False,
+            False,
+        )

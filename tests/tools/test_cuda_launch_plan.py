@@ -29,13 +29,14 @@ FILL_PAYLOAD = 32768 - 64  # kFillPayloadBytes with CUDA >= 12.1
 MAX_LAUNCHES = 10
 F32, F16, BF16 = 0, 1, 2
 DTYPE_BYTES = {F32: 4, F16: 2, BF16: 2}
-# Pointer rows per tensor in each op's table (launch_plan.h's k*Depth).
+# Pointer rows per tensor in each op's table (launch_plan.h's k*Depth; the optimizers' last
+# row is the tensor's step scalars).
 OPS = {
     "unscale": {"depth": 1},
     "unscale_stats": {"depth": 3},
-    "adamw": {"depth": 6},
-    "adamw_bf16": {"depth": 7},
-    "sgd": {"depth": 5},
+    "adamw": {"depth": 7},
+    "adamw_bf16": {"depth": 8},
+    "sgd": {"depth": 6},
 }
 SMS = 132
 
@@ -286,8 +287,8 @@ def test_launch_count_does_not_grow_with_the_tensor_count(driver):
 def test_capture_fills_carry_the_whole_table(plans):
     # Under capture the table goes into the graph as kernel arguments, 32 KB per fill kernel.
     counts = plans["adamw-20000x256-capture"]["counts"]
-    assert counts["table_bytes"] == 20000 * 64
-    assert counts["fills"] == math.ceil(20000 * 64 / FILL_PAYLOAD) and counts["copies"] == 0
+    assert counts["table_bytes"] == 20000 * 72
+    assert counts["fills"] == math.ceil(20000 * 72 / FILL_PAYLOAD) and counts["copies"] == 0
 
 
 def test_every_launcher_runs_the_plan():

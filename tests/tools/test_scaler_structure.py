@@ -220,7 +220,7 @@ def test_import_fastamp_does_not_import_dynamo():
         "assert 'torch._dynamo' not in sys.modules, 'import fastamp imported torch._dynamo'\n"
         "fastamp.Scaler()\n"
         "assert 'torch._dynamo' in sys.modules\n"
-        "assert fastamp._compile._traced_backend._dynamo_marked_constant\n"
+        "assert fastamp.scaler.compiled._traced_backend._dynamo_marked_constant\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]

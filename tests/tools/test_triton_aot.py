@@ -288,7 +288,8 @@ def _record_churn(mods, launched):
     """Launches that differ only in what must not make Triton compile again.
 
     Tensor counts (1, 2, 17, 40), chunk counts (tensors of 1 to 3 GPU chunks), scalars and
-    flags at unaligned addresses, and the runtime flags. Each kernel should compile once.
+    flags at unaligned addresses, shared and per-tensor step scalars (row stride 0 or k), and
+    the runtime flags. Each kernel should compile once.
     """
     import torch
 
@@ -298,14 +299,15 @@ def _record_churn(mods, launched):
         sizes = [(j * 7919 + i) % (3 * chunk) + 1 for j in range(count)]
         f32 = [[torch.zeros(n) for n in sizes] for _ in range(5)]
         found = torch.zeros(3)[i % 3 :][:1]  # unaligned for i = 1, 2
-        scalars = torch.ones(8)[i : i + 4]
+        # shared step scalars, or one row per tensor (the row stride is a runtime argument)
+        scalars = torch.ones(8)[i : i + 4] if i % 2 else torch.ones(count, 4)
         amp.unscale_check_(f32[0], found, torch.ones(2)[i % 2 :][:1], True, True)
         adamw.adamw_(
             f32[0], f32[1], [], f32[2], f32[3], [], scalars, found, (0.9, 0.3)[i % 2], 0.999, 1e-8, False, bool(i % 2)
         )
         sgd.sgd_(
-            f32[0], f32[1], [], f32[4], torch.ones(8)[i : i + 3], found if i % 2 else None, None, 0, 0.9, 0.0,
-            0.01 * (i % 2), bool(i % 2), bool(i % 2),
+            f32[0], f32[1], [], f32[4], torch.ones(8)[i : i + 3] if i % 2 else torch.ones(count, 3),
+            found if i % 2 else None, None, 0, 0.9, 0.0, 0.01 * (i % 2), bool(i % 2), bool(i % 2),
         )  # fmt: skip
     return launched
 

@@ -1,184 +1,21 @@
-"""The executable specification of every fastamp op, in plain torch.
+"""The reference of the optimizer ops: their step scalars and element maths, per tensor.
 
-Every backend (C++ CPU, CUDA, Triton) must agree with these functions; the per-op notes
-say whether the agreement is bit for bit or within a tolerance (see
-``tests/tolerances.py``). They are also the ``torch`` backend, used where nothing faster is
-available. All maths is fp32 (fp64 for fp64 tensors), rounded once on store; no function
-here reads a device value on the host.
-
-The per-element results are the same on every CPU: they use only operations that are exact
-or correctly rounded whatever torch dispatches to (IEEE ``+ - * /`` as separate kernels, never
-``add(alpha=)``/``addcdiv``/``lerp``, which may fuse a multiply-add on some instruction sets;
-conversions; comparisons; integer maths) and :func:`sqrt_rn` for square roots (torch's own
-CPU ``sqrt`` varies with the CPU vendor). Not covered: the sum of squares (a torch
-reduction, whose order follows the instruction set and thread count; within
-``tolerances.SUMSQ_RTOL``) and the fp32 step scalars of :func:`adamw_step_scalars` (see there).
-
-The per-element C++ twin of this file is ``csrc/fastamp_math.h``.
+``adamw_`` (fp32/fp16/bf16 params, optional fp32 masters), ``adamw_bf16_`` (bf16 params with
+int16 remainders or stochastic rounding, fp32 or bf16 moments) and ``sgd_``; the step
+scalars (``adamw_step_scalars``, ``sgd_step_scalars``) are computed once per launch on the
+device, shared (``[k]``) or one row per tensor (``[n, k]``, see :func:`scalar_rows`). The
+low-bit storage helpers are in :mod:`fastamp.reference.formats`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
-# the low-bit helpers live in fastamp._lowbit_reference; they are part of this spec, re-exported
-from fastamp._lowbit_reference import (
-    _store_lowp,
-    join_master,
-    round_bf16_stochastic,
-    split_master,
-    sr_random16,
-)
-
-__all__ = [
-    "unscale_check_",
-    "update_scale_",
-    "adamw_",
-    "adamw_step_scalars",
-    "adamw_bf16_",
-    "sgd_",
-    "sgd_step_scalars",
-    "unscale_check_stats_",
-    "split_master",
-    "join_master",
-    "sr_random16",
-    "round_bf16_stochastic",
-    "sqrt_rn",
-]
-
-
-def _compute_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def sqrt_rn(x: Tensor) -> Tensor:
-    """Correctly rounded square root of an fp32 (or fp16/bf16) tensor, the same on every CPU.
-
-    torch's CPU ``sqrt`` is not correctly rounded and its error depends on the CPU: its
-    vectorised kernels go through vendor-dispatched libraries (measured with torch 2.13:
-    fp32 one ulp off on ~17% of inputs on an AMD EPYC, ~0.7% on a Xeon; fp64 one ulp off on
-    ~1.3% on the EPYC; ``benchmarks/portable_ops_check.py``). So the root is taken in fp64
-    and rounded once. That is correctly rounded whenever the fp64 sqrt is merely faithful
-    (error below one fp64 ulp), not only when it is exact: the square root of an fp32 value
-    is never within 2 fp64 ulps of an fp32 rounding midpoint (a midpoint ``m`` has 25
-    significant bits, so ``m * m`` has 49-50 and differs from any 24-bit fp32 by at least
-    ``2**-50 * m * m``, which puts ``sqrt`` at least ``2**-51 * m`` from ``m``), so an error
-    of one fp64 ulp cannot move it across. ``tests/spec/test_reference.py`` checks this on the
-    hardest inputs with the fp64 root pushed one ulp either way. This is what ``sqrtf``
-    (the native kernels) and ``tl.sqrt_rn`` (Triton) compute.
-
-    fp64 input is returned as ``x.sqrt()`` (fp64 has no wider type to round from); on MPS,
-    which has no fp64, fp32 ``sqrt`` is used.
-    """
-    if x.dtype == torch.float64 or x.device.type == "mps":
-        return x.sqrt()
-    return x.double().sqrt().to(x.dtype)
-
-
-def unscale_check_(
-    grads: Sequence[Tensor],
-    found_inf: Tensor,
-    inv_scale: Tensor,
-    write_back: bool = True,
-    compute_sumsq: bool = False,
-) -> Tensor:
-    """Multiply every grad by ``inv_scale`` in place and flag non-finite values.
-
-    ``found_inf`` (1-element fp32) is set to 1.0 when any element is non-finite, and is
-    never reset (the caller zeroes it, as with torch). An element raises the flag when
-    the scaled value ``x`` is inf/nan (torch's rule), when ``x * inv_scale`` is inf/nan in
-    fp32 (overflow created by unscaling with a scale below 1 or equal to 0, which torch
-    misses), or, with ``write_back``, when the unscaled value rounded to the grad's dtype
-    overflows (fp16 60000 unscaled by 2).
-
-    With ``write_back=False`` the grads are only read (the check pass of a fused
-    optimizer). With ``compute_sumsq`` the sum of squares of the unscaled fp32 values is
-    returned (for the global 2-norm); otherwise the returned 0-dim fp32 tensor is 0.
-
-    Agreement: found_inf and written grads are bit-exact across backends; the sum of
-    squares is accumulated in fp64 here and in a fixed chunk order by the kernels, so it
-    agrees within ``tolerances.SUMSQ``.
-    """
-    dev = found_inf.device
-    bad = torch.zeros((), dtype=torch.bool, device=dev)
-    acc = torch.zeros((), dtype=torch.float64, device=dev)
-    for g in grads:
-        vals = g._values() if g.is_sparse else g
-        cdt = _compute_dtype(vals)
-        x = vals.to(cdt)
-        y = x * inv_scale.reshape(()).to(device=vals.device, dtype=cdt)
-        bad_g = (~torch.isfinite(x)).any() | (~torch.isfinite(y)).any()
-        if write_back:
-            stored = y.to(vals.dtype)
-            bad_g = bad_g | (~torch.isfinite(stored)).any()
-            vals.copy_(stored)
-        bad = bad | bad_g.to(dev)
-        if compute_sumsq:
-            acc = acc + y.double().square().sum().to(dev)
-    found_inf.masked_fill_(bad, 1.0)
-    return acc.float()
-
-
-def _round_f32(x: float) -> float:
-    # Python float -> nearest fp32 value on the host (inf past fp32's range, as the kernels'
-    # static_cast<float>), so torch.full never sees an out-of-range value.
-    return float(torch.tensor(float(x), dtype=torch.float64).float())
-
-
-def update_scale_(
-    scale: Tensor,
-    growth_tracker: Tensor,
-    hysteresis_tracker: Tensor,
-    found_inf: Tensor,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-    hysteresis: int = 1,
-    min_scale: float = 0.0,
-    max_scale: float = math.inf,
-) -> None:
-    """Update the loss scale in place from ``found_inf``, on the device.
-
-    With ``hysteresis=1, min_scale=0, max_scale=inf`` this is bit-exact with
-    ``torch._amp_update_scale_``: any non-zero ``found_inf`` (NaN included) multiplies the
-    scale by ``backoff_factor`` (in fp64, rounded to fp32) and zeroes the growth tracker;
-    otherwise the tracker counts up and on reaching exactly ``growth_interval`` the scale
-    is multiplied by ``growth_factor`` unless that is not finite, and the tracker resets.
-
-    ``hysteresis=N``: an overflow decrements ``hysteresis_tracker`` and the scale backs off
-    only when it reaches 0, so N-1 consecutive overflow steps are tolerated (their steps
-    are still skipped). Every clean step refills the tracker to N; once it is exhausted
-    each further consecutive overflow backs off. ``min_scale``/``max_scale`` clamp the
-    backed-off and grown scale.
-    """
-    overflow = found_inf.reshape(()) != 0
-    s = scale.reshape(())
-    h_dec = hysteresis_tracker.reshape(()) - 1
-    do_backoff = overflow & (h_dec <= 0)
-    backed = (s.double() * backoff_factor).float()
-    lo = torch.full((), _round_f32(min_scale), dtype=torch.float32, device=s.device)
-    backed = torch.where(backed < lo, lo, backed)
-    successful = growth_tracker.reshape(()) + 1
-    grow_step = (~overflow) & (successful.long() == growth_interval)
-    grown = (s.double() * growth_factor).float()
-    hi = torch.full((), _round_f32(max_scale), dtype=torch.float32, device=s.device)
-    grown = torch.where(grown > hi, hi, grown)
-    grow_ok = grow_step & torch.isfinite(grown)
-    new_scale = torch.where(do_backoff, backed, torch.where(grow_ok, grown, s))
-    zero_i = torch.zeros((), dtype=growth_tracker.dtype, device=s.device)
-    new_gt = torch.where(overflow | grow_step, zero_i, successful.to(growth_tracker.dtype))
-    new_h = torch.where(
-        overflow,
-        torch.where(h_dec <= 0, torch.zeros_like(h_dec), h_dec),
-        torch.full_like(h_dec, hysteresis),
-    )
-    scale.copy_(new_scale.reshape(scale.shape))
-    growth_tracker.copy_(new_gt.reshape(growth_tracker.shape))
-    hysteresis_tracker.copy_(new_h.to(hysteresis_tracker.dtype).reshape(hysteresis_tracker.shape))
+from fastamp.reference.formats import _store_lowp, join_master, split_master, sr_random16
+from fastamp.reference.numerics import _f32, sqrt_rn
 
 
 def adamw_step_scalars(
@@ -227,11 +64,6 @@ def _lerp_low(beta1: float) -> bool:
     return float(torch.tensor(1.0 - beta1, dtype=torch.float32)) < 0.5
 
 
-def _f32(x: float, dev) -> Tensor:
-    # torch.full, not torch.tensor: the latter copies from host memory (a sync on CUDA)
-    return torch.full((), x, dtype=torch.float32, device=dev)
-
-
 def scalar_rows(step_scalars: Tensor, n: int, k: int) -> Callable[[int], tuple[Tensor, ...]]:
     """The step scalars of tensor ``i`` of a launch of ``n`` tensors: ``rows(i)`` -> ``k`` fp32 0-dim tensors.
 
@@ -239,12 +71,13 @@ def scalar_rows(step_scalars: Tensor, n: int, k: int) -> Callable[[int], tuple[T
     per tensor (shape ``[n, k]``: row ``i`` for tensor ``i``, e.g. bias corrections from
     each param's own step count). Every backend reads it the same way.
     """
+    shape = tuple(step_scalars.shape)
+    if shape not in ((k,), (n, k)):
+        raise ValueError(f"step_scalars of shape {list(shape)} for {n} tensors: expected [{k}] or [{n}, {k}]")
     s = step_scalars.to(torch.float32)
     if s.dim() == 2:
-        if tuple(s.shape) != (n, k):
-            raise ValueError(f"step_scalars of shape {tuple(s.shape)} for {n} tensors: expected [{k}] or [{n}, {k}]")
         return lambda i: tuple(s[i].unbind(0))
-    shared = tuple(s.reshape(k).unbind(0))
+    shared = tuple(s.unbind(0))
     return lambda i: shared
 
 
@@ -327,12 +160,6 @@ def adamw_(
         if use_master:
             masters[i].copy_(pv)
         p.copy_(new_p)
-
-
-# ---------------------------------------------------------------------------------------
-# Low-bit master state (issue: bf16 master remainders, stochastic rounding, fused SGD)
-# ---------------------------------------------------------------------------------------
-# (the bit helpers, sr_random16, round_bf16_stochastic, split/join_master: fastamp/_lowbit_reference.py)
 
 
 def adamw_bf16_(
@@ -516,46 +343,3 @@ def sgd_(
             masters[i].copy_(new_master)
         if new_buf is not None:
             momentum_buffers[i].copy_(new_buf)
-
-
-# ---------------------------------------------------------------------------------------
-# Gradient health statistics (issue: gradient health in the fused pass)
-# ---------------------------------------------------------------------------------------
-
-FP16_MIN_NORMAL = 2.0**-14
-
-
-def unscale_check_stats_(
-    grads: Sequence[Tensor],
-    found_inf: Tensor,
-    inv_scale: Tensor,
-    write_back: bool,
-    compute_sumsq: bool,
-    counts: Tensor,
-    absmax: Tensor,
-) -> Tensor:
-    """:func:`unscale_check_` that also writes per-tensor health statistics, same pass.
-
-    ``counts`` (int64 ``[len(grads), 3]``) and ``absmax`` (fp32 ``[len(grads)]``) are
-    overwritten. With ``y = x * inv_scale`` in fp32, per tensor:
-      counts[:, 0] non-finite: elements that raise found_inf (same rule as unscale_check_);
-      counts[:, 1] zeros: finite x with y == 0 (either sign);
-      counts[:, 2] fp16 underflow: 0 < |y| < 2^-14 (what an fp16 grad would lose to subnormals);
-      absmax: max |y| over elements whose y is finite (0 when there are none).
-    """
-    dev = found_inf.device
-    for i, g in enumerate(grads):
-        vals = g._values() if g.is_sparse else g
-        cdt = _compute_dtype(vals)
-        x = vals.to(cdt)
-        y = x * inv_scale.reshape(()).to(device=vals.device, dtype=cdt)
-        bad = ~torch.isfinite(x) | ~torch.isfinite(y)
-        if write_back:
-            bad = bad | ~torch.isfinite(y.to(vals.dtype))
-        ay = y.abs()
-        counts[i, 0] = bad.sum().to(dev)
-        counts[i, 1] = (torch.isfinite(x) & (y == 0)).sum().to(dev)
-        counts[i, 2] = ((ay > 0) & (ay < FP16_MIN_NORMAL)).sum().to(dev)
-        fin = torch.isfinite(y)
-        absmax[i] = torch.where(fin, ay, torch.zeros_like(ay)).amax().float().to(dev) if y.numel() else 0.0
-    return unscale_check_(grads, found_inf, inv_scale, write_back, compute_sumsq)

@@ -7,19 +7,10 @@ messages, the same ``update()`` trajectory bit for bit with default options, the
 is on purpose and listed in docs/scaler.md (the long form of the class docstring).
 
 This module is that contract and its state machine. The work, stage by stage of one
-iteration (scale, check pass, device scalars, step, update), lives beside it:
-
-  _grad_check.py      the check pass: grads gathered by device, the one-call native path,
-                      the per-grad path, the statistics buffers
-  _device_scalars.py  inv_scale, found_inf folding, the norm, the clip coefficient, grad_scale
-  _dist.py            the all-reduce of the flags (and the squared norm) over a process group
-  _scaler_checks.py   the checks of the settings (constructor, setters, update, state dicts)
-  _compile.py         the entry points run eagerly under torch.compile
-
-and the extras over torch's class, mixed into it:
-
-  _clip.py            clip_grad_norm_: unscale, check, norm and clip in the check pass
-  _diagnostics.py     the skip counters, watch and grad_stats (gradient health)
+iteration (scale, check pass, device scalars, step, update), lives beside it in this
+package (see fastamp/scaler/__init__.py for the map): grad_check, device_scalars, dist,
+checks, compiled, and the extras over torch's class mixed into it, clip (clip_grad_norm_)
+and diagnostics (the skip counters, watch and grad_stats).
 """
 
 from __future__ import annotations
@@ -38,9 +29,19 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from fastamp import _compile_errors, backends, functional, health
-from fastamp._clip import _ClipMixin
-from fastamp._compile import (
-    _EAGER_ENTRIES,  # noqa: F401 (the eager twins, which tests reach through this module)
+from fastamp.scaler.checks import (
+    _backoff_factor,
+    _check_new_scale,
+    _check_scale_settings,
+    _check_state_dict,
+    _clamp,
+    _growth_factor,
+    _growth_interval,
+    _hysteresis,
+    _scale_bounds,
+)
+from fastamp.scaler.clip import _ClipMixin
+from fastamp.scaler.compiled import (
     _eager_ready,
     _eager_under_compile,
     _maybe_prepare_eager_entries,
@@ -52,7 +53,7 @@ from fastamp._compile import (
     _traced_update,
     _without_entry,
 )
-from fastamp._device_scalars import (
+from fastamp.scaler.device_scalars import (
     _any_found,
     _combined_found_inf,
     _fold_found_inf,
@@ -61,20 +62,9 @@ from fastamp._device_scalars import (
     _PerDevice,
     _step_grad_scale,
 )
-from fastamp._diagnostics import _DiagnosticsMixin
-from fastamp._dist import _all_reduce_flags, _check_process_group
-from fastamp._grad_check import _check_grads, _grads_by_device
-from fastamp._scaler_checks import (
-    _backoff_factor,
-    _check_new_scale,
-    _check_scale_settings,
-    _check_state_dict,
-    _clamp,
-    _growth_factor,
-    _growth_interval,
-    _hysteresis,
-    _scale_bounds,
-)
+from fastamp.scaler.diagnostics import _DiagnosticsMixin
+from fastamp.scaler.dist import _all_reduce_flags, _check_process_group
+from fastamp.scaler.grad_check import _check_grads, _grads_by_device
 
 __all__ = ["OptState", "Scaler"]
 
@@ -202,7 +192,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
     # ------------------------------------------------------------------ lazy state
 
     def _check_scale_growth_tracker(self, funcname: str) -> tuple[Tensor, Tensor]:
-        # called by the traced twins too (fastamp/_compile.py): fail() raises as eager there
+        # called by the traced twins too (fastamp/scaler/compiled.py): fail() raises as eager there
         if self._scale is None:
             _compile_errors.fail(AssertionError, f"Attempted {funcname} but _scale is None.  " + _SCALE_NONE_FIX)
         if self._growth_tracker is None:
@@ -266,7 +256,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
     # ------------------------------------------------------------------ the fused check
 
     def _grads_by_device(self, optimizer, allow_fp16: bool, owners=None) -> dict[torch.device, list[Tensor]]:
-        # the per-grad path of the check pass gathers through here (see fastamp._grad_check)
+        # the per-grad path of the check pass gathers through here (see fastamp.scaler.grad_check)
         return _grads_by_device(optimizer, allow_fp16, owners)
 
     @_eager_under_compile

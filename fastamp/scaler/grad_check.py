@@ -24,8 +24,8 @@ import torch
 from torch import Tensor
 
 from fastamp import backends, functional, health
-from fastamp._device_scalars import _PerDevice
 from fastamp._dtensor import local_of
+from fastamp.scaler.device_scalars import _PerDevice
 
 _DTYPE_OF = operator.attrgetter("dtype")
 

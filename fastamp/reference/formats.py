@@ -1,4 +1,4 @@
-"""The low-bit part of the reference: counter-based random bits, stochastic rounding, bf16 masters.
+"""The storage formats of the reference: counter-based random bits, stochastic rounding, bf16 masters.
 
 Pure integer maths in plain torch (int64 tensors holding uint32 values), so the bits are the
 same on every device and CPU: :func:`sr_random16` draws 16 random bits per element from

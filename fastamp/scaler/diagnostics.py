@@ -10,16 +10,13 @@ Extras over ``torch.amp.GradScaler``; a mixin of :class:`fastamp.Scaler`, on its
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
 import torch
 from torch import Tensor
 
 from fastamp import health
-from fastamp._compile import _eager_under_compile
-
-if TYPE_CHECKING:
-    from fastamp.scaler import Scaler
+from fastamp.scaler.compiled import _eager_under_compile
 
 
 class _DiagnosticsMixin:
@@ -66,7 +63,7 @@ class _DiagnosticsMixin:
 
     # ------------------------------------------------------------------ gradient health
 
-    def watch(self, model: torch.nn.Module, prefix: str = "") -> Scaler:
+    def watch(self, model: torch.nn.Module, prefix: str = "") -> _DiagnosticsMixin:
         """Name ``model``'s params in :meth:`grad_stats` (``prefix`` + their ``named_parameters`` names).
 
         Also checks the model once for BatchNorm layers in fp16/bf16 (an

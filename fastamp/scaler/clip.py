@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fastamp._compile import _eager_under_compile, _traced_clip_grad_norm_
-from fastamp._device_scalars import (
+from fastamp.scaler.compiled import _eager_under_compile, _traced_clip_grad_norm_
+from fastamp.scaler.device_scalars import (
     _clip_coef,
     _grad_scale_after_clip,
     _inv_scale,
@@ -24,8 +24,8 @@ from fastamp._device_scalars import (
     _total_norm,
     _unscale_clip_mul,
 )
-from fastamp._dist import _all_reduce_clip_check, _all_reduce_flags
-from fastamp._grad_check import _check_grads, _params_with_grads
+from fastamp.scaler.dist import _all_reduce_clip_check, _all_reduce_flags
+from fastamp.scaler.grad_check import _check_grads, _params_with_grads
 
 
 class _ClipMixin:

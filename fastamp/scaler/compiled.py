@@ -44,7 +44,8 @@ from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
 from fastamp import _compile_errors, _ops, backends, reference
-from fastamp._device_scalars import (
+from fastamp.optim._checks import cycles_momentum
+from fastamp.scaler.device_scalars import (
     _any_found,
     _clip_coef,
     _combined_found_inf,
@@ -54,7 +55,6 @@ from fastamp._device_scalars import (
     _step_grad_scale,
     _total_norm,
 )
-from fastamp.optim._checks import cycles_momentum
 
 _COMPILE_HELP = (
     "fastamp.Scaler.{name}() cannot be captured by torch.compile: it decides on the host what to run "
