@@ -7,10 +7,14 @@
 
 #include <string>
 
+// The direct calls of csrc/direct_call.cpp.
+extern PyMethodDef fastamp_direct_methods[];
+
 extern "C" {
-// `import fastamp._C` only needs to load this library so the registrations below run.
+// `import fastamp._C` loads this library so the registrations below run; the module's only
+// functions are the direct calls of the list ops (fastamp.functional's native fast path).
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, fastamp_direct_methods};
   return PyModule_Create(&module_def);
 }
 }
