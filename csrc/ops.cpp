@@ -7,11 +7,17 @@
 
 #include <string>
 
+// The plan checks of csrc/plan_check.cpp.
+extern PyMethodDef fastamp_plan_methods[];
+
 extern "C" {
-// `import fastamp._C` only needs to load this library so the registrations below run.
+// `import fastamp._C` loads this library so the registrations below run; the module's functions
+// are the optimizers' plan checks (csrc/plan_check.cpp).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && PyModule_AddFunctions(module, fastamp_plan_methods) < 0) Py_CLEAR(module);
+  return module;
 }
 }
 
