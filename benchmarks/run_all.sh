@@ -32,6 +32,12 @@ stage() {
 for b in bench_unscale bench_adamw bench_step; do
     stage "$b" "$PY" "benchmarks/$b.py" "${EXTRA[@]}" --out "$OUTDIR"
 done
+# its own options: native CPU only (--backends does not apply), --quick for smoke sizes
+if [ "${1:-}" = "--quick" ]; then
+    stage bench_host_overhead "$PY" benchmarks/bench_host_overhead.py --quick --out "$OUTDIR"
+else
+    stage bench_host_overhead "$PY" benchmarks/bench_host_overhead.py --out "$OUTDIR"
+fi
 if [ "${1:-}" = "--quick" ]; then
     stage compare "$PY" -m fastamp.compare --size tiny --out "$OUTDIR"
 else

@@ -30,6 +30,7 @@ __all__ = [
     "available",
     "resolve",
     "get_impl",
+    "kernel",
 ]
 
 BACKENDS = ("native", "triton", "torch")
@@ -107,13 +108,14 @@ def resolve(op: str, device: Union[str, torch.device], backend: str | None = Non
 
 
 def get_impl(op: str, backend: str) -> Callable:
-    """The callable implementing ``op`` in ``backend``; all share the reference's signature."""
-    if backend == "torch":
-        from fastamp import reference
+    """The callable implementing ``op`` in ``backend``; all share the reference's signature.
 
-        return getattr(reference, op)
-    if backend == "native":
-        return getattr(torch.ops.fastamp, op)
+    The op itself (:func:`kernel`), except for Triton: its Python launcher, which imports the
+    kernel module (registering ``torch.ops.fastamp_triton.<op>``) and checks what the op's
+    launch tables rely on.
+    """
+    if backend in ("torch", "native"):
+        return kernel(op, backend)
     if backend == "triton":
         from fastamp import kernels
 
@@ -122,3 +124,20 @@ def get_impl(op: str, backend: str) -> Callable:
             raise BackendUnavailableError(f"fastamp: no Triton kernel for {op}")
         return fn
     raise ValueError(f"fastamp: unknown backend {backend!r}")
+
+
+def kernel(op: str, backend: str) -> Callable:
+    """The op of ``op`` in a resolved ``backend`` as a graph holds it: reached by attribute lookups dynamo traces.
+
+    ``torch.ops.fastamp.<op>`` (native), ``torch.ops.fastamp_triton.<op>`` (Triton: the op its
+    launcher registered) or the reference function (torch). The compiled paths of the scaler
+    and of the optimizers call this; :func:`get_impl` must have run first for Triton, at trace
+    time: a Triton op is registered when its module is imported, which dynamo does not trace.
+    Not a table filled at trace time: dynamo reads a module's dict once per trace, so an entry
+    that a later ``_init_group`` of the same trace adds would be missing from it.
+    """
+    if backend == "torch":
+        from fastamp import reference
+
+        return getattr(reference, op)
+    return getattr(getattr(torch.ops, _ops.NATIVE_NS if backend == "native" else _ops.TRITON_NS), op)

@@ -23,7 +23,9 @@ memory hides that a block is full. ``tests/tools/test_triton_aot.py`` checks the
 
 import contextlib
 import math
+import operator
 import struct
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Optional
@@ -465,19 +467,41 @@ _CAPTURED_TABLES: list = []
 
 
 def _table_values(ptr_columns, numels, chunk, rows=None):
+    """The table's int64 values as an ``array('q')`` and its chunk count.
+
+    Built with C-level list operations (no Python loop per tensor when every tensor fits in
+    one chunk, the many-small-tensors case), and turned into a tensor without a per-element
+    conversion (``torch.frombuffer``).
+    """
+    values = array("q")
+    for col in ptr_columns:
+        values.extend(col)
+    values.extend(numels)
+    n = len(numels)
+    if n == 0 or max(numels) <= chunk:
+        values.extend(range(n))
+        values.frombytes(bytes(8 * n))  # every chunk starts at element 0
+        if rows is not None:
+            values.extend(rows)
+        return values, n
     chunk_tensor = []
     chunk_start = []
-    for t, n in enumerate(numels):
-        starts = range(0, n, chunk)
+    for t, k in enumerate(numels):
+        starts = range(0, k, chunk)
         chunk_tensor.extend([t] * len(starts))
         chunk_start.extend(starts)
-    values = [p for col in ptr_columns for p in col]
-    values.extend(numels)
     values.extend(chunk_tensor)
     values.extend(chunk_start)
     if rows is not None:
         values.extend(rows)
     return values, len(chunk_tensor)
+
+
+def _host_table(values) -> torch.Tensor:
+    """An int64 CPU tensor of ``values`` (an ``array('q')``), owning its memory."""
+    if len(values) == 0:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(values, dtype=torch.int64).clone()
 
 
 def build_table(
@@ -505,7 +529,7 @@ def build_table(
       against); the table and its pinned source are kept alive for good, so nothing the graph
       points at is ever recycled.
     """
-    content = (chunk, tuple(numels), None if rows is None else tuple(rows), *(tuple(c) for c in ptr_columns))
+    content = (chunk, tuple(numels), None if rows is None else tuple(rows), *map(tuple, ptr_columns))
     if device.type != "cuda":
         key = (device, None, content)
     elif torch.cuda.is_current_stream_capturing():
@@ -517,7 +541,7 @@ def build_table(
         _TABLE_CACHE.move_to_end(key)
         return hit
     values, n_chunks = _table_values(ptr_columns, numels, chunk, rows)
-    host = torch.tensor(values, dtype=torch.int64)
+    host = _host_table(values)
     if device.type == "cpu":
         table = host
     else:
@@ -532,7 +556,7 @@ def build_table(
 
 def _captured_table(ptr_columns, numels, chunk, device, rows=None):
     values, n_chunks = _table_values(ptr_columns, numels, chunk, rows)
-    host = torch.tensor(values, dtype=torch.int64).pin_memory()
+    host = _host_table(values).pin_memory()
     table = torch.empty(host.shape, dtype=torch.int64, device=device)
     table.copy_(host, non_blocking=True)
     _CAPTURED_TABLES.append((table, host))
@@ -551,18 +575,37 @@ def contiguous(tensors):
     return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
+class _Members(list):
+    """One launch group's tensor indices, with what :func:`launch_groups` read of every tensor of
+    the call (``data_ptr()`` per stream, element counts) for :func:`launch_table` to reuse."""
+
+    __slots__ = ("source", "ptrs", "numels")
+
+
 def launch_groups(streams, key) -> dict:
     """Indices of the non-empty tensors grouped for one launch each: ``{(*key(i), aligned): [i, ...]}``.
 
     ``streams`` holds the launch's tensor lists (params first), in table-column order; a tensor
     whose streams are not all 16-byte aligned (views at odd offsets) goes to the kernel compiled
-    without the alignment hint.
+    without the alignment hint. Each tensor's ``data_ptr()`` and element count are read once,
+    here, and kept with the group for :func:`launch_table` called with the same ``streams``.
     """
+    n = len(streams[0])
+    ptrs = [[t.data_ptr() for t in s] for s in streams]
+    numels = [t.numel() for t in streams[0]]
+    ors = ptrs[0]
+    for col in ptrs[1:]:
+        ors = list(map(operator.or_, ors, col))
     groups = {}
-    for i in range(len(streams[0])):
-        if streams[0][i].numel() == 0:
+    for i in range(n):
+        if numels[i] == 0:
             continue
-        groups.setdefault((*key(i), is_aligned(*(s[i] for s in streams))), []).append(i)
+        k = (*key(i), not ors[i] & 15)
+        members = groups.get(k)
+        if members is None:
+            members = groups[k] = _Members()
+            members.source, members.ptrs, members.numels = streams, ptrs, numels
+        members.append(i)
     return groups
 
 
@@ -574,11 +617,24 @@ def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scal
     (the index in the call, not in the group); last, the offsets ``i * scalar_stride`` of the
     tensors' step scalars (:func:`scalar_row`; ``scalar_stride`` from :func:`checked_scalars`).
     """
-    columns = [[s[i].data_ptr() for i in idxs] for s in streams]
+    if isinstance(idxs, _Members) and idxs.source is streams:
+        if len(idxs) == len(idxs.numels):  # every tensor of the call in this group
+            columns, counts = list(idxs.ptrs), idxs.numels
+        else:
+            columns = [[col[i] for i in idxs] for col in idxs.ptrs]
+            counts = [idxs.numels[i] for i in idxs]
+    else:
+        columns = [[s[i].data_ptr() for i in idxs] for s in streams]
+        counts = [streams[0][i].numel() for i in idxs]
     if ids_base is not None:
         columns.append([ids_base + i for i in idxs])
-    rows = [i * scalar_stride for i in idxs]
-    table, n_chunks = build_table(columns, [streams[0][i].numel() for i in idxs], chunk, device, rows)
+    if scalar_stride == 0:
+        rows = [0] * len(idxs)
+    elif idxs and idxs[-1] == len(idxs) - 1:  # indices 0..n-1: the whole call
+        rows = list(range(0, len(idxs) * scalar_stride, scalar_stride))
+    else:
+        rows = [i * scalar_stride for i in idxs]
+    table, n_chunks = build_table(columns, counts, chunk, device, rows)
     return table, n_chunks, len(columns)
 
 

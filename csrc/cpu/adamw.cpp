@@ -242,12 +242,14 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
   std::vector<AdamWChunk> bases(n);
   for (size_t i = 0; i < n; ++i) {
     if (numels[i] == 0) continue;
+    // untyped data_ptr(): the dtypes were checked above (the typed one checks again, out of
+    // line, per tensor); grads are only read (const: a copy-on-write grad is not copied)
     bases[i] = AdamWChunk{params[i].data_ptr(),
-                          grads[i].data_ptr(),
-                          use_master ? masters[i].data_ptr<float>() : nullptr,
-                          exp_avgs[i].data_ptr<float>(),
-                          exp_avg_sqs[i].data_ptr<float>(),
-                          amsgrad ? max_exp_avg_sqs[i].data_ptr<float>() : nullptr};
+                          grads[i].const_data_ptr(),
+                          use_master ? static_cast<float*>(masters[i].data_ptr()) : nullptr,
+                          static_cast<float*>(exp_avgs[i].data_ptr()),
+                          static_cast<float*>(exp_avg_sqs[i].data_ptr()),
+                          amsgrad ? static_cast<float*>(max_exp_avg_sqs[i].data_ptr()) : nullptr};
   }
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
@@ -376,8 +378,8 @@ void adamw_bf16_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
     if (numels[i] == 0) continue;
     AdamWBf16Chunk& b = bases[i];
     b.param = static_cast<c10::BFloat16*>(params[i].data_ptr());
-    b.grad = grads[i].data_ptr();
-    b.remainder = use_rem ? remainders[i].data_ptr<int16_t>() : nullptr;
+    b.grad = grads[i].const_data_ptr();
+    b.remainder = use_rem ? static_cast<int16_t*>(remainders[i].data_ptr()) : nullptr;
     b.exp_avg = exp_avgs[i].data_ptr();
     b.exp_avg_sq = exp_avg_sqs[i].data_ptr();
     b.max_exp_avg_sq = amsgrad ? max_exp_avg_sqs[i].data_ptr() : nullptr;

@@ -219,9 +219,9 @@ void sgd_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters
     elem_sizes[2 * i + 1] = static_cast<int8_t>(grads[i].element_size());
     if (numels[i] == 0) continue;
     bases[i] = SgdChunk{p.data_ptr(),
-                        grads[i].data_ptr(),
+                        grads[i].const_data_ptr(),
                         kind != kMasterNone ? masters[i].data_ptr() : nullptr,
-                        has_momentum ? momentum_buffers[i].data_ptr<float>() : nullptr,
+                        has_momentum ? static_cast<float*>(momentum_buffers[i].data_ptr()) : nullptr,
                         0,
                         use_rng ? rng_key(*rng, rng_base, i, 0) : 0u};
   }

@@ -535,7 +535,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         plan = self._build_plan(work, step_values)
         chosen = {(op, dev): backends.resolve(op, dev, self.backend) for op, dev in plan.needed}
         for op, backend in chosen.items():
-            backends.get_impl(op[0], backend)  # imports a Triton kernel module (see _traced.kernel)
+            backends.get_impl(op[0], backend)  # imports a Triton kernel module (see fastamp.backends.kernel)
         out = []
         for gi, gp in enumerate(plan.groups):
             if not gp.buckets:

@@ -71,12 +71,12 @@ fills it in place) never recompiles.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fastamp import _ops, reference
+from fastamp import _ops, backends, reference
 from fastamp.optim._plan import AmpInputs
 
 
@@ -166,20 +166,6 @@ def rng_parts(ids: list[int], n: int) -> list[tuple[int, int, int]]:
     return parts
 
 
-def kernel(op: str, backend: str) -> Callable:
-    """The kernel op of ``op`` in a resolved ``backend``, reached by attribute lookups dynamo traces.
-
-    The callable :func:`fastamp.backends.get_impl` gives eager (for Triton, the op its wrapper
-    calls). ``_init_group`` calls ``get_impl`` first, at trace time: a Triton op is registered
-    when its module is imported, which dynamo does not trace. Not a table filled there: dynamo
-    reads a module's dict once per trace, so an entry that a second optimizer's
-    ``_init_group`` adds later in the same trace would be missing from it.
-    """
-    if backend == "torch":
-        return getattr(reference, op)
-    return getattr(getattr(torch.ops, _ops.NATIVE_NS if backend == "native" else _ops.TRITON_NS), op)
-
-
 _NO_STATE: dict[str, Tensor] = {}
 
 
@@ -237,7 +223,7 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                 fi = None if found_inf is None else _amp_found_inf(found_inf, dev)
                 rng = tensors["rng"][0] if "rng" in tensors else None
                 launch = Launch(op, backend, kind, launch_params, grads, tensors, fi, rng, rng_base)
-                kernel(op, backend)(*opt._kernel_args(group, launch, scalars))
+                backends.kernel(op, backend)(*opt._kernel_args(group, launch, scalars))
                 for i in strided:
                     ps[i].copy_(launch_params[i])
                 if rng is not None:

@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fastamp import _compile_errors, _ops, backends, reference
+from fastamp import _compile_errors, backends
 from fastamp.optim._checks import cycles_momentum
 from fastamp.scaler.device_scalars import (
     _any_found,
@@ -239,13 +239,6 @@ def _traced_backend(op: str, device: str, backend: str | None) -> str:
     return chosen
 
 
-def _kernel(op: str, backend: str) -> Callable:
-    """The callable of ``op`` in a resolved ``backend``, as :func:`fastamp.backends.get_impl`, traceable."""
-    if backend == "torch":
-        return getattr(reference, op)
-    return getattr(getattr(torch.ops, _ops.NATIVE_NS if backend == "native" else _ops.TRITON_NS), op)
-
-
 def _eager_reason(scaler, optimizer) -> str | None:
     """Why ``scaler``'s traced entries must leave ``optimizer`` to the eager twin (None: traceable).
 
@@ -299,7 +292,7 @@ def _traced_check(scaler, optimizer, inv_scale: Tensor, write_back: bool, comput
         fi = torch.zeros((), dtype=torch.float32, device=device)
         inv = inv_scale if inv_scale.device == device else inv_scale.to(device)
         backend = _traced_backend("unscale_check_", str(device), scaler._backend)
-        sumsq[device] = _kernel("unscale_check_", backend)(grads, fi, inv, write_back, compute_sumsq)
+        sumsq[device] = backends.kernel("unscale_check_", backend)(grads, fi, inv, write_back, compute_sumsq)
         found[device] = fi
     return found, sumsq
 
@@ -413,7 +406,7 @@ def _traced_update(scaler, eager, new_scale=None) -> None:
     if len(found_infs) == 0:
         _compile_errors.fail(AssertionError, "No inf checks were recorded prior to update.")
     backend = _traced_backend("update_scale_", str(scale.device), scaler._backend)
-    _kernel("update_scale_", backend)(
+    backends.kernel("update_scale_", backend)(
         scale,
         growth_tracker,
         scaler._hysteresis_tracker,

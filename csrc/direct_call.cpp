@@ -1,0 +1,359 @@
+// Direct calls of the list ops from Python, for fastamp.functional's native fast path:
+// fastamp._C.<op>(same positional arguments as torch.ops.fastamp.<op>).
+//
+// Why: through torch.ops, every tensor of every list is converted to an IValue, copied into a
+// std::vector by the boxed-to-unboxed wrapper, and passed through the autograd fallback; in
+// torch 2.13 each such copy and release of a Python-owned tensor also touches its PyObject
+// (with the GIL), so at 20,000 tensors the call costs more than the kernel. Here the tensors
+// are borrowed from the Python lists (no reference counts moved, the list items are held by
+// a Py_INCREF while the GIL is released), checked once for what the shortcut assumes, and the
+// op is redispatched straight to its CPU or CUDA kernel, which runs every check of its own.
+//
+// The shortcut declines (returns NotImplemented, having done nothing) whenever the dispatcher
+// could do something other than call that kernel: a tensor subclass or a tensor with any
+// dispatch key beyond dense CPU/CUDA + autograd (sparse, conjugate, functionalised, batched,
+// Python), a dispatch or torch-function mode, TLS-included keys, grad mode with a tensor that
+// requires grad, a list item that is not a tensor, an argument of another type; and when the
+// kernel refuses the input (its checks run before it writes anything). The caller then takes
+// the torch.ops path, which gives the dispatcher's behaviour and the kernel's error.
+#include <Python.h>
+#include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/GradMode.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "op_signatures.h"
+
+namespace fastamp {
+namespace {
+
+// Dense CPU/CUDA tensors as autograd sees them, nothing else.
+const c10::DispatchKeySet kPlainKeys = c10::DispatchKeySet(
+    {c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutogradCPU,
+     c10::DispatchKey::AutogradCUDA, c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA});
+const c10::DispatchKeySet kBackendKeys = c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::CUDA});
+
+// Tensors borrowed from Python objects for one call: at::Tensor handles made without moving
+// the TensorImpl's reference count (released, not destroyed, at the end), each object held by
+// a Py_INCREF so that a list changed by another thread while the GIL is released cannot free
+// a tensor the kernel is using.
+class Borrowed {
+ public:
+  Borrowed() = default;
+  Borrowed(const Borrowed&) = delete;
+  Borrowed& operator=(const Borrowed&) = delete;
+  ~Borrowed() {
+    for (at::Tensor& t : tensors_) t.unsafeReleaseTensorImpl();
+    for (PyObject* o : held_) Py_DECREF(o);
+  }
+
+  // Appends the tensor of `obj`; false (nothing appended) when the shortcut must decline it.
+  bool add(PyObject* obj) {
+    if (!THPVariable_CheckExact(obj)) return false;  // torch.Tensor or nn.Parameter, no subclass
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (!t.defined()) return false;
+    c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    const c10::DispatchKeySet keys = impl->key_set();
+    // raw bits: DispatchKeySet's operator- keeps the backend bits
+    if ((keys.raw_repr() & ~kPlainKeys.raw_repr()) != 0) return false;
+    // requires_grad() is out of line; a tensor without autograd meta never requires grad
+    if (grad_mode_ && impl->autograd_meta() != nullptr && impl->requires_grad()) return false;
+    keys_ = keys_ | keys;
+    Py_INCREF(obj);
+    held_.push_back(obj);
+    tensors_.push_back(at::Tensor(c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>::reclaim(impl)));
+    return true;
+  }
+
+  // A Python list or tuple of tensors: the index range of its tensors in this call, or false.
+  bool add_list(PyObject* seq, std::pair<size_t, size_t>* range) {
+    if (!PyList_Check(seq) && !PyTuple_Check(seq)) return false;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    const size_t first = tensors_.size();
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!add(items[i])) return false;
+    }
+    *range = {first, tensors_.size()};
+    return true;
+  }
+
+  // One tensor, or None for an optional one: its index (-1 for None), or false.
+  bool add_one(PyObject* obj, bool optional, std::ptrdiff_t* index) {
+    if (obj == Py_None && optional) {
+      *index = -1;
+      return true;
+    }
+    *index = static_cast<std::ptrdiff_t>(tensors_.size());
+    return add(obj);
+  }
+
+  void reserve(size_t n) {
+    tensors_.reserve(n);
+    held_.reserve(n);
+  }
+  at::TensorList list(std::pair<size_t, size_t> r) const {
+    return at::TensorList(tensors_.data() + r.first, r.second - r.first);
+  }
+  const at::Tensor& one(std::ptrdiff_t i) const { return tensors_[static_cast<size_t>(i)]; }
+  std::optional<at::Tensor> optional(std::ptrdiff_t i) const {
+    if (i < 0) return std::nullopt;
+    return tensors_[static_cast<size_t>(i)];
+  }
+  // The backend the dispatcher would pick (the highest of the tensors' backends).
+  c10::DispatchKeySet dispatch_keys() const { return keys_ & kBackendKeys; }
+
+ private:
+  std::vector<at::Tensor> tensors_;
+  std::vector<PyObject*> held_;
+  c10::DispatchKeySet keys_;
+  bool grad_mode_ = c10::GradMode::is_enabled();
+};
+
+size_t list_size(PyObject* seq) {
+  return (PyList_Check(seq) || PyTuple_Check(seq)) ? static_cast<size_t>(PySequence_Fast_GET_SIZE(seq)) : 0;
+}
+
+bool modes_active() {
+  return c10::impl::TorchDispatchModeTLS::any_modes_set() || at::impl::torch_function_mode_enabled() ||
+         (c10::impl::tls_local_dispatch_key_set().included_.raw_repr() & ~c10::default_included_set.raw_repr()) != 0;
+}
+
+bool as_double(PyObject* o, double* out) {
+  if (!PyFloat_Check(o) && !PyLong_Check(o)) return false;
+  *out = PyFloat_AsDouble(o);
+  if (*out == -1.0 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+bool as_bool(PyObject* o, bool* out) {
+  if (!PyBool_Check(o)) return false;
+  *out = o == Py_True;
+  return true;
+}
+
+bool as_int(PyObject* o, int64_t* out) {
+  if (!PyLong_Check(o) || PyBool_Check(o)) return false;
+  int overflow = 0;
+  *out = PyLong_AsLongLongAndOverflow(o, &overflow);
+  if (overflow != 0 || (*out == -1 && PyErr_Occurred())) {
+    PyErr_Clear();
+    return false;
+  }
+  return true;
+}
+
+PyObject* declined() { Py_RETURN_NOTIMPLEMENTED; }
+
+template <class Sig>
+c10::TypedOperatorHandle<Sig> handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Sig>();
+}
+
+enum class Ran { kYes, kDeclined, kError };
+
+// Runs `call()` without the GIL. A c10::Error (a kernel check: raised before anything is
+// written) declines; anything else is set as a Python RuntimeError (kError).
+template <class R, class F>
+Ran run_kernel(F&& call, R* result) {
+  std::string other;
+  Ran ran = Ran::kYes;
+  Py_BEGIN_ALLOW_THREADS;
+  try {
+    *result = call();
+  } catch (const c10::Error&) {
+    ran = Ran::kDeclined;
+  } catch (const std::exception& e) {
+    other = e.what();
+    ran = Ran::kError;
+  }
+  Py_END_ALLOW_THREADS;
+  if (ran == Ran::kError) PyErr_SetString(PyExc_RuntimeError, other.c_str());
+  return ran;
+}
+
+// The result of a call that did not run: the error set, or NotImplemented.
+PyObject* finish(Ran ran, PyObject* result) {
+  if (ran == Ran::kError) return nullptr;
+  if (ran == Ran::kDeclined) return declined();
+  return result;
+}
+
+struct Void {};
+
+// Before the GIL is released nothing can throw but the dispatcher's lookup of the op (its
+// schema missing when fastamp._ops could not register it): the torch.ops path says why.
+#define FASTAMP_DIRECT_BEGIN \
+  try {                      \
+    if (modes_active()) return declined();
+#define FASTAMP_DIRECT_END \
+  }                        \
+  catch (...) {            \
+    return declined();     \
+  }
+
+// unscale_check_(grads, found_inf, inv_scale, write_back, compute_sumsq) and
+// unscale_check_stats_(..., counts, absmax).
+PyObject* unscale_common(PyObject* const* args, Py_ssize_t nargs, bool stats) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != (stats ? 7 : 5)) return declined();
+  Borrowed b;
+  b.reserve(list_size(args[0]) + 4);
+  std::pair<size_t, size_t> grads;
+  std::ptrdiff_t found_inf = 0, inv_scale = 0, counts = 0, absmax = 0;
+  bool write_back = false, compute_sumsq = false;
+  if (!b.add_list(args[0], &grads) || !b.add_one(args[1], false, &found_inf) ||
+      !b.add_one(args[2], false, &inv_scale) || !as_bool(args[3], &write_back) || !as_bool(args[4], &compute_sumsq)) {
+    return declined();
+  }
+  if (stats && (!b.add_one(args[5], false, &counts) || !b.add_one(args[6], false, &absmax))) return declined();
+  const c10::DispatchKeySet ks = b.dispatch_keys();
+  at::Tensor out;
+  Ran ran = Ran::kDeclined;
+  if (stats) {
+    static auto op = handle<signature::unscale_check_stats_>("fastamp::unscale_check_stats_");
+    ran = run_kernel(
+        [&] {
+          return op.redispatch(ks, b.list(grads), b.one(found_inf), b.one(inv_scale), write_back, compute_sumsq,
+                               b.one(counts), b.one(absmax));
+        },
+        &out);
+  } else {
+    static auto op = handle<signature::unscale_check_>("fastamp::unscale_check_");
+    ran = run_kernel(
+        [&] { return op.redispatch(ks, b.list(grads), b.one(found_inf), b.one(inv_scale), write_back, compute_sumsq); },
+        &out);
+  }
+  if (ran != Ran::kYes) return finish(ran, nullptr);
+  return THPVariable_Wrap(std::move(out));
+  FASTAMP_DIRECT_END
+}
+
+PyObject* unscale_check_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return unscale_common(args, nargs, false);
+}
+
+PyObject* unscale_check_stats_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return unscale_common(args, nargs, true);
+}
+
+// adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars,
+// found_inf, beta1, beta2, eps, amsgrad, maximize) and adamw_bf16_(..., found_inf, rng,
+// rng_base, beta1, ...).
+PyObject* adamw_common(PyObject* const* args, Py_ssize_t nargs, bool bf16) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != (bf16 ? 15 : 13)) return declined();
+  Borrowed b;
+  b.reserve(list_size(args[0]) * 6 + 3);
+  std::pair<size_t, size_t> lists[6];
+  for (int k = 0; k < 6; ++k) {
+    if (!b.add_list(args[k], &lists[k])) return declined();
+  }
+  std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
+  if (!b.add_one(args[6], false, &step_scalars) || !b.add_one(args[7], true, &found_inf)) return declined();
+  int at = 8;
+  int64_t rng_base = 0;
+  if (bf16 && (!b.add_one(args[at++], true, &rng) || !as_int(args[at++], &rng_base))) return declined();
+  double beta1 = 0, beta2 = 0, eps = 0;
+  bool amsgrad = false, maximize = false;
+  if (!as_double(args[at], &beta1) || !as_double(args[at + 1], &beta2) || !as_double(args[at + 2], &eps) ||
+      !as_bool(args[at + 3], &amsgrad) || !as_bool(args[at + 4], &maximize)) {
+    return declined();
+  }
+  const c10::DispatchKeySet ks = b.dispatch_keys();
+  Void done;
+  Ran ran = Ran::kDeclined;
+  if (bf16) {
+    static auto op = handle<signature::adamw_bf16_>("fastamp::adamw_bf16_");
+    ran = run_kernel(
+        [&] {
+          op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.list(lists[4]),
+                        b.list(lists[5]), b.one(step_scalars), b.optional(found_inf), b.optional(rng), rng_base, beta1,
+                        beta2, eps, amsgrad, maximize);
+          return Void{};
+        },
+        &done);
+  } else {
+    static auto op = handle<signature::adamw_>("fastamp::adamw_");
+    ran = run_kernel(
+        [&] {
+          op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.list(lists[4]),
+                        b.list(lists[5]), b.one(step_scalars), b.optional(found_inf), beta1, beta2, eps, amsgrad,
+                        maximize);
+          return Void{};
+        },
+        &done);
+  }
+  if (ran != Ran::kYes) return finish(ran, nullptr);
+  Py_RETURN_NONE;
+  FASTAMP_DIRECT_END
+}
+
+PyObject* adamw_(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return adamw_common(args, nargs, false); }
+
+PyObject* adamw_bf16_(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return adamw_common(args, nargs, true); }
+
+// sgd_(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base,
+// momentum, dampening, weight_decay, nesterov, maximize).
+PyObject* sgd_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != 13) return declined();
+  Borrowed b;
+  b.reserve(list_size(args[0]) * 4 + 3);
+  std::pair<size_t, size_t> lists[4];
+  for (int k = 0; k < 4; ++k) {
+    if (!b.add_list(args[k], &lists[k])) return declined();
+  }
+  std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
+  int64_t rng_base = 0;
+  double momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false, maximize = false;
+  if (!b.add_one(args[4], false, &step_scalars) || !b.add_one(args[5], true, &found_inf) ||
+      !b.add_one(args[6], true, &rng) || !as_int(args[7], &rng_base) || !as_double(args[8], &momentum) ||
+      !as_double(args[9], &dampening) || !as_double(args[10], &weight_decay) || !as_bool(args[11], &nesterov) ||
+      !as_bool(args[12], &maximize)) {
+    return declined();
+  }
+  const c10::DispatchKeySet ks = b.dispatch_keys();
+  static auto op = handle<signature::sgd_>("fastamp::sgd_");
+  Void done;
+  const Ran ran = run_kernel(
+      [&] {
+        op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.one(step_scalars),
+                      b.optional(found_inf), b.optional(rng), rng_base, momentum, dampening, weight_decay, nesterov,
+                      maximize);
+        return Void{};
+      },
+      &done);
+  if (ran != Ran::kYes) return finish(ran, nullptr);
+  Py_RETURN_NONE;
+  FASTAMP_DIRECT_END
+}
+
+}  // namespace
+}  // namespace fastamp
+
+// Registered on the module by csrc/ops.cpp.
+PyMethodDef fastamp_direct_methods[] = {
+    {"unscale_check_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::unscale_check_)),
+     METH_FASTCALL, "torch.ops.fastamp.unscale_check_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"unscale_check_stats_",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::unscale_check_stats_)), METH_FASTCALL,
+     "torch.ops.fastamp.unscale_check_stats_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"adamw_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_)), METH_FASTCALL,
+     "torch.ops.fastamp.adamw_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"adamw_bf16_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_bf16_)), METH_FASTCALL,
+     "torch.ops.fastamp.adamw_bf16_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"sgd_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::sgd_)), METH_FASTCALL,
+     "torch.ops.fastamp.sgd_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {nullptr, nullptr, 0, nullptr}};

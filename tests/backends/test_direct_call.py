@@ -1,0 +1,219 @@
+"""``fastamp._C.<op>``, the direct call of the native list ops (csrc/direct_call.cpp).
+
+``functional``'s native fast path calls the kernels through it instead of ``torch.ops`` (no
+per-tensor IValue, vector copy or autograd-fallback visit). What it must keep:
+
+* the same kernel, so bit-identical results to ``torch.ops.fastamp.<op>`` for every op;
+* decline (``NotImplemented``) with nothing written whenever the dispatcher could do
+  something else or the kernel refuses: tensor subclasses, dispatch modes, non-dense
+  tensors, grad mode with a tensor that requires grad, non-tensor items, bad input;
+* a mode (torch dispatch mode) still sees the op through ``functional``.
+"""
+
+import pytest
+import torch
+from helpers import assert_bits_equal
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastamp import _ops, functional
+
+if not _ops.NATIVE_LOADED:
+    pytest.skip("fastamp._C is not built", allow_module_level=True)
+
+from fastamp import _C  # noqa: E402
+
+SIZES = [1, 7, 256, 16385, 3]
+
+
+def _adamw_args(p_dtype=torch.float32, master=False, found=0.0):
+    gen = torch.Generator().manual_seed(3)
+    sizes = SIZES
+    params = [torch.randn(k, generator=gen).to(p_dtype) for k in sizes]
+    grads = [torch.randn(k, generator=gen).to(p_dtype) for k in sizes]
+    masters = [p.float() for p in params] if master else []
+    m = [torch.randn(k, generator=gen) * 0.1 for k in sizes]
+    v = [torch.rand(k, generator=gen) * 0.1 for k in sizes]
+    scalars = torch.tensor([1e-3, 0.9, 0.99, 0.5])
+    return [params, grads, masters, m, v, [], scalars, torch.full((1,), found), 0.9, 0.999, 1e-8, False, False]
+
+
+def _bf16_args(rem=True, rng=True):
+    gen = torch.Generator().manual_seed(4)
+    params = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    grads = [torch.randn(k, generator=gen) for k in SIZES]
+    rems = [torch.randint(-(2**15), 2**15, (k,), generator=gen, dtype=torch.int16) for k in SIZES] if rem else []
+    m = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    v = [torch.rand(k, generator=gen).bfloat16() for k in SIZES]
+    rng_t = torch.tensor([7, 11], dtype=torch.int64) if rng else None
+    scalars = torch.tensor([1e-3, 0.9, 0.99, 0.5])
+    return [params, grads, rems, m, v, [], scalars, torch.zeros(1), rng_t, 5, 0.9, 0.999, 1e-8, False, False]
+
+
+def _sgd_args(master=True):
+    gen = torch.Generator().manual_seed(5)
+    params = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    grads = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    masters = [p.float() for p in params] if master else []
+    bufs = [torch.randn(k, generator=gen) for k in SIZES]
+    return [params, grads, masters, bufs, torch.tensor([0.1, 0.5, 0.0]), None, None, 0, 0.9, 0.1, 0.01, True, False]
+
+
+def _unscale_args(stats=False):
+    gen = torch.Generator().manual_seed(6)
+    grads = [torch.randn(k, generator=gen).to(dt) for k, dt in zip(SIZES, (torch.float32, torch.bfloat16) * 3)]
+    grads[2][5] = float("inf")
+    args = [grads, torch.zeros(1), torch.tensor([0.5]), True, True]
+    if stats:
+        args += [torch.zeros(len(grads), 3, dtype=torch.int64), torch.zeros(len(grads))]
+    return args
+
+
+CASES = {
+    "adamw_": [lambda: _adamw_args(), lambda: _adamw_args(torch.bfloat16, master=True), lambda: _adamw_args(found=1.0)],
+    "adamw_bf16_": [lambda: _bf16_args(), lambda: _bf16_args(rem=False), lambda: _bf16_args(rng=False)],
+    "sgd_": [lambda: _sgd_args(), lambda: _sgd_args(master=False)],
+    "unscale_check_": [lambda: _unscale_args()],
+    "unscale_check_stats_": [lambda: _unscale_args(stats=True)],
+}
+
+
+def _clone(args):
+    out = []
+    for a in args:
+        if isinstance(a, list):
+            out.append([t.clone() if isinstance(t, torch.Tensor) else t for t in a])
+        elif isinstance(a, torch.Tensor):
+            out.append(a.clone())
+        else:
+            out.append(a)
+    return out
+
+
+def _tensors(args):
+    for a in args:
+        if isinstance(a, list):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+        elif isinstance(a, torch.Tensor):
+            yield a
+
+
+def _assert_same(got, want, what):
+    for i, (a, b) in enumerate(zip(_tensors(got), _tensors(want))):
+        if a.is_sparse:
+            a, b = a.to_dense(), b.to_dense()
+        if a.is_conj():
+            a, b = a.resolve_conj(), b.resolve_conj()
+        if a.device.type == "meta":
+            continue
+        assert_bits_equal(a, b, f"{what} tensor {i}")
+
+
+@pytest.mark.parametrize("op", list(CASES))
+def test_direct_call_is_bit_identical_to_torch_ops(op):
+    for make in CASES[op]:
+        args = make()
+        direct, dispatched = _clone(args), _clone(args)
+        out = getattr(_C, op)(*direct)
+        assert out is not NotImplemented
+        ref = getattr(torch.ops.fastamp, op)(*dispatched)
+        _assert_same(direct, dispatched, op)
+        if op.startswith("unscale"):
+            assert_bits_equal(out, ref, "sum of squares")
+        else:
+            assert out is None
+
+
+def _declines(op, args):
+    before = _clone(args)
+    assert getattr(_C, op)(*args) is NotImplemented
+    _assert_same(args, before, f"{op} (declined: nothing written)")
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_declines_what_the_dispatcher_would_route_elsewhere():
+    args = _adamw_args()
+    # a tensor subclass anywhere
+    args[1][2] = args[1][2].as_subclass(_Sub)
+    _declines("adamw_", args)
+    # a list item that is not a tensor
+    args = _adamw_args()
+    args[3][1] = 1.0
+    _declines("adamw_", args)
+    # sparse grad, conjugated view
+    args = _unscale_args()
+    args[0][1] = args[0][1].to_sparse()
+    _declines("unscale_check_", args)
+    args = _unscale_args()
+    args[0][0] = torch.randn(3, dtype=torch.complex64).conj()
+    _declines("unscale_check_", args)
+    # a meta tensor (another device)
+    args = _adamw_args()
+    args[4][0] = torch.empty(SIZES[0], device="meta")
+    _declines("adamw_", args)
+    # a wrong argument type, a wrong argument count
+    args = _sgd_args()
+    args[11] = 1
+    _declines("sgd_", args)
+    assert _C.sgd_(*_sgd_args()[:-1]) is NotImplemented
+
+
+def test_declines_grad_mode_with_requires_grad_only():
+    args = _adamw_args()
+    for p in args[0]:
+        p.requires_grad_(True)
+    with torch.enable_grad():
+        _declines("adamw_", args)
+    with torch.no_grad():
+        assert _C.adamw_(*args) is None
+
+
+@pytest.mark.parametrize(
+    "op, break_it",
+    [
+        ("adamw_", lambda a: a[3].__setitem__(2, torch.zeros(SIZES[2], dtype=torch.float64))),  # exp_avg dtype
+        ("adamw_", lambda a: a[4].__setitem__(1, torch.zeros(SIZES[1] + 1))),  # numel mismatch
+        ("adamw_", lambda a: a[1].pop()),  # list length
+        ("adamw_", lambda a: a.__setitem__(6, torch.ones(3))),  # step_scalars
+        ("adamw_", lambda a: a[0].__setitem__(3, torch.zeros(16, 32).t()[:, :16].reshape(-1)[: SIZES[3]])),
+        ("adamw_bf16_", lambda a: a[2].__setitem__(0, a[2][0].int())),  # remainder dtype
+        ("sgd_", lambda a: a[3].__setitem__(4, torch.zeros(2 * SIZES[4])[::2])),  # non-contiguous buffer
+        ("unscale_check_", lambda a: a[0].__setitem__(1, a[0][1].double())),  # fp64 grad
+        ("unscale_check_stats_", lambda a: a.__setitem__(5, torch.zeros(2, 3, dtype=torch.int64))),
+    ],
+)
+def test_declines_bad_input_and_writes_nothing(op, break_it):
+    args = CASES[op][0]()
+    break_it(args)
+    _declines(op, args)
+
+
+def test_functional_still_raises_the_clear_message():
+    args = _adamw_args()
+    args[3][2] = torch.zeros(SIZES[2], dtype=torch.float64)
+    params = [p.clone() for p in args[0]]
+    with pytest.raises(TypeError, match=r"exp_avgs\[2\]"):
+        functional.adamw_(*args[:8], beta1=0.9, beta2=0.999, eps=1e-8, backend="native")
+    for a, b in zip(args[0], params):
+        assert_bits_equal(a, b, "params after a refused call")
+
+
+class _Log(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_dispatch_mode_still_sees_the_op():
+    args = _adamw_args()
+    assert _C.adamw_(*_clone(args)) is None
+    with _Log() as log:
+        assert _C.adamw_(*_clone(args)) is NotImplemented
+        functional.adamw_(*args[:8], beta1=0.9, beta2=0.999, eps=1e-8, backend="native")
+    assert any("fastamp.adamw_" in o for o in log.ops), log.ops
