@@ -103,23 +103,32 @@ PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return out;
 }
 
-// same_items(dicts, key, values) -> bool | NotImplemented: whether dicts[i][key] is values[i] for every i.
+// same_items(dicts, keys, values) -> bool | NotImplemented: whether dicts[i][keys[k]] is values[k][i]
+// for every i and k (a missing key: False); each dict is visited once, for all keys.
 PyObject* same_items(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3) {
     PyErr_SetString(PyExc_TypeError, "same_items takes 3 arguments");
     return nullptr;
   }
-  PyObject *dicts = args[0], *key = args[1], *values = args[2];
-  if (!PyList_CheckExact(dicts) || !PyList_CheckExact(values) || PyList_GET_SIZE(dicts) != PyList_GET_SIZE(values))
+  PyObject *dicts = args[0], *keys = args[1], *values = args[2];
+  if (!PyList_CheckExact(dicts) || !PyTuple_CheckExact(keys) || !PyTuple_CheckExact(values) ||
+      PyTuple_GET_SIZE(keys) != PyTuple_GET_SIZE(values))
     Py_RETURN_NOTIMPLEMENTED;
-  const Py_ssize_t n = PyList_GET_SIZE(dicts);
+  const Py_ssize_t n = PyList_GET_SIZE(dicts), nk = PyTuple_GET_SIZE(keys);
+  for (Py_ssize_t k = 0; k < nk; ++k) {
+    PyObject* v = PyTuple_GET_ITEM(values, k);
+    if (!PyList_CheckExact(v) || PyList_GET_SIZE(v) != n) Py_RETURN_NOTIMPLEMENTED;
+  }
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!PyDict_CheckExact(PyList_GET_ITEM(dicts, i))) Py_RETURN_NOTIMPLEMENTED;
   }
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* v = PyDict_GetItemWithError(PyList_GET_ITEM(dicts, i), key);
-    if (v == nullptr && PyErr_Occurred()) return nullptr;
-    if (v != PyList_GET_ITEM(values, i)) Py_RETURN_FALSE;
+    PyObject* d = PyList_GET_ITEM(dicts, i);
+    for (Py_ssize_t k = 0; k < nk; ++k) {
+      PyObject* v = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(keys, k));
+      if (v == nullptr && PyErr_Occurred()) return nullptr;
+      if (v != PyList_GET_ITEM(PyTuple_GET_ITEM(values, k), i)) Py_RETURN_FALSE;
+    }
   }
   Py_RETURN_TRUE;
 }
@@ -132,5 +141,5 @@ PyMethodDef fastamp_plan_methods[] = {
     {"plan_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::plan_grads)), METH_FASTCALL,
      "the grads of a param group that still fits its cached launch plan, False, or NotImplemented"},
     {"same_items", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::same_items)), METH_FASTCALL,
-     "whether dicts[i][key] is values[i] for every i, or NotImplemented"},
+     "whether dicts[i][keys[k]] is values[k][i] for every i and k, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};

@@ -153,14 +153,17 @@ def _native_plan_checks() -> tuple[Callable | None, Callable | None]:
 _plan_grads, _same_items = _native_plan_checks()
 
 
-def _all_hold(states: list[dict[str, Any]], key: str, tensors: list[Tensor]) -> bool:
-    """Whether ``states[i][key] is tensors[i]`` for every i (a missing key: False); one C loop where built."""
+def _all_hold(states: list[dict[str, Any]], keys: tuple[str, ...], tensors: tuple[list[Tensor], ...]) -> bool:
+    """Whether ``states[i][keys[k]] is tensors[k][i]`` for all i, k (a missing key: False); one C loop where built."""
     if _same_items is not None:
-        got = _same_items(states, key, tensors)
+        got = _same_items(states, keys, tensors)
         if got is not NotImplemented:
             return got
     try:
-        return all(map(operator.is_, map(operator.itemgetter(key), states), tensors))
+        return all(
+            all(map(operator.is_, map(operator.itemgetter(key), states), planned))
+            for key, planned in zip(keys, tensors)
+        )
     except KeyError:
         return False
 
@@ -194,6 +197,8 @@ class _Run:
         "grads",
         "states",
         "planned",
+        "planned_keys",
+        "planned_tensors",
         "launch",
         "ids",
         "gidx",
@@ -212,6 +217,8 @@ class _Run:
         self.grads: list[Tensor] = []
         self.states: list[dict[str, Any]] = []
         self.planned: dict[str, list[Tensor]] = {}
+        self.planned_keys: tuple[str, ...] = ()  # the same, as the plan check takes them
+        self.planned_tensors: tuple[list[Tensor], ...] = ()
         self.launch: dict[str, list[Tensor]] = {}  # what the kernels get: local shards of DTensor state
         self.ids: list[int] = []
         self.gidx: list[int] = []  # position of each param in its group (where its grad is gathered)
@@ -242,13 +249,15 @@ class _Run:
             tensors = [st[key] for st in self.states]
             self.planned[key] = tensors
             self.launch[key] = [local_of(t) for t in tensors] if self.dtensor else tensors
+        self.planned_keys = tuple(self.planned)
+        self.planned_tensors = tuple(self.planned.values())
         if self.ids:
             self.rng = self.launch["rng"][0]
             self.rng_base = self.ids[0]
 
     def intact(self) -> bool:
         """Whether every state still holds the planned tensors (none replaced or removed)."""
-        return all(_all_hold(self.states, key, tensors) for key, tensors in self.planned.items())
+        return _all_hold(self.states, self.planned_keys, self.planned_tensors)
 
     @property
     def masters(self) -> list[Tensor]:
@@ -402,7 +411,7 @@ class _Bucket:
         if self.step_buf is not None:
             if self.step_buf._version != self.known[1]:
                 return False
-            if not _all_hold(self.states, "step", self.steps):
+            if not _all_hold(self.states, ("step",), (self.steps,)):
                 return False
         return all(run.intact() for run in self.runs.values())
 

@@ -107,6 +107,10 @@ def _replace_moment(opt, params):
     opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"].clone()
 
 
+def _replace_master(opt, params):
+    opt.state[params[1]]["master_param"] = opt.state[params[1]]["master_param"].clone()  # the last key checked
+
+
 def _remove_moment(opt, params):
     del opt.state[params[2]]["exp_avg_sq"]
 
@@ -128,6 +132,7 @@ CHANGES = [
     _strided_grad,
     _sparse_grad,
     _replace_moment,
+    _replace_master,
     _remove_moment,
     _replace_step,
     _write_step,
