@@ -7,15 +7,19 @@
 
 #include <string>
 
-// The direct calls of csrc/direct_call.cpp.
+// The direct calls of csrc/direct_call.cpp and the plan checks of csrc/plan_check.cpp.
 extern PyMethodDef fastamp_direct_methods[];
+extern PyMethodDef fastamp_plan_methods[];
 
 extern "C" {
-// `import fastamp._C` loads this library so the registrations below run; the module's only
-// functions are the direct calls of the list ops (fastamp.functional's native fast path).
+// `import fastamp._C` loads this library so the registrations below run; the module's functions
+// are the direct calls of the list ops (fastamp.functional's native fast path) and the
+// optimizers' plan checks (fastamp/optim/_plan.py).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, fastamp_direct_methods};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  if (module != nullptr && PyModule_AddFunctions(module, fastamp_plan_methods) < 0) Py_CLEAR(module);
+  return module;
 }
 }
 

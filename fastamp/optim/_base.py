@@ -10,7 +10,6 @@ and :mod:`._steps`.
 from __future__ import annotations
 
 import functools
-import operator
 from typing import Any, Callable
 
 import torch
@@ -32,7 +31,15 @@ from fastamp.optim._checks import (
     where_of,
 )
 from fastamp.optim._masters import _MasterWeights
-from fastamp.optim._plan import AmpInputs, StateTable, _Bucket, _GroupPlan, _Plan, _Run
+from fastamp.optim._plan import (
+    AmpInputs,
+    StateTable,
+    _Bucket,
+    _GroupPlan,
+    _Plan,
+    _Run,
+    _version_of,
+)
 from fastamp.optim._state_dict import _StateDictExport
 from fastamp.optim._steps import _StepRecords
 
@@ -421,20 +428,10 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             return None
         out = []
         for group, gp in zip(self.param_groups, plan.groups):
-            params = group["params"]
-            if group is not gp.group or len(params) != len(gp.params) or not all(map(operator.is_, params, gp.params)):
+            if group is not gp.group or self._plan_key(group) != gp.key:
                 return None
-            if self._plan_key(group) != gp.key:
-                return None
-            grads = [p.grad for p in params]
-            try:
-                if gp.grad_signature(grads) != gp.grad_sig:
-                    return None
-            except RuntimeError:  # sparse grads have no is_contiguous: the full checks name them
-                return None
-            if [p.dtype for p in params] != gp.param_dtypes:
-                return None
-            if gp.data_ptrs(params) != gp.ptrs:
+            grads = gp.gather(group["params"])
+            if grads is None:
                 return None
             if not all(b.intact() for b in gp.buckets):
                 return None
@@ -594,7 +591,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 continue
             group = self._hyper(gp.group)
             if gp.remainder and gp.versions is not None:
-                versions = [p._version for p in gp.remainder]
+                versions = list(map(_version_of, gp.remainder))
                 if versions != gp.versions:
                     self._resync_written(gp, versions)
             for b in gp.buckets:
@@ -644,7 +641,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                             delta[1].copy_(inc)
                     torch._foreach_add_(b.rngs, [delta] * len(b.rngs))
             if gp.remainder:
-                gp.versions = [p._version for p in gp.remainder]
+                gp.versions = list(map(_version_of, gp.remainder))
                 self._param_versions.update(zip(map(id, gp.remainder), gp.versions))
 
     def _resync_written(self, gp: _GroupPlan, versions: list[int]) -> None:

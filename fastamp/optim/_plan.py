@@ -15,6 +15,7 @@ import operator
 import weakref
 from collections import defaultdict
 from copy import deepcopy
+from itertools import repeat
 from typing import Any, Callable
 
 import torch
@@ -140,7 +141,37 @@ class StateTable(defaultdict):
         return defaultdict(self.default_factory, deepcopy(dict(self), memo))
 
 
-_get_step = operator.itemgetter("step")
+def _native_plan_checks() -> tuple[Callable | None, Callable | None]:
+    """``fastamp._C.plan_grads`` and ``same_items`` (csrc/plan_check.cpp), None where the extension lacks them."""
+    try:
+        from fastamp import _C
+    except (ImportError, OSError):
+        return None, None
+    return getattr(_C, "plan_grads", None), getattr(_C, "same_items", None)
+
+
+_plan_grads, _same_items = _native_plan_checks()
+
+
+def _all_hold(states: list[dict[str, Any]], keys: tuple[str, ...], tensors: tuple[list[Tensor], ...]) -> bool:
+    """Whether ``states[i][keys[k]] is tensors[k][i]`` for all i, k (a missing key: False); one C loop where built."""
+    if _same_items is not None:
+        got = _same_items(states, keys, tensors)
+        if got is not NotImplemented:
+            return got
+    try:
+        return all(
+            all(map(operator.is_, map(operator.itemgetter(key), states), planned))
+            for key, planned in zip(keys, tensors)
+        )
+    except KeyError:
+        return False
+
+
+_grad_of = operator.attrgetter("grad")
+_dtype_of = operator.attrgetter("dtype")
+_version_of = operator.attrgetter("_version")
+_is_contiguous = Tensor.is_contiguous
 
 
 class _Run:
@@ -166,6 +197,8 @@ class _Run:
         "grads",
         "states",
         "planned",
+        "planned_keys",
+        "planned_tensors",
         "launch",
         "ids",
         "gidx",
@@ -184,6 +217,8 @@ class _Run:
         self.grads: list[Tensor] = []
         self.states: list[dict[str, Any]] = []
         self.planned: dict[str, list[Tensor]] = {}
+        self.planned_keys: tuple[str, ...] = ()  # the same, as the plan check takes them
+        self.planned_tensors: tuple[list[Tensor], ...] = ()
         self.launch: dict[str, list[Tensor]] = {}  # what the kernels get: local shards of DTensor state
         self.ids: list[int] = []
         self.gidx: list[int] = []  # position of each param in its group (where its grad is gathered)
@@ -214,19 +249,15 @@ class _Run:
             tensors = [st[key] for st in self.states]
             self.planned[key] = tensors
             self.launch[key] = [local_of(t) for t in tensors] if self.dtensor else tensors
+        self.planned_keys = tuple(self.planned)
+        self.planned_tensors = tuple(self.planned.values())
         if self.ids:
             self.rng = self.launch["rng"][0]
             self.rng_base = self.ids[0]
 
     def intact(self) -> bool:
         """Whether every state still holds the planned tensors (none replaced or removed)."""
-        try:
-            for key, tensors in self.planned.items():
-                if not all(map(operator.is_, map(operator.itemgetter(key), self.states), tensors)):
-                    return False
-        except KeyError:
-            return False
-        return True
+        return _all_hold(self.states, self.planned_keys, self.planned_tensors)
 
     @property
     def masters(self) -> list[Tensor]:
@@ -238,9 +269,9 @@ class _Run:
 
     def refresh(self, grads: list[Tensor]) -> None:
         """This step's lists; ``grads`` are the group's grads (contiguous, checked by the caller)."""
-        self.grads = grads if self.whole else [grads[i] for i in self.gidx]
+        self.grads = grads if self.whole else list(map(grads.__getitem__, self.gidx))
         if self.dtensor:
-            self.grads = [local_of(g) for g in self.grads]
+            self.grads = list(map(local_of, self.grads))
         self.copy_back = []
         for pos, p in self.strided:
             tmp = p.detach().contiguous()
@@ -380,10 +411,7 @@ class _Bucket:
         if self.step_buf is not None:
             if self.step_buf._version != self.known[1]:
                 return False
-            try:
-                if not all(map(operator.is_, map(_get_step, self.states), self.steps)):
-                    return False
-            except KeyError:
+            if not _all_hold(self.states, ("step",), (self.steps,)):
                 return False
         return all(run.intact() for run in self.runs.values())
 
@@ -396,7 +424,12 @@ class _GroupPlan:
         "params",
         "key",
         "param_dtypes",
-        "grad_sig",
+        "absent",
+        "present",
+        "grad_dtypes",
+        "dense",
+        "grad_kinds",
+        "strided_flags",
         "ptrs",
         "dtensor",
         "strided_grads",
@@ -409,23 +442,65 @@ class _GroupPlan:
         self.group = group
         self.params: list[Tensor] = list(group["params"])
         self.key = key
-        self.param_dtypes = [p.dtype for p in self.params]
-        grads = [p.grad for p in self.params]
-        self.grad_sig = self.grad_signature(grads)
+        self.param_dtypes = list(map(_dtype_of, self.params))
+        grads = list(map(_grad_of, self.params))
+        self.absent = [i for i, g in enumerate(grads) if g is None]
+        self.present = [i for i, g in enumerate(grads) if g is not None]
+        self.grad_dtypes = [grads[i].dtype for i in self.present]
+        self.strided_grads = [i for i in self.present if not grads[i].is_contiguous()]
+        # the grads that must stay contiguous, as positions in the group (None: every grad)
+        self.dense = (
+            None if not self.absent and not self.strided_grads else sorted(set(self.present) - set(self.strided_grads))
+        )
+        # the same facts per position, as fastamp._C.plan_grads reads them
+        self.grad_kinds = [None if g is None else g.dtype for g in grads]
+        self.strided_flags = bytes(i in self.strided_grads for i in range(len(grads)))
         self.dtensor = any(map(is_dtensor, self.params))
         self.ptrs = self.data_ptrs(self.params)
-        self.strided_grads = [i for i, g in enumerate(grads) if g is not None and not g.is_contiguous()]
         self.buckets: list[_Bucket] = []
         self.remainder: list[Tensor] = []  # params with remainder masters, in plan order
         self.versions: list[int] | None = None  # their ``_version`` after the last step
 
-    @staticmethod
-    def grad_signature(grads: list[Tensor | None]) -> list[Any]:
-        """Per grad: None, its dtype when dense and contiguous, ``(dtype,)`` when strided (one pass).
+    def gather(self, params: list[Tensor]) -> list[Tensor | None] | None:
+        """The grads of ``params`` (the group's list) if the group still fits this plan, else None.
 
-        Raises RuntimeError for a sparse grad (no ``is_contiguous``).
+        It fits when the group holds the planned param objects, at their planned storage
+        addresses and dtypes (``.data`` rebinds), and :meth:`grads_fit` holds. One call of
+        ``fastamp._C.plan_grads`` where the extension has it (one C loop, no Python per
+        param), else a few C-level passes here; both answer the same.
         """
-        return [None if g is None else g.dtype if g.is_contiguous() else (g.dtype,) for g in grads]
+        if _plan_grads is not None and not self.dtensor:
+            got = _plan_grads(params, self.params, self.ptrs, self.param_dtypes, self.grad_kinds, self.strided_flags)
+            if got is not NotImplemented:
+                return None if got is False else got
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
+            return None
+        if list(map(_dtype_of, params)) != self.param_dtypes or self.data_ptrs(params) != self.ptrs:
+            return None
+        grads = list(map(_grad_of, params))
+        return grads if self.grads_fit(grads) else None
+
+    def grads_fit(self, grads: list[Tensor | None]) -> bool:
+        """Whether this step's grads of the group fit the plan: the same params have one, same dtypes, dense.
+
+        A few C-level passes over the list (no Python code per grad): which params have a
+        grad, their dtypes, and that every grad planned contiguous still is (a strided one
+        is copied contiguous by the caller, whatever its strides now). A sparse grad fails
+        (no ``is_contiguous``): the full checks of a new plan name it.
+        """
+        if self.absent:
+            if not all(map(operator.is_, map(grads.__getitem__, self.absent), repeat(None))):
+                return False
+            present = list(map(grads.__getitem__, self.present))
+        else:
+            present = grads
+        try:
+            if list(map(_dtype_of, present)) != self.grad_dtypes:
+                return False
+            dense = present if self.dense is None else map(grads.__getitem__, self.dense)
+            return all(map(_is_contiguous, dense))
+        except (AttributeError, RuntimeError):  # a None where a grad was planned; a sparse grad
+            return False
 
     def data_ptrs(self, params: list[Tensor]) -> list[int]:
         # A param's storage changes with `.data = ...` (a resize, `model.to(memory_format=...)`,

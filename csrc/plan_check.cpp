@@ -1,0 +1,145 @@
+// The steady-state check of the optimizers' cached launch plan (fastamp/optim/_plan.py), as
+// one C loop per param group instead of one Python-level pass per property.
+//
+// Why: a step that reuses its plan must still look at every param and grad (the grads are
+// new tensors each step; a param may be rebound through `.data`; a state tensor may be
+// replaced by assignment). In Python each property is a pass of C calls over the list (a grad
+// read, a dtype, a contiguity test, a data_ptr, a state identity: ~50-120 ns each per tensor,
+// ~0.6 us per tensor in all); here it is one loop that reads each object once.
+//
+// Each function answers exactly what its Python twin in _plan.py answers, or returns
+// NotImplemented (having changed nothing) where it cannot tell without Python: an item that
+// is not a plain tensor (a subclass may override `.grad`, `.dtype` or `data_ptr`), a state that
+// is not a dict, a list of another type. The caller then takes the Python path.
+#include <Python.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+namespace fastamp {
+namespace {
+
+// plan_grads(params, planned, ptrs, param_dtypes, grad_dtypes, strided) -> list | False | NotImplemented
+//
+// The grads of a group's params when the group still fits its plan, else False:
+// `params` holds the planned objects (`planned`, identity), each param's data_ptr() and dtype
+// are the planned ones (`ptrs`, `param_dtypes`), the params with a grad are those with a
+// planned grad dtype (`grad_dtypes[i]`, None: no grad), each grad is dense, of that dtype,
+// and contiguous unless planned strided (`strided[i]` != 0: copied contiguous by the caller).
+PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError, "plan_grads takes 6 arguments");
+    return nullptr;
+  }
+  PyObject *params = args[0], *planned = args[1], *ptrs = args[2], *param_dtypes = args[3], *grad_dtypes = args[4],
+           *strided = args[5];
+  if (!PyList_CheckExact(params) || !PyList_CheckExact(planned) || !PyList_CheckExact(ptrs) ||
+      !PyList_CheckExact(param_dtypes) || !PyList_CheckExact(grad_dtypes) || !PyBytes_CheckExact(strided))
+    Py_RETURN_NOTIMPLEMENTED;
+  const Py_ssize_t n = PyList_GET_SIZE(planned);
+  if (PyList_GET_SIZE(ptrs) != n || PyList_GET_SIZE(param_dtypes) != n || PyList_GET_SIZE(grad_dtypes) != n ||
+      PyBytes_GET_SIZE(strided) != n) {
+    PyErr_SetString(PyExc_ValueError, "plan_grads: the planned lists differ in length");
+    return nullptr;
+  }
+  if (PyList_GET_SIZE(params) != n) Py_RETURN_FALSE;
+  const char* strided_flags = PyBytes_AS_STRING(strided);
+  // the answer is decided before any grad object is created: a first pass of plain reads
+  PyObject* answer = Py_True;
+  try {
+    for (Py_ssize_t i = 0; i < n && answer == Py_True; ++i) {
+      PyObject* p = PyList_GET_ITEM(params, i);
+      if (p != PyList_GET_ITEM(planned, i)) {
+        answer = Py_False;
+        break;
+      }
+      if (!THPVariable_CheckExact(p)) {  // torch.Tensor or nn.Parameter, no subclass
+        answer = Py_NotImplemented;
+        break;
+      }
+      const at::Tensor& t = THPVariable_Unpack(p);
+      if (reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) != PyList_GET_ITEM(param_dtypes, i) ||
+          PyLong_AsVoidPtr(PyList_GET_ITEM(ptrs, i)) != t.const_data_ptr()) {
+        if (PyErr_Occurred()) return nullptr;
+        answer = Py_False;
+        break;
+      }
+      const at::Tensor& g = t.grad();
+      PyObject* want = PyList_GET_ITEM(grad_dtypes, i);
+      if (!g.defined()) {
+        if (want != Py_None) answer = Py_False;
+        continue;
+      }
+      if (want == Py_None) {
+        answer = Py_False;
+        break;
+      }
+      if (g.is_sparse() || g.layout() != at::kStrided ||
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(g.scalar_type())) != want) {
+        answer = Py_False;
+        break;
+      }
+      if (!strided_flags[i] && !g.is_contiguous()) answer = Py_False;
+    }
+  } catch (const std::exception&) {
+    // a param without storage or the like: the Python path answers (and the full checks name it)
+    answer = Py_NotImplemented;
+  }
+  if (answer != Py_True) {
+    Py_INCREF(answer);
+    return answer;
+  }
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const at::Tensor& g = THPVariable_Unpack(PyList_GET_ITEM(params, i)).grad();
+    PyObject* obj = g.defined() ? THPVariable_Wrap(g) : (Py_INCREF(Py_None), Py_None);
+    if (obj == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, obj);
+  }
+  return out;
+}
+
+// same_items(dicts, keys, values) -> bool | NotImplemented: whether dicts[i][keys[k]] is values[k][i]
+// for every i and k (a missing key: False); each dict is visited once, for all keys.
+PyObject* same_items(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "same_items takes 3 arguments");
+    return nullptr;
+  }
+  PyObject *dicts = args[0], *keys = args[1], *values = args[2];
+  if (!PyList_CheckExact(dicts) || !PyTuple_CheckExact(keys) || !PyTuple_CheckExact(values) ||
+      PyTuple_GET_SIZE(keys) != PyTuple_GET_SIZE(values))
+    Py_RETURN_NOTIMPLEMENTED;
+  const Py_ssize_t n = PyList_GET_SIZE(dicts), nk = PyTuple_GET_SIZE(keys);
+  for (Py_ssize_t k = 0; k < nk; ++k) {
+    PyObject* v = PyTuple_GET_ITEM(values, k);
+    if (!PyList_CheckExact(v) || PyList_GET_SIZE(v) != n) Py_RETURN_NOTIMPLEMENTED;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!PyDict_CheckExact(PyList_GET_ITEM(dicts, i))) Py_RETURN_NOTIMPLEMENTED;
+  }
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* d = PyList_GET_ITEM(dicts, i);
+    for (Py_ssize_t k = 0; k < nk; ++k) {
+      PyObject* v = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(keys, k));
+      if (v == nullptr && PyErr_Occurred()) return nullptr;
+      if (v != PyList_GET_ITEM(PyTuple_GET_ITEM(values, k), i)) Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
+}  // namespace
+}  // namespace fastamp
+
+// Added to the module by csrc/ops.cpp.
+PyMethodDef fastamp_plan_methods[] = {
+    {"plan_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::plan_grads)), METH_FASTCALL,
+     "the grads of a param group that still fits its cached launch plan, False, or NotImplemented"},
+    {"same_items", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::same_items)), METH_FASTCALL,
+     "whether dicts[i][keys[k]] is values[k][i] for every i and k, or NotImplemented"},
+    {nullptr, nullptr, 0, nullptr}};
