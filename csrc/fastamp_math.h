@@ -1,6 +1,6 @@
 // Per-element maths shared by the CPU (csrc/cpu/) and CUDA (csrc/cuda/) kernels.
 //
-// This header is the C++ mirror of fastamp/reference.py: every function here has a
+// This header is the C++ mirror of fastamp/reference/: every function here has a
 // Python twin there, and the kernels must agree with the reference bit for bit unless a
 // test's tolerance table says otherwise. It includes no torch header, so the CUDA kernels
 // compile with plain nvcc. All maths is fp32 (fp64 only where torch uses it for scalars);
@@ -190,7 +190,7 @@ FASTAMP_HD void adamw_element(float* p, float* m, float* v, float* vmax, float g
 
 // ---- low-bit master state (fastamp::adamw_bf16_, fastamp::sgd_) ----
 //
-// Mirrors of fastamp/reference.py: split_master / join_master / sr_random16 /
+// Mirrors of fastamp/reference/: split_master / join_master / sr_random16 /
 // round_bf16_stochastic. All integer maths is uint32 with wrap-around.
 
 FASTAMP_HD uint32_t mix32(uint32_t x) {

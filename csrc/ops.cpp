@@ -1,7 +1,7 @@
 // The Python module fastamp._C and build_info(). Kernels register per device in csrc/cpu/*.cpp
 // and csrc/cuda/*.cpp with TORCH_LIBRARY_IMPL (through FASTAMP_IMPL, op_signatures.h); every
 // op's schema and fake (meta) kernel live in the op table of fastamp/_ops.py. The semantics of
-// each op are defined by fastamp/reference.py.
+// each op are defined by fastamp/reference/.
 #include <Python.h>
 #include <torch/library.h>
 

@@ -1,4 +1,4 @@
-// CPU kernel of fastamp::adamw_ (semantics: fastamp/reference.py; per-element maths:
+// CPU kernel of fastamp::adamw_ (semantics: fastamp/reference/; per-element maths:
 // math::adamw_element in csrc/fastamp_math.h).
 //
 // One pass over all tensors of the call, cut into fixed-size chunks spread over threads

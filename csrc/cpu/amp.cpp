@@ -1,5 +1,5 @@
 // CPU kernels of fastamp::unscale_check_ and fastamp::update_scale_ (semantics:
-// fastamp/reference.py; per-element maths: csrc/fastamp_math.h).
+// fastamp/reference/; per-element maths: csrc/fastamp_math.h).
 //
 // unscale_check_: one pass over all grads of the call (fp32/fp16/bf16 mixed), cut into
 // fixed-size chunks (csrc/cpu/multi_tensor.h) and spread over threads; each chunk runs

@@ -1,4 +1,4 @@
-// CPU kernel of fastamp::sgd_ (semantics: fastamp/reference.py; per-element maths:
+// CPU kernel of fastamp::sgd_ (semantics: fastamp/reference/; per-element maths:
 // math::sgd_element in csrc/fastamp_math.h).
 //
 // torch.optim.SGD's update (weight decay, momentum with dampening, Nesterov, maximize) in

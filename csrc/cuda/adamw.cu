@@ -1,4 +1,4 @@
-// CUDA kernels of fastamp::adamw_ and fastamp::adamw_bf16_ (semantics: fastamp/reference.py;
+// CUDA kernels of fastamp::adamw_ and fastamp::adamw_bf16_ (semantics: fastamp/reference/;
 // per-element maths: math::adamw_element, split_master/join_master and the stochastic
 // rounding helpers in csrc/fastamp_math.h). No torch header: the binding is
 // csrc/cuda/bindings.cpp.

@@ -1,5 +1,5 @@
 // CUDA kernels of fastamp::unscale_check_, unscale_check_stats_ and update_scale_ (semantics:
-// fastamp/reference.py; per-element maths: csrc/fastamp_math.h). No torch header: the
+// fastamp/reference/; per-element maths: csrc/fastamp_math.h). No torch header: the
 // binding is csrc/cuda/bindings.cpp.
 #include <cuda_runtime_api.h>
 

@@ -6,7 +6,7 @@
 // enqueues work on `stream` (no host sync; its one launch table comes from the caller's
 // TableMemory) and returns the first CUDA error it saw (cudaSuccess otherwise). The
 // launches it makes are those of csrc/cuda/launch_plan.h. Semantics are those of
-// fastamp/reference.py.
+// fastamp/reference/.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,4 +1,4 @@
-// CUDA kernel of fastamp::sgd_ (semantics: fastamp/reference.py; per-element maths:
+// CUDA kernel of fastamp::sgd_ (semantics: fastamp/reference/; per-element maths:
 // math::sgd_element, split_master/join_master and the stochastic rounding helpers in
 // csrc/fastamp_math.h). No torch header: the binding is csrc/cuda/bindings.cpp.
 #include <cuda_runtime_api.h>
