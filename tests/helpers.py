@@ -104,3 +104,18 @@ def native_cpu_isas() -> list:
 
 # the real backends every compile test that claims eager's bits runs through (inductor's cases are long)
 COMPILE_BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
+
+
+def spy_kernels(monkeypatch, wrap):
+    """Route every native/Triton/torch kernel a fastamp op reaches through ``wrap(op, backend, impl)``.
+
+    Two places hand out kernels: ``backends.get_impl`` (every backend) and, for the native
+    backend in eager mode, the direct calls of ``fastamp.functional`` (``fastamp._C.<op>``,
+    which skip the dispatcher); a test that watches which kernels run must watch both.
+    """
+    from fastamp import backends, functional
+
+    real = backends.get_impl
+    monkeypatch.setattr(backends, "get_impl", lambda op, backend: wrap(op, backend, real(op, backend)))
+    direct = functional._DIRECT
+    monkeypatch.setattr(functional, "_DIRECT", {op: wrap(op, "native", fn) for op, fn in direct.items()})

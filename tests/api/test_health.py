@@ -6,10 +6,11 @@ import warnings
 
 import pytest
 import torch
+from helpers import spy_kernels
 from torch import nn
 
 import fastamp
-from fastamp import backends, reference
+from fastamp import reference
 from fastamp.health import AmpPitfallWarning
 
 
@@ -158,13 +159,15 @@ def test_stats_track_the_last_iteration_and_worst():
 
 def test_stats_off_never_calls_the_stats_op(monkeypatch):
     asked = []
-    real = backends.get_impl
 
-    def spy(op, backend):
-        asked.append(op)
-        return real(op, backend)
+    def spy(op, backend, impl):
+        def kernel(*args):
+            asked.append(op)
+            return impl(*args)
 
-    monkeypatch.setattr(backends, "get_impl", spy)
+        return kernel
+
+    spy_kernels(monkeypatch, spy)
     model = _mlp(torch.float16)
     opt = fastamp.optim.AdamW(model.parameters(), lr=1e-3)
     off = fastamp.Scaler()

@@ -15,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from helpers import spy_kernels
 from torch import nn
 
 import fastamp
@@ -48,10 +49,8 @@ def _iteration(model, scaler, opt):
 def kernel_frames(monkeypatch):
     """Frames between ``caller`` and each check kernel call, as (file, function) from the outermost."""
     calls = []
-    real = backends.get_impl
 
-    def get_impl(op, backend):
-        impl = real(op, backend)
+    def wrap(op, backend, impl):
         if op not in _CHECK_OPS:
             return impl
 
@@ -65,7 +64,7 @@ def kernel_frames(monkeypatch):
 
         return kernel
 
-    monkeypatch.setattr(backends, "get_impl", get_impl)
+    spy_kernels(monkeypatch, wrap)
     return calls
 
 
