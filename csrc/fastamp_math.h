@@ -264,6 +264,31 @@ FASTAMP_HD void sgd_element(float* p, float* buf, float g, const SgdStepScalars&
   *p = *p - s.lr * g;
 }
 
+// ---- Lion element update (fastamp::lion_) ----
+struct LionStepScalars {
+  float lr;        // learning rate (fp32)
+  float decay;     // 1 - lr * weight_decay (fp64, rounded once)
+  float grad_mul;  // 1/scale * clip_coef, or 1
+};
+struct LionHyper {
+  float beta1, one_minus_beta1, beta2, one_minus_beta2;
+  bool maximize;
+};
+
+// reference.lion_sign: +-1, or c itself for +-0 and NaN (two comparisons, in this order).
+FASTAMP_HD float lion_sign(float c) { return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c); }
+
+// p: fp32 master (or param); m: fp32 exp_avg. Same operations and order as reference.lion_.
+FASTAMP_HD void lion_element(float* p, float* m, float g, const LionStepScalars& s, const LionHyper& h) {
+  g = g * s.grad_mul;
+  if (h.maximize) g = -g;
+  float pv = *p * s.decay;
+  const float c = *m * h.beta1 + g * h.one_minus_beta1;
+  pv = pv - s.lr * lion_sign(c);
+  *m = *m * h.beta2 + g * h.one_minus_beta2;
+  *p = pv;
+}
+
 // ---- gradient health (fastamp::unscale_check_stats_) ----
 // Per element, with y = x * inv_scale (fp32): zero if x finite and y == 0; fp16 underflow if
 // 0 < |y| < 2^-14; absmax over finite y. Non-finite counting uses unscale_element's flag

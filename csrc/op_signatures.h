@@ -47,6 +47,10 @@ using sgd_ = void(at::TensorList params, at::TensorList grads, at::TensorList ma
                   const std::optional<at::Tensor>& rng, int64_t rng_base, double momentum, double dampening,
                   double weight_decay, bool nesterov, bool maximize);
 
+using lion_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avgs,
+                   const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& rng, int64_t rng_base, double beta1, double beta2, bool maximize);
+
 }  // namespace signature
 }  // namespace fastamp
 

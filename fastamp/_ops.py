@@ -115,6 +115,14 @@ OPS: dict[str, OpDef] = {
         "writes params, masters and momentum_buffers (nothing when found_inf is non-zero); reads rng; "
         "step_scalars: fp32 [3] shared or [n, 3] (contiguous, row i for tensor i)",
     ),
+    "lion_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avgs, Tensor step_scalars, "
+        "Tensor? found_inf, Tensor? rng, int rng_base, float beta1, float beta2, bool maximize) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, masters and exp_avgs (nothing when found_inf is non-zero); reads rng; "
+        "step_scalars: fp32 [3] shared or [n, 3] (contiguous, row i for tensor i)",
+    ),
     "unscale_check_stats_": OpDef(
         "(Tensor(a!)[] grads, Tensor(b!) found_inf, Tensor inv_scale, bool write_back, bool compute_sumsq, "
         "Tensor(c!) counts, Tensor(d!) absmax) -> Tensor",
@@ -141,6 +149,12 @@ OPTIM_OPS: dict[str, OpDef] = {
         _fake_step_scalars(3),
         "step",
         "writes nothing; returns a new fp32 [lr, grad_mul, is_first]",
+    ),
+    "lion_step_scalars": OpDef(
+        "(Tensor lr, Tensor? grad_scale, float weight_decay) -> Tensor",
+        lambda args: args["lr"].new_empty((3,), dtype=torch.float32),
+        "lr",
+        "writes nothing; returns a new fp32 [lr, decay, grad_mul] (no step count: shared by every tensor)",
     ),
 }
 

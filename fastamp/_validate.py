@@ -225,23 +225,45 @@ def adamw(
 def sgd(
     op: str, dev, params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, momentum, *, strict: bool
 ) -> None:
+    state = ("momentum_buffers", momentum_buffers) if momentum != 0 else None
+    _master_and_state(
+        op, dev, params, grads, masters, state, step_scalars, found_inf, rng, "[lr, grad_mul, is_first]", strict
+    )
+
+
+def lion(op: str, dev, params, grads, masters, exp_avgs, step_scalars, found_inf, rng, *, strict: bool) -> None:
+    _master_and_state(op, dev, params, grads, masters, ("exp_avgs", exp_avgs), step_scalars, found_inf, rng,
+                      "[lr, decay, grad_mul]", strict)  # fmt: skip
+
+
+def lion_hyper(op: str, beta1: float, beta2: float) -> None:
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= b <= 1.0:
+            raise ValueError(f"{op}: {name} must be in [0, 1], got {b}")
+
+
+def _master_and_state(
+    op: str, dev, params, grads, masters, state, step_scalars, found_inf, rng, layout: str, strict: bool
+) -> None:
+    """The ops of one optional master (fp32, or int16 remainders of bf16 params) and at most one fp32
+    state stream ``state = (name, tensors)`` per param: ``sgd_`` and ``lion_``."""
     lists = {"grads": grads}
     if len(masters):
         lists["masters"] = masters
-    if momentum != 0:
-        lists["momentum_buffers"] = momentum_buffers
+    if state is not None:
+        lists[state[0]] = state[1]
     _lists(op, dev, params, lists)
     if not strict:
         return
-    _device_scalars(op, dev, step_scalars, len(params), 3, "[lr, grad_mul, is_first]", found_inf, rng)
+    _device_scalars(op, dev, step_scalars, len(params), 3, layout, found_inf, rng)
     remainder = len(masters) > 0 and masters[0].dtype == torch.int16
     if remainder:
         for i, p in enumerate(params):
             if p.dtype != torch.bfloat16:
                 raise TypeError(f"{op}: int16 remainders need bfloat16 params, but params[{i}] is {p.dtype}")
-    state = []
+    streams = []
     if len(masters):
-        state.append(("masters", masters, (torch.int16,) if remainder else (torch.float32,)))
-    if momentum != 0:
-        state.append(("momentum_buffers", momentum_buffers, (torch.float32,)))
-    _streams(op, params, grads, FLOAT_DTYPES, state)
+        streams.append(("masters", masters, (torch.int16,) if remainder else (torch.float32,)))
+    if state is not None:
+        streams.append((*state, (torch.float32,)))
+    _streams(op, params, grads, FLOAT_DTYPES, streams)

@@ -19,7 +19,7 @@ from torch import Tensor
 from fastamp import _ops, backends
 from fastamp import _validate as V
 
-__all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_"]
+__all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_", "lion_"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -333,3 +333,34 @@ def sgd_(
     tensors = (params, grads, masters, momentum_buffers, step_scalars, found_inf, rng)
     args = _ops.coerce(op, tensors + (rng_base, momentum, dampening, weight_decay, nesterov, maximize))
     _call_checked(op, dev, backend, args, lambda strict: V.sgd(op, dev, *args[:7], args[8], strict=strict))
+
+
+def lion_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Tensor | None,
+    rng: Tensor | None = None,
+    rng_base: int = 0,
+    *,
+    beta1: float,
+    beta2: float,
+    maximize: bool = False,
+    backend: str | None = None,
+) -> None:
+    """Fused Lion with fp32 / remainder / no masters.
+
+    See :func:`fastamp.reference.lion_`. ``step_scalars`` (``[lr, decay, grad_mul]``, see
+    :func:`fastamp.reference.lion_step_scalars`) is ``[3]``, shared, or ``[n, 3]`` (contiguous
+    fp32) with row ``i`` for ``params[i]``. No host sync.
+    """
+    op = "lion_"
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    V.lion_hyper(op, beta1, beta2)
+    tensors = (params, grads, masters, exp_avgs, step_scalars, found_inf, rng)
+    args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, maximize))
+    _call_checked(op, dev, backend, args, lambda strict: V.lion(op, dev, *args[:7], strict=strict))

@@ -30,7 +30,17 @@ from fastamp.reference.amp import inv_scale, unscale_check_, unscale_check_stats
 from fastamp.reference.formats import join_master, round_bf16_stochastic, split_master, sr_random16
 from fastamp.reference.layout import state_bytes_per_param
 from fastamp.reference.numerics import sqrt_rn
-from fastamp.reference.optim import adamw_, adamw_bf16_, adamw_step_scalars, scalar_rows, sgd_, sgd_step_scalars
+from fastamp.reference.optim import (
+    adamw_,
+    adamw_bf16_,
+    adamw_step_scalars,
+    lion_,
+    lion_sign,
+    lion_step_scalars,
+    scalar_rows,
+    sgd_,
+    sgd_step_scalars,
+)
 from fastamp.reference.q8 import q8_decode_m, q8_decode_v, q8_encode_m, q8_encode_v
 from fastamp.reference.ulp8 import ulp8_decode, ulp8_encode
 
@@ -43,6 +53,9 @@ __all__ = [
     "adamw_bf16_",
     "sgd_",
     "sgd_step_scalars",
+    "lion_",
+    "lion_step_scalars",
+    "lion_sign",
     "scalar_rows",
     "unscale_check_stats_",
     "split_master",

@@ -1,8 +1,8 @@
 """The reference of the optimizer ops: their step scalars and element maths, per tensor.
 
 ``adamw_`` (fp32/fp16/bf16 params, optional fp32 masters), ``adamw_bf16_`` (bf16 params with
-int16 remainders or stochastic rounding, fp32 or bf16 moments) and ``sgd_``; the step
-scalars (``adamw_step_scalars``, ``sgd_step_scalars``) are computed once per launch on the
+int16 remainders or stochastic rounding, fp32 or bf16 moments), ``sgd_`` and ``lion_``; the step
+scalars (``adamw_step_scalars``, ``sgd_step_scalars``, ``lion_step_scalars``) are computed once per launch on the
 device, shared (``[k]``) or one row per tensor (``[n, k]``, see :func:`scalar_rows`). The
 low-bit storage helpers are in :mod:`fastamp.reference.formats`.
 """
@@ -343,3 +343,114 @@ def sgd_(
             masters[i].copy_(new_master)
         if new_buf is not None:
             momentum_buffers[i].copy_(new_buf)
+
+
+def lion_step_scalars(lr, weight_decay: float, grad_mul: Tensor | None = None, device=None) -> Tensor:
+    """``[lr, decay, grad_mul]`` (fp32, on ``lr``'s or ``device``) for :func:`lion_`.
+
+    ``decay = 1 - lr * weight_decay`` is computed in fp64 (where the device has it) and
+    rounded once to fp32, as :func:`adamw_step_scalars` does; ``lr`` is rounded to fp32.
+    Lion has no bias correction, so the scalars do not depend on a step count and are
+    shared by every tensor of a launch (``[3]``; the kernels also take ``[n, 3]``).
+    No host sync.
+    """
+    dev = lr.device if isinstance(lr, Tensor) else (grad_mul.device if grad_mul is not None else device)
+    dev = torch.device("cpu") if dev is None else torch.device(dev)
+    wide = torch.float32 if dev.type == "mps" else torch.float64
+    lr_t = (
+        lr.reshape(()).to(device=dev, dtype=wide)
+        if isinstance(lr, Tensor)
+        else torch.full((), lr, dtype=wide, device=dev)
+    )
+    decay = 1 - lr_t * weight_decay
+    gm = (
+        grad_mul.reshape(()).to(device=dev, dtype=wide)
+        if grad_mul is not None
+        else torch.ones((), dtype=wide, device=dev)
+    )
+    return torch.stack((lr_t, decay, gm)).float()
+
+
+def lion_sign(c: Tensor) -> Tensor:
+    """Lion's ``sign``: 1 where ``c > 0``, -1 where ``c < 0``, ``c`` itself elsewhere (±0 keep their sign, NaN stays NaN).
+
+    Every backend writes it as these two comparisons, so the signed zero and NaN cases agree bit for bit.
+    """
+    one = torch.ones((), dtype=c.dtype, device=c.device)
+    return torch.where(c > 0, one, torch.where(c < 0, -one, c))
+
+
+def lion_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    exp_avgs: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Tensor | None,
+    rng: Tensor | None,
+    rng_base: int,
+    beta1: float,
+    beta2: float,
+    maximize: bool,
+) -> None:
+    """Fused Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms") with optional masters.
+
+    ``masters`` and ``rng`` as in :func:`sgd_`: fp32 masters (params of any float dtype), int16
+    remainders (bf16 params: the exact fp32 master, see :func:`split_master`), or empty (the
+    param is updated directly; bf16 params rounded stochastically when ``rng`` is given, with
+    the random bits of stream ``4 * (rng_base + i)``). ``exp_avgs``: fp32, one per param.
+    ``step_scalars`` = :func:`lion_step_scalars`, ``[3]`` or ``[n, 3]``. A non-zero (or NaN)
+    ``found_inf`` writes nothing. Maths (fp32, one rounding per operation, no FMA)::
+
+        g = grad * grad_mul;  g = -g if maximize
+        p = p * decay                                    # decay = 1 - lr * weight_decay
+        c = m * beta1 + g * (1 - beta1)
+        p = p - lr * lion_sign(c)                        # sign: +-1, or c itself for +-0 and NaN
+        m = m * beta2 + g * (1 - beta2)
+
+    Only + - * and comparisons: every backend, a GPU's Triton included, is bit-exact with this.
+    """
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    rows = scalar_rows(step_scalars, len(params), 3)
+    b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
+    b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
+    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
+    masters_kind = "none" if len(masters) == 0 else ("remainder" if masters[0].dtype == torch.int16 else "fp32")
+    for i, p in enumerate(params):
+        lr, decay, grad_mul = rows(i)
+        if masters_kind == "fp32":
+            p32 = masters[i]
+        elif masters_kind == "remainder":
+            p32 = join_master(p, masters[i])
+        else:
+            p32 = p.float()
+        m = exp_avgs[i]
+        g = grads[i].float() * grad_mul
+        if maximize:
+            g = -g
+        pv = p32 * decay
+        c = m * b1 + g * omb1
+        pv = pv - lr * lion_sign(c)
+        new_m = m * b2 + g * omb2
+        new_master = None
+        if masters_kind == "fp32":
+            new_p, new_master = pv.to(p.dtype), pv
+        elif masters_kind == "remainder":
+            new_p, new_master = split_master(pv)
+        else:
+            rand = None
+            if rng is not None and p.dtype == torch.bfloat16:
+                r = rng.reshape(-1)
+                rand = sr_random16(r[0], r[1], 4 * (rng_base + i), p.numel(), dev)
+            new_p = _store_lowp(pv, p.dtype, rand)
+        if keep is not None:
+            new_p = torch.where(keep, p, new_p)
+            new_m = torch.where(keep, m, new_m)
+            if new_master is not None:
+                new_master = torch.where(keep, masters[i], new_master)
+        p.copy_(new_p)
+        if new_master is not None:
+            masters[i].copy_(new_master)
+        m.copy_(new_m)

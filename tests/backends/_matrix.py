@@ -8,8 +8,8 @@ A newcomer extends a table by one row:
 - ``BACKENDS``: where the kernels run (native CPU on each instruction set, Triton, native
   CUDA), each with the reason it cannot run here.
 
-Today an (update rule, format) pair is one of three ops, ``adamw_``, ``adamw_bf16_`` and
-``sgd_``: :func:`op_call` and :func:`functional_call` are the only places that know it (the
+Today an (update rule, format) pair is one of four ops, ``adamw_``, ``adamw_bf16_``, ``sgd_`` and
+``lion_``: :func:`op_call` and :func:`functional_call` are the only places that know it (the
 generic op of issue 21 replaces them, not the rows).
 """
 
@@ -192,6 +192,22 @@ def _sgd(momentum, dampening, weight_decay, nesterov=False, maximize=False, lr=0
     )
 
 
+def _lion_scalars(h, applied, grad_mul, dev):
+    return reference.lion_step_scalars(h["lr"], h["weight_decay"], grad_mul, dev)
+
+
+def _lion_state(h, sizes, gen, dtype):
+    # small moments: c = beta1*m + (1-beta1)*g changes sign in many elements; exact zeros of both signs
+    m = [(torch.randn(n, generator=gen) * 0.01).to(dtype) for n in sizes]
+    for t in m:
+        t[: min(2, t.numel())] = torch.tensor([0.0, -0.0][: min(2, t.numel())], dtype=dtype)
+    return {"exp_avgs": m}
+
+
+def _lion(beta1, beta2, weight_decay, maximize=False, lr=1e-3):
+    return dict(lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, maximize=maximize)
+
+
 RULES = [
     Rule(
         "adamw",
@@ -226,6 +242,21 @@ RULES = [
             "wd-only-maximize": _sgd(0.0, 0.0, 0.3, maximize=True),
             "half-dampening": _sgd(0.5, 0.5, 1e-3, nesterov=False, lr=0.1),
             "nesterov-half": _sgd(0.5, 0.0, 0.01, nesterov=True),
+        },
+        gpu_exact=True,
+    ),
+    Rule(
+        "lion",
+        ("exp_avgs",),
+        _lion_scalars,
+        _lion_state,
+        lambda h: None,  # one kernel per dtype pair and format: every hyperparameter is a run-time value
+        hypers={
+            "default": _lion(0.9, 0.99, 0.0),
+            "wd-maximize": _lion(0.9, 0.99, 0.1, maximize=True),
+            "big-lr-zero-betas": _lion(0.0, 0.0, 1.0, lr=0.5),
+            "one-betas": _lion(1.0, 1.0, 0.01),
+            "odd-betas": _lion(0.95, 0.98, 0.3, lr=3e-2),
         },
         gpu_exact=True,
     ),
@@ -356,8 +387,8 @@ def clone_state(st: dict) -> dict:
 
 
 def op_name(rule: Rule, fmt: Format) -> str:
-    if rule.name == "sgd":
-        return "sgd_"
+    if rule.name in ("sgd", "lion"):
+        return rule.name + "_"
     return "adamw_" if (fmt.master != "remainder" and not fmt.sr and fmt.state_dtype == F32) else "adamw_bf16_"
 
 
@@ -368,6 +399,9 @@ def op_call(rule: Rule, fmt: Format, st: dict, scalars, found_inf, rng, rng_base
     if rule.name == "sgd":
         tensors = (st["params"], st["grads"], st["master"], st["momentum_buffers"], scalars, found_inf, rng)
         return op, (*tensors, rng_base, h["momentum"], h["dampening"], h["weight_decay"], h["nesterov"], h["maximize"])
+    if rule.name == "lion":
+        tensors = (st["params"], st["grads"], st["master"], st["exp_avgs"], scalars, found_inf, rng)
+        return op, (*tensors, rng_base, h["beta1"], h["beta2"], h["maximize"])
     lists = (st["params"], st["grads"], st["master"], st["exp_avgs"], st["exp_avg_sqs"], st["max_exp_avg_sqs"])
     flags = (h["beta1"], h["beta2"], h["eps"], h["amsgrad"], h["maximize"])
     if op == "adamw_":
@@ -383,6 +417,9 @@ def functional_call(backend: Backend, rule: Rule, fmt: Format, st: dict, scalars
     if rule.name == "sgd":
         tensors = (st["params"], st["grads"], st["master"], st["momentum_buffers"], scalars, found_inf, rng, rng_base)
         kw = {k: h[k] for k in ("momentum", "dampening", "weight_decay", "nesterov", "maximize")}
+    elif rule.name == "lion":
+        tensors = (st["params"], st["grads"], st["master"], st["exp_avgs"], scalars, found_inf, rng, rng_base)
+        kw = {k: h[k] for k in ("beta1", "beta2", "maximize")}
     else:
         tensors = (st["params"], st["grads"], st["master"], st["exp_avgs"], st["exp_avg_sqs"], st["max_exp_avg_sqs"])
         tensors += (scalars, found_inf) if op == "adamw_" else (scalars, found_inf, rng, rng_base)
@@ -631,4 +668,24 @@ BAD = [
         "found_inf must be a 1-element float32 tensor", hyper="momentum", only=NATIVE_ONLY),
     Bad("sgd-rng-int32", "sgd", "bf16-sr", _args(rng=lambda dev: torch.zeros(2, dtype=torch.int32, device=dev)),
         "rng must be a contiguous int64 tensor of 2 elements", hyper="momentum"),
+    # lion_ (the same master and state checks as sgd_, its own names)
+    Bad("lion-grads-count", "lion", "bf16-remainder", _drop("grads", 1), _GOT, hyper="default",
+        functional=(ValueError, _GOT)),
+    Bad("lion-exp_avgs-missing", "lion", "fp32-master", _drop("exp_avgs", 0), "exp_avgs", pdt=F16, hyper="default",
+        functional=(ValueError, "got 2 params but 0 exp_avgs")),
+    Bad("lion-exp_avg-fp16", "lion", "bf16-remainder", _put("exp_avgs", 1, _zeros(9, F16)),
+        r"exp_avgs\[1\]", hyper="default", functional=(TypeError, r"exp_avgs\[1\] must be float32")),
+    Bad("lion-exp_avg-numel", "lion", "bf16-remainder", _put("exp_avgs", 0, _zeros(4, F32)),
+        r"exp_avgs\[0\] has 4 elements", hyper="default", functional=(ValueError, r"exp_avgs\[0\] has 4 elements")),
+    Bad("lion-rem-fp16-params", "lion", "fp32-master",
+        lambda st, dev: st.__setitem__("master", [torch.zeros(t.numel(), dtype=torch.int16, device=dev)
+                                                  for t in st["master"]]),
+        cuda=r"remainder masters need bfloat16 params.*params\[0\]", triton="params", pdt=F16, hyper="default",
+        functional=(TypeError, r"int16 remainders need bfloat16 params, but params\[0\]")),
+    Bad("lion-scalars-4", "lion", "bf16-remainder", _args(scalars=lambda dev: torch.zeros(4, device=dev)),
+        r"step_scalars must be a contiguous float32 tensor of shape \[3\] or \[\d+, 3\]", "step_scalars",
+        "step_scalars", functional=(ValueError, r"step_scalars must be 3 floats \[lr, decay, grad_mul\]"),
+        hyper="default"),
+    Bad("lion-rng-int32", "lion", "bf16-sr", _args(rng=lambda dev: torch.zeros(2, dtype=torch.int32, device=dev)),
+        "rng must be a contiguous int64 tensor of 2 elements", "rng", "rng", hyper="default"),
 ]  # fmt: skip

@@ -132,7 +132,7 @@ def _compare_steps(backend, rule, fmt, got, exp, what):
 
 def _full_state_hyper(rule):
     """The hyperparameters that use every state list of the rule (amsgrad's max, momentum buffers)."""
-    return {"adamw": "amsgrad", "sgd": "nesterov-wd-maximize"}[rule.name]
+    return {"adamw": "amsgrad", "sgd": "nesterov-wd-maximize", "lion": "wd-maximize"}[rule.name]
 
 
 # ---- case: multi-step comparison over dtypes and hyperparameters ----------------------------------------
