@@ -9,7 +9,7 @@ backends are available.
 from fastamp import _ops, backends, functional, health, reference, schedule  # noqa: F401  # noqa: E402
 from fastamp.cast import DEFAULT_KEEP_FP32, cast_model
 from fastamp.health import AmpPitfallWarning, GradStats
-from fastamp.optim import SGD, AdamW
+from fastamp.optim import SGD, AdamW, Lion
 from fastamp.scaler import OptState, Scaler
 from fastamp.schedule import DeviceLR, SkipAwareLR
 
@@ -19,6 +19,7 @@ __all__ = [
     "Scaler",
     "AdamW",
     "SGD",
+    "Lion",
     "OptState",
     "backends",
     "functional",

@@ -151,10 +151,11 @@ OPTIM_OPS: dict[str, OpDef] = {
         "writes nothing; returns a new fp32 [lr, grad_mul, is_first]",
     ),
     "lion_step_scalars": OpDef(
-        "(Tensor lr, Tensor? grad_scale, float weight_decay) -> Tensor",
-        lambda args: args["lr"].new_empty((3,), dtype=torch.float32),
-        "lr",
-        "writes nothing; returns a new fp32 [lr, decay, grad_mul] (no step count: shared by every tensor)",
+        "(Tensor anchor, Tensor? grad_scale, Tensor lr, float weight_decay) -> Tensor",
+        lambda args: args["anchor"].new_empty((3,), dtype=torch.float32),
+        "anchor",
+        "writes nothing; returns a new fp32 [lr, decay, grad_mul] on anchor's device (no step count: shared by "
+        "every tensor of a launch)",
     ),
 }
 

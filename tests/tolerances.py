@@ -51,3 +51,10 @@ SGD_VS_TORCH_RTOL = 1e-5
 # implementation passing for any seed (chance of a false failure below 1e-8 per checked value)
 # while a bias of a few percent of a step, at R = 4096, fails (6 * 0.5 / 64 = 0.047 step).
 SR_MEAN_SIGMAS = 6
+
+# fastamp Lion vs its rule computed in fp64 from the same fp32 state, one step at a time: each
+# fp32 result of the kernels is a short chain of correctly rounded operations (at most three
+# roundings on any path: a product, a sum, the final difference, plus the fp32 rounding of lr
+# and 1 - lr*wd), so it lies within 3 units of 2^-24 of the sum of the magnitudes of the terms
+# it adds (e.g. |beta1*m| + |(1-beta1)*g| for the sign's argument). Relative to those sums.
+LION_STEP_RTOL = 3 * 2.0**-24

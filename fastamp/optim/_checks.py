@@ -189,6 +189,11 @@ def check_adamw_step_scalars(opt_name: str, lr: float, beta1: float, weight_deca
                 where,
             )
         )
+    check_decay(opt_name, lr, weight_decay, where)
+
+
+def check_decay(opt_name: str, lr: float, weight_decay: float, where: str) -> None:
+    """Refuse an lr and weight_decay whose decoupled decay factor ``1 - lr * weight_decay`` overflows fp32."""
     decay = 1.0 - lr * weight_decay
     if not fits_fp32(decay):
         raise ValueError(

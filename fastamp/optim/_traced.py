@@ -20,7 +20,7 @@ guard on. Under ``torch.compiler.is_compiling()`` the step takes this path inste
   step counts (and ``rng`` counters) advanced with tensor ops by ``found_inf == 0``.
 
 Bit-identity with eager: the kernels are the same ops, and the step scalars are computed by
-``fastamp_optim::adamw_step_scalars`` / ``sgd_step_scalars``, ops of the op table
+``fastamp_optim::adamw_step_scalars`` / ``sgd_step_scalars`` / ``lion_step_scalars``, ops of the op table
 (:data:`fastamp._ops.OPTIM_OPS`) whose kernels are the eager code
 (:func:`fastamp.reference.adamw_step_scalars`, with the grad scaler's ``1/grad_scale``
 reciprocal in fp64 and the increment ``step + (found_inf == 0)``), so inductor cannot
@@ -145,9 +145,17 @@ def _sgd_step_scalars(step: Tensor, grad_scale: Tensor | None, lr: Tensor) -> Te
     return reference.sgd_step_scalars(lr, step, grad_mul)
 
 
+def _lion_step_scalars(anchor: Tensor, grad_scale: Tensor | None, lr: Tensor, weight_decay: float) -> Tensor:
+    """``[lr, decay, grad_mul]`` on ``anchor``'s device (any tensor there: Lion has no count to carry it), as eager."""
+    dev = anchor.device
+    grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
+    return reference.lion_step_scalars(lr, weight_decay, grad_mul, dev)
+
+
 # schemas and fakes: the op table (fastamp/_ops.py, OPTIM_OPS)
 adamw_step_scalars = _ops.register_optim("adamw_step_scalars", _adamw_step_scalars)
 sgd_step_scalars = _ops.register_optim("sgd_step_scalars", _sgd_step_scalars)
+lion_step_scalars = _ops.register_optim("lion_step_scalars", _lion_step_scalars)
 
 
 def rng_parts(ids: list[int], n: int) -> list[tuple[int, int, int]]:

@@ -346,7 +346,7 @@ def sgd_(
 
 
 def lion_step_scalars(lr, weight_decay: float, grad_mul: Tensor | None = None, device=None) -> Tensor:
-    """``[lr, decay, grad_mul]`` (fp32, on ``lr``'s or ``device``) for :func:`lion_`.
+    """``[lr, decay, grad_mul]`` (fp32, on ``device``; default: ``lr``'s or ``grad_mul``'s, else the CPU) for :func:`lion_`.
 
     ``decay = 1 - lr * weight_decay`` is computed in fp64 (where the device has it) and
     rounded once to fp32, as :func:`adamw_step_scalars` does; ``lr`` is rounded to fp32.
@@ -354,8 +354,9 @@ def lion_step_scalars(lr, weight_decay: float, grad_mul: Tensor | None = None, d
     shared by every tensor of a launch (``[3]``; the kernels also take ``[n, 3]``).
     No host sync.
     """
-    dev = lr.device if isinstance(lr, Tensor) else (grad_mul.device if grad_mul is not None else device)
-    dev = torch.device("cpu") if dev is None else torch.device(dev)
+    if device is None:
+        device = lr.device if isinstance(lr, Tensor) else (grad_mul.device if grad_mul is not None else "cpu")
+    dev = torch.device(device)
     wide = torch.float32 if dev.type == "mps" else torch.float64
     lr_t = (
         lr.reshape(()).to(device=dev, dtype=wide)
