@@ -42,6 +42,7 @@ CONFIGS = {
 OPTIMIZERS = {
     "adamw": (fastamp.optim.AdamW, {"weight_decay": 1e-2}),
     "sgd": (fastamp.optim.SGD, {"momentum": 0.9, "weight_decay": 1e-2}),
+    "lion": (fastamp.optim.Lion, {"weight_decay": 1e-2}),
 }
 
 
@@ -359,6 +360,10 @@ VARIANTS = {
     "sgd_nesterov": (fastamp.optim.SGD, {"momentum": 0.9, "nesterov": True, "maximize": True}),
     "sgd_dampening": (fastamp.optim.SGD, {"momentum": 0.9, "dampening": 0.1, "master_weights": "remainder"}),
     "adamw_amsgrad": (fastamp.optim.AdamW, {"amsgrad": True, "maximize": True}),
+    "lion_remainder_maximize": (
+        fastamp.optim.Lion,
+        {"betas": (0.95, 0.98), "maximize": True, "master_weights": "remainder"},
+    ),
     "adamw_bf16_moments": (
         fastamp.optim.AdamW,
         {"master_weights": "remainder", "state_dtype": torch.bfloat16, "stochastic_rounding": True},

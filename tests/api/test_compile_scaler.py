@@ -43,6 +43,7 @@ MAIN_CONFIGS = ["fp32", "bf16_master", "fp16_master", "bf16_remainder"]
 OPTIMIZERS = {
     "adamw": (fastamp.optim.AdamW, {"weight_decay": 1e-2}),
     "sgd": (fastamp.optim.SGD, {"momentum": 0.9, "weight_decay": 1e-2}),
+    "lion": (fastamp.optim.Lion, {"weight_decay": 1e-2}),
 }
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fastamp
-from fastamp.optim import SGD, AdamW
+from fastamp.optim import SGD, AdamW, Lion
 
 BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "adamw_", "cpu")[0]]
 
@@ -32,6 +32,7 @@ CONFIGS = {
     ),
     "sgd_momentum": (SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
     "sgd_plain_sr": (SGD, dict(lr=0.05, master_weights=False, stochastic_rounding=True)),
+    "lion_remainder": (Lion, dict(lr=0.01, weight_decay=0.1, master_weights="remainder")),
 }
 
 SHAPES = [(6, 5), (13,), (4, 3), (7,), (1,), (5, 4)]

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import fastamp
-from fastamp.optim import SGD, AdamW
+from fastamp.optim import SGD, AdamW, Lion
 
 BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "adamw_", "cpu")[0]]
 
@@ -234,7 +234,7 @@ def _tied_transposed():
     return a, b
 
 
-@pytest.mark.parametrize("cls", [AdamW, SGD])
+@pytest.mark.parametrize("cls", [AdamW, SGD, Lion])
 def test_tied_params_over_one_storage_are_refused(cls):
     a, b = _tied_transposed()
     with pytest.raises(
@@ -254,7 +254,7 @@ def test_tied_params_over_one_storage_are_refused(cls):
         cls([a, a], lr=0.1)
 
 
-@pytest.mark.parametrize("cls", [AdamW, SGD])
+@pytest.mark.parametrize("cls", [AdamW, SGD, Lion])
 def test_overlapping_views_refused_disjoint_views_accepted(cls):
     flat = torch.zeros(40)
     with pytest.raises(ValueError, match=r"param 0 of param group 0 \(shape \(12,\)\) and param 1 .* share memory"):
@@ -407,6 +407,9 @@ BAD_HYPER = [
     (SGD, "dampening", -0.5, "Invalid dampening value"),
     (SGD, "weight_decay", math.nan, "Invalid weight_decay value"),
     (SGD, "weight_decay", math.inf, "Invalid weight_decay value"),
+    (Lion, "lr", math.inf, "Invalid learning rate"),
+    (Lion, "weight_decay", math.nan, "Invalid weight_decay value"),
+    (Lion, "weight_decay", 1e39, "Invalid weight_decay value"),
 ]
 
 
