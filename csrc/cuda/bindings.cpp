@@ -1,5 +1,5 @@
 // CUDA registrations of fastamp's native ops: validation and the current stream here, the
-// kernels behind the torch-free interface of launchers.h (amp.cu, adamw.cu, sgd.cu). Built only
+// kernels behind the torch-free interface of launchers.h (amp.cu, adamw.cu, sgd.cu, lion.cu). Built only
 // when setup.py finds nvcc and a CUDA-enabled torch. Nothing here reads a device value on
 // the host; temporaries (the launch table included) come from torch's caching allocators
 // on the current stream.
@@ -352,6 +352,72 @@ void adamw_bf16_cuda(at::TensorList params, at::TensorList grads, at::TensorList
                      found_inf_ptr, rng_ptr, beta1, beta2, eps, amsgrad, maximize, tables, stream));
 }
 
+// sgd_ and lion_ (the one-state family): masters, per-tensor dtypes and the state list are
+// checked alike, under each op's name; `has_state` is false for sgd_ without momentum (its
+// buffers are then not looked at). Everything is checked before anything is launched.
+struct OneStateCall {
+  MasterKind kind = MasterKind::kNone;
+  int64_t scalar_stride = 0;
+  const float* found_inf = nullptr;
+  const int64_t* rng = nullptr;
+  std::vector<OneStateTensorRef> refs;
+};
+
+OneStateCall check_one_state(const char* op, const at::Device& device, at::TensorList params, at::TensorList grads,
+                             at::TensorList masters, at::TensorList states, const char* state_name, bool has_state,
+                             const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+                             const std::optional<at::Tensor>& rng, int64_t rng_base) {
+  const size_t n = params.size();
+  OneStateCall call;
+  call.scalar_stride = check_step_scalars(op, step_scalars, device, n, 3);
+  call.found_inf = optional_found_inf(op, found_inf, device);
+  call.rng = optional_rng(op, rng, device);
+  at::ScalarType master_type = at::kFloat;
+  if (!masters.empty()) {
+    TORCH_CHECK(masters[0].defined(), "fastamp::", op, ": masters[0] is undefined");
+    master_type = masters[0].scalar_type();
+    TORCH_CHECK(master_type == at::kFloat || master_type == at::kShort, "fastamp::", op,
+                ": masters must be float32 (fp32 masters) or int16 (remainders of bf16 params), got ", master_type);
+    call.kind = master_type == at::kFloat ? MasterKind::kFloat32 : MasterKind::kRemainder;
+  }
+
+  call.refs.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    const auto i = static_cast<int64_t>(k);
+    const at::Tensor& p = params[k];
+    check_list_tensor(op, "params", i, p, device, -1);
+    const DType pdt = kernel_dtype(op, "params", i, p);
+    const int64_t numel = p.numel();
+    check_list_tensor(op, "grads", i, grads[k], device, numel);
+    const DType gdt = kernel_dtype(op, "grads", i, grads[k]);
+    OneStateTensorRef r{};
+    r.param = numel > 0 ? p.data_ptr() : nullptr;
+    r.grad = numel > 0 ? grads[k].data_ptr() : nullptr;
+    if (call.kind != MasterKind::kNone) {
+      const at::Tensor& m = masters[k];
+      check_list_tensor(op, "masters", i, m, device, numel);
+      TORCH_CHECK(m.scalar_type() == master_type, "fastamp::", op, ": masters[", i, "] must be ", master_type,
+                  " like masters[0], got ", m.scalar_type());
+      TORCH_CHECK(call.kind != MasterKind::kRemainder || p.scalar_type() == at::kBFloat16, "fastamp::", op,
+                  ": int16 remainder masters need bfloat16 params, but params[", i, "] is ", p.scalar_type());
+      r.master = numel > 0 ? m.data_ptr() : nullptr;
+    }
+    if (has_state) {
+      const at::Tensor& b = states[k];
+      check_list_tensor(op, state_name, i, b, device, numel);
+      TORCH_CHECK(b.scalar_type() == at::kFloat, "fastamp::", op, ": ", state_name, "[", i, "] must be float32, got ",
+                  b.scalar_type());
+      r.state = numel > 0 ? b.data_ptr<float>() : nullptr;
+    }
+    r.numel = numel;
+    r.param_dtype = pdt;
+    r.grad_dtype = gdt;
+    r.rng_stream = rng_stream(rng_base, k);
+    call.refs.push_back(r);
+  }
+  return call;
+}
+
 void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList momentum_buffers,
               const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
               const std::optional<at::Tensor>& rng, int64_t rng_base, double momentum, double dampening,
@@ -368,61 +434,39 @@ void sgd_cuda(at::TensorList params, at::TensorList grads, at::TensorList master
   TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
               ": params[0] must be a CUDA tensor, got device ", params[0].device());
   const at::Device device = params[0].device();
-  const int64_t scalar_stride = check_step_scalars(op, step_scalars, device, n, 3);
-  const float* found_inf_ptr = optional_found_inf(op, found_inf, device);
-  const int64_t* rng_ptr = optional_rng(op, rng, device);
-  MasterKind kind = MasterKind::kNone;
-  at::ScalarType master_type = at::kFloat;
-  if (!masters.empty()) {
-    TORCH_CHECK(masters[0].defined(), "fastamp::", op, ": masters[0] is undefined");
-    master_type = masters[0].scalar_type();
-    TORCH_CHECK(master_type == at::kFloat || master_type == at::kShort, "fastamp::", op,
-                ": masters must be float32 (fp32 masters) or int16 (remainders of bf16 params), got ", master_type);
-    kind = master_type == at::kFloat ? MasterKind::kFloat32 : MasterKind::kRemainder;
-  }
+  const OneStateCall call = check_one_state(op, device, params, grads, masters, momentum_buffers, "momentum_buffers",
+                                            has_momentum, step_scalars, found_inf, rng, rng_base);
 
-  std::vector<SgdTensorRef> refs;
-  refs.reserve(n);
-  for (size_t k = 0; k < n; ++k) {
-    const auto i = static_cast<int64_t>(k);
-    const at::Tensor& p = params[k];
-    check_list_tensor(op, "params", i, p, device, -1);
-    const DType pdt = kernel_dtype(op, "params", i, p);
-    const int64_t numel = p.numel();
-    check_list_tensor(op, "grads", i, grads[k], device, numel);
-    const DType gdt = kernel_dtype(op, "grads", i, grads[k]);
-    SgdTensorRef r{};
-    r.param = numel > 0 ? p.data_ptr() : nullptr;
-    r.grad = numel > 0 ? grads[k].data_ptr() : nullptr;
-    if (kind != MasterKind::kNone) {
-      const at::Tensor& m = masters[k];
-      check_list_tensor(op, "masters", i, m, device, numel);
-      TORCH_CHECK(m.scalar_type() == master_type, "fastamp::", op, ": masters[", i, "] must be ", master_type,
-                  " like masters[0], got ", m.scalar_type());
-      TORCH_CHECK(kind != MasterKind::kRemainder || p.scalar_type() == at::kBFloat16, "fastamp::", op,
-                  ": int16 remainder masters need bfloat16 params, but params[", i, "] is ", p.scalar_type());
-      r.master = numel > 0 ? m.data_ptr() : nullptr;
-    }
-    if (has_momentum) {
-      const at::Tensor& b = momentum_buffers[k];
-      check_list_tensor(op, "momentum_buffers", i, b, device, numel);
-      TORCH_CHECK(b.scalar_type() == at::kFloat, "fastamp::", op, ": momentum_buffers[", i, "] must be float32, got ",
-                  b.scalar_type());
-      r.momentum_buffer = numel > 0 ? b.data_ptr<float>() : nullptr;
-    }
-    r.numel = numel;
-    r.param_dtype = pdt;
-    r.grad_dtype = gdt;
-    r.rng_stream = rng_stream(rng_base, k);
-    refs.push_back(r);
-  }
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  TorchTableMemory tables(device);
+  check_launch(op, sgd(call.refs.data(), static_cast<int64_t>(call.refs.size()), call.kind,
+                       step_scalars.data_ptr<float>(), call.scalar_stride, call.found_inf, call.rng, momentum,
+                       dampening, weight_decay, nesterov, maximize, tables, stream));
+}
+
+void lion_cuda(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avgs,
+               const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+               const std::optional<at::Tensor>& rng, int64_t rng_base, double beta1, double beta2, bool maximize) {
+  constexpr const char* op = "lion_";
+  const size_t n = params.size();
+  if (n == 0) return;
+  TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
+  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " masters, got ",
+              masters.size());
+  TORCH_CHECK(exp_avgs.size() == n, "fastamp::", op, ": expected ", n, " exp_avgs, got ", exp_avgs.size());
+  TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
+              ": params[0] must be a CUDA tensor, got device ", params[0].device());
+  const at::Device device = params[0].device();
+  const OneStateCall call = check_one_state(op, device, params, grads, masters, exp_avgs, "exp_avgs", true,
+                                            step_scalars, found_inf, rng, rng_base);
 
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
   TorchTableMemory tables(device);
   check_launch(op,
-               sgd(refs.data(), static_cast<int64_t>(refs.size()), kind, step_scalars.data_ptr<float>(), scalar_stride,
-                   found_inf_ptr, rng_ptr, momentum, dampening, weight_decay, nesterov, maximize, tables, stream));
+               lion(call.refs.data(), static_cast<int64_t>(call.refs.size()), call.kind, step_scalars.data_ptr<float>(),
+                    call.scalar_stride, call.found_inf, call.rng, beta1, beta2, maximize, tables, stream));
 }
 
 }  // namespace
@@ -435,5 +479,6 @@ TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
   FASTAMP_IMPL(m, adamw_, fastamp::cuda::adamw_cuda);
   FASTAMP_IMPL(m, adamw_bf16_, fastamp::cuda::adamw_bf16_cuda);
   FASTAMP_IMPL(m, sgd_, fastamp::cuda::sgd_cuda);
+  FASTAMP_IMPL(m, lion_, fastamp::cuda::lion_cuda);
   FASTAMP_IMPL(m, unscale_check_stats_, fastamp::cuda::unscale_check_stats_cuda);
 }

@@ -3,7 +3,7 @@
 //
 // Host-only C++ plus a few functions shared with the kernels; no CUDA or torch header, so a
 // plain C++ compiler can count launches and walk chunks without a GPU or a toolkit
-// (tests/tools/test_cuda_launch_plan.py). The launchers (amp.cu, adamw.cu, sgd.cu) run exactly
+// (tests/tools/test_cuda_launch_plan.py). The launchers (amp.cu, adamw.cu, one_state.cuh) run exactly
 // the plan these functions return.
 //
 // Packing: every non-empty tensor of an op call gets one entry (its pointers, numel and the
@@ -52,7 +52,9 @@ constexpr int kUnscaleStatsDepth = 3;  // grad, counts row, absmax
 // or the shared [k]), so one launch serves tensors with different scalars.
 constexpr int kAdamWDepth = 7;      // param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars
 constexpr int kAdamWBf16Depth = 8;  // param, grad, remainder, exp_avg, exp_avg_sq, max_exp_avg_sq, rng tag, scalars
-constexpr int kSgdDepth = 6;        // param, grad, master, momentum buffer, rng tag, scalars
+// sgd_ and lion_ (the one-state family, one_state.cuh): param, grad, master, the state (momentum
+// buffer / exp_avg), rng tag, scalars.
+constexpr int kOneStateDepth = 6;
 
 // Table payload per fill kernel under stream capture: the kernel-argument space minus the
 // fill kernel's other arguments. CUDA 12.1+ accepts 32,764 bytes of kernel arguments on
@@ -243,7 +245,7 @@ void pack_table(const LaunchPlan& plan, const int64_t* numel, PtrsOf ptrs_of, vo
   }
 }
 
-// ---- the plans of the ops (what amp.cu, adamw.cu and sgd.cu launch) ----
+// ---- the plans of the ops (what amp.cu, adamw.cu and one_state.cuh launch) ----
 
 // unscale_check_ / unscale_check_stats_: one launch per grad dtype (fp32, fp16, bf16); then
 // the sum-of-squares finalize (or the memset of the zero result) and, with statistics, the
@@ -258,7 +260,7 @@ inline LaunchPlan plan_unscale_check(const DType* grad, const int64_t* numel, in
   return plan;
 }
 
-// adamw_ and sgd_: one launch per (param dtype, grad dtype), group 3 * param + grad.
+// adamw_, sgd_ and lion_: one launch per (param dtype, grad dtype), group 3 * param + grad.
 inline LaunchPlan plan_param_grad(const DType* param, const DType* grad, const int64_t* numel, int64_t n,
                                   size_t entry_bytes, bool capturing, int64_t sm_count) {
   std::vector<int32_t> group(static_cast<size_t>(n));
@@ -271,9 +273,10 @@ inline LaunchPlan plan_adamw(const DType* param, const DType* grad, const int64_
   return plan_param_grad(param, grad, numel, n, sizeof(TableEntry<kAdamWDepth>), capturing, sm_count);
 }
 
-inline LaunchPlan plan_sgd(const DType* param, const DType* grad, const int64_t* numel, int64_t n, bool capturing,
-                           int64_t sm_count) {
-  return plan_param_grad(param, grad, numel, n, sizeof(TableEntry<kSgdDepth>), capturing, sm_count);
+// sgd_ and lion_ share it: the same table rows and dtype groups, only the kernel's rule differs.
+inline LaunchPlan plan_one_state(const DType* param, const DType* grad, const int64_t* numel, int64_t n, bool capturing,
+                                 int64_t sm_count) {
+  return plan_param_grad(param, grad, numel, n, sizeof(TableEntry<kOneStateDepth>), capturing, sm_count);
 }
 
 // adamw_bf16_: params are bf16 and the moments share one dtype per call: one launch per

@@ -1,4 +1,4 @@
-// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, adamw.cu, sgd.cu).
+// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, adamw.cu, sgd.cu, lion.cu).
 //
 // Raw device pointers, 64-bit sizes, a dtype enum and a stream: no torch, ATen or c10
 // header, so the kernels compile with bare nvcc (tests/tools/test_cuda_compile.py) and the torch
@@ -117,28 +117,34 @@ cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, D
                        double beta1, double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
                        cudaStream_t stream);
 
-// ---- fastamp::sgd_ ----
+// ---- fastamp::sgd_ and fastamp::lion_: the one-state family (one_state.cuh) ----
 
 enum class MasterKind : int32_t { kNone = 0, kFloat32 = 1, kRemainder = 2 };
 
-struct SgdTensorRef {
-  void* param;             // param_dtype, rewritten
-  const void* grad;        // grad_dtype, read only
-  void* master;            // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params) or null
-  float* momentum_buffer;  // fp32, used only when momentum != 0
-  int64_t numel;           // shared by all of the above
+struct OneStateTensorRef {
+  void* param;       // param_dtype, rewritten
+  const void* grad;  // grad_dtype, read only
+  void* master;      // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params) or null
+  float* state;      // fp32: sgd_'s momentum buffer (used only when momentum != 0), lion_'s exp_avg
+  int64_t numel;     // shared by all of the above
   DType param_dtype;
   DType grad_dtype;
   uint32_t rng_stream;  // low 32 bits of 4 * (rng_base + list index)
 };
 
-// step_scalars: fp32 on device, [lr, grad_mul, is_first] (reference.sgd_step_scalars), tensor i
-// at step_scalars + i * scalar_stride (0: shared; 3: row i of [num_tensors, 3]).
+// step_scalars: fp32 on device, 3 per tensor, tensor i at step_scalars + i * scalar_stride
+// (0: shared; 3: row i of [num_tensors, 3]); sgd_: [lr, grad_mul, is_first]
+// (reference.sgd_step_scalars), lion_: [lr, decay, grad_mul] (reference.lion_step_scalars).
 // rng: null, or int64 [seed, counter] on device: bf16 params without a master are then
 // rounded stochastically. found_inf: null or 1 fp32; non-zero (NaN included) skips all.
-cudaError_t sgd(const SgdTensorRef* tensors, int64_t num_tensors, MasterKind master_kind, const float* step_scalars,
-                int64_t scalar_stride, const float* found_inf, const int64_t* rng, double momentum, double dampening,
-                double weight_decay, bool nesterov, bool maximize, TableMemory& tables, cudaStream_t stream);
+cudaError_t sgd(const OneStateTensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
+                const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
+                double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
+                TableMemory& tables, cudaStream_t stream);
+
+cudaError_t lion(const OneStateTensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
+                 const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
+                 double beta1, double beta2, bool maximize, TableMemory& tables, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fastamp

@@ -1,4 +1,4 @@
-"""Tier 2 on CUDA for the low-bit ops: adamw_bf16_, sgd_ and unscale_check_stats_ (csrc/cuda).
+"""Tier 2 on CUDA for the low-bit ops: adamw_bf16_, sgd_, lion_ and unscale_check_stats_ (csrc/cuda).
 
 Every output of the native CUDA kernels is compared with fastamp.reference run on the same
 device, bit for bit (NaN compared as NaN whatever its payload; integer counts with
@@ -65,7 +65,7 @@ def _compare(ours, ref, keys, what):
 
 def test_new_ops_have_cuda_kernels():
     assert _ops.NATIVE_LOADED, f"fastamp._C failed to load: {_ops.NATIVE_ERROR}"
-    for op in ("adamw_bf16_", "sgd_", "unscale_check_stats_"):
+    for op in ("adamw_bf16_", "sgd_", "lion_", "unscale_check_stats_"):
         assert _ops.native_has_kernel(op, "cuda"), f"no CUDA kernel for fastamp::{op}; build info {_ops.build_info()!r}"
 
 
@@ -420,6 +420,67 @@ def test_unscale_check_stats_through_functional_with_non_contiguous_and_fp64():
         assert_bits_equal(x, y, "grads")
 
 
+# ---------------------------------------------------------------- lion_
+# sgd_'s kernel family with Lion's rule (csrc/cuda/one_state.cuh); the formats, sizes, values and bad
+# inputs are in test_optim_matrix.py. Here: what only a CUDA launch shows.
+
+LION_H = dict(beta1=0.9, beta2=0.99, maximize=True)
+LION_KEYS = ("params", "masters", "exp_avgs")
+
+
+def _lion_state(param_dtype, grad_dtype, kind, seed, sizes=SIZES, misalign=False):
+    st = _sgd_state(param_dtype, grad_dtype, kind, 0.9, seed, sizes, misalign)
+    return dict(params=st["params"], grads=st["grads"], masters=st["masters"], exp_avgs=st["bufs"])
+
+
+def _lion_call(fn, st, sc, found, rng, rng_base, h):
+    fn(st["params"], st["grads"], st["masters"], st["exp_avgs"], sc, found, rng, rng_base, h["beta1"], h["beta2"],
+       h["maximize"])  # fmt: skip
+
+
+def _lion_scalars(lr=0.01, weight_decay=0.1, grad_mul=0.5):
+    return reference.lion_step_scalars(torch.tensor(lr, device=DEV), weight_decay, torch.tensor(grad_mul, device=DEV))
+
+
+def test_lion_mixed_dtypes_in_one_call():
+    """Every (param, grad) dtype pair in one call, fp32 masters: one launch per pair, each tensor by its own
+    pair's kernel, misaligned tensors and a chunk boundary among them; bit-exact with the reference."""
+    parts = [
+        _lion_state(p, g, "fp32", seed=30 + 3 * i + j, sizes=[5, CHUNK + 3], misalign=True)
+        for i, p in enumerate(DTYPES)
+        for j, g in enumerate(DTYPES)
+    ]
+    st = {key: [t for part in parts for t in part[key]] for key in parts[0]}
+    ref = _clone(st)
+    for k in range(2):
+        sc = _lion_scalars(lr=0.01 * (k + 1))
+        _lion_call(OPS.lion_, st, sc, None, None, 0, LION_H)
+        _lion_call(reference.lion_, ref, sc, None, None, 0, LION_H)
+        _compare(st, ref, LION_KEYS, f"lion_ mixed dtypes, step {k}")
+
+
+def test_lion_captures_in_a_cuda_graph():
+    """Under capture the launch table goes into the graph (fill kernels) and the RNG counter is read on the
+    device: two replays are two steps with new random bits (bf16 params without masters)."""
+    st = _lion_state(torch.bfloat16, torch.float16, "none", seed=27, sizes=[1000, CHUNK + 1])
+    ref = _clone(st)
+    rng = torch.tensor([7, 0], dtype=torch.int64, device=DEV)
+    found = torch.zeros(1, device=DEV)
+    sc = _lion_scalars()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rng[1:].add_(1)
+        _lion_call(OPS.lion_, st, sc, found, rng, 3, LION_H)
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    for k in (1, 2):
+        r = torch.tensor([7, k], dtype=torch.int64, device=DEV)
+        _lion_call(reference.lion_, ref, sc, found, r, 3, LION_H)
+    _compare(st, ref, LION_KEYS, "graph: lion_")
+    assert rng[1].item() == 2
+
+
 # ---------------------------------------------------------------- errors, graphs, opcheck
 
 
@@ -491,6 +552,12 @@ def test_opcheck():
         torch.ops.fastamp.sgd_.default,
         (sgd_st["params"], sgd_st["grads"], sgd_st["masters"], sgd_st["bufs"],
          reference.sgd_step_scalars(0.1, torch.tensor(0, device=DEV)), f, rng, 0, 0.9, 0.0, 0.0, True, False),
+    )  # fmt: skip
+    lion_st = _lion_state(torch.float16, torch.bfloat16, "fp32", seed=28, sizes=[5, 17])
+    torch.library.opcheck(
+        torch.ops.fastamp.lion_.default,
+        (lion_st["params"], lion_st["grads"], lion_st["masters"], lion_st["exp_avgs"], _lion_scalars(), f, rng, 0,
+         0.9, 0.99, False),
     )  # fmt: skip
     grads = [torch.randn(5, device=DEV), torch.randn(9, device=DEV).half()]
     torch.library.opcheck(

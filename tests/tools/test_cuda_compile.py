@@ -134,12 +134,13 @@ def compiled(tmp_path_factory):
 
 def test_expected_cuda_sources_exist():
     names = {p.name for p in CU_FILES}
-    assert {"amp.cu", "adamw.cu", "sgd.cu"} <= names, names
+    assert {"amp.cu", "adamw.cu", "sgd.cu", "lion.cu"} <= names, names
     assert (CUDA_DIR / "bindings.cpp").exists()
+    assert (CUDA_DIR / "one_state.cuh").exists()
 
 
 @pytest.mark.slow  # the compiled fixture: nvcc on every .cu (~45 s)
-@pytest.mark.parametrize("name", ["amp.cu", "adamw.cu", "sgd.cu"])
+@pytest.mark.parametrize("name", ["amp.cu", "adamw.cu", "sgd.cu", "lion.cu"])
 @requires_nvcc
 def test_cu_compiles_for_sm80_and_sm90(compiled, name):
     rc, out, obj = compiled[name]
@@ -157,7 +158,13 @@ def test_objects_hold_both_archs_and_every_kernel(compiled):
         ("amp.cu", rb"unscale_check_kernelI(\w*?)EEv", 6, [b"sumsq_finalize_kernel", b"update_scale_kernel"]),
         ("adamw.cu", rb"adamw_kernelI(\w*?)EEv", 9, []),  # 3 param x 3 grad dtypes
         ("adamw.cu", rb"adamw_bf16_kernelI(\w*?)EEv", 6, []),  # 3 grad x 2 moment dtypes
-        ("sgd.cu", rb"sgd_kernelI(\w*?)EEv", 9, []),  # 3 param x 3 grad dtypes
+        # one_state.cuh's kernel, one rule per file: 3 param x 3 grad dtypes each (master formats,
+        # stochastic rounding and the state's presence are run-time branches, not instances)
+        ("sgd.cu", rb"one_state_kernelI\w*?7SgdRuleE(\w*?)EEv", 9, []),
+        ("lion.cu", rb"one_state_kernelI\w*?8LionRuleE(\w*?)EEv", 9, []),
+        # and no file carries the other's rule
+        ("sgd.cu", rb"one_state_kernelI\w*?8LionRuleE(\w*?)EEv", 0, []),
+        ("lion.cu", rb"one_state_kernelI\w*?7SgdRuleE(\w*?)EEv", 0, []),
     ]
     for name, pattern, count, others in expected:
         rc, out, obj = compiled[name]
@@ -203,7 +210,7 @@ def test_no_op_schema_is_defined_in_cpp():
     for path in [*(ROOT / "csrc").rglob("*.cpp"), *(ROOT / "csrc").rglob("*.cu")]:
         defined |= set(re.findall(r'm\.def\(\s*"(\w+)\(', path.read_text()))
     assert defined == {"build_info", "cpu_isa"}
-    assert len(_schema_ops()) == 6
+    assert len(_schema_ops()) == 7
 
 
 def test_every_kernel_registers_through_the_signature_check():
@@ -221,8 +228,8 @@ def test_every_kernel_registers_through_the_signature_check():
         assert not re.search(r"\bm\.impl\(", text), f"{path.name}: register kernels with FASTAMP_IMPL, not m.impl"
         for key, body in re.findall(r"TORCH_LIBRARY_IMPL\(fastamp, (\w+), m\) \{(.*?)\n?\}", text, flags=re.S):
             registered[key] |= set(re.findall(r"FASTAMP_IMPL\(m, (\w+),", body))
-    assert registered["CPU"] == declared
     assert registered["CUDA"] == declared
+    assert registered["CPU"] == declared
 
 
 @pytest.mark.slow

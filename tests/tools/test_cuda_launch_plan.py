@@ -37,6 +37,7 @@ OPS = {
     "adamw": {"depth": 7},
     "adamw_bf16": {"depth": 8},
     "sgd": {"depth": 6},
+    "lion": {"depth": 6},  # sgd_'s table and plan: plan_one_state (test_lion_runs_the_sgd_plan)
 }
 SMS = 132
 
@@ -103,8 +104,8 @@ int main() {
       plan = plan_adamw(param.data(), grad.data(), numel.data(), n, capturing != 0, sms);
     } else if (op == "adamw_bf16") {
       plan = plan_adamw_bf16(grad.data(), numel.data(), n, capturing != 0, sms);
-    } else if (op == "sgd") {
-      plan = plan_sgd(param.data(), grad.data(), numel.data(), n, capturing != 0, sms);
+    } else if (op == "sgd" || op == "lion") {
+      plan = plan_one_state(param.data(), grad.data(), numel.data(), n, capturing != 0, sms);
     } else {
       std::cerr << "unknown op " << op << '\n';
       return 2;
@@ -119,7 +120,7 @@ int main() {
     if (op == "unscale_stats") replay<kUnscaleStatsDepth>(plan, numel);
     if (op == "adamw") replay<kAdamWDepth>(plan, numel);
     if (op == "adamw_bf16") replay<kAdamWBf16Depth>(plan, numel);
-    if (op == "sgd") replay<kSgdDepth>(plan, numel);
+    if (op == "sgd" || op == "lion") replay<kOneStateDepth>(plan, numel);
     std::cout << "end\n";
   }
   return 0;
@@ -292,15 +293,29 @@ def test_capture_fills_carry_the_whole_table(plans):
 
 
 def test_every_launcher_runs_the_plan():
-    """The .cu launchers plan with launch_plan.h and run that plan; no other kernel launch loops."""
+    """The launchers plan with launch_plan.h and run that plan; no other kernel launch loops."""
     for name, planners in {
         "amp.cu": ["plan_unscale_check"],
         "adamw.cu": ["plan_adamw", "plan_adamw_bf16"],
-        "sgd.cu": ["plan_sgd"],
+        "one_state.cuh": ["plan_one_state"],
     }.items():
         text = (CUDA_DIR / name).read_text()
         for planner in planners:
             assert f"{planner}(" in text, f"{name} does not call {planner}"
-        assert text.count("detail::run_plan<") == len(planners), name
+        assert text.count("detail::run_plan<" if name.endswith(".cu") else "run_plan<") == len(planners), name
     header = (CUDA_DIR / "launch_plan.h").read_text()
     assert "#include <cuda" not in header and "torch" not in header.split("#pragma once")[1]
+
+
+def test_lion_runs_the_sgd_plan(plans):
+    """lion_ and sgd_ are two rules of one kernel family (one_state.cuh): the same table rows, dtype groups
+    and launches, so lion's plan is sgd's. Each op file only states its rule and hands it to the family's
+    launcher, which alone plans and launches."""
+    for name in (n for n in CONFIGS if n.startswith("sgd-")):
+        assert plans["lion-" + name[len("sgd-") :]] == plans[name], name
+    for name, rule in (("sgd.cu", "SgdRule"), ("lion.cu", "LionRule")):
+        text = (CUDA_DIR / name).read_text()
+        assert f"detail::run_one_state<{rule}>(" in text, f"{name} does not run its rule through one_state.cuh"
+        assert "run_plan<" not in text and "plan_" not in text and "<<<" not in text, f"{name} launches on its own"
+    family = (CUDA_DIR / "one_state.cuh").read_text()
+    assert family.count("<<<") == 1 and "one_state_kernel<Rule, PE, GE>" in family

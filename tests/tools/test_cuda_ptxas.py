@@ -26,7 +26,9 @@ ARCHS = ("sm_80", "sm_90")
 EXPECTED = {
     "amp.cu": {"unscale_check_kernel": 6, "sumsq_finalize_kernel": 1, "update_scale_kernel": 1, "table_fill_kernel": 1},
     "adamw.cu": {"adamw_kernel": 9, "adamw_bf16_kernel": 6, "table_fill_kernel": 1},
-    "sgd.cu": {"sgd_kernel": 9, "table_fill_kernel": 1},
+    # one_state.cuh's kernel with SGD's rule and with Lion's (test_cuda_compile.py tells the rules apart)
+    "sgd.cu": {"one_state_kernel": 9, "table_fill_kernel": 1},
+    "lion.cu": {"one_state_kernel": 9, "table_fill_kernel": 1},
 }
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
