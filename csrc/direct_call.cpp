@@ -303,25 +303,34 @@ PyObject* adamw_(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return ad
 
 PyObject* adamw_bf16_(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return adamw_common(args, nargs, true); }
 
+// The arguments sgd_ and lion_ share: (params, grads, masters, state, step_scalars, found_inf,
+// rng, rng_base, ...the rule's hyperparameters); false when the shortcut must decline them.
+struct OneStateArgs {
+  std::pair<size_t, size_t> lists[4];
+  std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
+  int64_t rng_base = 0;
+};
+
+bool parse_one_state(PyObject* const* args, Borrowed* b, OneStateArgs* a) {
+  b->reserve(list_size(args[0]) * 4 + 3);
+  for (int k = 0; k < 4; ++k) {
+    if (!b->add_list(args[k], &a->lists[k])) return false;
+  }
+  return b->add_one(args[4], false, &a->step_scalars) && b->add_one(args[5], true, &a->found_inf) &&
+         b->add_one(args[6], true, &a->rng) && as_int(args[7], &a->rng_base);
+}
+
 // sgd_(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base,
 // momentum, dampening, weight_decay, nesterov, maximize).
 PyObject* sgd_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_BEGIN
   if (nargs != 13) return declined();
   Borrowed b;
-  b.reserve(list_size(args[0]) * 4 + 3);
-  std::pair<size_t, size_t> lists[4];
-  for (int k = 0; k < 4; ++k) {
-    if (!b.add_list(args[k], &lists[k])) return declined();
-  }
-  std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
-  int64_t rng_base = 0;
+  OneStateArgs a;
   double momentum = 0, dampening = 0, weight_decay = 0;
   bool nesterov = false, maximize = false;
-  if (!b.add_one(args[4], false, &step_scalars) || !b.add_one(args[5], true, &found_inf) ||
-      !b.add_one(args[6], true, &rng) || !as_int(args[7], &rng_base) || !as_double(args[8], &momentum) ||
-      !as_double(args[9], &dampening) || !as_double(args[10], &weight_decay) || !as_bool(args[11], &nesterov) ||
-      !as_bool(args[12], &maximize)) {
+  if (!parse_one_state(args, &b, &a) || !as_double(args[8], &momentum) || !as_double(args[9], &dampening) ||
+      !as_double(args[10], &weight_decay) || !as_bool(args[11], &nesterov) || !as_bool(args[12], &maximize)) {
     return declined();
   }
   const c10::DispatchKeySet ks = b.dispatch_keys();
@@ -329,8 +338,37 @@ PyObject* sgd_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Void done;
   const Ran ran = run_kernel(
       [&] {
-        op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.one(step_scalars),
-                      b.optional(found_inf), b.optional(rng), rng_base, momentum, dampening, weight_decay, nesterov,
+        op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
+                      b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base, momentum,
+                      dampening, weight_decay, nesterov, maximize);
+        return Void{};
+      },
+      &done);
+  if (ran != Ran::kYes) return finish(ran, nullptr);
+  Py_RETURN_NONE;
+  FASTAMP_DIRECT_END
+}
+
+// lion_(params, grads, masters, exp_avgs, step_scalars, found_inf, rng, rng_base, beta1, beta2,
+// maximize).
+PyObject* lion_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != 11) return declined();
+  Borrowed b;
+  OneStateArgs a;
+  double beta1 = 0, beta2 = 0;
+  bool maximize = false;
+  if (!parse_one_state(args, &b, &a) || !as_double(args[8], &beta1) || !as_double(args[9], &beta2) ||
+      !as_bool(args[10], &maximize)) {
+    return declined();
+  }
+  const c10::DispatchKeySet ks = b.dispatch_keys();
+  static auto op = handle<signature::lion_>("fastamp::lion_");
+  Void done;
+  const Ran ran = run_kernel(
+      [&] {
+        op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
+                      b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base, beta1, beta2,
                       maximize);
         return Void{};
       },
@@ -356,4 +394,6 @@ PyMethodDef fastamp_direct_methods[] = {
      "torch.ops.fastamp.adamw_bf16_ without the dispatcher's per-tensor work, or NotImplemented"},
     {"sgd_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::sgd_)), METH_FASTCALL,
      "torch.ops.fastamp.sgd_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"lion_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::lion_)), METH_FASTCALL,
+     "torch.ops.fastamp.lion_ without the dispatcher's per-tensor work, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};

@@ -1,4 +1,4 @@
-// Argument checks shared by the CPU optimizer ops (adamw_, adamw_bf16_, sgd_); private to
+// Argument checks shared by the CPU optimizer ops (adamw_, adamw_bf16_, sgd_, lion_); private to
 // csrc/cpu/. Every message reads "fastamp::<op>: what is wrong, got ...".
 #pragma once
 

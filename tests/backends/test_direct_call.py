@@ -58,6 +58,17 @@ def _sgd_args(master=True):
     return [params, grads, masters, bufs, torch.tensor([0.1, 0.5, 0.0]), None, None, 0, 0.9, 0.1, 0.01, True, False]
 
 
+def _lion_args(master=True, rng=False, maximize=False):
+    gen = torch.Generator().manual_seed(7)
+    params = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    grads = [torch.randn(k, generator=gen).half() for k in SIZES]
+    masters = [p.float() for p in params] if master else []
+    m = [torch.randn(k, generator=gen) * 0.1 for k in SIZES]
+    rng_t = torch.tensor([9, 13], dtype=torch.int64) if rng else None
+    scalars = torch.tensor([1e-3, 0.999, 0.5])
+    return [params, grads, masters, m, scalars, torch.zeros(1), rng_t, 2, 0.9, 0.99, maximize]
+
+
 def _unscale_args(stats=False):
     gen = torch.Generator().manual_seed(6)
     grads = [torch.randn(k, generator=gen).to(dt) for k, dt in zip(SIZES, (torch.float32, torch.bfloat16) * 3)]
@@ -72,6 +83,7 @@ CASES = {
     "adamw_": [lambda: _adamw_args(), lambda: _adamw_args(torch.bfloat16, master=True), lambda: _adamw_args(found=1.0)],
     "adamw_bf16_": [lambda: _bf16_args(), lambda: _bf16_args(rem=False), lambda: _bf16_args(rng=False)],
     "sgd_": [lambda: _sgd_args(), lambda: _sgd_args(master=False)],
+    "lion_": [lambda: _lion_args(), lambda: _lion_args(master=False, rng=True, maximize=True)],
     "unscale_check_": [lambda: _unscale_args()],
     "unscale_check_stats_": [lambda: _unscale_args(stats=True)],
 }
@@ -180,6 +192,8 @@ def test_declines_grad_mode_with_requires_grad_only():
         ("adamw_", lambda a: a[0].__setitem__(3, torch.zeros(16, 32).t()[:, :16].reshape(-1)[: SIZES[3]])),
         ("adamw_bf16_", lambda a: a[2].__setitem__(0, a[2][0].int())),  # remainder dtype
         ("sgd_", lambda a: a[3].__setitem__(4, torch.zeros(2 * SIZES[4])[::2])),  # non-contiguous buffer
+        ("lion_", lambda a: a[3].__setitem__(1, a[3][1].half())),  # exp_avg dtype
+        ("lion_", lambda a: a.__setitem__(4, torch.ones(4))),  # step_scalars
         ("unscale_check_", lambda a: a[0].__setitem__(1, a[0][1].double())),  # fp64 grad
         ("unscale_check_stats_", lambda a: a.__setitem__(5, torch.zeros(2, 3, dtype=torch.int64))),
     ],

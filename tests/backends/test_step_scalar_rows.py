@@ -1,6 +1,6 @@
 """Per-tensor step scalars in every backend's optimizer kernels, against the reference.
 
-``step_scalars`` of ``adamw_``, ``adamw_bf16_`` and ``sgd_`` is either ``[k]`` (shared by every
+``step_scalars`` of ``adamw_``, ``adamw_bf16_``, ``sgd_`` and ``lion_`` is either ``[k]`` (shared by every
 tensor of the launch) or ``[n, k]`` (contiguous fp32, row ``i`` for tensor ``i``:
 ``reference.scalar_rows``). Every available backend (the C++ CPU kernels on each instruction
 set, Triton under the interpreter, and on a GPU the CUDA kernels and Triton) runs launches of
@@ -111,6 +111,16 @@ def _sgd_rows(dev):
     return rows.contiguous().to(dev)
 
 
+def _lion_rows(dev):
+    """[N, 3] rows: per-tensor lr, decay (each its own weight decay) and grad_mul, all different."""
+    lr = torch.tensor([1e-3 * (1 + i / 8) for i in range(N)], dtype=torch.float64)
+    decay = 1 - lr * torch.tensor([0.01 * (i + 1) for i in range(N)], dtype=torch.float64)
+    grad_mul = torch.tensor([2.0 ** -(i % 5) * (1 + i / 64) for i in range(N)], dtype=torch.float64)
+    rows = torch.stack((lr, decay, grad_mul), 1).float()
+    _rows_differ(rows)
+    return rows.contiguous().to(dev)
+
+
 # ---- the cases: (op, reference args up to step_scalars, args after found_inf) ----
 
 
@@ -162,6 +172,15 @@ def _sgd_case(dev, masters, momentum, nesterov, rng, maximize, seed=0):
     return "sgd_", [params, grads, ms, bufs], (rng_t, 1, momentum, 0.1, 0.01, nesterov, maximize)
 
 
+def _lion_case(dev, masters, rng, maximize, seed=0):
+    op, (params, grads, ms, _), _ = _sgd_case(dev, masters, 0.0, False, rng, maximize, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    # some exp_avgs exactly zero so that c = beta1 * m + (1 - beta1) * g hits +-0 with a zero grad
+    m = [_t(n, torch.float32, dev, gen) * (i % 2) for i, n in enumerate(SIZES)]
+    rng_t = torch.tensor([99, 5], dtype=torch.int64, device=dev) if rng else None
+    return "lion_", [params, grads, ms, m], (rng_t, 2, 0.9, 0.99, maximize)
+
+
 ADAMW = [
     (torch.float32, False, False, False, None),
     (torch.float32, True, True, True, None),
@@ -186,11 +205,19 @@ SGD = [  # masters, momentum, nesterov, rng, maximize
     ("remainder", 0.9, False, False, True),
 ]
 
+LION = [  # masters, rng, maximize
+    ("none", False, False),
+    ("none", True, True),
+    ("fp32", False, True),
+    ("remainder", False, False),
+]
+
 
 def _cases(dev):
     out = [_adamw_case(dev, *c) for c in ADAMW]
     out += [_adamw_bf16_case(dev, *c) for c in ADAMW_BF16]
     out += [_sgd_case(dev, *c) for c in SGD]
+    out += [_lion_case(dev, *c) for c in LION]
     return out
 
 
@@ -198,11 +225,23 @@ CASE_IDS = (
     [f"adamw-{str(c[0])[6:]}-master{int(c[1])}-ams{int(c[2])}-max{int(c[3])}" for c in ADAMW]
     + [f"adamw_bf16-rem{int(c[0])}-rng{int(c[1])}-bf16m{int(c[2])}-ams{int(c[3])}-max{int(c[4])}" for c in ADAMW_BF16]
     + [f"sgd-{c[0]}-mom{c[1]}-nest{int(c[2])}-rng{int(c[3])}-max{int(c[4])}" for c in SGD]
+    + [f"lion-{c[0]}-rng{int(c[1])}-max{int(c[2])}" for c in LION]
 )
+LION_0 = len(CASE_IDS) - len(LION)
 
 
 def _rows_for(op, dev):
-    return _sgd_rows(dev) if op == "sgd_" else _adamw_rows(dev)
+    return {"sgd_": _sgd_rows, "lion_": _lion_rows}.get(op, _adamw_rows)(dev)
+
+
+def _case(backend, case):
+    """(op, lists, rest) of case number ``case``; skipped where the backend has no kernel for the op yet."""
+    name, dev = backend
+    op, lists, rest = _cases(dev)[case]
+    ok, why = backends.available(name, op, dev)
+    if not ok:
+        pytest.skip(why)
+    return op, lists, rest
 
 
 def _run(impl, op, lists, scalars, found_inf, rest):
@@ -218,6 +257,9 @@ def _functional(backend_name, op, lists, scalars, found_inf, rest):
         rng, base, b1, b2, eps, ams, mx = rest
         fn(*lists, scalars, found_inf, rng, base, beta1=b1, beta2=b2, eps=eps, amsgrad=ams, maximize=mx,
            backend=backend_name)  # fmt: skip
+    elif op == "lion_":
+        rng, base, b1, b2, mx = rest
+        fn(*lists, scalars, found_inf, rng, base, beta1=b1, beta2=b2, maximize=mx, backend=backend_name)
     else:
         rng, base, mom, damp, wd, nest, mx = rest
         fn(*lists, scalars, found_inf, rng, base, momentum=mom, dampening=damp, weight_decay=wd, nesterov=nest,
@@ -238,7 +280,7 @@ def _found_inf(dev, value):
 def test_rows_match_the_reference(backend, case):
     """Each tensor is updated with its own row; every row differs; all written tensors bit-exact."""
     name, dev = backend
-    op, lists, rest = _cases(dev)[case]
+    op, lists, rest = _case(backend, case)
     rows = _rows_for(op, dev)
     want = clone_lists(lists)
     shared = clone_lists(lists)
@@ -250,11 +292,14 @@ def test_rows_match_the_reference(backend, case):
     assert any(not torch.equal(a, b) for a, b in zip(shared[0], lists[0]))
 
 
-@pytest.mark.parametrize("case", [0, 4, 7, 9, 12, 15], ids=[CASE_IDS[i] for i in (0, 4, 7, 9, 12, 15)])
+DIRECT_CASES = (0, 4, 7, 9, 12, 15, LION_0 + 1, LION_0 + 3)
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=[CASE_IDS[i] for i in DIRECT_CASES])
 def test_direct_op_reads_rows(backend, case):
     """The backend's op itself (no functional layer in front) reads ``[n, k]`` rows the same way."""
     name, dev = backend
-    op, lists, rest = _cases(dev)[case]
+    op, lists, rest = _case(backend, case)
     rows = _rows_for(op, dev)
     want = clone_lists(lists)
     R.__dict__[op](*want, rows, None, *rest)
@@ -262,11 +307,14 @@ def test_direct_op_reads_rows(backend, case):
     _assert_lists(backend, lists, want, f"{name} {op} direct")
 
 
-@pytest.mark.parametrize("case", [1, 3, 6, 8, 11, 14], ids=[CASE_IDS[i] for i in (1, 3, 6, 8, 11, 14)])
+SHARED_CASES = (1, 3, 6, 8, 11, 14, LION_0, LION_0 + 2)
+
+
+@pytest.mark.parametrize("case", SHARED_CASES, ids=[CASE_IDS[i] for i in SHARED_CASES])
 def test_shared_form_equals_identical_rows(backend, case):
     """``[k]`` and ``[n, k]`` whose rows are all that ``[k]`` give the same bits."""
     name, dev = backend
-    op, lists, rest = _cases(dev)[case]
+    op, lists, rest = _case(backend, case)
     one = _rows_for(op, dev)[3].clone()
     rows = one.expand(N, one.numel()).contiguous()
     other = clone_lists(lists)
@@ -278,10 +326,10 @@ def test_shared_form_equals_identical_rows(backend, case):
 
 
 @pytest.mark.parametrize("value", [1.0, math.nan])
-@pytest.mark.parametrize("case", [1, 7, 13], ids=[CASE_IDS[i] for i in (1, 7, 13)])
+@pytest.mark.parametrize("case", [1, 7, 13, LION_0 + 1], ids=[CASE_IDS[i] for i in (1, 7, 13, LION_0 + 1)])
 def test_found_inf_writes_nothing_with_rows(backend, case, value):
     name, dev = backend
-    op, lists, rest = _cases(dev)[case]
+    op, lists, rest = _case(backend, case)
     before = clone_lists(lists)
     _functional(name, op, lists, _rows_for(op, dev), _found_inf(dev, value), rest)
     for li, (a, b) in enumerate(zip(lists, before)):
@@ -311,12 +359,12 @@ def _bad_scalars(rows, dev):
     return out
 
 
-@pytest.mark.parametrize("op_case", [1, 7, 13], ids=["adamw_", "adamw_bf16_", "sgd_"])
+@pytest.mark.parametrize("op_case", [1, 7, 13, LION_0 + 2], ids=["adamw_", "adamw_bf16_", "sgd_", "lion_"])
 def test_wrong_step_scalars_are_refused(backend, op_case):
     """Refused with a message naming both shapes, before anything is written: through
     ``fastamp.functional`` (ValueError) and by the backend's op itself (RuntimeError)."""
     name, dev = backend
-    op, lists, rest = _cases(dev)[op_case]
+    op, lists, rest = _case(backend, op_case)
     rows = _rows_for(op, dev)
     k = rows.shape[1]
     shapes = rf"\[{k}\] or \[{N}, {k}\]"
