@@ -345,7 +345,7 @@ def test_injected_inf_skips_all(backend, rule, fmt):
 
 @pytest.mark.parametrize("backend, rule, fmt", _rf_params())
 def test_through_functional(backend, rule, fmt):
-    h = rule.hypers[{"adamw": "amsgrad-maximize", "sgd": "nesterov-wd-maximize"}[rule.name]]
+    h = rule.hypers[{"adamw": "amsgrad-maximize", "sgd": "nesterov-wd-maximize", "lion": "wd-maximize"}[rule.name]]
     pdt = fmt.param_dtypes[-1]
     sizes = [7, backend.block + 2, 100]
     dev = backend.device
