@@ -1,22 +1,30 @@
-"""Triton kernel for the fused SGD step: ``sgd_``.
+"""Triton kernel for the one-state optimizer steps: ``sgd_`` and ``lion_``.
 
-Semantics are :func:`fastamp.reference.sgd_` (``torch.optim.SGD``'s update: momentum,
-dampening, nesterov, weight decay, maximize) with fp32 master weights, int16 master
-remainders for bf16 params, or no master (bf16 params then rounded stochastically when
-``rng`` is given). Registered as ``fastamp_triton::sgd_`` from the op
-table in ``fastamp/_ops.py`` (schema and fake shared with the native op, ``opcheck`` clean).
+One kernel, two update rules (the constexpr ``RULE``), sharing everything but the update: the
+param's storage (fp32 master weights, int16 master remainders for bf16 params, or no master,
+bf16 params then rounded stochastically when ``rng`` is given), one fp32 state stream, the
+launch table, the step scalars (``[3]`` or ``[n, 3]``), the guards and the found_inf skip.
+
+* ``sgd_``: :func:`fastamp.reference.sgd_` (``torch.optim.SGD``'s update: momentum,
+  dampening, nesterov, weight decay, maximize); the state is the momentum buffer (absent
+  without momentum); ``step_scalars = [lr, grad_mul, is_first]``.
+* ``lion_``: :func:`fastamp.reference.lion_` (Lion: decoupled decay, the sign of an
+  interpolated momentum); the state is ``exp_avg``; ``step_scalars = [lr, decay, grad_mul]``.
+
+Registered as ``fastamp_triton::sgd_`` and ``fastamp_triton::lion_`` from the op table in
+``fastamp/_ops.py`` (schemas and fakes shared with the native ops, ``opcheck`` clean).
 
 One launch per (param dtype, grad dtype) group covers every chunk of every tensor (tensors
 whose data is not 16-byte aligned go to a second launch, compiled without the alignment
 hint). Each program reads ``found_inf`` and, when it is non-zero (NaN included), treats its
-chunk as empty, so a skipped step writes nothing and leaves the first-step flag to the
-caller's step count (``step_scalars = [lr, grad_mul, is_first]``, all read on the device).
-``maximize``, ``nesterov``, weight decay on/off and whether ``found_inf`` is given are
-runtime flags; the streams (master kind, momentum, stochastic rounding) are constexprs.
+chunk as empty, so a skipped step writes nothing (and leaves SGD's first-step flag to the
+caller's step count; the step scalars are all read on the device). ``maximize``, SGD's
+``nesterov`` and weight decay on/off, and whether ``found_inf`` is given are runtime flags;
+the rule and the streams (master kind, state, stochastic rounding) are constexprs.
 
-Agreement with the reference: bit-exact under ``TRITON_INTERPRET=1`` and, since the update
-is only fp32 multiplies and adds compiled without FMA contraction plus integer bit
-operations, on a GPU too.
+Agreement with the reference: bit-exact under ``TRITON_INTERPRET=1`` and, since both updates
+are only fp32 multiplies, adds and comparisons compiled without FMA contraction plus integer
+bit operations, on a GPU too.
 """
 
 from typing import Optional
@@ -30,7 +38,11 @@ from torch import Tensor
 
 from fastamp import _ops
 
-__all__ = ["sgd_"]
+__all__ = ["sgd_", "lion_"]
+
+# update rules (constexpr RULE)
+_SGD = 0
+_LION = 1
 
 # master kinds (constexpr MASTER)
 _NO_MASTER = 0
@@ -39,7 +51,13 @@ _REMAINDER = 2
 
 
 @triton.jit
-def _sgd_block(
+def _lion_sign(c):
+    """reference.lion_sign: +-1, or ``c`` itself for +-0 and NaN (its two comparisons, in its order)."""
+    return tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, c))
+
+
+@triton.jit
+def _one_state_block(
     p_ptr,
     g_ptr,
     w_ptr,
@@ -50,13 +68,18 @@ def _sgd_block(
     key,
     lr,
     grad_mul,
-    first,
+    aux,
     momentum,
     one_minus_dampening,
     weight_decay,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
     maximize,
     nesterov,
     has_weight_decay,
+    RULE: tl.constexpr,
     P_KIND: tl.constexpr,
     G_KIND: tl.constexpr,
     MASTER: tl.constexpr,
@@ -65,7 +88,10 @@ def _sgd_block(
     BLOCK: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """One block of elements ``off + [0, BLOCK)``; only a MASKED block may run past ``end``."""
+    """One block of elements ``off + [0, BLOCK)``; only a MASKED block may run past ``end``.
+
+    ``aux``: SGD's first-step flag, or Lion's ``decay`` (:func:`_step_scalars`). ``buf_ptr``: the
+    state stream (SGD's momentum buffer, Lion's exp_avg)."""
     idx = C.block_index(off, BLOCK)
     mask = idx < end
     if MASTER == 1:
@@ -77,18 +103,24 @@ def _sgd_block(
     g = C.load_f32(g_ptr, idx, mask, G_KIND, MASKED) * grad_mul
     if maximize != 0:
         g = -g
-    if has_weight_decay != 0:
-        g = g + weight_decay * p
-    if HAS_MOMENTUM:
-        buf = C.load_f32(buf_ptr, idx, mask, 0, MASKED)
-        # on the first step the old buffer is never used (it may hold anything)
-        nb = tl.where(first, g, buf * momentum + one_minus_dampening * g)
-        C.store_raw(buf_ptr, idx, nb, mask, MASKED)
-        if nesterov != 0:
-            g = g + momentum * nb
-        else:
-            g = nb
-    pv = p - lr * g
+    if RULE == 1:
+        m = C.load_f32(buf_ptr, idx, mask, 0, MASKED)
+        c = m * beta1 + g * one_minus_beta1
+        pv = p * aux - lr * _lion_sign(c)
+        C.store_raw(buf_ptr, idx, m * beta2 + g * one_minus_beta2, mask, MASKED)
+    else:
+        if has_weight_decay != 0:
+            g = g + weight_decay * p
+        if HAS_MOMENTUM:
+            buf = C.load_f32(buf_ptr, idx, mask, 0, MASKED)
+            # on the first step the old buffer is never used (it may hold anything)
+            nb = tl.where(aux, g, buf * momentum + one_minus_dampening * g)
+            C.store_raw(buf_ptr, idx, nb, mask, MASKED)
+            if nesterov != 0:
+                g = g + momentum * nb
+            else:
+                g = nb
+        pv = p - lr * g
     if MASTER == 1:
         C.store_raw(w_ptr, idx, pv, mask, MASKED)
         C.store_from_f32(p_ptr, idx, pv, mask, P_KIND, MASKED)
@@ -103,14 +135,20 @@ def _sgd_block(
 
 
 @triton.jit
-def _sgd_scalars(step_scalars_ptr):
-    """``(lr, grad_mul, is_first)``. Read per block (cached; one address for every lane): live
-    across the chunk loop, their pointer takes fewer registers than they do, and ptxas spilled
-    8 bytes on sm_80 (P=f16, G=f32, fp32 masters, momentum) with them read once per program."""
+def _step_scalars(step_scalars_ptr, RULE: tl.constexpr):
+    """``(lr, grad_mul, aux)``: SGD's ``[lr, grad_mul, is_first]`` (aux the flag), Lion's
+    ``[lr, decay, grad_mul]`` (aux ``decay``). Read per block (cached; one address for every
+    lane): live across the chunk loop, their pointer takes fewer registers than they do, and
+    ptxas spilled 8 bytes on sm_80 (SGD, P=f16, G=f32, fp32 masters, momentum) with them read
+    once per program."""
     lr = tl.load(step_scalars_ptr)
-    grad_mul = tl.load(step_scalars_ptr + 1)
-    first = tl.load(step_scalars_ptr + 2) != 0
-    return lr, grad_mul, first
+    if RULE == 1:
+        aux = tl.load(step_scalars_ptr + 1)
+        grad_mul = tl.load(step_scalars_ptr + 2)
+    else:
+        grad_mul = tl.load(step_scalars_ptr + 1)
+        aux = tl.load(step_scalars_ptr + 2) != 0
+    return lr, grad_mul, aux
 
 
 @C.jit_launched
@@ -124,10 +162,15 @@ def _sgd_kernel(
     momentum,
     one_minus_dampening,
     weight_decay,
+    beta1,
+    one_minus_beta1,
+    beta2,
+    one_minus_beta2,
     check_found_inf,
     maximize,
     nesterov,
     has_weight_decay,
+    RULE: tl.constexpr,
     P_KIND: tl.constexpr,
     G_KIND: tl.constexpr,
     N_PTR: tl.constexpr,
@@ -138,7 +181,7 @@ def _sgd_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # table columns: param, grad, [master or remainder], [momentum buffer], [tensor id]
+    # table columns: param, grad, [master or remainder], [state: momentum buffer or exp_avg], [tensor id]
     pid = tl.program_id(0)
     t, start, numel = C.chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR, CHUNK)
     p_ptr = C.load_ptr(table_ptr, t, P_KIND, ALIGNED)
@@ -168,19 +211,86 @@ def _sgd_kernel(
     # full blocks unmasked (vector loads/stores), then the last partial block masked (see adamw)
     off = start
     while off + BLOCK <= end:
-        lr, grad_mul, first = _sgd_scalars(step_scalars_ptr)
-        _sgd_block(
-            p_ptr, g_ptr, w_ptr, r_ptr, buf_ptr, off, end, key, lr, grad_mul, first, momentum,
-            one_minus_dampening, weight_decay, maximize, nesterov, has_weight_decay,
-            P_KIND, G_KIND, MASTER, HAS_MOMENTUM, SR, BLOCK, False,
+        lr, grad_mul, aux = _step_scalars(step_scalars_ptr, RULE)
+        _one_state_block(
+            p_ptr, g_ptr, w_ptr, r_ptr, buf_ptr, off, end, key, lr, grad_mul, aux, momentum,
+            one_minus_dampening, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+            maximize, nesterov, has_weight_decay, RULE, P_KIND, G_KIND, MASTER, HAS_MOMENTUM, SR,
+            BLOCK, False,
         )  # fmt: skip
         off += BLOCK
-    lr, grad_mul, first = _sgd_scalars(step_scalars_ptr)
-    _sgd_block(
-        p_ptr, g_ptr, w_ptr, r_ptr, buf_ptr, off, end, key, lr, grad_mul, first, momentum,
-        one_minus_dampening, weight_decay, maximize, nesterov, has_weight_decay,
-        P_KIND, G_KIND, MASTER, HAS_MOMENTUM, SR, BLOCK, True,
+    lr, grad_mul, aux = _step_scalars(step_scalars_ptr, RULE)
+    _one_state_block(
+        p_ptr, g_ptr, w_ptr, r_ptr, buf_ptr, off, end, key, lr, grad_mul, aux, momentum,
+        one_minus_dampening, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
+        maximize, nesterov, has_weight_decay, RULE, P_KIND, G_KIND, MASTER, HAS_MOMENTUM, SR,
+        BLOCK, True,
     )  # fmt: skip
+
+
+def _launch(
+    op: str,
+    rule: int,
+    params: list[Tensor],
+    grads: list[Tensor],
+    masters: list[Tensor],
+    states: Optional[tuple],
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],
+    rng: Optional[Tensor],
+    rng_base: int,
+    hyper: tuple,
+    flags: tuple,
+) -> None:
+    """Both rules' launches. ``states``: ``(name, tensors)`` of the state stream, or None (SGD
+    without momentum); ``hyper``: the seven fp32 hyperparameters of :func:`_sgd_kernel`,
+    the other rule's zero; ``flags``: ``(maximize, nesterov, has_weight_decay)``."""
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
+    # int16 remainders are the low half of a bf16 param's fp32 master
+    lists = [("params", params, (torch.bfloat16,) if remainder else G.FLOAT_DTYPES, True)]
+    lists += [("grads", grads, G.FLOAT_DTYPES, False)]
+    lists += [("masters", masters, (torch.int16,) if remainder else G.F32, True)] if masters else []
+    lists += [(states[0], states[1], G.F32, True)] if states is not None else []
+    scalars, found_inf, rng, stride = C.checked_scalars(op, dev, params, lists, step_scalars, 3, found_inf, rng)
+    if not masters:
+        master_kind = _NO_MASTER
+    else:
+        master_kind = _REMAINDER if remainder else _FP32_MASTER
+    grads = C.contiguous(grads)
+    streams = [params, grads, *([masters] if master_kind != _NO_MASTER else [])]
+    streams += [states[1]] if states is not None else []
+    groups = C.launch_groups(streams, lambda i: (params[i].dtype, grads[i].dtype))
+    chunk, block, opts = C.launch_config("sgd")
+    with C.device_guard(dev):
+        for (p_dtype, g_dtype, aligned), idxs in groups.items():
+            # stochastic rounding only where the reference does it: bf16 params without a master
+            sr = rng is not None and master_kind == _NO_MASTER and p_dtype == torch.bfloat16
+            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if sr else None, chunk, dev, stride)
+            _sgd_kernel[(n_chunks,)](
+                table,
+                len(idxs),
+                n_chunks,
+                scalars,
+                found_inf if found_inf is not None else scalars,
+                rng if sr else table,
+                *hyper,
+                int(found_inf is not None),
+                *flags,
+                RULE=rule,
+                P_KIND=C.DTYPE_KIND[p_dtype],
+                G_KIND=C.DTYPE_KIND[g_dtype],
+                N_PTR=n_ptr,
+                MASTER=master_kind,
+                HAS_MOMENTUM=states is not None,
+                SR=sr,
+                ALIGNED=aligned,
+                CHUNK=chunk,
+                BLOCK=block,
+                **opts,
+            )
 
 
 def _sgd_impl(
@@ -198,61 +308,45 @@ def _sgd_impl(
     nesterov: bool,
     maximize: bool,
 ) -> None:
-    if len(params) == 0:
-        return
-    dev = params[0].device
-    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
-    # int16 remainders are the low half of a bf16 param's fp32 master
-    lists = [("params", params, (torch.bfloat16,) if remainder else G.FLOAT_DTYPES, True)]
-    lists += [("grads", grads, G.FLOAT_DTYPES, False)]
-    lists += [("masters", masters, (torch.int16,) if remainder else G.F32, True)] if masters else []
-    lists += [("momentum_buffers", momentum_buffers, G.F32, True)] if momentum != 0 else []
-    scalars, found_inf, rng, stride = C.checked_scalars("sgd_", dev, params, lists, step_scalars, 3, found_inf, rng)
-    if not masters:
-        master_kind = _NO_MASTER
-    else:
-        master_kind = _REMAINDER if remainder else _FP32_MASTER
     has_momentum = momentum != 0
-    grads = C.contiguous(grads)
-    streams = [params, grads, *([masters] if master_kind != _NO_MASTER else [])]
-    streams += [momentum_buffers] if has_momentum else []
-    groups = C.launch_groups(streams, lambda i: (params[i].dtype, grads[i].dtype))
-    chunk, block, opts = C.launch_config("sgd")
-    with C.device_guard(dev):
-        for (p_dtype, g_dtype, aligned), idxs in groups.items():
-            # stochastic rounding only where the reference does it: bf16 params without a master
-            sr = rng is not None and master_kind == _NO_MASTER and p_dtype == torch.bfloat16
-            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if sr else None, chunk, dev, stride)
-            _sgd_kernel[(n_chunks,)](
-                table,
-                len(idxs),
-                n_chunks,
-                scalars,
-                found_inf if found_inf is not None else scalars,
-                rng if sr else table,
-                C.to_f32(momentum),
-                C.to_f32(1.0 - dampening),
-                C.to_f32(weight_decay),
-                int(found_inf is not None),
-                int(maximize),
-                int(nesterov and has_momentum),
-                int(weight_decay != 0),
-                P_KIND=C.DTYPE_KIND[p_dtype],
-                G_KIND=C.DTYPE_KIND[g_dtype],
-                N_PTR=n_ptr,
-                MASTER=master_kind,
-                HAS_MOMENTUM=has_momentum,
-                SR=sr,
-                ALIGNED=aligned,
-                CHUNK=chunk,
-                BLOCK=block,
-                **opts,
-            )
+    hyper = (C.to_f32(momentum), C.to_f32(1.0 - dampening), C.to_f32(weight_decay), 0.0, 0.0, 0.0, 0.0)
+    _launch(
+        "sgd_", _SGD, params, grads, masters, ("momentum_buffers", momentum_buffers) if has_momentum else None,
+        step_scalars, found_inf, rng, rng_base, hyper,
+        (int(maximize), int(nesterov and has_momentum), int(weight_decay != 0)),
+    )  # fmt: skip
+
+
+def _lion_impl(
+    params: list[Tensor],
+    grads: list[Tensor],
+    masters: list[Tensor],
+    exp_avgs: list[Tensor],
+    step_scalars: Tensor,
+    found_inf: Optional[Tensor],
+    rng: Optional[Tensor],
+    rng_base: int,
+    beta1: float,
+    beta2: float,
+    maximize: bool,
+) -> None:
+    # the betas and their complements rounded to fp32 on the host, as the reference's _f32
+    hyper = (0.0, 0.0, 0.0, C.to_f32(beta1), C.to_f32(1.0 - beta1), C.to_f32(beta2), C.to_f32(1.0 - beta2))
+    _launch(
+        "lion_", _LION, params, grads, masters, ("exp_avgs", exp_avgs), step_scalars, found_inf, rng, rng_base,
+        hyper, (int(maximize), 0, 0),
+    )  # fmt: skip
 
 
 _sgd_op = _ops.register_triton("sgd_", _sgd_impl)
+_lion_op = _ops.register_triton("lion_", _lion_impl)
 
 
 def sgd_(*args) -> None:
     """Triton :func:`fastamp.reference.sgd_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
     _sgd_op(*_ops.coerce("sgd_", args))
+
+
+def lion_(*args) -> None:
+    """Triton :func:`fastamp.reference.lion_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
+    _lion_op(*_ops.coerce("lion_", args))

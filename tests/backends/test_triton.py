@@ -30,6 +30,7 @@ if not DEVICES:
 
 from fastamp.kernels import adamw as tadamw  # noqa: E402
 from fastamp.kernels import amp as tamp  # noqa: E402
+from fastamp.kernels import sgd as tsgd  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CHUNK, BLOCK = tamp.C.chunk_config()
@@ -376,6 +377,15 @@ def test_opcheck():
         torch.ops.fastamp_triton.adamw_.default,
         (*state, scalars, torch.zeros(1, device=dev), 0.9, 0.999, 1e-8, True, False),
     )
+    # lion_: int16 remainders (bf16 params), and no master with stochastic rounding
+    params, grads, _, m, _, _ = _adamw_state(dev, torch.bfloat16, torch.float16, False, False, [3, 6], seed=17)
+    scalars = R.lion_step_scalars(1e-3, 0.1, torch.tensor(0.5, device=dev), dev)
+    rems = [torch.zeros(p.numel(), dtype=torch.int16, device=dev) for p in params]
+    rng = torch.tensor([3, 4], device=dev)
+    for masters, found in ((rems, torch.zeros(1, device=dev)), ([], None)):
+        torch.library.opcheck(
+            torch.ops.fastamp_triton.lion_.default, (params, grads, masters, m, scalars, found, rng, 2, 0.9, 0.99, True)
+        )
 
 
 def test_reachable_through_functional():
@@ -383,6 +393,8 @@ def test_reachable_through_functional():
     assert backends.get_impl("unscale_check_", "triton") is tamp.unscale_check_
     assert backends.get_impl("update_scale_", "triton") is tamp.update_scale_
     assert backends.get_impl("adamw_", "triton") is tadamw.adamw_
+    assert backends.get_impl("sgd_", "triton") is tsgd.sgd_
+    assert backends.get_impl("lion_", "triton") is tsgd.lion_
     grads = _grad_set(dev, seed=16, sizes=[5, BLOCK + 1])
     exp_g, exp_f, exp_s = _run_unscale(R.unscale_check_, grads, 0.25, True, True)
     got = [g.clone() for g in grads]

@@ -7,7 +7,8 @@ reads what came out. For every specialisation it asserts:
 
 * it compiles;
 * 0 spill bytes (ptxas ``-v`` of the very ptxas call Triton makes);
-* on the data streams of the streaming kernels (unscale_check, adamw, adamw_bf16, sgd),
+* on the data streams of the streaming kernels (unscale_check, adamw, adamw_bf16, sgd: the
+  one-state kernel of sgd_ and lion_, one constexpr ``RULE`` each),
   compiled for aligned tensors (``ALIGNED=True``), every access site has a vectorised
   instance of at least 8 bytes (``ld.global.v2/.v4``, ``st.global.v2/.v4``): the full
   blocks. The masked tail and the per-program scalars (launch table, step scalars, flags)
@@ -21,24 +22,25 @@ Which specialisations: the ones the real launchers produce. A worker process (ru
 ``TRITON_INTERPRET``, so ``chunk_config()`` and the launch options are the GPU's) loads
 ``kernels/`` from this tree, replaces every ``*_kernel`` launched with ``kernel[grid](...)``
 by a recording stand-in, and calls the public launchers (``unscale_check_``,
-``unscale_check_stats_``, ``update_scale_``, ``adamw_``, ``adamw_bf16_``, ``sgd_``) on small
+``unscale_check_stats_``, ``update_scale_``, ``adamw_``, ``adamw_bf16_``, ``sgd_``, ``lion_``) on small
 CPU tensors for every dtype combination and flag they accept, with 16-byte aligned tensors
 and with views whose storage offset breaks the alignment. Each recorded launch goes through
 Triton's own binder (the code ``kernel[grid](...)`` runs: signature, constexprs,
 specialisation attributes and options, ``num_warps`` included), and the distinct results are
 compiled. The recorded set is the whole set (``test_launchers_reach_every_dtype``).
 
-Budget (CI runs this on 2 CPU cores, in about 3 minutes): the launchers produce 706
+Budget (CI runs this on 2 CPU cores, in about 3-4 minutes): the launchers produce 786
 distinct specialisations per target (counts, chunk counts, scalar addresses and the runtime
 flags never add one: ``test_no_specialisation_churn``), 0.2-1.5 s of compile each. By
-default the tier compiles a cover of 190, for every kernel:
+default the tier compiles a cover of 229, for every kernel:
 
-* every dtype combination with its heaviest flags (the most streams: masters, amsgrad,
-  remainders, stochastic rounding, momentum, statistics; aligned), for sm_80 and sm_90:
+* every dtype combination (per update rule of a kernel with several) with its heaviest flags
+  (the most streams: masters, amsgrad, remainders, stochastic rounding, momentum,
+  statistics; aligned), for sm_80 and sm_90:
   every dtype's loads, stores and conversions are compiled for both targets, and register
   pressure grows with the streams;
 * every flag combination, aligned or not, for one dtype combination (the one with the most
-  specialisations), for sm_90: every flag value, in every combination.
+  specialisations) per update rule, for sm_90: every flag value, in every combination.
 
 The flags select whole streams or a few scalar operations, so the cover holds every kind of
 instruction the full set does. It does not prove the absence of spills everywhere: ptxas's
@@ -281,6 +283,32 @@ def _record_launches(mods, launched):
             nesterov,
             maximize,
         )
+
+    # lion_: the same storage as sgd_, its state (exp_avgs) always there; the betas are runtime floats
+    for master, maximize, rng, has_found in itertools.product(
+        ("none", "fp32", "rem"), (False, True), (False, True), (False, True)
+    ):
+        p_dtypes = (torch.bfloat16,) if master == "rem" else floats
+        pairs = [(p, g, al) for p in p_dtypes for g in floats for al in (True, False)]
+        if master == "rem":
+            masters = [tensor(n, torch.int16, al) for *_, al in pairs]
+        elif master == "fp32":
+            masters = [tensor(n, torch.float32, al) for *_, al in pairs]
+        else:
+            masters = []
+        sgd.lion_(
+            [tensor(n, p, al) for p, _, al in pairs],
+            [tensor(n, g, al) for _, g, al in pairs],
+            masters,
+            [tensor(n, torch.float32, al) for *_, al in pairs],
+            torch.ones(3),
+            torch.zeros(1) if has_found else None,
+            torch.tensor([1, 2], dtype=torch.int64) if rng else None,
+            0,
+            0.9,
+            0.99,
+            maximize,
+        )
     return launched
 
 
@@ -289,7 +317,7 @@ def _record_churn(mods, launched):
 
     Tensor counts (1, 2, 17, 40), chunk counts (tensors of 1 to 3 GPU chunks), scalars and
     flags at unaligned addresses, shared and per-tensor step scalars (row stride 0 or k), and
-    the runtime flags. Each kernel should compile once.
+    the runtime flags and hyperparameters. Each kernel should compile once per update rule.
     """
     import torch
 
@@ -308,6 +336,10 @@ def _record_churn(mods, launched):
         sgd.sgd_(
             f32[0], f32[1], [], f32[4], torch.ones(8)[i : i + 3] if i % 2 else torch.ones(count, 3),
             found if i % 2 else None, None, 0, 0.9, 0.0, 0.01 * (i % 2), bool(i % 2), bool(i % 2),
+        )  # fmt: skip
+        sgd.lion_(
+            f32[0], f32[1], [], f32[4], torch.ones(8)[i : i + 3] if i % 2 else torch.ones(count, 3),
+            found if i % 2 else None, None, 0, (0.9, 0.0)[i % 2], (0.99, 1.0)[i % 2], bool(i % 2),
         )  # fmt: skip
     return launched
 
@@ -328,6 +360,7 @@ def _count_launches_20k(mods, launched) -> dict:
             bf16, f32[0], f32[1], f32[2], f32[3], [], scalars, found, 0.9, 0.999, 1e-8, False, False
         ),
         "sgd_": lambda: sgd.sgd_(bf16, f32[0], f32[1], f32[2], scalars[:3], found, None, 0, 0.9, 0, 0, False, False),
+        "lion_": lambda: sgd.lion_(bf16, f32[0], f32[1], f32[2], scalars[:3], found, None, 0, 0.9, 0.99, False),
     }
     for name, call in ops.items():
         launched.clear()
@@ -622,7 +655,8 @@ def _subset(specs: dict, full: bool) -> list:
         groups = defaultdict(list)
         for key in keys:
             flags = specs[key]["flags"]
-            dtypes = tuple(sorted((k, v) for k, v in flags.items() if k.endswith("KIND")))
+            # the update rule (a kernel with several) counts as a dtype: each rule gets its own cover
+            dtypes = tuple(sorted((k, v) for k, v in flags.items() if k.endswith("KIND") or k == "RULE"))
             groups[dtypes].append(key)
 
         def weight(key):
@@ -632,8 +666,12 @@ def _subset(specs: dict, full: bool) -> list:
         for members in groups.values():
             heaviest = max(members, key=weight)
             chosen.update((heaviest, a) for a in ARCHS)
-        rep = max(groups, key=lambda d: (len(groups[d]), str(d)))
-        chosen.update((key, 90) for key in groups[rep])
+        by_rule = defaultdict(list)
+        for d in groups:
+            by_rule[dict(d).get("RULE")].append(d)
+        for ds in by_rule.values():
+            rep = max(ds, key=lambda d: (len(groups[d]), str(d)))
+            chosen.update((key, 90) for key in groups[rep])
     return sorted(chosen)
 
 
@@ -686,8 +724,8 @@ def worker_main(argv) -> int:
     sink.clear()
     churn = defaultdict(set)
     for name, fn, a, kw in _record_churn(mods, sink):
-        src, options, _ = _bind(fn, a, kw, GPUTarget("cuda", ARCHS[-1], 32))
-        churn[name].add(f"{src.hash()}:{options.num_warps}")
+        src, options, flags = _bind(fn, a, kw, GPUTarget("cuda", ARCHS[-1], 32))
+        churn[_rule_name(name, flags)].add(f"{src.hash()}:{options.num_warps}")
     out["churn"] = {k: len(v) for k, v in churn.items()}
     out["launches_20k"] = _count_launches_20k(mods, sink)
     specs = {}
@@ -744,6 +782,11 @@ def worker_main(argv) -> int:
         out["results"].append(row)
     out["total_s"] = time.time() - t0
     return finish()
+
+
+def _rule_name(kernel: str, flags: dict) -> str:
+    """A kernel's name, with its update rule where it has several (``_sgd_kernel[RULE=1]``: lion_)."""
+    return f"{kernel}[RULE={flags['RULE']}]" if "RULE" in flags else kernel
 
 
 def _args_key(fn, args):
@@ -1047,16 +1090,26 @@ def test_launchers_reach_every_dtype(tier):
     specs = tier["specs"].values()
     seen = defaultdict(set)
     aligned = defaultdict(set)
+    per_rule = defaultdict(set)
     for s in specs:
         kinds = tuple(v for k, v in s["flags"].items() if k.endswith("KIND"))
         if s["kernel"] == "_adamw_bf16_kernel" and not s["flags"].get("AMSGRAD"):
             kinds = kinds[:-1]  # VMAX_KIND is unused (fixed) without amsgrad
         seen[s["kernel"]].add(kinds)
         aligned[s["kernel"]].add(s["flags"].get("ALIGNED"))
+        per_rule[(_rule_name(s["kernel"], s["flags"]), s["flags"].get("MASTER"), s["flags"].get("SR"))].add(kinds)
     assert set(seen) == set(KERNELS), sorted(seen)
     assert len(seen["_unscale_check_kernel"]) == 3  # f32, f16, bf16 grads
     assert len(seen["_adamw_kernel"]) == 16  # 4 param x 4 grad dtypes
     assert len(seen["_sgd_kernel"]) == 16
+    # sgd_ (RULE=0) and lion_ (RULE=1) each: 4 x 4 dtypes without a master (bf16 params rounded
+    # stochastically: 4 grad dtypes) and with fp32 masters, bf16 params x 4 grad dtypes with remainders
+    for rule in ("_sgd_kernel[RULE=0]", "_sgd_kernel[RULE=1]"):
+        counts = {(m, sr): len(per_rule[(rule, m, sr)]) for m in (0, 1, 2) for sr in (False, True)}
+        assert counts == {(0, False): 16, (0, True): 4, (1, False): 16, (1, True): 0, (2, False): 4, (2, True): 0}, (
+            rule,
+            counts,
+        )
     # 4 grad x 2 exp_avg x 2 exp_avg_sq dtypes, and x 2 max_exp_avg_sq dtypes with amsgrad
     assert len(seen["_adamw_bf16_kernel"]) == 16 + 32
     for k in STREAMING:
@@ -1066,14 +1119,15 @@ def test_launchers_reach_every_dtype(tier):
 @pytest.mark.slow
 def test_few_launches_at_20000_tensors(tier):
     """One launch per dtype group, whatever the tensor count (the launch table carries the tensors)."""
-    assert tier["launches_20k"] == {"unscale_check_": 1, "adamw_": 1, "sgd_": 1}, tier["launches_20k"]
+    assert tier["launches_20k"] == {"unscale_check_": 1, "adamw_": 1, "sgd_": 1, "lion_": 1}, tier["launches_20k"]
 
 
 @pytest.mark.slow
 def test_no_specialisation_churn(tier):
     """Tensor and chunk counts, unaligned scalars and the runtime flags never compile another variant."""
     churn = tier["churn"]
-    assert set(churn) == {"_unscale_check_kernel", "_adamw_kernel", "_sgd_kernel"}, churn
+    want = {"_unscale_check_kernel", "_adamw_kernel", "_sgd_kernel[RULE=0]", "_sgd_kernel[RULE=1]"}
+    assert set(churn) == want, churn
     assert all(n == 1 for n in churn.values()), f"distinct compiled variants per kernel: {churn}"
 
 
