@@ -151,6 +151,18 @@ def device_guard(device: torch.device):
 
 
 @triton.jit
+def neg(x):
+    """``-x`` with the sign of zero flipped too (``maximize``'s ``g = -g``, as the reference's ``-g``).
+
+    Triton 3.2 and 3.6 (checked under their interpreters; 3.9 negates) compute unary minus as
+    ``0 - x``, which gives ``+0.0`` for ``+0.0``: a -0.0 of the reference became +0.0 downstream
+    (the CUDA-build tier's three SGD cases and twelve Lion cases). A product with -1 is exact for
+    every value, signed zeros and NaN included, in every Triton.
+    """
+    return x * -1.0
+
+
+@triton.jit
 def sqrt_rn(x, RN: tl.constexpr):
     """fp32 square root, correctly rounded when RN > 0 (see RN)."""
     if RN == 2:

@@ -76,7 +76,7 @@ def _adamw_block(
         p = C.load_f32(p_ptr, idx, mask, P_KIND, MASKED)
     g = C.load_f32(g_ptr, idx, mask, G_KIND, MASKED) * grad_mul
     if maximize != 0:
-        g = -g
+        g = C.neg(g)
     m = C.load_f32(m_ptr, idx, mask, 0, MASKED)
     v = C.load_f32(v_ptr, idx, mask, 0, MASKED)
     pv = p * decay

@@ -79,7 +79,7 @@ def _adamw_bf16_block(
         p = (pbits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
     g = C.load_f32(g_ptr, idx, mask, G_KIND, MASKED) * grad_mul
     if maximize != 0:
-        g = -g
+        g = C.neg(g)
     m = C.load_f32(m_ptr, idx, mask, M_KIND, MASKED)
     v = C.load_f32(v_ptr, idx, mask, V_KIND, MASKED)
     pv = p * decay

@@ -102,7 +102,7 @@ def _one_state_block(
         p = C.load_f32(p_ptr, idx, mask, P_KIND, MASKED)
     g = C.load_f32(g_ptr, idx, mask, G_KIND, MASKED) * grad_mul
     if maximize != 0:
-        g = -g
+        g = C.neg(g)
     if RULE == 1:
         m = C.load_f32(buf_ptr, idx, mask, 0, MASKED)
         c = m * beta1 + g * one_minus_beta1

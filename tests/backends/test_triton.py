@@ -411,3 +411,27 @@ def test_reachable_through_functional():
     s, g, h = _trackers(dev, 8.0)
     functional.update_scale_(s, g, h, torch.ones(1, device=dev), 2.0, 0.5, 10, backend="triton")
     assert s.item() == 4.0
+
+
+# ---------------------------------------------------------------- signed zeros
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_neg_flips_the_sign_of_zero_in_every_triton(device):
+    """``_common.neg`` (``maximize``'s ``g = -g``) gives -0.0 for +0.0 and keeps NaN: Triton 3.2 and 3.6 compute
+    unary minus as ``0 - x`` (+0.0 for +0.0), which made three SGD and twelve Lion matrix cases differ from the
+    reference under triton 3.6 (the CUDA-build tier runs this file with it)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _neg_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(out_ptr + offs, tamp.C.neg(tl.load(x_ptr + offs, mask=mask)), mask=mask)
+
+    x = torch.tensor([0.0, -0.0, 1e-45, -3.0, math.inf, -math.inf, math.nan], device=device)
+    out = torch.empty_like(x)
+    _neg_kernel[(1,)](x, out, x.numel(), BLOCK=8)
+    assert_bits_equal(out, x * -1.0)
+    assert torch.signbit(out[0]) and not torch.signbit(out[1])
