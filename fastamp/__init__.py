@@ -10,6 +10,7 @@ from fastamp import _ops, backends, functional, health, reference, schedule  # n
 from fastamp.cast import DEFAULT_KEEP_FP32, cast_model
 from fastamp.health import AmpPitfallWarning, GradStats
 from fastamp.optim import SGD, AdamW, Lion
+from fastamp.release import Release, release
 from fastamp.scaler import OptState, Scaler
 from fastamp.schedule import DeviceLR, SkipAwareLR
 
@@ -20,6 +21,8 @@ __all__ = [
     "AdamW",
     "SGD",
     "Lion",
+    "release",
+    "Release",
     "OptState",
     "backends",
     "functional",

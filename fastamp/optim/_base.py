@@ -56,6 +56,10 @@ def _keyword_args(op: str) -> tuple[int, tuple[str, ...]]:
     return n, tuple(a.name for a in args[n:])
 
 
+def _select(params: list[Tensor], positions: list[int]) -> list[Tensor]:
+    return list(map(params.__getitem__, positions))
+
+
 class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRecords, torch.optim.Optimizer):
     """The step loop, master-weight bookkeeping and state_dict shared by fastamp's optimizers.
 
@@ -124,6 +128,19 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     _COUNT_BEFORE = True
     _STEP_REQUIRED = False  # a non-empty state must hold a ``step`` (AdamW: bias corrections)
     _step_supports_amp_scaling = True
+
+    @property
+    def _plan(self) -> _Plan | None:
+        return self.__dict__.get("_whole_plan")
+
+    @_plan.setter
+    def _plan(self, plan: _Plan | None) -> None:
+        # Whatever drops the step's plan (a state dict assigned or removed, a load, a new
+        # group, reset_master_weights) drops the buckets' plans too: their checks at each
+        # call, like the step's, cover only what can change without the optimizer noticing.
+        self.__dict__["_whole_plan"] = plan
+        if plan is None:
+            self.__dict__["_bucket_plans"] = {}
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
@@ -272,12 +289,16 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             keys += ("rng",)
         return keys
 
-    def _collect(self) -> tuple[list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]], dict[int, float]]:
-        """Every (group, [(index, param, grad)]) to update and the step counts to read, fully validated.
+    def _collect(
+        self, subsets: list[list[int]] | None = None
+    ) -> tuple[list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]], dict[int, float]]:
+        """Every (group, [(position, param, grad)]) to update and the step counts to read, fully validated.
 
         Checks everything the launches will use, in every group, and changes nothing: a
         failing step leaves params, grads and state as they were. Returns the work and the
         values of step counts written from outside since the optimizer last vouched for them.
+        ``subsets``: per group, the indices of the params to consider (a bucket, see
+        :meth:`step_bucket`); a position is then one in that list; None: every param.
         """
         from fastamp import backends
 
@@ -288,7 +309,9 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         for gi, group in enumerate(self.param_groups):
             items = []
             moment_keys = self._moment_keys(group)
-            for i, p in enumerate(group["params"]):
+            params = group["params"]
+            for pos, i in enumerate(range(len(params)) if subsets is None else subsets[gi]):
+                p = params[i]
                 g = p.grad
                 if g is None:
                     continue
@@ -311,7 +334,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 st = state.get(p)
                 if st and self._check_state(gi, i, p, st, group, kind, moment_keys):
                     untrusted.append((gi, i, p, st["step"]))
-                items.append((i, p, g))
+                items.append((pos, p, g))
                 needed.add((self._kernel_op(group, p, kind), p.device))
             work.append((group, items))
         check_no_shared_memory(self._NAME, self.param_groups)
@@ -320,7 +343,10 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         return work, self._read_steps(untrusted)
 
     def _build_plan(
-        self, work: list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]], step_values: dict[int, float]
+        self,
+        work: list[tuple[dict[str, Any], list[tuple[int, Tensor, Tensor]]]],
+        step_values: dict[int, float],
+        subsets: list[list[int]] | None = None,
     ) -> _Plan:
         """Create missing state and masters and group the params with a grad into launches.
 
@@ -329,12 +355,14 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         validate them (written from outside); a count that is not an fp32 0-dim tensor on its
         param's device is replaced by one holding the value. The launches of a group on one
         device are one bucket whatever their counts: each param's step scalars come from its
-        own count (see ``_execute``).
+        own count (see ``_execute``). ``subsets``: as ``_collect``'s (a bucket's plan covers
+        only its params: their counts make its buffers).
         """
         plan = _Plan()
         sr_ids: dict[int, int] | None = None
-        for group, items in work:
-            gp = _GroupPlan(group, self._plan_key(group))
+        for gi, (group, items) in enumerate(work):
+            params = None if subsets is None else _select(group["params"], subsets[gi])
+            gp = _GroupPlan(group, self._plan_key(group), params)
             buckets: dict[torch.device, _Bucket] = {}
             for pos, p, g in items:
                 st = self.state.get(p)
@@ -407,7 +435,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         plan.n_state = len(self.state)
         return plan
 
-    def _gather(self, plan: _Plan | None) -> list[list[Tensor | None]] | None:
+    def _gather(self, plan: _Plan | None, subsets: list[list[int]] | None = None) -> list[list[Tensor | None]] | None:
         """This step's grads of every group, or None when ``plan`` does not fit this step.
 
         Per param this costs a few attribute reads and identity tests (no Python call per
@@ -427,10 +455,10 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         ):
             return None
         out = []
-        for group, gp in zip(self.param_groups, plan.groups):
+        for gi, (group, gp) in enumerate(zip(self.param_groups, plan.groups)):
             if group is not gp.group or self._plan_key(group) != gp.key:
                 return None
-            grads = gp.gather(group["params"])
+            grads = gp.gather(group["params"] if subsets is None else _select(group["params"], subsets[gi]))
             if grads is None:
                 return None
             if not all(b.intact() for b in gp.buckets):
@@ -488,6 +516,113 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             self._plan = None
             raise
         return loss
+
+    @torch.no_grad()
+    def step_bucket(self, params: list[Tensor] | tuple[Tensor, ...]) -> None:
+        """Perform the optimization step of ``params`` only (a *bucket* of this optimizer's params).
+
+        What :meth:`step` does to these params, bit for bit, and nothing to the others: the
+        same validation before any write (of the bucket's params, grads and state; shared
+        memory among all params), each param's own step count, masters, ``rng`` counters, a
+        grad scaler's ``grad_scale`` / ``found_inf`` if set on the optimizer, the same kernels.
+        A param of the bucket without a grad is not stepped, as in :meth:`step`. Used by
+        gradient release (:func:`fastamp.release`), which steps each bucket as soon as its
+        grads are accumulated.
+
+        Each bucket keeps its own launch plan, keyed by the params (same objects, same
+        order): a bucket stepped again with the same layout costs what a step of a plan that
+        fits costs (a few attribute reads and identity tests per param, no host sync). A
+        bucket's params get their own ``step`` buffer; the step's plan and the buckets' plans
+        notice each other's buffers by identity and plan again when the other path is used.
+
+        Bit-identity with :meth:`step`: the kernels are elementwise, each param's step
+        scalars come from its own count (computed lane-wise, see
+        :func:`fastamp.reference.adamw_step_scalars`, so their bits do not depend on where a
+        count sits in the vector), and each param keeps its stochastic-rounding tensor id.
+        Stochastic rounding draws a launch's bits from the ``rng`` counter of the launch's
+        first param: equal to :meth:`step`'s as long as the params of a launch have stepped
+        equally often (a param skipped by a step lags); :func:`fastamp.release` refuses
+        stochastic rounding for that reason.
+
+        Args:
+            params: params of this optimizer, each at most once (any groups).
+        """
+        from fastamp import backends
+
+        if torch.compiler.is_compiling():
+            raise NotImplementedError(
+                f"{self._NAME}: step_bucket cannot be compiled; call it eagerly (torch.compile of opt.step() is "
+                "supported)"
+            )
+        self._opt_called = True
+        if type(self.state) is not StateTable:
+            self._track_state()
+        if self._compiled["ran"]:
+            self._forget_compiled_steps()
+        plans = self.__dict__.setdefault("_bucket_plans", {})
+        key = tuple(map(id, params))
+        entry = plans.get(key)
+        fresh = entry is None
+        if fresh:
+            entry = [tuple(params), self._bucket_positions(params), None]
+        subsets = entry[1]
+        for gi, group in enumerate(self.param_groups):
+            if subsets[gi]:
+                self._validate_group(group, f"param group {gi}")
+        amp = AmpInputs(self._NAME, getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        plan = entry[2]
+        grads = self._gather(plan, subsets) if plan is not None else None
+        if grads is None:
+            entry[2] = None
+            if not fresh:
+                # the params may have moved in their groups since the bucket was planned
+                entry[1] = subsets = self._bucket_positions(params)
+            work, step_values = self._collect(subsets)
+            plans[key] = entry
+            if not any(items for _, items in work):
+                return
+            plan = self._build_plan(work, step_values, subsets)
+            grads = self._gather(plan, subsets)
+            if grads is None:
+                raise RuntimeError(f"{self._NAME}: internal error: a new launch plan does not fit its own bucket")
+            entry[2] = plan
+            # planning may have replaced state dicts of the table (dropping every plan)
+            self.__dict__.setdefault("_bucket_plans", {})[key] = entry
+        else:
+            for op, dev in plan.needed:
+                backends.resolve(op, dev, self.backend)
+        try:
+            self._execute(plan, grads, amp)
+        except BaseException:
+            entry[2] = None
+            raise
+
+    def _bucket_positions(self, params: list[Tensor] | tuple[Tensor, ...]) -> list[list[int]]:
+        """Per group, the indices of ``params`` in it (in group order); an error names a param not held or repeated."""
+        where: dict[int, tuple[int, int]] = {}
+        for gi, group in enumerate(self.param_groups):
+            for i, p in enumerate(group["params"]):
+                where[id(p)] = (gi, i)
+        subsets: list[list[int]] = [[] for _ in self.param_groups]
+        seen: set[int] = set()
+        for k, p in enumerate(params):
+            if not isinstance(p, Tensor):
+                raise TypeError(
+                    f"{self._NAME}: step_bucket: entry {k} of the bucket is a {type(p).__name__}, not a param"
+                )
+            loc = where.get(id(p))
+            if loc is None:
+                raise ValueError(
+                    f"{self._NAME}: step_bucket: entry {k} of the bucket (shape {tuple(p.shape)}) is not a param of "
+                    "this optimizer"
+                )
+            if id(p) in seen:
+                raise ValueError(f"{self._NAME}: step_bucket: entry {k} of the bucket appears twice")
+            seen.add(id(p))
+            subsets[loc[0]].append(loc[1])
+        for positions in subsets:
+            positions.sort()
+        return subsets
 
     def _init_group(self) -> tuple:
         """:meth:`_trace_time_plan`, run by dynamo eagerly at trace time; its errors reach the user as eager's.

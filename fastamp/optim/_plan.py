@@ -438,9 +438,10 @@ class _GroupPlan:
         "versions",
     )
 
-    def __init__(self, group: dict[str, Any], key: tuple) -> None:
+    def __init__(self, group: dict[str, Any], key: tuple, params: list[Tensor] | None = None) -> None:
         self.group = group
-        self.params: list[Tensor] = list(group["params"])
+        # the params the plan covers: the group's, or a bucket's among them (see FusedOptimizer.step_bucket)
+        self.params: list[Tensor] = list(group["params"]) if params is None else params
         self.key = key
         self.param_dtypes = list(map(_dtype_of, self.params))
         grads = list(map(_grad_of, self.params))

@@ -17,6 +17,25 @@ from torch import Tensor
 from fastamp.reference.formats import _store_lowp, join_master, split_master, sr_random16
 from fastamp.reference.numerics import _f32, sqrt_rn
 
+# torch's CPU loops compute a vector's full SIMD blocks with one pow and its tail (and a 0-dim
+# call) with another, whose fp64 results differ in the last bit (79 of 4,000 counts on a Xeon
+# here). Padding the counts with ones to a multiple of 64 puts every count in a full block, so a
+# count's row does not depend on where it sits in the vector: a bucket's step
+# (FusedOptimizer.step_bucket) sees a count in a shorter vector than the whole step does.
+# Chunks of at most _LANE_CHUNK stay below torch's grain size (one thread, no chunk seam inside).
+_LANE_PAD = 64
+_LANE_CHUNK = 16384
+
+
+def _pow(base: Tensor, st: Tensor) -> Tensor:
+    """``torch.pow(base, st)``, each count of a 1-D ``st`` computed as a SIMD lane of a full block."""
+    if st.dim() == 0 or st.device.type != "cpu":
+        return torch.pow(base, st)
+    n = st.numel()
+    padded = torch.ones(-(-max(n, 1) // _LANE_PAD) * _LANE_PAD, dtype=st.dtype)
+    padded[:n] = st
+    return torch.cat([torch.pow(base, chunk) for chunk in padded.split(_LANE_CHUNK)])[:n]
+
 
 def adamw_step_scalars(
     lr, step: Tensor, beta1: float, beta2: float, weight_decay: float, grad_mul: Tensor | None = None
@@ -46,8 +65,8 @@ def adamw_step_scalars(
         if isinstance(lr, Tensor)
         else torch.full((), lr, dtype=wide, device=dev)
     )
-    bc1 = 1 - torch.pow(torch.full((), beta1, dtype=wide, device=dev), st)
-    bc2 = 1 - torch.pow(torch.full((), beta2, dtype=wide, device=dev), st)
+    bc1 = 1 - _pow(torch.full((), beta1, dtype=wide, device=dev), st)
+    bc2 = 1 - _pow(torch.full((), beta2, dtype=wide, device=dev), st)
     step_size = lr_t / bc1
     bc2_sqrt = bc2.sqrt()
     decay = 1 - lr_t * weight_decay
