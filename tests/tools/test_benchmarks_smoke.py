@@ -12,6 +12,7 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 
 sys.path.insert(0, BENCH_DIR)
 
 import bench_adamw  # noqa: E402
+import bench_release  # noqa: E402
 import bench_step  # noqa: E402
 import bench_unscale  # noqa: E402
 import common  # noqa: E402
@@ -297,3 +298,31 @@ def test_bench_progress_bar_stays_within_the_terminal_width(monkeypatch):
     frames = out.getvalue().replace("\n", "\r").split("\r")
     assert len([f for f in frames if f]) == 3
     assert all(len(f) < 80 for f in frames)
+
+
+def test_bench_release_checks_and_reports_the_peak_of_live_grads(tmp_path):
+    """24 small layers, buckets of ~2 layers and of one param: each release row checked bit for bit, peak <= goal."""
+    rows = bench_release.main(
+        [
+            "--quick",
+            "--buckets-mib",
+            "0.02,0",
+            "--steps",
+            "1",
+            "--check-steps",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--tag",
+            "t",
+        ]
+    )
+    assert [r["provider"] for r in rows] == ["ordinary", "release-0.02MiB", "release-0MiB"]
+    ordinary, *released = rows
+    for r in released:
+        assert r["check"] == "ok", r
+        assert r["meets_goal"] is True, r
+        assert r["peak_live_grads_mib"] < ordinary["peak_live_grads_mib"], r
+    assert released[1]["buckets"] == 48  # 24 weights + 24 biases
+    assert len(_read_csv(tmp_path / "bench_release-t.csv")) == 3
+    assert "| release-0MiB | ok |" in (tmp_path / "bench_release-t.md").read_text()

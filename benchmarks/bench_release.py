@@ -1,0 +1,197 @@
+"""Gradient release (issue 23, part 1): peak bytes of live grads during a step, and the step time.
+
+A stack of ``--layers`` ``Linear(dim, dim)`` blocks (ReLU between them), bf16 params with int16
+remainder masters, ``fastamp.AdamW``, on CPU. Providers:
+
+``ordinary``        ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``
+``release-<size>``  ``h = fastamp.release(model, opt, bucket_bytes=<size>)``; ``h.backward(loss)``
+
+Live grads: the bytes of the distinct storages of the params' ``.grad`` tensors, summed over
+the model, sampled in a post-accumulate-grad hook of every param that runs before release's
+own (the moment a new grad is there and nothing was freed yet: the peaks) and after backward.
+It counts ``.grad`` tensors only, not autograd's buffers of grads still in flight (the same in
+both paths). The goal of the issue: peak live grads <= the largest bucket (its params' bytes:
+a grad is as large as its param here) + 1 MiB.
+
+Before timing, every release provider is checked against ``ordinary`` bit for bit (params and
+optimizer state) over ``--check-steps`` steps. Step time: forward + backward + step, median over
+``--steps`` interleaved steps (min and max with it). Writes ``results/bench_release-<device>.{csv,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import common  # noqa: E402
+
+import fastamp  # noqa: E402
+from fastamp import _harness  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _model(layers: int, dim: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [torch.nn.Linear(dim, dim), torch.nn.ReLU()]
+    return torch.nn.Sequential(*blocks).to(torch.bfloat16)
+
+
+def _live_grad_bytes(params: list[torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for p in params:
+        g = p.grad
+        if g is not None:
+            s = g.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+class Run:
+    """One provider: its model, optimizer, handle (None: ordinary) and the peak it saw."""
+
+    def __init__(self, name: str, bucket_bytes: int | None, layers: int, dim: int) -> None:
+        self.name, self.bucket_bytes = name, bucket_bytes
+        self.model = _model(layers, dim)
+        self.params = list(self.model.parameters())
+        self.opt = fastamp.AdamW(self.params, lr=1e-3, weight_decay=0.01, master_weights="remainder")
+        self.peak = 0
+        # registered before release's hooks: they see each new grad before a bucket's step frees any
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._sample)
+        self.h = None if bucket_bytes is None else fastamp.release(self.model, self.opt, bucket_bytes=bucket_bytes)
+
+    def _sample(self, _p: torch.Tensor) -> None:
+        self.peak = max(self.peak, _live_grad_bytes(self.params))
+
+    def largest_bucket(self) -> int:
+        if self.h is None:
+            return sum(p.numel() * p.element_size() for p in self.params)
+        return max(sum(p.numel() * p.element_size() for p in b) for b in self.h.buckets)
+
+    def step(self, x: torch.Tensor) -> None:
+        loss = self.model(x).float().square().mean()
+        if self.h is None:
+            loss.backward()
+            self.peak = max(self.peak, _live_grad_bytes(self.params))
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            self.h.backward(loss)
+            self.peak = max(self.peak, _live_grad_bytes(self.params))
+
+
+def _check(runs: list[Run], steps: int, dim: int) -> dict[str, str]:
+    base, out = runs[0], {runs[0].name: "reference"}
+    for i in range(steps):
+        x = torch.randn(8, dim, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        for r in runs:
+            r.step(x)
+    for r in runs[1:]:
+        ok = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(base.params, r.params))
+        for a, b in zip(base.params, r.params):
+            sa, sb = base.opt.state[a], r.opt.state[b]
+            ok = ok and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        out[r.name] = "ok" if ok else "DIFFERS"
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, object]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--buckets-mib", default="32,4,0", help="release bucket sizes in MiB (0: a bucket per param)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per provider (interleaved)")
+    parser.add_argument("--check-steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--quick", action="store_true", help="smoke sizes: 24 layers of 64")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--tag", default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.dim, args.steps, args.check_steps = 64, 2, 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cpu")
+    sizes = [float(s) for s in args.buckets_mib.split(",")]
+    runs = [Run("ordinary", None, args.layers, args.dim)]
+    runs += [Run(f"release-{s:g}MiB", int(s * MiB), args.layers, args.dim) for s in sizes]
+    checks = _check(runs, args.check_steps, args.dim)
+    for r in runs:
+        r.peak = 0
+    times: dict[str, list[float]] = {r.name: [] for r in runs}
+    for i in range(args.steps):
+        x = torch.randn(8, args.dim, generator=torch.Generator().manual_seed(100 + i)).to(torch.bfloat16)
+        for r in runs:
+            t0 = time.perf_counter()
+            r.step(x)
+            times[r.name].append(time.perf_counter() - t0)
+    n_params = sum(p.numel() for p in runs[0].params)
+    rows = []
+    base_ms = statistics.median(times["ordinary"]) * 1e3
+    for r in runs:
+        ms = statistics.median(times[r.name]) * 1e3
+        largest = r.largest_bucket()
+        rows.append(
+            {
+                "provider": r.name,
+                "check": checks[r.name],
+                "params": n_params,
+                "buckets": 1 if r.h is None else len(r.h.buckets),
+                "largest_bucket_mib": round(largest / MiB, 3),
+                "peak_live_grads_mib": round(r.peak / MiB, 3),
+                "goal_mib": "" if r.h is None else round(largest / MiB + 1, 3),
+                "meets_goal": "" if r.h is None else r.peak <= largest + MiB,
+                "step_ms": round(ms, 2),
+                "step_ms_min": round(min(times[r.name]) * 1e3, 2),
+                "step_ms_max": round(max(times[r.name]) * 1e3, 2),
+                "time_vs_ordinary": round(ms / base_ms, 3),
+            }
+        )
+    for r in runs:
+        if r.h is not None:
+            r.h.remove()
+    out_dir = args.out or common.DEFAULT_OUT
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"bench_release-{args.tag or device.type + ('-quick' if args.quick else '')}")
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    info = _harness.machine_info(device)
+    lines = [
+        "# bench_release: peak live grads and step time, gradient release vs the ordinary step",
+        "",
+        *common.header_lines(info),
+        "",
+        f"{args.layers} x Linear({args.dim}, {args.dim}) + ReLU, bf16 params, master_weights='remainder', "
+        f"fastamp.AdamW; batch 8; {args.steps} timed steps (interleaved), {args.check_steps} checked bit for bit.",
+        "Live grads = bytes of the params' `.grad` storages, sampled as each grad is accumulated and after backward.",
+        "",
+        "| " + " | ".join(rows[0]) + " |",
+        "|" + "---|" * len(rows[0]),
+    ]
+    lines += ["| " + " | ".join(str(v) for v in row.values()) + " |" for row in rows]
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    common.log(f"wrote {stem}.csv and .md")
+    for row in rows:
+        common.log(str(row))
+    return rows
+
+
+if __name__ == "__main__":
+    rows = main()
+    sys.exit(0 if all(r["check"] in ("ok", "reference") for r in rows) else 1)
