@@ -7,10 +7,10 @@ backends are available.
 """
 
 from fastamp import _ops, backends, functional, health, reference, schedule  # noqa: F401  # noqa: E402
+from fastamp._release import Release, release
 from fastamp.cast import DEFAULT_KEEP_FP32, cast_model
 from fastamp.health import AmpPitfallWarning, GradStats
 from fastamp.optim import SGD, AdamW, Lion
-from fastamp.release import Release, release
 from fastamp.scaler import OptState, Scaler
 from fastamp.schedule import DeviceLR, SkipAwareLR
 
