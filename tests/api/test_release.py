@@ -303,10 +303,11 @@ def test_backward_refuses_a_grad_already_there_and_changes_nothing():
     model, opt = _world("sgd", "fp32")
     h = fastamp.release(model, opt, bucket_bytes=6000)
     _released(model, h, 0)
+    snap = _snapshot(model, opt)
     model(_batch(1), 1).backward()
+    _unchanged(model, opt, snap, "a plain backward steps nothing")
     grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     assert sum(g is not None for g in grads) == 7  # every param but the branch's two
-    snap = _snapshot(model, opt)
     with pytest.raises(RuntimeError, match="param 'out.bias' already has a grad when h.backward starts"):
         h.backward(model(_batch(2), 2))
     _unchanged(model, opt, snap, "refused backward")
@@ -316,6 +317,22 @@ def test_backward_refuses_a_grad_already_there_and_changes_nothing():
             assert_bits_equal(p.grad, g, "grad kept")
     opt.zero_grad(set_to_none=True)
     _released(model, h, 3)  # as the message says: drop the grads, and release goes on
+    h.remove()
+
+
+def test_backward_validates_the_groups_before_backward_runs():
+    """A bad hyperparameter is refused before any bucket steps: nothing changes, no grad is left."""
+    model, opt = _world("adamw", "bf16-remainder")
+    h = fastamp.release(model, opt, bucket_bytes=0)
+    _released(model, h, 0)
+    snap = _snapshot(model, opt)
+    opt.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0 .in param group 0."):
+        h.backward(model(_batch(1), 1))
+    assert all(p.grad is None for p in model.parameters())
+    opt.param_groups[0]["lr"] = 1e-2
+    _unchanged(model, opt, snap, "refused lr")
+    _released(model, h, 2)
     h.remove()
 
 
