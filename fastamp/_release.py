@@ -21,9 +21,6 @@ _grad_of = operator.attrgetter("grad")
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
-_LATER = "issue 23 item 3"
-
-
 def release(
     model: torch.nn.Module,
     optimizer: Any,
@@ -90,8 +87,8 @@ def release(
             name for name, v in (("a loss scaler", scaler), ("global clipping (max_norm)", max_norm)) if v is not None
         )
         raise NotImplementedError(
-            f"fastamp.release: {what} under gradient release is not implemented yet (it comes next, {_LATER}: "
-            "the skip on overflow and the clip coefficient need every grad before any param changes); use the "
+            f"fastamp.release: {what} under gradient release is not implemented yet (the skip on overflow and the "
+            "clip coefficient need every grad before any param changes: a two-backward scheme is planned); use the "
             "ordinary path: scaler.scale(loss).backward(); scaler.clip_grad_norm_(...); scaler.step(opt); "
             "scaler.update()"
         )
