@@ -21,6 +21,7 @@ _grad_of = operator.attrgetter("grad")
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
+
 def release(
     model: torch.nn.Module,
     optimizer: Any,

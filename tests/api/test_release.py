@@ -225,7 +225,11 @@ def _unchanged(model, opt, snap, what):
 @pytest.mark.parametrize(
     "case, error, match",
     [
-        ("scaler", NotImplementedError, "a loss scaler under gradient release is not implemented yet.*use the ordinary path"),
+        (
+            "scaler",
+            NotImplementedError,
+            "a loss scaler under gradient release is not implemented yet.*use the ordinary path",
+        ),
         ("max_norm", NotImplementedError, r"global clipping \(max_norm\) under .*ordinary path"),
         ("torch optimizer", TypeError, "must be a fastamp fused optimizer.*torch.optim.adamw.AdamW"),
         ("param not in optimizer", ValueError, "param 'l2.bias' .* requires grad but is not in the optimizer"),
