@@ -677,6 +677,7 @@ def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scal
 
 _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _PLANS_SIZE = 32
+_BLOCK = 1024
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _is_contiguous = torch.Tensor.is_contiguous
@@ -695,28 +696,43 @@ class _Plan:
         self.launches = launches
 
     def grad_ptrs(self, persistent, grads, device):
-        """This call's grad addresses if the call fits the plan, else None."""
+        """This call's grad addresses if the call fits the plan, else None.
+
+        The lists are read in blocks of :data:`_BLOCK` tensors, every property of a block in a
+        row: the cost is the memory the tensors' metadata sits in (a params/states tensor
+        last touched a step ago is a few cache misses), which a pass per property would pay
+        once per property.
+        """
         n = len(grads)
         try:
             flat = list(itertools.chain.from_iterable(persistent))
-            if (
-                list(map(_data_ptr, flat)) != self.ptrs
-                or list(map(_numel, flat)) != self.numels
-                or list(map(_dtype_of, flat)) != self.dtypes
-                or not all(map(_is_contiguous, flat))
-            ):
-                return None
-            gptrs = list(map(_data_ptr, grads))  # raises for a grad without storage (sparse)
-            ok = (
-                list(map(_numel, grads)) == self.numels[:n]
-                and list(map(_dtype_of, grads)) == self.grad_dtypes
-                and all(map(_is_contiguous, grads))
-                and not any(map(operator.and_, gptrs, itertools.repeat(15)))
-                and set(map(_device_of, grads)) <= {device}
-            )
+            ptrs, numels, dtypes = self.ptrs, self.numels, self.dtypes
+            for s in range(0, len(flat), _BLOCK):
+                e = s + _BLOCK
+                block = flat[s:e]
+                if (
+                    list(map(_data_ptr, block)) != ptrs[s:e]
+                    or list(map(_numel, block)) != numels[s:e]
+                    or list(map(_dtype_of, block)) != dtypes[s:e]
+                    or not all(map(_is_contiguous, block))
+                ):
+                    return None
+            gptrs = []
+            gdtypes = self.grad_dtypes
+            for s in range(0, n, _BLOCK):
+                e = min(s + _BLOCK, n)  # numels continues past n with the states' counts
+                block = grads[s:e]
+                gptrs += map(_data_ptr, block)  # raises for a grad without storage (sparse)
+                if (
+                    list(map(_numel, block)) != numels[s:e]
+                    or list(map(_dtype_of, block)) != gdtypes[s:e]
+                    or not all(map(_is_contiguous, block))
+                    or not set(map(_device_of, block)) <= {device}
+                ):
+                    return None
         except (RuntimeError, AttributeError, TypeError):
             return None
-        return gptrs if ok else None
+        return None if any(map(operator.and_, gptrs, itertools.repeat(15))) else gptrs
 
 
 def _with_grads(values, n: int, gptrs, sel, device: torch.device) -> torch.Tensor:

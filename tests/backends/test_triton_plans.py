@@ -101,6 +101,12 @@ def _assert_same(a, b, what):
             assert_bits_equal(x, y, f"{what}: {k}[{i}]")
 
 
+@pytest.fixture(autouse=True, params=[4, 1024], ids=["blocks-of-4", "one-block"])
+def check_block(request, monkeypatch):
+    """The plan check reads the lists in blocks (``C._BLOCK``): several blocks here, and one."""
+    monkeypatch.setattr(C, "_BLOCK", request.param)
+
+
 @pytest.fixture
 def guard_calls(monkeypatch):
     """How many times the launchers ran their full list guards (once per plan built)."""
