@@ -234,3 +234,41 @@ def test_a_repeated_call_under_a_dispatch_mode_goes_through_the_dispatcher(devic
     with Log():
         tadamw.adamw_(*_args("adamw_", st, _grads(st, 2)))
     assert any("fastamp_triton.adamw_" in s for s in seen), seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_a_call_that_fits_a_plan_skips_the_dispatcher(device, monkeypatch):
+    calls = []
+    real = tadamw._adamw_op
+
+    def counting(*args):
+        calls.append(len(args[0]))
+        return real(*args)
+
+    monkeypatch.setattr(tadamw, "_adamw_op", counting)
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    _run("adamw_", st, 3)
+    assert len(calls) == 1, "the first call builds the plan through torch.ops, the next two skip it"
+    st["m"][3] = st["m"][3].clone()  # a new address
+    _run("adamw_", st, 1)
+    assert len(calls) == 2, "a call that does not fit its plan goes through torch.ops"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_tensor_subclass_goes_through_the_dispatcher(device):
+    seen = []
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    _run("adamw_", st, 2)
+    st["m"][0] = st["m"][0].as_subclass(Sub)  # the same memory: the plan's values still fit
+    seen.clear()
+    tadamw.adamw_(*_args("adamw_", st, _grads(st, 2)))
+    assert any("fastamp_triton.adamw_" in s for s in seen), seen
