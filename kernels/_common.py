@@ -10,7 +10,9 @@ int64 tensor on the device, laid out as::
 
 so a launch needs one host-to-device copy, from pinned memory without blocking on CUDA (no
 host sync). See :func:`build_table` for when tables are cached and how they stay valid under
-CUDA-graph capture and across streams.
+CUDA-graph capture and across streams, and :func:`optimizer_launches` for the optimizer
+launchers' plans: a repeated call with the same params and states reuses its groups and
+tables and skips the dispatcher (:func:`call_launcher`).
 
 Memory access: a chunk is ``CHUNK`` elements and starts at a multiple of ``CHUNK``; a program
 walks it in blocks of ``BLOCK``. Full blocks are loaded and stored without a mask, only the
@@ -22,6 +24,7 @@ memory hides that a block is full. ``tests/tools/test_triton_aot.py`` checks the
 """
 
 import contextlib
+import itertools
 import math
 import operator
 import struct
@@ -621,14 +624,8 @@ def launch_groups(streams, key) -> dict:
     return groups
 
 
-def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scalar_stride: int) -> tuple:
-    """The :func:`build_table` table of the tensors ``idxs``: ``(table, n_chunks, n_ptr)``.
-
-    One column of ``data_ptr()`` per tensor list of ``streams`` (params first: their numels
-    count), then, unless ``ids_base`` is None, the random stream's tensor ids ``ids_base + i``
-    (the index in the call, not in the group); last, the offsets ``i * scalar_stride`` of the
-    tensors' step scalars (:func:`scalar_row`; ``scalar_stride`` from :func:`checked_scalars`).
-    """
+def _group_columns(idxs, streams, ids_base, scalar_stride: int) -> tuple:
+    """The pointer columns, numels and step-scalar rows of the tensors ``idxs`` (see :func:`launch_table`)."""
     if isinstance(idxs, _Members) and idxs.source is streams:
         if len(idxs) == len(idxs.numels):  # every tensor of the call in this group
             columns, counts = list(idxs.ptrs), idxs.numels
@@ -646,8 +643,225 @@ def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scal
         rows = list(range(0, len(idxs) * scalar_stride, scalar_stride))
     else:
         rows = [i * scalar_stride for i in idxs]
+    return columns, counts, rows
+
+
+def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scalar_stride: int) -> tuple:
+    """The :func:`build_table` table of the tensors ``idxs``: ``(table, n_chunks, n_ptr)``.
+
+    One column of ``data_ptr()`` per tensor list of ``streams`` (params first: their numels
+    count), then, unless ``ids_base`` is None, the random stream's tensor ids ``ids_base + i``
+    (the index in the call, not in the group); last, the offsets ``i * scalar_stride`` of the
+    tensors' step scalars (:func:`scalar_row`; ``scalar_stride`` from :func:`checked_scalars`).
+    """
+    columns, counts, rows = _group_columns(idxs, streams, ids_base, scalar_stride)
     table, n_chunks = build_table(columns, counts, chunk, device, rows)
     return table, n_chunks, len(columns)
+
+
+# ---- the optimizer launchers' plans, kept across calls with the same tensors ----
+#
+# A plan holds, per launch group, its table with the grads column left empty, and what the
+# table was built from: every address, element count, dtype of the params and state lists
+# (the "persistent" lists: the same tensors step after step) and the grads' dtypes. A call
+# whose tensors match all of it reuses the groups and tables and only writes this call's grad
+# addresses into a copy of each table (grads are new tensors after every backward). The check
+# is a few C-level passes over the lists (``map`` of a tensor method: no Python code per
+# tensor), and it compares values, not identities: a table depends only on these values, so
+# another tensor at the same address with the same element count, dtype and layout reads and
+# writes exactly what the planned one did, and a tensor replaced, rebound (``.data = ...``),
+# resized or restrided in place changes one of them (``.data = x`` moves no version counter,
+# so versions would not do). The device is not compared per tensor: a tensor at a planned
+# address holds memory of the planned device (CPU and CUDA allocations share one address
+# space under CUDA's unified addressing, so no address is valid on two devices).
+
+_PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_PLANS_SIZE = 32
+_BLOCK = 1024
+_data_ptr = torch.Tensor.data_ptr
+_numel = torch.Tensor.numel
+_is_contiguous = torch.Tensor.is_contiguous
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+
+
+class _Plan:
+    """The launches of one optimizer call and what they were built from (see above)."""
+
+    __slots__ = ("ptrs", "numels", "dtypes", "grad_dtypes", "launches")
+
+    def __init__(self, ptrs, numels, dtypes, grad_dtypes, launches):
+        self.ptrs, self.numels, self.dtypes, self.grad_dtypes = ptrs, numels, dtypes, grad_dtypes
+        # (group key, tensors, table values without grads, grads positions or None (all), n_chunks, n_ptr)
+        self.launches = launches
+
+    def grad_ptrs(self, persistent, grads, device):
+        """This call's grad addresses if the call fits the plan, else None.
+
+        The lists are read in blocks of :data:`_BLOCK` tensors, every property of a block in a
+        row: the cost is the memory the tensors' metadata sits in (a params/states tensor
+        last touched a step ago is a few cache misses), which a pass per property would pay
+        once per property.
+        """
+        n = len(grads)
+        try:
+            flat = list(itertools.chain.from_iterable(persistent))
+            ptrs, numels, dtypes = self.ptrs, self.numels, self.dtypes
+            for s in range(0, len(flat), _BLOCK):
+                e = s + _BLOCK
+                block = flat[s:e]
+                if (
+                    list(map(_data_ptr, block)) != ptrs[s:e]
+                    or list(map(_numel, block)) != numels[s:e]
+                    or list(map(_dtype_of, block)) != dtypes[s:e]
+                    or not all(map(_is_contiguous, block))
+                ):
+                    return None
+            gptrs = []
+            gdtypes = self.grad_dtypes
+            for s in range(0, n, _BLOCK):
+                e = min(s + _BLOCK, n)  # numels continues past n with the states' counts
+                block = grads[s:e]
+                gptrs += map(_data_ptr, block)  # raises for a grad without storage (sparse)
+                if (
+                    list(map(_numel, block)) != numels[s:e]
+                    or list(map(_dtype_of, block)) != gdtypes[s:e]
+                    or not all(map(_is_contiguous, block))
+                    or not set(map(_device_of, block)) <= {device}
+                ):
+                    return None
+        except (RuntimeError, AttributeError, TypeError):
+            return None
+        return None if any(map(operator.and_, gptrs, itertools.repeat(15))) else gptrs
+
+
+def _with_grads(values, n: int, gptrs, sel, device: torch.device) -> torch.Tensor:
+    """A new table: ``values`` with this call's grad addresses in column 1 (``n`` tensors)."""
+    values = values[:]
+    values[n : 2 * n] = array("q", gptrs if sel is None else map(gptrs.__getitem__, sel))
+    host = torch.frombuffer(values, dtype=torch.int64) if len(values) else torch.empty(0, dtype=torch.int64)
+    if device.type == "cpu":
+        return host  # a new tensor per call: an earlier launch's table is never rewritten
+    # a new device table per call, written on the current stream after every earlier launch
+    # that read the previous one; the caching host allocator keeps the pinned source alive
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class Declined(Exception):
+    """:func:`optimizer_launches` called with ``direct=True`` for a call it must not take directly (nothing ran)."""
+
+
+# Tensor types the dispatcher hands to the launcher as they are (nn.Parameter's torch function is disabled).
+_PLAIN_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))
+_PLAIN_TLS = str(torch._C._dispatch_tls_local_include_set())
+
+
+def _direct_allowed() -> bool:
+    """Whether the dispatcher, for plain dense tensors, would do nothing but call the launcher:
+    no compile trace, no dispatch or torch-function mode, no profiler recording the op, no
+    thread-local dispatch keys beyond the default ones (functionalisation, functorch)."""
+    return (
+        not (
+            torch.compiler.is_compiling()
+            or torch._C._len_torch_dispatch_stack()
+            or torch._C._len_torch_function_stack()
+            or torch.autograd._profiler_enabled()
+        )
+        and str(torch._C._dispatch_tls_local_include_set()) == _PLAIN_TLS
+    )
+
+
+def call_launcher(op, impl, args: tuple) -> None:
+    """Run an optimizer launcher ``impl`` (registered as ``op``) on ``args`` (coerced).
+
+    Through ``torch.ops``, every tensor of every list is boxed and unboxed (~0.2 us each, more
+    than everything else a repeated call does). A call that fits a cached plan of tensors the
+    dispatcher handed over before (:func:`optimizer_launches`), with only plain tensors and
+    nothing the dispatcher would act on (:func:`_direct_allowed`), calls ``impl`` directly:
+    what the dispatcher would have done (mutable custom ops move no version counter). Any
+    other call, the first one included, goes through ``torch.ops`` as before.
+    """
+    if _direct_allowed() and all(type(a) in _PLAIN_TYPES for a in args if isinstance(a, torch.Tensor)):
+        try:
+            impl(*args, direct=True)
+            return
+        except Declined:
+            pass
+    op(*args)
+
+
+def optimizer_launches(
+    op: str, device: torch.device, lists, key, chunk: int, stride: int, ids_base, static, direct: bool = False
+) -> list:
+    """The launches of an optimizer call: ``[(group key + (aligned,), n_tensors, table, n_chunks, n_ptr)]``.
+
+    ``lists``: the :func:`_guards.guard_lists` specs ``(name, tensors, dtypes, contiguous)`` in
+    table-column order, params first and grads second; ``key(i)``: tensor ``i``'s group key
+    (dtypes); ``ids_base(group key)``: the random stream's first tensor id or None;
+    ``static``: every other argument the launches depend on (flags). Call with ``device``
+    current. A call with the tensors of a cached plan (:class:`_Plan`) does no per-tensor
+    Python work; any other runs every guard and builds the groups and tables anew.
+    ``direct``: called by :func:`call_launcher` without the dispatcher: raises
+    :class:`Declined` unless the call fits a plan and every tensor is plain.
+    """
+    grads = lists[1][1]
+    persistent = [lists[0][1], *(spec[1] for spec in lists[2:])]
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" and not capturing else None
+    cache_key = (op, static, device, stream, chunk, stride, tuple(map(len, persistent)), len(grads))
+    plan = None if capturing else _PLANS.get(cache_key)
+    if plan is not None:
+        gptrs = plan.grad_ptrs(persistent, grads, device)
+        if gptrs is not None and direct:
+            types = set(map(type, grads)).union(*(map(type, lst) for lst in persistent))
+            if not types <= _PLAIN_TYPES:
+                raise Declined(op)
+        if gptrs is not None:
+            check_runnable(op, device)
+            if _PLANS.get(cache_key) is plan:  # (another thread may have dropped it meanwhile)
+                _PLANS.move_to_end(cache_key)
+            return [
+                (gkey, m, _with_grads(values, m, gptrs, sel, device), n_chunks, n_ptr)
+                for gkey, m, values, sel, n_chunks, n_ptr in plan.launches
+            ]
+    if direct:
+        raise Declined(op)
+    G.guard_lists(op, device, [p.numel() for p in lists[0][1]], lists)
+    check_runnable(op, device)
+    dense = contiguous(grads)
+    streams = [persistent[0], dense, *persistent[1:]]
+    groups = launch_groups(streams, key)
+    if capturing or any(p & 15 for p in map(_data_ptr, dense)):
+        # not cached: a captured table must be the graph's own; unaligned grads regroup
+        out = []
+        for gkey, idxs in groups.items():
+            table, n_chunks, n_ptr = launch_table(idxs, streams, ids_base(gkey), chunk, device, stride)
+            out.append((gkey, len(idxs), table, n_chunks, n_ptr))
+        return out
+    launches = []
+    n = len(grads)
+    for gkey, idxs in groups.items():
+        columns, counts, rows = _group_columns(idxs, streams, ids_base(gkey), stride)
+        columns[1] = [0] * len(idxs)
+        values, n_chunks = _table_values(columns, counts, chunk, rows)
+        sel = None if len(idxs) == n else list(idxs)
+        launches.append((gkey, len(idxs), values, sel, n_chunks, len(columns)))
+    flat = list(itertools.chain.from_iterable(persistent))
+    plan = _Plan(
+        list(map(_data_ptr, flat)),
+        list(map(_numel, flat)),
+        list(map(_dtype_of, flat)),
+        list(map(_dtype_of, grads)),
+        launches,
+    )
+    _PLANS[cache_key] = plan
+    if len(_PLANS) > _PLANS_SIZE:
+        _PLANS.popitem(last=False)
+    gptrs = list(map(_data_ptr, dense))
+    return [
+        (gkey, m, _with_grads(values, m, gptrs, sel, device), n_chunks, n_ptr)
+        for gkey, m, values, sel, n_chunks, n_ptr in launches
+    ]
 
 
 def adam_hyper_args(beta1, beta2, eps, found_inf, maximize) -> tuple:
@@ -664,17 +878,15 @@ def adam_hyper_args(beta1, beta2, eps, found_inf, maximize) -> tuple:
     )
 
 
-def checked_scalars(op: str, device: torch.device, params, lists, step_scalars, count: int, found_inf, rng):
-    """An optimizer launcher's guards and its :func:`device_scalars`, plus the step-scalar row stride.
+def checked_scalars(op: str, device: torch.device, params, step_scalars, count: int, found_inf, rng):
+    """An optimizer launcher's scalar guards and its :func:`device_scalars`, plus the step-scalar row stride.
 
-    In order: the ``count`` step scalars (``[count]`` or ``[len(params), count]``), ``found_inf``
-    and ``rng`` (:func:`_guards.guard_scalars`), each list of ``lists`` against the params
-    (:func:`_guards.guard_lists`), the device. Returns ``(scalars, found_inf, rng, stride)``:
-    ``stride`` 0 (shared) or ``count`` (one row per tensor), for :func:`launch_table`.
+    The ``count`` step scalars (``[count]`` or ``[len(params), count]``), ``found_inf`` and
+    ``rng`` (:func:`_guards.guard_scalars`); the tensor lists are guarded by
+    :func:`optimizer_launches`. Returns ``(scalars, found_inf, rng, stride)``: ``stride`` 0
+    (shared) or ``count`` (one row per tensor), for :func:`launch_table`.
     """
     stride = G.guard_scalars(op, device, step_scalars, len(params), count, found_inf, rng)
-    G.guard_lists(op, device, [p.numel() for p in params], lists)
-    check_runnable(op, device)
     return (*device_scalars(step_scalars, found_inf, rng), stride)
 
 

@@ -176,6 +176,8 @@ def _adamw_impl(
     eps: float,
     amsgrad: bool,
     maximize: bool,
+    *,
+    direct: bool = False,
 ) -> None:
     if len(params) == 0:
         return
@@ -184,19 +186,18 @@ def _adamw_impl(
     lists += [("exp_avgs", exp_avgs, G.F32, True), ("exp_avg_sqs", exp_avg_sqs, G.F32, True)]
     lists += [("masters", masters, G.F32, True)] if masters else []
     lists += [("max_exp_avg_sqs", max_exp_avg_sqs, G.F32, True)] if amsgrad else []
-    scalars, found_inf, _, stride = C.checked_scalars("adamw_", dev, params, lists, step_scalars, 4, found_inf, None)
+    scalars, found_inf, _, stride = C.checked_scalars("adamw_", dev, params, step_scalars, 4, found_inf, None)
     has_master = len(masters) > 0
-    grads = C.contiguous(grads)
-    streams = [params, grads, exp_avgs, exp_avg_sqs, *([masters] if has_master else [])]
-    streams += [max_exp_avg_sqs] if amsgrad else []
-    groups = C.launch_groups(streams, lambda i: (params[i].dtype, grads[i].dtype))
     chunk, block, opts = C.launch_config("adamw")
     with C.device_guard(dev):
-        for (p_dtype, g_dtype, aligned), idxs in groups.items():
-            table, n_chunks, n_ptr = C.launch_table(idxs, streams, None, chunk, dev, stride)
+        launches = C.optimizer_launches(
+            "adamw_", dev, lists, lambda i: (params[i].dtype, grads[i].dtype), chunk, stride, lambda k: None,
+            (has_master, amsgrad), direct,
+        )  # fmt: skip
+        for (p_dtype, g_dtype, aligned), n_tensors, table, n_chunks, n_ptr in launches:
             _adamw_kernel[(n_chunks,)](
                 table,
-                len(idxs),
+                n_tensors,
                 n_chunks,
                 scalars,
                 found_inf if found_inf is not None else scalars,
@@ -219,4 +220,4 @@ _adamw_op = _ops.register_triton("adamw_", _adamw_impl)
 
 def adamw_(*args) -> None:
     """Triton :func:`fastamp.reference.adamw_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
-    _adamw_op(*_ops.coerce("adamw_", args))
+    C.call_launcher(_adamw_op, _adamw_impl, _ops.coerce("adamw_", args))

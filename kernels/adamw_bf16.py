@@ -205,6 +205,8 @@ def _adamw_bf16_impl(
     eps: float,
     amsgrad: bool,
     maximize: bool,
+    *,
+    direct: bool = False,
 ) -> None:
     if len(params) == 0:
         return
@@ -213,34 +215,35 @@ def _adamw_bf16_impl(
     lists += [("exp_avgs", exp_avgs, _STATE_DTYPES, True), ("exp_avg_sqs", exp_avg_sqs, _STATE_DTYPES, True)]
     lists += [("remainders", remainders, (torch.int16,), True)] if remainders else []
     lists += [("max_exp_avg_sqs", max_exp_avg_sqs, _STATE_DTYPES, True)] if amsgrad else []
-    scalars, found_inf, rng, stride = C.checked_scalars(
-        "adamw_bf16_", dev, params, lists, step_scalars, 4, found_inf, rng
-    )
+    scalars, found_inf, rng, stride = C.checked_scalars("adamw_bf16_", dev, params, step_scalars, 4, found_inf, rng)
     has_rem = len(remainders) > 0
-    grads = C.contiguous(grads)
-    streams = [params, grads, exp_avgs, exp_avg_sqs, *([remainders] if has_rem else [])]
-    streams += [max_exp_avg_sqs] if amsgrad else []
 
     def key(i):
         vmax_dtype = max_exp_avg_sqs[i].dtype if amsgrad else torch.float32
         return grads[i].dtype, exp_avgs[i].dtype, exp_avg_sqs[i].dtype, vmax_dtype
 
-    groups = C.launch_groups(streams, key)
+    def use_rng(gkey):
+        # the random streams are read only where something is rounded stochastically
+        _, m_dtype, v_dtype, vmax_dtype, _ = gkey
+        return rng is not None and (
+            not has_rem or torch.bfloat16 in (m_dtype, v_dtype) or (amsgrad and vmax_dtype == torch.bfloat16)
+        )
+
     chunk, block, opts = C.launch_config("adamw_bf16")
     with C.device_guard(dev):
-        for (g_dtype, m_dtype, v_dtype, vmax_dtype, aligned), idxs in groups.items():
-            # the random streams are read only where something is rounded stochastically
-            use_rng = rng is not None and (
-                not has_rem or torch.bfloat16 in (m_dtype, v_dtype) or (amsgrad and vmax_dtype == torch.bfloat16)
-            )
-            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if use_rng else None, chunk, dev, stride)
+        launches = C.optimizer_launches(
+            "adamw_bf16_", dev, lists, key, chunk, stride, lambda k: rng_base if use_rng(k) else None,
+            (has_rem, amsgrad, rng is not None, rng_base), direct,
+        )  # fmt: skip
+        for gkey, n_tensors, table, n_chunks, n_ptr in launches:
+            g_dtype, m_dtype, v_dtype, vmax_dtype, aligned = gkey
             _adamw_bf16_kernel[(n_chunks,)](
                 table,
-                len(idxs),
+                n_tensors,
                 n_chunks,
                 scalars,
                 found_inf if found_inf is not None else scalars,
-                rng if use_rng else table,
+                rng if use_rng(gkey) else table,
                 *C.adam_hyper_args(beta1, beta2, eps, found_inf, maximize),
                 G_KIND=C.DTYPE_KIND[g_dtype],
                 M_KIND=C.DTYPE_KIND[m_dtype],
@@ -248,7 +251,7 @@ def _adamw_bf16_impl(
                 VMAX_KIND=C.DTYPE_KIND[vmax_dtype],
                 N_PTR=n_ptr,
                 HAS_REM=has_rem,
-                HAS_RNG=use_rng,
+                HAS_RNG=use_rng(gkey),
                 AMSGRAD=amsgrad,
                 ALIGNED=aligned,
                 RN=C.RN,
@@ -263,4 +266,4 @@ _adamw_bf16_op = _ops.register_triton("adamw_bf16_", _adamw_bf16_impl)
 
 def adamw_bf16_(*args) -> None:
     """Triton :func:`fastamp.reference.adamw_bf16_` (its arguments, all positional): one launch per (grad, moment dtypes) group, no host sync."""
-    _adamw_bf16_op(*_ops.coerce("adamw_bf16_", args))
+    C.call_launcher(_adamw_bf16_op, _adamw_bf16_impl, _ops.coerce("adamw_bf16_", args))

@@ -241,6 +241,7 @@ def _launch(
     rng_base: int,
     hyper: tuple,
     flags: tuple,
+    direct: bool,
 ) -> None:
     """Both rules' launches. ``states``: ``(name, tensors)`` of the state stream, or None (SGD
     without momentum); ``hyper``: the seven fp32 hyperparameters of :func:`_sgd_kernel`,
@@ -254,28 +255,32 @@ def _launch(
     lists += [("grads", grads, G.FLOAT_DTYPES, False)]
     lists += [("masters", masters, (torch.int16,) if remainder else G.F32, True)] if masters else []
     lists += [(states[0], states[1], G.F32, True)] if states is not None else []
-    scalars, found_inf, rng, stride = C.checked_scalars(op, dev, params, lists, step_scalars, 3, found_inf, rng)
+    scalars, found_inf, rng, stride = C.checked_scalars(op, dev, params, step_scalars, 3, found_inf, rng)
     if not masters:
         master_kind = _NO_MASTER
     else:
         master_kind = _REMAINDER if remainder else _FP32_MASTER
-    grads = C.contiguous(grads)
-    streams = [params, grads, *([masters] if master_kind != _NO_MASTER else [])]
-    streams += [states[1]] if states is not None else []
-    groups = C.launch_groups(streams, lambda i: (params[i].dtype, grads[i].dtype))
+
+    def sr(gkey):
+        # stochastic rounding only where the reference does it: bf16 params without a master
+        return rng is not None and master_kind == _NO_MASTER and gkey[0] == torch.bfloat16
+
     chunk, block, opts = C.launch_config("sgd")
     with C.device_guard(dev):
-        for (p_dtype, g_dtype, aligned), idxs in groups.items():
-            # stochastic rounding only where the reference does it: bf16 params without a master
-            sr = rng is not None and master_kind == _NO_MASTER and p_dtype == torch.bfloat16
-            table, n_chunks, n_ptr = C.launch_table(idxs, streams, rng_base if sr else None, chunk, dev, stride)
+        launches = C.optimizer_launches(
+            op, dev, lists, lambda i: (params[i].dtype, grads[i].dtype), chunk, stride,
+            lambda k: rng_base if sr(k) else None, (rule, master_kind, states is not None, rng is not None, rng_base),
+            direct,
+        )  # fmt: skip
+        for gkey, n_tensors, table, n_chunks, n_ptr in launches:
+            p_dtype, g_dtype, aligned = gkey
             _sgd_kernel[(n_chunks,)](
                 table,
-                len(idxs),
+                n_tensors,
                 n_chunks,
                 scalars,
                 found_inf if found_inf is not None else scalars,
-                rng if sr else table,
+                rng if sr(gkey) else table,
                 *hyper,
                 int(found_inf is not None),
                 *flags,
@@ -285,7 +290,7 @@ def _launch(
                 N_PTR=n_ptr,
                 MASTER=master_kind,
                 HAS_MOMENTUM=states is not None,
-                SR=sr,
+                SR=sr(gkey),
                 ALIGNED=aligned,
                 CHUNK=chunk,
                 BLOCK=block,
@@ -307,13 +312,15 @@ def _sgd_impl(
     weight_decay: float,
     nesterov: bool,
     maximize: bool,
+    *,
+    direct: bool = False,
 ) -> None:
     has_momentum = momentum != 0
     hyper = (C.to_f32(momentum), C.to_f32(1.0 - dampening), C.to_f32(weight_decay), 0.0, 0.0, 0.0, 0.0)
     _launch(
         "sgd_", _SGD, params, grads, masters, ("momentum_buffers", momentum_buffers) if has_momentum else None,
         step_scalars, found_inf, rng, rng_base, hyper,
-        (int(maximize), int(nesterov and has_momentum), int(weight_decay != 0)),
+        (int(maximize), int(nesterov and has_momentum), int(weight_decay != 0)), direct,
     )  # fmt: skip
 
 
@@ -329,12 +336,14 @@ def _lion_impl(
     beta1: float,
     beta2: float,
     maximize: bool,
+    *,
+    direct: bool = False,
 ) -> None:
     # the betas and their complements rounded to fp32 on the host, as the reference's _f32
     hyper = (0.0, 0.0, 0.0, C.to_f32(beta1), C.to_f32(1.0 - beta1), C.to_f32(beta2), C.to_f32(1.0 - beta2))
     _launch(
         "lion_", _LION, params, grads, masters, ("exp_avgs", exp_avgs), step_scalars, found_inf, rng, rng_base,
-        hyper, (int(maximize), 0, 0),
+        hyper, (int(maximize), 0, 0), direct,
     )  # fmt: skip
 
 
@@ -344,9 +353,9 @@ _lion_op = _ops.register_triton("lion_", _lion_impl)
 
 def sgd_(*args) -> None:
     """Triton :func:`fastamp.reference.sgd_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
-    _sgd_op(*_ops.coerce("sgd_", args))
+    C.call_launcher(_sgd_op, _sgd_impl, _ops.coerce("sgd_", args))
 
 
 def lion_(*args) -> None:
     """Triton :func:`fastamp.reference.lion_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
-    _lion_op(*_ops.coerce("lion_", args))
+    C.call_launcher(_lion_op, _lion_impl, _ops.coerce("lion_", args))

@@ -1,0 +1,274 @@
+"""The Triton optimizer launchers' cached plans (``kernels/_common.optimizer_launches``).
+
+A repeated call with the same params and states reuses its groups and tables (only this
+call's grad addresses are written into a copy) and skips the dispatcher; these tests check
+that such a call gives the bits of a launch built from scratch and of the reference, and that
+a call whose tensors changed in any way a table depends on (a replaced, rebound, resized,
+retyped or restrided tensor; grads are new tensors every step, as after a backward) never
+runs with a stale table. Under ``TRITON_INTERPRET=1`` on CPU (conftest.py), on a GPU as is.
+"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from helpers import assert_bits_equal, misaligned  # noqa: E402
+
+from fastamp import kernels as fk  # noqa: E402
+from fastamp import reference as R  # noqa: E402
+
+DEVICES = [d for d in ("cpu", "cuda") if fk.available(d)[0]]
+if not DEVICES:
+    pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET is not 1)", allow_module_level=True)
+
+from fastamp.kernels import _common as C  # noqa: E402
+from fastamp.kernels import _guards as G  # noqa: E402
+from fastamp.kernels import adamw as tadamw  # noqa: E402
+from fastamp.kernels import adamw_bf16 as tadamw_bf16  # noqa: E402
+from fastamp.kernels import sgd as tsgd  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+CHUNK, _ = C.chunk_config()
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+# sizes of the tensors of a call: a multi-chunk one, an empty one, a 2-D one (index 4)
+SIZES = [1, 5, 0, CHUNK + 3, (6, 50), 7]
+OPS = ("adamw_", "adamw_bf16_", "sgd_", "lion_")
+TRITON = {"adamw_": tadamw.adamw_, "adamw_bf16_": tadamw_bf16.adamw_bf16_, "sgd_": tsgd.sgd_, "lion_": tsgd.lion_}
+
+
+def _t(shape, dtype, gen, device, scale=1.0):
+    shape = shape if isinstance(shape, tuple) else (shape,)
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def _state(op, device, seed=0):
+    """The persistent lists of a call (param dtypes vary, index 1 is not 16-byte aligned)."""
+    gen = torch.Generator().manual_seed(seed)
+    pdt = [BF16] * len(SIZES) if op == "adamw_bf16_" else [F32, F16, F32, BF16, F32, BF16]
+    params = [_t(s, d, gen, device) for s, d in zip(SIZES, pdt)]
+    params[1] = misaligned(params[1])
+    st = {"params": params}
+    if op == "adamw_":
+        st["masters"] = [p.to(F32, copy=True) for p in params]
+        st["m"] = [_t(s, F32, gen, device, 0.1) for s in SIZES]
+        st["v"] = [_t(s, F32, gen, device, 0.1).abs() for s in SIZES]
+        st["vmax"] = [v * 1.5 for v in st["v"]]
+    elif op == "adamw_bf16_":
+        st["rem"] = [torch.randint(-2000, 2000, p.shape, generator=gen, dtype=torch.int16).to(device) for p in params]
+        st["m"] = [_t(s, BF16 if i % 2 else F32, gen, device, 0.1) for i, s in enumerate(SIZES)]
+        st["v"] = [_t(s, F32, gen, device, 0.1).abs() for s in SIZES]
+    else:
+        st["m"] = [_t(s, F32, gen, device, 0.1) for s in SIZES]
+    return st
+
+
+def _clone(st):
+    return {k: [t.clone() if t.is_contiguous() and t.data_ptr() % 16 == 0 else misaligned(t) for t in v]
+            for k, v in st.items()}  # fmt: skip
+
+
+def _grads(st, seed):
+    """New grads for the current params (new tensors every step, as a backward makes them)."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    gdt = [F32, BF16, F16, F32, F16, BF16]
+    return [_t(tuple(p.shape), gdt[i % len(gdt)], gen, p.device, 3.0) for i, p in enumerate(st["params"])]
+
+
+def _args(op, st, grads):
+    dev = st["params"][0].device
+    n = len(st["params"])
+    rows = torch.tensor([[1e-2 * (i + 1), 0.75, 0.999, 0.5] for i in range(n)], device=dev)
+    found = torch.zeros(1, device=dev)
+    rng = torch.tensor([12345, 7], dtype=torch.int64, device=dev)
+    p = st["params"]
+    if op == "adamw_":
+        return (p, grads, st["masters"], st["m"], st["v"], st["vmax"], rows, found, 0.9, 0.999, 1e-8, True, False)
+    if op == "adamw_bf16_":
+        return (p, grads, st["rem"], st["m"], st["v"], [], rows, found, rng, 3, 0.9, 0.999, 1e-8, False, False)
+    if op == "sgd_":
+        sgd_rows = torch.tensor([[1e-2, 0.5, float(i % 2)] for i in range(n)], device=dev)
+        return (p, grads, [], st["m"], sgd_rows, found, rng, 5, 0.9, 0.1, 0.01, True, False)
+    lion_rows = torch.tensor([1e-2, 0.999, 0.5], device=dev)
+    return (p, grads, [], st["m"], lion_rows, found, None, 0, 0.9, 0.99, True)
+
+
+def _assert_same(a, b, what):
+    for k in a:
+        assert len(a[k]) == len(b[k]), (what, k)
+        for i, (x, y) in enumerate(zip(a[k], b[k])):
+            assert_bits_equal(x, y, f"{what}: {k}[{i}]")
+
+
+@pytest.fixture(autouse=True, params=[4, 1024], ids=["blocks-of-4", "one-block"])
+def check_block(request, monkeypatch):
+    """The plan check reads the lists in blocks (``C._BLOCK``): several blocks here, and one."""
+    monkeypatch.setattr(C, "_BLOCK", request.param)
+
+
+@pytest.fixture
+def guard_calls(monkeypatch):
+    """How many times the launchers ran their full list guards (once per plan built)."""
+    calls = []
+    real = G.guard_lists
+
+    def counting(*args):
+        calls.append(args[0])
+        return real(*args)
+
+    monkeypatch.setattr(G, "guard_lists", counting)
+    return calls
+
+
+def _run(op, st, steps, mutate=None, cached=True, fn=None):
+    fn = fn or TRITON[op]
+    for k in range(steps):
+        if mutate is not None and k == 1:
+            mutate(st)
+        if not cached:
+            C._PLANS.clear()
+        fn(*_args(op, st, _grads(st, k)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_a_cached_plan_gives_the_bits_of_a_fresh_launch_and_of_the_reference(op, device, guard_calls):
+    C._PLANS.clear()
+    cached = _state(op, device)
+    fresh, ref = _clone(cached), _clone(cached)
+    _run(op, cached, 3)
+    assert guard_calls == [op], "the second and third calls must reuse the first call's plan"
+    _run(op, fresh, 3, cached=False)
+    assert len(guard_calls) == 4
+    _run(op, ref, 3, fn=getattr(R, op))
+    _assert_same(cached, fresh, "cached vs fresh")
+    _assert_same(cached, ref, "cached vs reference")
+
+
+def _new_lists(st):
+    for k in st:
+        st[k] = list(st[k])
+
+
+def _replace_one(st):
+    key = "m"
+    st["_old"] = [st[key][3]]
+    st["_old_bits"] = [st[key][3].clone()]
+    st[key][3] = st[key][3].clone()  # the same list object, a new tensor at a new address
+
+
+def _rebind_larger(st):
+    for lst in (v for k, v in st.items() if not k.startswith("_")):
+        lst[0].data = torch.cat([lst[0].data, lst[0].data[:1].neg(), lst[0].data[:1]])
+
+
+def _shrink_in_place(st):
+    # `.data = view` keeps the address and the version counter: only the element count changes
+    for lst in (v for k, v in st.items() if not k.startswith("_")):
+        lst[3].data = lst[3].data[:100]
+
+
+def _retype_in_place(st):
+    # fp16 <-> bf16 at the same address, element count and layout (adamw_, sgd_, lion_ params)
+    p = st["params"][1]
+    p.data = p.data.view(BF16 if p.dtype == F16 else F16)
+
+
+MUTATIONS = {
+    "new-lists": _new_lists,
+    "replaced": _replace_one,
+    "rebound-larger": _rebind_larger,
+    "shrunk-same-address": _shrink_in_place,
+    "retyped-same-address": _retype_in_place,
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("mutation", list(MUTATIONS))
+def test_a_changed_tensor_never_reuses_a_stale_table(op, device, mutation, guard_calls):
+    if mutation == "retyped-same-address" and op == "adamw_bf16_":
+        pytest.skip("adamw_bf16_ takes bf16 params only")
+    C._PLANS.clear()
+    cached = _state(op, device)
+    ref = _clone(cached)
+    _run(op, cached, 3, mutate=MUTATIONS[mutation])
+    _run(op, ref, 3, mutate=MUTATIONS[mutation], fn=getattr(R, op))
+    for old, bits in zip(cached.pop("_old", []), cached.pop("_old_bits", [])):
+        assert_bits_equal(old, bits, "a tensor replaced in its list must not be written")
+    ref.pop("_old", None), ref.pop("_old_bits", None)
+    _assert_same(cached, ref, f"{mutation}: cached vs reference")
+    # a new plan where something a table depends on changed, none where only the lists did
+    assert len(guard_calls) == (1 if mutation == "new-lists" else 2), guard_calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_a_tensor_restrided_in_place_is_refused_after_a_cached_call(op, device):
+    C._PLANS.clear()
+    st = _state(op, device)
+    _run(op, st, 2)
+    for lst in st.values():
+        lst[4].transpose_(0, 1)  # same address, element count and dtype; no longer contiguous
+    before = {k: [t.clone() for t in v] for k, v in st.items()}
+    with pytest.raises(RuntimeError, match="contiguous"):
+        TRITON[op](*_args(op, st, [g.t() if g.dim() == 2 else g for g in _grads(st, 5)]))
+    _assert_same(st, before, "a refused call writes nothing")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_repeated_call_under_a_dispatch_mode_goes_through_the_dispatcher(device):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    _run("adamw_", st, 2)
+    with Log():
+        tadamw.adamw_(*_args("adamw_", st, _grads(st, 2)))
+    assert any("fastamp_triton.adamw_" in s for s in seen), seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_a_call_that_fits_a_plan_skips_the_dispatcher(device, monkeypatch):
+    calls = []
+    real = tadamw._adamw_op
+
+    def counting(*args):
+        calls.append(len(args[0]))
+        return real(*args)
+
+    monkeypatch.setattr(tadamw, "_adamw_op", counting)
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    _run("adamw_", st, 3)
+    assert len(calls) == 1, "the first call builds the plan through torch.ops, the next two skip it"
+    st["m"][3] = st["m"][3].clone()  # a new address
+    _run("adamw_", st, 1)
+    assert len(calls) == 2, "a call that does not fit its plan goes through torch.ops"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_tensor_subclass_goes_through_the_dispatcher(device):
+    seen = []
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    _run("adamw_", st, 2)
+    st["m"][0] = st["m"][0].as_subclass(Sub)  # the same memory: the plan's values still fit
+    seen.clear()
+    tadamw.adamw_(*_args("adamw_", st, _grads(st, 2)))
+    assert any("fastamp_triton.adamw_" in s for s in seen), seen
