@@ -681,6 +681,7 @@ _BLOCK = 1024
 _data_ptr = torch.Tensor.data_ptr
 _numel = torch.Tensor.numel
 _is_contiguous = torch.Tensor.is_contiguous
+_is_neg = torch.Tensor.is_neg
 _dtype_of = operator.attrgetter("dtype")
 _device_of = operator.attrgetter("device")
 
@@ -728,6 +729,9 @@ class _Plan:
                     or list(map(_dtype_of, block)) != gdtypes[s:e]
                     or not all(map(_is_contiguous, block))
                     or not set(map(_device_of, block)) <= {device}
+                    # a lazily negated view (torch._neg_view) reads as its negation only through
+                    # the dispatcher, which materialises it; a direct call would read the raw bits
+                    or any(map(_is_neg, block))
                 ):
                     return None
         except (RuntimeError, AttributeError, TypeError):

@@ -272,3 +272,31 @@ def test_a_tensor_subclass_goes_through_the_dispatcher(device):
     seen.clear()
     tadamw.adamw_(*_args("adamw_", st, _grads(st, 2)))
     assert any("fastamp_triton.adamw_" in s for s in seen), seen
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_lazily_negated_grad_goes_through_the_dispatcher(device, monkeypatch):
+    """A grad that is a negated view (``torch._neg_view``: the negation is a bit on the tensor, not in
+    memory) fits a cached plan by address and size, but a direct call would read its raw memory (the
+    interpreter materialises the view; a GPU kernel would not): the check declines it, the call goes
+    through ``torch.ops`` (which materialises it), and the result equals the plain grads'."""
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    twin, control = _clone(st), _clone(st)
+    through_ops = []
+    op = tadamw._adamw_op
+    monkeypatch.setattr(tadamw, "_adamw_op", lambda *a: (through_ops.append(1), op(*a)))
+    _run("adamw_", twin, 3)  # plain grads throughout
+    _run("adamw_", control, 2)
+    through_ops.clear()
+    tadamw.adamw_(*_args("adamw_", control, _grads(control, 2)))
+    assert through_ops == [], "a plain repeated call should take the direct path"
+    _run("adamw_", st, 2)  # the cached plan is now st's
+    through_ops.clear()
+    neg_grads = [torch._neg_view(g.neg()) for g in _grads(st, 2)]  # the same values, lazily negated
+    assert all(n.is_neg() for n in neg_grads)
+    tadamw.adamw_(*_args("adamw_", st, neg_grads))
+    assert through_ops == [1], "a negated view must go through torch.ops"
+    for key in st:
+        for a, b in zip(st[key], twin[key]):
+            assert_bits_equal(a, b, key)
