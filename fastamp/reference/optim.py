@@ -270,6 +270,47 @@ def adamw_bf16_(
             max_exp_avg_sqs[i].copy_(new_vmax)
 
 
+def _master_kind(masters: Sequence[Tensor]) -> str:
+    """The master format of a one-state op's ``masters`` list: "none", "remainder" (int16) or "fp32"."""
+    return "none" if len(masters) == 0 else ("remainder" if masters[0].dtype == torch.int16 else "fp32")
+
+
+def _load_master(kind: str, p: Tensor, masters: Sequence[Tensor], i: int) -> Tensor:
+    """The fp32 value optimised for ``params[i]``: its fp32 master, its exact bf16 + remainder join, or itself."""
+    if kind == "fp32":
+        return masters[i]
+    if kind == "remainder":
+        return join_master(p, masters[i])
+    return p.float()
+
+
+def _store_master(
+    kind: str, pv: Tensor, p: Tensor, masters: Sequence[Tensor], i: int, rng, rng_base: int, keep
+) -> None:
+    """Write the new fp32 value ``pv`` of ``params[i]`` in the format ``kind`` (the param rounded to
+    nearest-even, split into bf16 + remainder, or, without a master, bf16 rounded stochastically with
+    the random bits of stream ``4 * (rng_base + i)`` when ``rng`` is given); nothing changes where
+    ``keep`` (the skip) is set."""
+    new_master = None
+    if kind == "fp32":
+        new_p, new_master = pv.to(p.dtype), pv
+    elif kind == "remainder":
+        new_p, new_master = split_master(pv)
+    else:
+        rand = None
+        if rng is not None and p.dtype == torch.bfloat16:
+            r = rng.reshape(-1)
+            rand = sr_random16(r[0], r[1], 4 * (rng_base + i), p.numel(), p.device)
+        new_p = _store_lowp(pv, p.dtype, rand)
+    if keep is not None:
+        new_p = torch.where(keep, p, new_p)
+        if new_master is not None:
+            new_master = torch.where(keep, masters[i], new_master)
+    p.copy_(new_p)
+    if new_master is not None:
+        masters[i].copy_(new_master)
+
+
 def sgd_step_scalars(lr, step: Tensor, grad_mul: Tensor | None = None) -> Tensor:
     """``[lr, grad_mul, is_first]`` (fp32, on ``step``'s device) for :func:`sgd_`.
 
@@ -320,15 +361,10 @@ def sgd_(
     rows = scalar_rows(step_scalars, len(params), 3)
     mom, omd, wd = _f32(momentum, dev), _f32(1.0 - dampening, dev), _f32(weight_decay, dev)
     keep = None if found_inf is None else (found_inf.reshape(()) != 0)
-    masters_kind = "none" if len(masters) == 0 else ("remainder" if masters[0].dtype == torch.int16 else "fp32")
+    kind = _master_kind(masters)
     for i, p in enumerate(params):
         lr, grad_mul, first = rows(i)
-        if masters_kind == "fp32":
-            p32 = masters[i]
-        elif masters_kind == "remainder":
-            p32 = join_master(p, masters[i])
-        else:
-            p32 = p.float()
+        p32 = _load_master(kind, p, masters, i)
         g = grads[i].float() * grad_mul
         if maximize:
             g = -g
@@ -340,28 +376,9 @@ def sgd_(
             new_buf = torch.where(first != 0, g, buf * mom + omd * g)
             g = g + mom * new_buf if nesterov else new_buf
         pv = p32 - lr * g
-        new_master = None
-        if masters_kind == "fp32":
-            new_p, new_master = pv.to(p.dtype), pv
-        elif masters_kind == "remainder":
-            new_p, new_master = split_master(pv)
-        else:
-            rand = None
-            if rng is not None and p.dtype == torch.bfloat16:
-                r = rng.reshape(-1)
-                rand = sr_random16(r[0], r[1], 4 * (rng_base + i), p.numel(), dev)
-            new_p = _store_lowp(pv, p.dtype, rand)
-        if keep is not None:
-            new_p = torch.where(keep, p, new_p)
-            if new_master is not None:
-                new_master = torch.where(keep, masters[i], new_master)
-            if new_buf is not None:
-                new_buf = torch.where(keep, momentum_buffers[i], new_buf)
-        p.copy_(new_p)
-        if new_master is not None:
-            masters[i].copy_(new_master)
         if new_buf is not None:
-            momentum_buffers[i].copy_(new_buf)
+            momentum_buffers[i].copy_(new_buf if keep is None else torch.where(keep, momentum_buffers[i], new_buf))
+        _store_master(kind, pv, p, masters, i, rng, rng_base, keep)
 
 
 def lion_step_scalars(lr, weight_decay: float, grad_mul: Tensor | None = None, device=None) -> Tensor:
@@ -437,15 +454,10 @@ def lion_(
     b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
     b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
     keep = None if found_inf is None else (found_inf.reshape(()) != 0)
-    masters_kind = "none" if len(masters) == 0 else ("remainder" if masters[0].dtype == torch.int16 else "fp32")
+    kind = _master_kind(masters)
     for i, p in enumerate(params):
         lr, decay, grad_mul = rows(i)
-        if masters_kind == "fp32":
-            p32 = masters[i]
-        elif masters_kind == "remainder":
-            p32 = join_master(p, masters[i])
-        else:
-            p32 = p.float()
+        p32 = _load_master(kind, p, masters, i)
         m = exp_avgs[i]
         g = grads[i].float() * grad_mul
         if maximize:
@@ -454,23 +466,5 @@ def lion_(
         c = m * b1 + g * omb1
         pv = pv - lr * lion_sign(c)
         new_m = m * b2 + g * omb2
-        new_master = None
-        if masters_kind == "fp32":
-            new_p, new_master = pv.to(p.dtype), pv
-        elif masters_kind == "remainder":
-            new_p, new_master = split_master(pv)
-        else:
-            rand = None
-            if rng is not None and p.dtype == torch.bfloat16:
-                r = rng.reshape(-1)
-                rand = sr_random16(r[0], r[1], 4 * (rng_base + i), p.numel(), dev)
-            new_p = _store_lowp(pv, p.dtype, rand)
-        if keep is not None:
-            new_p = torch.where(keep, p, new_p)
-            new_m = torch.where(keep, m, new_m)
-            if new_master is not None:
-                new_master = torch.where(keep, masters[i], new_master)
-        p.copy_(new_p)
-        if new_master is not None:
-            masters[i].copy_(new_master)
-        m.copy_(new_m)
+        m.copy_(new_m if keep is None else torch.where(keep, m, new_m))
+        _store_master(kind, pv, p, masters, i, rng, rng_base, keep)
