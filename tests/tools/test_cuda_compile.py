@@ -14,10 +14,6 @@ from pathlib import Path
 
 import pytest
 
-# one pytest-xdist worker runs the whole file (make test: --dist loadgroup), so its module-scoped compile runs once
-pytestmark = pytest.mark.xdist_group("cuda_compile")
-
-
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 CU_FILES = sorted(CUDA_DIR.glob("*.cu"))

@@ -19,10 +19,6 @@ from pathlib import Path
 
 import pytest
 
-# one pytest-xdist worker runs the whole file (make test: --dist loadgroup), so its module-scoped compile runs once
-pytestmark = pytest.mark.xdist_group("cuda_launch_plan")
-
-
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")

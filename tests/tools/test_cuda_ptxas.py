@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 from test_cuda_compile import NVCC, ROOT, compile_cu_files, requires_nvcc
 
-# every test reads the module-wide nvcc compile (~45 s): slow, and one pytest-xdist worker runs the file
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cuda_ptxas")]
+pytestmark = pytest.mark.slow  # every test reads the session-wide nvcc compile (~45 s)
 RESULTS = ROOT / "benchmarks" / "results" / "cuda_ptxas.md"
 ARCHS = ("sm_80", "sm_90")
 # Kernels (by name) and instantiations per file: a kernel ptxas did not report is a kernel

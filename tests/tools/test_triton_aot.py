@@ -1042,9 +1042,6 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-# one pytest-xdist worker runs the whole file (make test: --dist loadgroup), so its module-scoped compile runs once
-pytestmark = pytest.mark.xdist_group("triton_aot")
-
 
 def _tritons():
     out = [pytest.param((None, None), id="installed")]
