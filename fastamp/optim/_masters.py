@@ -45,6 +45,12 @@ def uses_master(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bo
     return master_kind(master_weights, dtype, stochastic_rounding) in ("fp32", "remainder")
 
 
+def unkept_master_keys(p: Tensor, group: dict) -> tuple[str, ...]:
+    """The saved master keys ``load_state_dict`` drops for ``p``: both, where the loading group keeps no master."""
+    kind = master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
+    return () if kind in ("fp32", "remainder") else ("master_param", "master_remainder")
+
+
 def state_zeros(p: Tensor, dtype: torch.dtype) -> Tensor:
     """Contiguous zeros shaped like ``p``; a DTensor with ``p``'s mesh and placements for a DTensor ``p``."""
     return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)

@@ -392,10 +392,6 @@ class AdamW(FusedOptimizer):
         def required_state_keys(group: dict[str, Any]):
             return ("step", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group.get("amsgrad") else ())
 
-        def drop_state_keys(p: Tensor, group: dict[str, Any]):
-            kind = _masters.master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
-            return () if kind in ("fp32", "remainder") else ("master_param", "master_remainder")
-
         def state_dtype(p: Tensor, group: dict[str, Any], key: str) -> torch.dtype:
             if key == "master_param":
                 return torch.float32
@@ -419,7 +415,7 @@ class AdamW(FusedOptimizer):
                 "seed": g["seed"],
                 "state_dtype": g["state_dtype"],
             },
-            drop_state_keys=drop_state_keys,
+            drop_state_keys=_masters.unkept_master_keys,
             state_dtype=state_dtype,
         )
         self._after_load()

@@ -199,10 +199,6 @@ class Lion(FusedOptimizer):
         ``exp_avg`` and masters are loaded as fp32. Validated before anything changes.
         """
 
-        def drop_state_keys(p: Tensor, group: dict[str, Any]):
-            kind = _masters.master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
-            return () if kind in ("fp32", "remainder") else ("master_param", "master_remainder")
-
         _state_dict.load_state_dict(
             self,
             state_dict,
@@ -217,6 +213,6 @@ class Lion(FusedOptimizer):
                 "stochastic_rounding": g["stochastic_rounding"],
                 "seed": g["seed"],
             },
-            drop_state_keys=drop_state_keys,
+            drop_state_keys=_masters.unkept_master_keys,
         )
         self._after_load()

@@ -222,10 +222,6 @@ class SGD(FusedOptimizer):
                 cleaned[k] = v
             state_dict = {**state_dict, "state": cleaned}
 
-        def drop_state_keys(p: Tensor, group: dict[str, Any]):
-            kind = _masters.master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
-            return () if kind in ("fp32", "remainder") else ("master_param", "master_remainder")
-
         _state_dict.load_state_dict(
             self,
             state_dict,
@@ -240,7 +236,7 @@ class SGD(FusedOptimizer):
                 "stochastic_rounding": g["stochastic_rounding"],
                 "seed": g["seed"],
             },
-            drop_state_keys=drop_state_keys,
+            drop_state_keys=_masters.unkept_master_keys,
         )
         for group in self.param_groups:
             if group["momentum"] == 0:
