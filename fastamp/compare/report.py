@@ -29,6 +29,9 @@ def _fmt(v: Any, nd: int = 3) -> str:
     return str(v)
 
 
+# The parameter count of the training-state projection (a 7B model, as in the article that motivates fastamp).
+PROJECTION_PARAMS = 7e9
+
 TABLE_COLS = [
     ("regime", "regime"),
     ("peak_mem", "peak memory"),
@@ -64,6 +67,8 @@ def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
                     "regime": r.regime,
                     "peak_mem": _fmt_bytes(r.peak_mem_bytes),
                     "peak_mem_bytes": r.peak_mem_bytes,
+                    "state_bytes_per_param": _fmt(r.state_bytes / r.n_params, 3) if r.n_params else "-",
+                    "state_7b_gb": _fmt(r.state_bytes / r.n_params * PROJECTION_PARAMS / 1e9, 1) if r.n_params else "-",
                     "mem_vs_fp32": (
                         f"{r.peak_mem_bytes / base.peak_mem_bytes:.2f}x"
                         if base is not None and math.isfinite(r.peak_mem_bytes) and base.peak_mem_bytes > 0
@@ -393,6 +398,33 @@ def _ratio(x: float) -> str:
     return f"{x:.2f}x" if x >= 0.1 else f"{x:.3f}x"
 
 
+_STATE_COLS = [
+    ("regime", "regime"),
+    ("state_bytes_per_param", "B/param (measured)"),
+    ("state_7b_gb", "GB for 7B params (projection)"),
+]
+
+
+def state_lines(rows: list[dict[str, Any]], models: list[str]) -> list[str]:
+    """Training state per param of each regime, measured here, and what it would be for a 7B-param model."""
+    out = [
+        "## Training state per parameter, and a 7B-parameter projection",
+        "",
+        "Measured: the bytes of the distinct live storages of the params, their grads, the buffers, the optimizer "
+        "state and the scaler right after the memory step, divided by the param count (no activations, no "
+        "autocast copies: those are in the peak). Projection: that B/param x 7e9, in GB (1e9 bytes), i.e. the "
+        "training state of a 7B model trained the same way. A projection, not a measurement: a small model's "
+        "B/param carries its small fp32 tensors (LayerNorms, biases) at a larger share than a 7B model would; "
+        "`benchmarks/bench_memory.py` measures large tensors and the 8-bit optimizers of other libraries.",
+        "",
+    ]
+    for model_name in models:
+        cells = [{k: r[k] for k, _ in _STATE_COLS} for r in rows if r["model"] == model_name and not r["error"]]
+        if cells:
+            out += [f"### {model_name}", "", markdown_table(cells, _STATE_COLS, cell=str), ""]
+    return out
+
+
 def report_lines(info, results, rows, models, model_regimes, device, verdict, mem_note, growth_interval) -> list[str]:
     """The Markdown report: header (machine, load, method), regimes, tables, where the time goes, checks."""
     lines = [f"# fastamp-compare ({device.type})", ""]
@@ -449,6 +481,7 @@ def report_lines(info, results, rows, models, model_regimes, device, verdict, me
             if r["model"] == model_name and r["error"]:
                 lines.append(f"- {r['regime']} failed: {r['error']}")
         lines.append("")
+    lines += state_lines(rows, models)
     lines += ["## Where the time goes", ""]
     lines += [
         "torch.profiler over three training steps per regime (steps 4-6), each profiled on its own: each op's "

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from fastamp._harness import sync, unscale_and_clip
 from fastamp.compare.hotspots import OpProfile, profile_step
-from fastamp.compare.memory import CpuPeakMeter, CudaPeakMeter
+from fastamp.compare.memory import CpuPeakMeter, CudaPeakMeter, live_bytes
 from fastamp.compare.models import bn_running_var_max
 from fastamp.compare.regimes import build_regime
 
@@ -54,6 +54,10 @@ class RegimeResult:
     model: str
     regime: str
     peak_mem_bytes: float = float("nan")
+    # the live storages of params, grads, buffers, optimizer state and scaler right after the memory step,
+    # and the param elements: the training state per param (no activations), measured
+    state_bytes: float = float("nan")
+    n_params: int = 0
     # the step time the table shows: the lower quartile (STEP_QUANTILE) of the timed steps, by ``clock``
     step_ms: float = float("nan")
     step_wall_ms: float = float("nan")
@@ -242,6 +246,8 @@ class RegimeRun:
                         meter = CudaPeakMeter(dev) if dev.type == "cuda" else CpuPeakMeter()
                         meter.measure(lambda s=step: self._one_step(s), self.model, self.opt, self.scaler)
                         self.result.peak_mem_bytes = float(meter.peak)
+                        self.result.state_bytes = float(live_bytes(self.model, self.opt, self.scaler))
+                        self.result.n_params = sum(p.numel() for p in self.model.parameters())
                     elif step in PROFILED_STEPS and self.profile_ops:
                         self.profiles.append(profile_step(lambda s=step: self._one_step(s), dev))
                     else:

@@ -185,6 +185,26 @@ def test_same_regime_twice_is_bit_identical():
     assert r1.losses[-1] < r1.losses[0]
 
 
+def test_training_state_per_param_is_measured_per_regime_and_projected_to_7b():
+    data = compare.TextData(16, 4, torch.device("cpu"))
+    torch.manual_seed(0)
+    base = compare.TinyGPT(len(data.vocab), 16, 2, 64, 2)
+    results = [
+        compare.train_regime("gpt", reg, base, data, torch.device("cpu"), 3, 3e-3, 1.0)
+        for reg in ("fp32", "fastamp-bf16-10B", "pure-bf16")
+    ]
+    per = {r.regime: r.state_bytes / r.n_params for r in results}
+    # fp32: param + grad + two moments, 4 B each (+ the 0-dim step counts); pure bf16: 2 B each;
+    # fastamp's 10-B config: bf16 param, grad, remainder and moments, and its fp32 LayerNorms at 16 B
+    assert 16.0 < per["fp32"] < 16.01 and 8.0 < per["pure-bf16"] < 8.01, per
+    assert 10.0 < per["fastamp-bf16-10B"] < 10.1, per
+    rows = compare.summarise(results)
+    from fastamp.compare.report import state_lines
+
+    text = "\n".join(state_lines(rows, ["gpt"]))
+    assert "7B-parameter projection" in text and "| fp32 | 16.00" in text and "| 112.0 |" in text, text
+
+
 @pytest.mark.slow
 def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     regimes = "fp32,torch-amp-fp16,fastamp-scaler-fp16,fastamp-fp16,fastamp-bf16-sr,pure-fp16"
@@ -207,7 +227,7 @@ def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     assert "torch CPU kernels: " + torch.backends.cpu.get_cpu_capability() in out
     assert "- note: a test run" in out
     assert "## Loss scale" in out and "| regime | scaler | skipped steps | skipped at step |" in out
-    assert "## Pitfall guards" in out
+    assert "## Pitfall guards" in out and "## Training state per parameter, and a 7B-parameter projection" in out
     assert "fastamp-fp16 final val loss" in out and "pure-fp16 (plain .to(fp16), no master weights" in out
     assert "cast_model" in out and "largest BatchNorm running_var" in out
     assert len(rows) == 3 * 6  # --regimes given: cnn-raw12 runs them all too
