@@ -58,24 +58,30 @@ def adamw_step_scalars(
     A correctly rounded ``pow`` on the device would need far more than one kernel per step.
     """
     dev = step.device
-    wide = torch.float32 if dev.type == "mps" else torch.float64
+    wide, lr_t, gm = _widened(dev, lr, grad_mul)
     st = (step if step.dim() == 1 else step.reshape(())).to(wide)
-    lr_t = (
-        lr.reshape(()).to(device=dev, dtype=wide)
-        if isinstance(lr, Tensor)
-        else torch.full((), lr, dtype=wide, device=dev)
-    )
     bc1 = 1 - _pow(torch.full((), beta1, dtype=wide, device=dev), st)
     bc2 = 1 - _pow(torch.full((), beta2, dtype=wide, device=dev), st)
     step_size = lr_t / bc1
     bc2_sqrt = bc2.sqrt()
     decay = 1 - lr_t * weight_decay
+    return torch.stack(torch.broadcast_tensors(step_size, bc2_sqrt, decay, gm), dim=-1).float()
+
+
+def _widened(dev: torch.device, lr, grad_mul: Tensor | None) -> tuple[torch.dtype, Tensor, Tensor]:
+    """The wide dtype of the step-scalar maths on ``dev`` (fp64; fp32 on MPS), and ``lr`` and ``grad_mul`` (1 if None) in it."""
+    wide = torch.float32 if dev.type == "mps" else torch.float64
+    lr_t = (
+        lr.reshape(()).to(device=dev, dtype=wide)
+        if isinstance(lr, Tensor)
+        else torch.full((), lr, dtype=wide, device=dev)
+    )
     gm = (
         grad_mul.reshape(()).to(device=dev, dtype=wide)
         if grad_mul is not None
         else torch.ones((), dtype=wide, device=dev)
     )
-    return torch.stack(torch.broadcast_tensors(step_size, bc2_sqrt, decay, gm), dim=-1).float()
+    return wide, lr_t, gm
 
 
 def _lerp_low(beta1: float) -> bool:
@@ -392,19 +398,8 @@ def lion_step_scalars(lr, weight_decay: float, grad_mul: Tensor | None = None, d
     """
     if device is None:
         device = lr.device if isinstance(lr, Tensor) else (grad_mul.device if grad_mul is not None else "cpu")
-    dev = torch.device(device)
-    wide = torch.float32 if dev.type == "mps" else torch.float64
-    lr_t = (
-        lr.reshape(()).to(device=dev, dtype=wide)
-        if isinstance(lr, Tensor)
-        else torch.full((), lr, dtype=wide, device=dev)
-    )
+    _, lr_t, gm = _widened(torch.device(device), lr, grad_mul)
     decay = 1 - lr_t * weight_decay
-    gm = (
-        grad_mul.reshape(()).to(device=dev, dtype=wide)
-        if grad_mul is not None
-        else torch.ones((), dtype=wide, device=dev)
-    )
     return torch.stack((lr_t, decay, gm)).float()
 
 
