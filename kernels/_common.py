@@ -751,6 +751,14 @@ def _with_grads(values, n: int, gptrs, sel, device: torch.device) -> torch.Tenso
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class _Launches(list):
+    """The launches of a call, holding (``keep``) the contiguous copies of strided grads that their
+    tables point at: the caller keeps the list until its kernels are launched (a copy freed before
+    would be memory the next allocation may take: the CPU frees it at once, a CUDA stream in order)."""
+
+    __slots__ = ("keep",)
+
+
 class Declined(Exception):
     """:func:`optimizer_launches` called with ``direct=True`` for a call it must not take directly (nothing ran)."""
 
@@ -837,7 +845,8 @@ def optimizer_launches(
     groups = launch_groups(streams, key)
     if capturing or any(p & 15 for p in map(_data_ptr, dense)):
         # not cached: a captured table must be the graph's own; unaligned grads regroup
-        out = []
+        out = _Launches()
+        out.keep = dense
         for gkey, idxs in groups.items():
             table, n_chunks, n_ptr = launch_table(idxs, streams, ids_base(gkey), chunk, device, stride)
             out.append((gkey, len(idxs), table, n_chunks, n_ptr))
@@ -862,10 +871,10 @@ def optimizer_launches(
     if len(_PLANS) > _PLANS_SIZE:
         _PLANS.popitem(last=False)
     gptrs = list(map(_data_ptr, dense))
-    return [
-        (gkey, m, _with_grads(values, m, gptrs, sel, device), n_chunks, n_ptr)
-        for gkey, m, values, sel, n_chunks, n_ptr in launches
-    ]
+    out = _Launches((gkey, m, _with_grads(values, m, gptrs, sel, device), n_chunks, n_ptr)
+                    for gkey, m, values, sel, n_chunks, n_ptr in launches)  # fmt: skip
+    out.keep = dense
+    return out
 
 
 def adam_hyper_args(beta1, beta2, eps, found_inf, maximize) -> tuple:

@@ -300,3 +300,20 @@ def test_a_lazily_negated_grad_goes_through_the_dispatcher(device, monkeypatch):
     for key in st:
         for a, b in zip(st[key], twin[key]):
             assert_bits_equal(a, b, key)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_strided_grads_are_read_from_copies_that_outlive_the_launch(op, device):
+    """A call with non-contiguous grads launches on contiguous copies of them; the copies must stay
+    alive until the kernels are launched (freed earlier, their memory went to the next allocations:
+    every such call read garbage under the interpreter)."""
+    C._PLANS.clear()
+    st = _state(op, device)
+    ref = _clone(st)
+    for k in range(2):
+        grads = [g.t().contiguous().t() if g.dim() == 2 else g.repeat_interleave(2)[::2] for g in _grads(st, k)]
+        assert not any(g.is_contiguous() for g in grads if g.numel() > 1)
+        TRITON[op](*_args(op, st, grads))
+        getattr(R, op)(*_args(op, ref, grads))
+    _assert_same(st, ref, "strided grads vs reference")
