@@ -26,7 +26,12 @@ device check is lifted, in a worker process), and of the CUDA launch plan's host
 compiler, fake pointers, as tests/tools/test_cuda_launch_plan.py does; the binding's reading
 of the tensors is not in it: it needs a CUDA torch). Reported per tensor, with the count of
 Python function calls per step (``sys.setprofile``: Python-level calls and calls of C
-functions) for the Triton launcher and for the eager native ``opt.step()``.
+functions) for the Triton launcher and for the eager native ``opt.step()``. The Triton rows
+come in pairs, interleaved round by round: the plan check's C passes (``fastamp._C.plan_grads``
+where the extension is built for this torch, torch's ``TensorGuards`` for the grads) and its
+Python passes alone (both forced off), each with its own tensors and plan cache; besides the
+wall time, the worker thread's CPU time (``time.thread_time``: on a shared machine the wall
+time also counts the time other processes held the cores).
 
 Writes ``results/bench_host_overhead-cpu.{csv,md}``.
 """
@@ -198,36 +203,63 @@ def native_rows(args) -> tuple[list[dict], dict]:
 
 _TRITON_WORKER = r"""
 import json, sys, time
+from collections import OrderedDict
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tools!r})
 import torch
+try:  # the C pass of the plan check (fastamp._C.plan_grads), where the extension is built for this torch
+    import fastamp._C
+except ImportError:
+    pass
 from test_triton_aot import _install_recorders, _load_kernels
 from pathlib import Path
 mods = _load_kernels(Path({root!r}))
 launched = _install_recorders(mods)
 adamw = mods["adamw"]
+C = mods["_common"]
+native_check, grad_guards = C._plan_grads, C._TensorGuards
 n, m = {n}, {m}
-out = {{}}
-for layout in ("fp32", "bf16"):
-    dt = torch.float32 if layout == "fp32" else torch.bfloat16
-    params = [torch.zeros(m, dtype=dt) for _ in range(n)]
-    f32 = [[torch.zeros(m) for _ in range(n)] for _ in range(4)]
-    masters = f32[3] if layout == "bf16" else []
-    scalars, found = torch.ones(4), torch.zeros(1)
-    def new_grads():
-        return [torch.zeros(m, dtype=dt) for _ in range(n)]
-    def call(grads):
-        adamw.adamw_(params, grads, masters, f32[1], f32[2], [], scalars, found, 0.9, 0.999, 1e-8, False, False)
+
+
+class Variant:
+    # one layout x plan-check path, with its own tensors and its own plan cache
+    def __init__(self, layout, check):
+        self.key = layout + "/" + check
+        self.check = (native_check, grad_guards) if check == "c" else (None, None)
+        self.plans = OrderedDict()
+        self.dt = torch.float32 if layout == "fp32" else torch.bfloat16
+        self.params = [torch.zeros(m, dtype=self.dt) for _ in range(n)]
+        self.f32 = [[torch.zeros(m) for _ in range(n)] for _ in range(3 if layout == "bf16" else 2)]
+        self.masters = self.f32[2] if layout == "bf16" else []
+        self.scalars, self.found = torch.ones(4), torch.zeros(1)
+        self.wall, self.cpu = [], []
+
+    def new_grads(self):
+        return [torch.zeros(m, dtype=self.dt) for _ in range(n)]
+
+    def call(self, grads):
+        C._PLANS, (C._plan_grads, C._TensorGuards) = self.plans, self.check
+        adamw.adamw_(self.params, grads, self.masters, self.f32[0], self.f32[1], [], self.scalars, self.found,
+                     0.9, 0.999, 1e-8, False, False)
+
+
+variants = [Variant(layout, check) for check in ("c", "python") for layout in ("fp32", "bf16")
+            if check == "python" or native_check is not None]
+for v in variants:
     for _ in range(2):
-        call(new_grads())
-    ts = []
-    for _ in range({reps}):
-        grads = new_grads()
+        v.call(v.new_grads())
+for _ in range({reps}):  # interleaved: each variant once per round
+    for v in variants:
+        grads = v.new_grads()
         launched.clear()
-        t0 = time.perf_counter()
-        call(grads)
-        ts.append(time.perf_counter() - t0)
-    grads = new_grads()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        v.call(grads)
+        v.cpu.append(time.thread_time() - c0)
+        v.wall.append(time.perf_counter() - t0)
+        v.launches = len(launched)
+out = {{}}
+for v in variants:
+    grads = v.new_grads()
     counts = [0, 0]
     def prof(frame, event, arg):
         if event == "call":
@@ -235,11 +267,12 @@ for layout in ("fp32", "bf16"):
         elif event == "c_call":
             counts[1] += 1
     sys.setprofile(prof)
-    call(grads)
+    v.call(grads)
     sys.setprofile(None)
-    ts.sort()
-    out[layout] = {{"median_s": ts[len(ts) // 2], "min_s": ts[0], "max_s": ts[-1], "launches": len(launched),
-                    "py_calls": counts[0] - 1, "c_calls": counts[1]}}
+    w, c = sorted(v.wall), sorted(v.cpu)
+    out[v.key] = {{"median_s": w[len(w) // 2], "min_s": w[0], "max_s": w[-1], "cpu_median_s": c[len(c) // 2],
+                  "cpu_min_s": c[0], "cpu_max_s": c[-1], "launches": v.launches, "py_calls": counts[0] - 1,
+                  "c_calls": counts[1]}}
 print(json.dumps(out))
 """
 
@@ -342,14 +375,19 @@ def main(argv=None):
         tri = triton_host(many_n, many_m, max(3, args.reps // 2))
         if "error" in tri:
             host_rows.append({"launcher": "triton adamw_", "error": tri["error"].strip().splitlines()[-1]})
-        for layout, r in ({} if "error" in tri else tri).items():
+        for key, r in ({} if "error" in tri else tri).items():
+            layout, check = key.split("/")
+            check = "C passes" if check == "c" else "Python passes"
             host_rows.append(
                 {
-                    "launcher": f"triton adamw_ ({layout} params{', fp32 master' if layout == 'bf16' else ''})",
+                    "launcher": f"triton adamw_ ({layout} params{', fp32 master' if layout == 'bf16' else ''}; {check})",
                     "tensors": many_n,
                     "host ms per step": round(r["median_s"] * 1e3, 2),
                     "spread ms": f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}",
                     "us per tensor": round(r["median_s"] / many_n * 1e6, 3),
+                    "CPU ms per step": round(r["cpu_median_s"] * 1e3, 2),
+                    "CPU spread ms": f"{r['cpu_min_s'] * 1e3:.1f}-{r['cpu_max_s'] * 1e3:.1f}",
+                    "CPU us per tensor": round(r["cpu_median_s"] / many_n * 1e6, 3),
                     "launches": r["launches"],
                     "Python calls per step": r["py_calls"],
                     "C calls per step": r["c_calls"],

@@ -666,8 +666,9 @@ def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scal
 # (the "persistent" lists: the same tensors step after step) and the grads' dtypes. A call
 # whose tensors match all of it reuses the groups and tables and only writes this call's grad
 # addresses into a copy of each table (grads are new tensors after every backward). The check
-# is a few C-level passes over the lists (``map`` of a tensor method: no Python code per
-# tensor), and it compares values, not identities: a table depends only on these values, so
+# is a few C-level passes over the lists (one C loop per block where fastamp._C and torch have
+# them, else ``map`` of a tensor method: no Python code per tensor either way; see _plan_grads
+# and _TensorGuards), and it compares values, not identities: a table depends only on these values, so
 # another tensor at the same address with the same element count, dtype and layout reads and
 # writes exactly what the planned one did, and a tensor replaced, rebound (``.data = ...``),
 # resized or restrided in place changes one of them (``.data = x`` moves no version counter,
@@ -684,20 +685,91 @@ _is_contiguous = torch.Tensor.is_contiguous
 _is_neg = torch.Tensor.is_neg
 _dtype_of = operator.attrgetter("dtype")
 _device_of = operator.attrgetter("device")
+_grad_of = operator.attrgetter("grad")
+
+
+def _native_plan_grads():
+    """``fastamp._C.plan_grads`` (csrc/plan_check.cpp), or None where the extension is absent or lacks it."""
+    try:
+        from fastamp import _C
+    except (ImportError, OSError):
+        return None
+    return getattr(_C, "plan_grads", None)
+
+
+# The first read of a persistent tensor's metadata is the cost of a repeated call (cache misses
+# on memory last touched a step ago). ``plan_grads`` reads a block's addresses and dtypes in one
+# C loop (and answers NotImplemented for anything but a plain torch.Tensor / nn.Parameter), so
+# the passes that follow it (element counts, contiguity) read warm memory. It compares
+# ``const_data_ptr()``, which, unlike ``data_ptr()``, does not materialise a copy-on-write
+# tensor (``torch._lazy_clone``, private: no public API makes one in place); everything else
+# it answers as the passes of ``data_ptr()`` and ``dtype`` would.
+_plan_grads = _native_plan_grads()
+
+
+def _tensor_guards():
+    """torch's C++ check of tensor metadata (dynamo's ``TensorGuards``), or None where torch lacks it."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError:
+        return None
+    return TensorGuards
+
+
+# A repeated direct call's grads (new tensors each step, of the planned kind) are read by one
+# C loop per block that compares each one's Python type, dispatch keys (device type, a lazily
+# negated view, sparsity), dtype, device index, requires_grad, sizes and strides with the grads
+# of an earlier direct call that passed every check below (dynamo's guard on a compiled
+# graph's input tensors: torch._C._dynamo.guards.TensorGuards, built by torch.compile for
+# every graph). Its dispatch keys are read in the thread's dispatch state, the same for both
+# calls (a direct call is one with the default state, :func:`_direct_allowed`). Only the grads'
+# addresses are then read in Python. Where torch has no such class, or it answers False, the
+# Python passes below decide.
+_TensorGuards = _tensor_guards()
+
+
+def _guard_of(block):
+    """A ``TensorGuards`` of ``block`` (plain torch.Tensor grads that passed every check), or None."""
+    if _TensorGuards is None or not all(type(t) is torch.Tensor for t in block):
+        return None
+    try:
+        return _TensorGuards(*block, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except (TypeError, RuntimeError, ValueError, SystemError):
+        return None
 
 
 class _Plan:
     """The launches of one optimizer call and what they were built from (see above)."""
 
-    __slots__ = ("ptrs", "numels", "dtypes", "grad_dtypes", "launches")
+    __slots__ = ("ptrs", "numels", "dtypes", "grad_dtypes", "launches", "blocks", "grad_guards")
 
-    def __init__(self, ptrs, numels, dtypes, grad_dtypes, launches):
-        self.ptrs, self.numels, self.dtypes, self.grad_dtypes = ptrs, numels, dtypes, grad_dtypes
+    def __init__(self, flat, grads, launches):
+        self.ptrs = list(map(_data_ptr, flat))
+        self.numels = list(map(_numel, flat))
+        self.dtypes = list(map(_dtype_of, flat))
+        self.grad_dtypes = list(map(_dtype_of, grads))
         # (group key, tensors, table values without grads, grads positions or None (all), n_chunks, n_ptr)
         self.launches = launches
+        # per block of the persistent lists, what plan_grads compares: addresses, dtypes, and
+        # the dtype of each tensor's own ``.grad`` (None: none; a param's grad of the planning
+        # call, whose contiguity does not matter: flags 1). A block it cannot answer for (a
+        # subclass, a ``.grad`` that appeared or changed) is read by the Python passes, as is
+        # a block with a non-leaf tensor that requires grad (reading its ``.grad`` warns).
+        self.blocks = []
+        for s in range(0, len(flat), _BLOCK):
+            block = flat[s : s + _BLOCK]
+            native = _plan_grads is not None and not any(t.requires_grad and not t.is_leaf for t in block)
+            kinds = [None if g is None else g.dtype for g in map(_grad_of, block)] if native else None
+            flags = b"\x01" * len(block) if native else None
+            self.blocks.append(
+                (s, s + len(block), self.ptrs[s : s + _BLOCK], self.dtypes[s : s + _BLOCK], kinds, flags)
+            )
+        self.grad_guards = [None] * -(-len(grads) // _BLOCK)  # per block of grads, set by a direct call
 
-    def grad_ptrs(self, persistent, grads, device):
-        """This call's grad addresses if the call fits the plan, else None.
+    def grad_ptrs(self, persistent, grads, device, direct=False):
+        """``(grad addresses, plain)`` if the call fits the plan, else None; ``plain``: every
+        tensor is known to be a plain torch.Tensor / nn.Parameter (the C passes say so).
+        ``direct``: a call without the dispatcher; only such calls use and build the grads' guards.
 
         The lists are read in blocks of :data:`_BLOCK` tensors, every property of a block in a
         row: the cost is the memory the tensors' metadata sits in (a params/states tensor
@@ -705,24 +777,32 @@ class _Plan:
         once per property.
         """
         n = len(grads)
+        plain = True
         try:
             flat = list(itertools.chain.from_iterable(persistent))
-            ptrs, numels, dtypes = self.ptrs, self.numels, self.dtypes
-            for s in range(0, len(flat), _BLOCK):
-                e = s + _BLOCK
+            if len(flat) != len(self.ptrs):
+                return None
+            numels = self.numels
+            for s, e, bptrs, bdtypes, bkinds, bflags in self.blocks:
                 block = flat[s:e]
-                if (
-                    list(map(_data_ptr, block)) != ptrs[s:e]
-                    or list(map(_numel, block)) != numels[s:e]
-                    or list(map(_dtype_of, block)) != dtypes[s:e]
-                    or not all(map(_is_contiguous, block))
-                ):
+                native = bflags is not None and type(_plan_grads(block, block, bptrs, bdtypes, bkinds, bflags)) is list
+                if not native:
+                    plain = False
+                    if list(map(_data_ptr, block)) != bptrs or list(map(_dtype_of, block)) != bdtypes:
+                        return None
+                if list(map(_numel, block)) != numels[s:e] or not all(map(_is_contiguous, block)):
                     return None
             gptrs = []
             gdtypes = self.grad_dtypes
-            for s in range(0, n, _BLOCK):
+            guards = self.grad_guards
+            unguarded = []
+            for b, s in enumerate(range(0, n, _BLOCK)):
                 e = min(s + _BLOCK, n)  # numels continues past n with the states' counts
                 block = grads[s:e]
+                if direct and guards[b] is not None and guards[b].check(*block):
+                    gptrs += map(_data_ptr, block)
+                    continue
+                unguarded.append(b)
                 gptrs += map(_data_ptr, block)  # raises for a grad without storage (sparse)
                 if (
                     list(map(_numel, block)) != numels[s:e]
@@ -734,9 +814,16 @@ class _Plan:
                     or any(map(_is_neg, block))
                 ):
                     return None
-        except (RuntimeError, AttributeError, TypeError):
+        except (RuntimeError, AttributeError, TypeError, ValueError):
             return None
-        return None if any(map(operator.and_, gptrs, itertools.repeat(15))) else gptrs
+        if any(map(operator.and_, gptrs, itertools.repeat(15))):
+            return None
+        if unguarded and direct:
+            plain = plain and set(map(type, grads)) <= _PLAIN_TYPES
+            if plain:
+                for b in unguarded:
+                    guards[b] = _guard_of(grads[b * _BLOCK : (b + 1) * _BLOCK])
+        return gptrs, plain
 
 
 def _with_grads(values, n: int, gptrs, sel, device: torch.device) -> torch.Tensor:
@@ -749,6 +836,14 @@ def _with_grads(values, n: int, gptrs, sel, device: torch.device) -> torch.Tenso
     # a new device table per call, written on the current stream after every earlier launch
     # that read the previous one; the caching host allocator keeps the pinned source alive
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class _Launches(list):
+    """The launches of a call, holding (``keep``) the contiguous copies of strided grads that their
+    tables point at: the caller keeps the list until its kernels are launched (a copy freed before
+    would be memory the next allocation may take: the CPU frees it at once, a CUDA stream in order)."""
+
+    __slots__ = ("keep",)
 
 
 class Declined(Exception):
@@ -815,10 +910,10 @@ def optimizer_launches(
     cache_key = (op, static, device, stream, chunk, stride, tuple(map(len, persistent)), len(grads))
     plan = None if capturing else _PLANS.get(cache_key)
     if plan is not None:
-        gptrs = plan.grad_ptrs(persistent, grads, device)
-        if gptrs is not None and direct:
-            types = set(map(type, grads)).union(*(map(type, lst) for lst in persistent))
-            if not types <= _PLAIN_TYPES:
+        fit = plan.grad_ptrs(persistent, grads, device, direct)
+        gptrs = None if fit is None else fit[0]
+        if fit is not None and direct and not fit[1]:
+            if not set(map(type, grads)).union(*(map(type, lst) for lst in persistent)) <= _PLAIN_TYPES:
                 raise Declined(op)
         if gptrs is not None:
             check_runnable(op, device)
@@ -837,7 +932,8 @@ def optimizer_launches(
     groups = launch_groups(streams, key)
     if capturing or any(p & 15 for p in map(_data_ptr, dense)):
         # not cached: a captured table must be the graph's own; unaligned grads regroup
-        out = []
+        out = _Launches()
+        out.keep = dense
         for gkey, idxs in groups.items():
             table, n_chunks, n_ptr = launch_table(idxs, streams, ids_base(gkey), chunk, device, stride)
             out.append((gkey, len(idxs), table, n_chunks, n_ptr))
@@ -850,22 +946,15 @@ def optimizer_launches(
         values, n_chunks = _table_values(columns, counts, chunk, rows)
         sel = None if len(idxs) == n else list(idxs)
         launches.append((gkey, len(idxs), values, sel, n_chunks, len(columns)))
-    flat = list(itertools.chain.from_iterable(persistent))
-    plan = _Plan(
-        list(map(_data_ptr, flat)),
-        list(map(_numel, flat)),
-        list(map(_dtype_of, flat)),
-        list(map(_dtype_of, grads)),
-        launches,
-    )
+    plan = _Plan(list(itertools.chain.from_iterable(persistent)), grads, launches)
     _PLANS[cache_key] = plan
     if len(_PLANS) > _PLANS_SIZE:
         _PLANS.popitem(last=False)
     gptrs = list(map(_data_ptr, dense))
-    return [
-        (gkey, m, _with_grads(values, m, gptrs, sel, device), n_chunks, n_ptr)
-        for gkey, m, values, sel, n_chunks, n_ptr in launches
-    ]
+    out = _Launches((gkey, m, _with_grads(values, m, gptrs, sel, device), n_chunks, n_ptr)
+                    for gkey, m, values, sel, n_chunks, n_ptr in launches)  # fmt: skip
+    out.keep = dense
+    return out
 
 
 def adam_hyper_args(beta1, beta2, eps, found_inf, maximize) -> tuple:

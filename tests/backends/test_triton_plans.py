@@ -101,10 +101,22 @@ def _assert_same(a, b, what):
             assert_bits_equal(x, y, f"{what}: {k}[{i}]")
 
 
-@pytest.fixture(autouse=True, params=[4, 1024], ids=["blocks-of-4", "one-block"])
-def check_block(request, monkeypatch):
-    """The plan check reads the lists in blocks (``C._BLOCK``): several blocks here, and one."""
-    monkeypatch.setattr(C, "_BLOCK", request.param)
+NATIVE_CHECK = C._plan_grads is not None
+CHECKS = [("c", 4), ("c", 1024), ("python", 4)] if NATIVE_CHECK else [("python", 4), ("python", 1024)]
+
+
+@pytest.fixture(autouse=True, params=CHECKS, ids=[f"{path}-blocks-of-{b}" for path, b in CHECKS])
+def check_path(request, monkeypatch):
+    """The plan check reads the lists in blocks (``C._BLOCK``): several blocks here, and one; the
+    persistent lists' addresses and dtypes in one C loop per block (``fastamp._C.plan_grads``,
+    where the extension is built) and a direct call's grads with torch's ``TensorGuards``, or
+    everything in Python passes (without them: the path is forced here)."""
+    path, block = request.param
+    monkeypatch.setattr(C, "_BLOCK", block)
+    if path == "python":
+        monkeypatch.setattr(C, "_plan_grads", None)
+        monkeypatch.setattr(C, "_TensorGuards", None)
+    return path
 
 
 @pytest.fixture
@@ -300,3 +312,175 @@ def test_a_lazily_negated_grad_goes_through_the_dispatcher(device, monkeypatch):
     for key in st:
         for a, b in zip(st[key], twin[key]):
             assert_bits_equal(a, b, key)
+
+
+def test_the_built_extension_has_the_c_pass(check_path):
+    from fastamp import backends
+
+    if not backends.available("native", "adamw_", "cpu")[0]:
+        pytest.skip("fastamp._C is not built")
+    assert NATIVE_CHECK, "fastamp._C has no plan_grads (csrc/plan_check.cpp): rebuild the extension"
+
+
+@pytest.fixture
+def c_pass_calls(monkeypatch, check_path):
+    """The calls of the C pass and what each answered (a list: the block fits)."""
+    if check_path != "c":
+        pytest.skip("the C pass of the plan check (fastamp._C.plan_grads) is not in use")
+    answers = []
+    real = C._plan_grads
+
+    def spying(*args):
+        got = real(*args)
+        answers.append(type(got) is list)
+        return got
+
+    monkeypatch.setattr(C, "_plan_grads", spying)
+    return answers
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_repeated_call_reads_the_persistent_lists_in_the_c_pass(device, monkeypatch, c_pass_calls):
+    """A repeated plain call is answered by the C pass, one call per block, each fitting; the persistent
+    lists are then known to be plain tensors (no type pass over them) and no Python pass of their
+    addresses runs."""
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    _run("adamw_", st, 2)
+    (plan,) = C._PLANS.values()
+    c_pass_calls.clear()
+    answers = []
+    real = C._Plan.grad_ptrs
+    monkeypatch.setattr(C._Plan, "grad_ptrs", lambda self, *a: answers.append(real(self, *a)) or answers[-1])
+    address_passes = []
+    monkeypatch.setattr(C, "_data_ptr", lambda t: address_passes.append(1) or t.data_ptr())
+    _run("adamw_", st, 1)
+    n_persistent = sum(len(v) for k, v in st.items())  # params, masters, moments, max moments
+    assert len(plan.blocks) == -(-n_persistent // C._BLOCK)
+    assert c_pass_calls == [True] * len(plan.blocks), c_pass_calls
+    assert answers[0] is not None and answers[0][1] is True
+    assert len(address_passes) == len(st["params"]), "only the grads' addresses are read in Python"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grad_on_a_planned_tensor_changes_nothing_but_the_pass(device, guard_calls, c_pass_calls):
+    """The C pass also compares each planned tensor's own ``.grad`` (it reads it anyway): a param that
+    gains a ``.grad`` after planning (as in an optimizer's step) makes it answer False for that block;
+    the Python passes then find the call fits: the plan is kept and the bits are the reference's."""
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    ref = _clone(st)
+
+    def give_grads(st):
+        for p in st["params"]:
+            p.grad = torch.zeros_like(p)
+
+    _run("adamw_", st, 3, mutate=give_grads)
+    _run("adamw_", ref, 3, fn=R.adamw_)
+    assert False in c_pass_calls, "the C pass must notice the new .grad"
+    assert guard_calls == ["adamw_"], "the plan must be kept"
+    for p in st["params"]:
+        p.grad = None
+    _assert_same(st, ref, "cached vs reference")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_leaf_tensor_is_read_by_the_python_passes_without_a_warning(device, capfd, c_pass_calls, guard_calls):
+    """Reading the ``.grad`` of a non-leaf tensor that requires grad warns (in C++, to stderr): a block
+    holding one is left to the Python passes, which give the same answers."""
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    ref = _clone(st)
+    leaf = torch.zeros_like(st["m"][0], requires_grad=True)
+    nonleaf = leaf + 0  # requires grad, not a leaf
+    with torch.no_grad():
+        nonleaf.copy_(st["m"][0])
+    st["m"][0] = nonleaf
+    with torch.no_grad():
+        _run("adamw_", st, 3)
+    _run("adamw_", ref, 3, fn=R.adamw_)
+    assert guard_calls == ["adamw_"]
+    assert "not a leaf" not in capfd.readouterr().err
+    with torch.no_grad():
+        st["m"][0] = st["m"][0].detach()
+    _assert_same(st, ref, "cached vs reference")
+
+
+@pytest.fixture
+def guard_checks(monkeypatch, check_path):
+    """What each grads' guard (``TensorGuards``) of a direct call answered."""
+    if check_path != "c" or C._TensorGuards is None:
+        pytest.skip("the grads' guards are not in use")
+    answers = []
+    real = C._guard_of
+
+    class Spy:
+        def __init__(self, guard):
+            self.guard = guard
+
+        def check(self, *grads):
+            answers.append(self.guard.check(*grads))
+            return answers[-1]
+
+    monkeypatch.setattr(C, "_guard_of", lambda block: (lambda g: None if g is None else Spy(g))(real(block)))
+    return answers
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+GRAD_CHANGES = {
+    "other-dtype": lambda g: g.to(F16 if g.dtype != F16 else F32),
+    "strided": lambda g: g.t().contiguous().t(),  # the same shape, column-major: not contiguous
+    "negated-view": lambda g: torch._neg_view(g.neg()),
+    "requires-grad": lambda g: g.detach().requires_grad_(),
+    "subclass": lambda g: g.as_subclass(_Sub),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change", list(GRAD_CHANGES))
+def test_a_grad_unlike_the_guarded_ones_is_read_by_the_python_passes(device, change, guard_checks, monkeypatch):
+    """From the third call on, a direct call's grads are answered by their guards; a grad unlike the
+    guarded ones (dtype, strides, a negated view, requires_grad, a subclass) fails its guard and the
+    Python passes decide, as without guards: the bits are those of a fresh launch, and a call that
+    does not fit the plan or holds a subclass goes through the dispatcher."""
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    fresh = _clone(st)
+    through_ops = []
+    op = tadamw._adamw_op
+    monkeypatch.setattr(tadamw, "_adamw_op", lambda *a: (through_ops.append(1), op(*a)))
+    _run("adamw_", st, 3)
+    assert guard_checks and all(guard_checks), "the third call's grads must be answered by their guards"
+    guard_checks.clear()
+    through_ops.clear()
+    grads = _grads(st, 3)
+    grads[4] = GRAD_CHANGES[change](grads[4])  # the 2-D one
+    with torch.no_grad():
+        tadamw.adamw_(*_args("adamw_", st, grads))
+    assert False in guard_checks, "the changed grad must fail its guard"
+    assert through_ops == ([] if change == "requires-grad" else [1]), through_ops
+    _run("adamw_", fresh, 3, cached=False)
+    C._PLANS.clear()
+    with torch.no_grad():
+        tadamw.adamw_(*_args("adamw_", fresh, grads))
+    _assert_same(st, fresh, f"{change}: cached vs fresh")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_strided_grads_are_read_from_copies_that_outlive_the_launch(op, device):
+    """A call with non-contiguous grads launches on contiguous copies of them; the copies must stay
+    alive until the kernels are launched (freed earlier, their memory went to the next allocations:
+    every such call read garbage under the interpreter)."""
+    C._PLANS.clear()
+    st = _state(op, device)
+    ref = _clone(st)
+    for k in range(2):
+        grads = [g.t().contiguous().t() if g.dim() == 2 else g.repeat_interleave(2)[::2] for g in _grads(st, k)]
+        assert not any(g.is_contiguous() for g in grads if g.numel() > 1)
+        TRITON[op](*_args(op, st, grads))
+        getattr(R, op)(*_args(op, ref, grads))
+    _assert_same(st, ref, "strided grads vs reference")
