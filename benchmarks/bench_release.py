@@ -1,10 +1,20 @@
-"""Gradient release (issue 23, part 1): peak bytes of live grads during a step, and the step time.
+"""Gradient release (issue 23): peak bytes of live grads during a step, and the step time.
 
 A stack of ``--layers`` ``Linear(dim, dim)`` blocks (ReLU between them), bf16 params with int16
 remainder masters, ``fastamp.AdamW``, on CPU. Providers:
 
 ``ordinary``        ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``
 ``release-<size>``  ``h = fastamp.release(model, opt, bucket_bytes=<size>)``; ``h.backward(loss)``
+
+and the two-backward scheme (part 2), on the same layers in fp16 with fp32 masters, a
+``fastamp.Scaler`` and global clipping (``--max-norm``, binding here):
+
+``ordinary-amp``        ``scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, max_norm);
+                        scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)``
+``release-amp-<size>``  ``h = fastamp.release(model, opt, scaler=scaler, max_norm=max_norm,
+                        bucket_bytes=<size>)``; ``h.backward(loss)``
+
+(``time_vs_ordinary`` of an amp row is against ``ordinary-amp``.)
 
 Live grads: the bytes of the distinct storages of the params' ``.grad`` tensors, summed over
 the model, sampled in a post-accumulate-grad hook of every param that runs before release's
@@ -60,18 +70,30 @@ def _live_grad_bytes(params: list[torch.Tensor]) -> int:
 
 
 class Run:
-    """One provider: its model, optimizer, handle (None: ordinary) and the peak it saw."""
+    """One provider: its model, optimizer, scaler (amp rows), handle (None: ordinary) and the peak it saw."""
 
-    def __init__(self, name: str, bucket_bytes: int | None, layers: int, dim: int) -> None:
+    def __init__(
+        self, name: str, bucket_bytes: int | None, layers: int, dim: int, max_norm: float | None = None
+    ) -> None:
         self.name, self.bucket_bytes = name, bucket_bytes
+        self.amp = max_norm is not None
+        self.max_norm = max_norm
         self.model = _model(layers, dim)
+        if self.amp:
+            self.model.to(torch.float16)
         self.params = list(self.model.parameters())
-        self.opt = fastamp.AdamW(self.params, lr=1e-3, weight_decay=0.01, master_weights="remainder")
+        masters = True if self.amp else "remainder"
+        self.opt = fastamp.AdamW(self.params, lr=1e-3, weight_decay=0.01, master_weights=masters)
+        self.scaler = fastamp.Scaler("cpu", init_scale=2.0**12) if self.amp else None
         self.peak = 0
         # registered before release's hooks: they see each new grad before a bucket's step frees any
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._sample)
-        self.h = None if bucket_bytes is None else fastamp.release(self.model, self.opt, bucket_bytes=bucket_bytes)
+        self.h = None
+        if bucket_bytes is not None:
+            self.h = fastamp.release(
+                self.model, self.opt, scaler=self.scaler, max_norm=max_norm, bucket_bytes=bucket_bytes
+            )
 
     def _sample(self, _p: torch.Tensor) -> None:
         self.peak = max(self.peak, _live_grad_bytes(self.params))
@@ -82,8 +104,15 @@ class Run:
         return max(sum(p.numel() * p.element_size() for p in b) for b in self.h.buckets)
 
     def step(self, x: torch.Tensor) -> None:
-        loss = self.model(x).float().square().mean()
-        if self.h is None:
+        loss = self.model(x.to(self.params[0].dtype)).float().square().mean()
+        if self.h is None and self.amp:
+            self.scaler.scale(loss).backward()
+            self.peak = max(self.peak, _live_grad_bytes(self.params))
+            self.scaler.clip_grad_norm_(self.opt, self.max_norm)
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.opt.zero_grad(set_to_none=True)
+        elif self.h is None:
             loss.backward()
             self.peak = max(self.peak, _live_grad_bytes(self.params))
             self.opt.step()
@@ -93,17 +122,28 @@ class Run:
             self.peak = max(self.peak, _live_grad_bytes(self.params))
 
 
+def _base_of(runs: list[Run], r: Run) -> Run:
+    """The ordinary run a provider is checked and timed against (``ordinary``, or ``ordinary-amp``)."""
+    return next(b for b in runs if b.h is None and b.amp == r.amp)
+
+
 def _check(runs: list[Run], steps: int, dim: int) -> dict[str, str]:
-    base, out = runs[0], {runs[0].name: "reference"}
+    out = {}
     for i in range(steps):
-        x = torch.randn(8, dim, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        x = torch.randn(8, dim, generator=torch.Generator().manual_seed(i))
         for r in runs:
             r.step(x)
-    for r in runs[1:]:
+    for r in runs:
+        base = _base_of(runs, r)
+        if base is r:
+            out[r.name] = "reference"
+            continue
         ok = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(base.params, r.params))
         for a, b in zip(base.params, r.params):
             sa, sb = base.opt.state[a], r.opt.state[b]
             ok = ok and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+        if r.amp:
+            ok = ok and r.scaler.state_dict() == base.scaler.state_dict()
         out[r.name] = "ok" if ok else "DIFFERS"
     return out
 
@@ -113,6 +153,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--dim", type=int, default=1024)
     parser.add_argument("--buckets-mib", default="32,4,0", help="release bucket sizes in MiB (0: a bucket per param)")
+    parser.add_argument(
+        "--amp-buckets-mib", default="32,0", help="bucket sizes of the scaler + clip rows ('': none of them)"
+    )
+    parser.add_argument("--max-norm", type=float, default=1e-3, help="the clip of the amp rows (binding)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per provider (interleaved)")
     parser.add_argument("--check-steps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
@@ -128,20 +172,24 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     sizes = [float(s) for s in args.buckets_mib.split(",")]
     runs = [Run("ordinary", None, args.layers, args.dim)]
     runs += [Run(f"release-{s:g}MiB", int(s * MiB), args.layers, args.dim) for s in sizes]
+    amp_sizes = [float(s) for s in args.amp_buckets_mib.split(",") if s]
+    if amp_sizes:
+        runs.append(Run("ordinary-amp", None, args.layers, args.dim, args.max_norm))
+        runs += [Run(f"release-amp-{s:g}MiB", int(s * MiB), args.layers, args.dim, args.max_norm) for s in amp_sizes]
     checks = _check(runs, args.check_steps, args.dim)
     for r in runs:
         r.peak = 0
     times: dict[str, list[float]] = {r.name: [] for r in runs}
     for i in range(args.steps):
-        x = torch.randn(8, args.dim, generator=torch.Generator().manual_seed(100 + i)).to(torch.bfloat16)
+        x = torch.randn(8, args.dim, generator=torch.Generator().manual_seed(100 + i))
         for r in runs:
             t0 = time.perf_counter()
             r.step(x)
             times[r.name].append(time.perf_counter() - t0)
     n_params = sum(p.numel() for p in runs[0].params)
     rows = []
-    base_ms = statistics.median(times["ordinary"]) * 1e3
     for r in runs:
+        base_ms = statistics.median(times[_base_of(runs, r).name]) * 1e3
         ms = statistics.median(times[r.name]) * 1e3
         largest = r.largest_bucket()
         rows.append(
@@ -178,6 +226,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         "",
         f"{args.layers} x Linear({args.dim}, {args.dim}) + ReLU, bf16 params, master_weights='remainder', "
         f"fastamp.AdamW; batch 8; {args.steps} timed steps (interleaved), {args.check_steps} checked bit for bit.",
+        f"amp rows: the same layers in fp16, master_weights=True, fastamp.Scaler(init_scale=2**12), clip max_norm="
+        f"{args.max_norm:g} (binding); time_vs_ordinary against ordinary-amp.",
         "Live grads = bytes of the params' `.grad` storages, sampled as each grad is accumulated and after backward.",
         "",
         "| " + " | ".join(rows[0]) + " |",

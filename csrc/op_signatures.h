@@ -26,6 +26,12 @@ using unscale_check_stats_ = at::Tensor(at::TensorList grads, const at::Tensor& 
                                         bool write_back, bool compute_sumsq, const at::Tensor& counts,
                                         const at::Tensor& absmax);
 
+// gradient release's check pass (fastamp._ops.RELEASE_OPS: CPU kernels only for now)
+using unscale_check_partials_ = void(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                                     const at::Tensor& partials, at::IntArrayRef offsets);
+
+using sumsq_fold = at::Tensor(const at::Tensor& partials, const at::Tensor& index);
+
 using update_scale_ = void(const at::Tensor& scale, const at::Tensor& growth_tracker,
                            const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf, double growth_factor,
                            double backoff_factor, int64_t growth_interval, int64_t hysteresis, double min_scale,

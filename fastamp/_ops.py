@@ -134,6 +134,27 @@ OPS: dict[str, OpDef] = {
 
 NATIVE_OPS = tuple(OPS)
 
+# Gradient release's check pass (fastamp/_release.py), defined in the native namespace: the
+# kernels exist for CPU only so far (the reference and Triton have them as plain functions,
+# fastamp.reference.amp / fastamp.kernels.amp), so they stay out of OPS, whose ops every backend
+# registers. unscale_check_partials_ keeps the per-chunk fp64 partials unscale_check_ folds;
+# sumsq_fold folds them, in a given order, as unscale_check_ does.
+RELEASE_OPS: dict[str, OpDef] = {
+    "unscale_check_partials_": OpDef(
+        "(Tensor[] grads, Tensor(a!) found_inf, Tensor inv_scale, Tensor(b!) partials, int[] offsets) -> ()",
+        _fake_in_place,
+        "found_inf",
+        "reads grads; writes found_inf (set, never reset) and grad i's chunk partials (fp64) into "
+        "partials[offsets[i]:]",
+    ),
+    "sumsq_fold": OpDef(
+        "(Tensor partials, Tensor index) -> Tensor",
+        lambda args: args["partials"].new_empty((), dtype=torch.float32),
+        "partials",
+        "writes nothing; returns a new 0-dim fp32: the fp64 sum of partials[index] in index order",
+    ),
+}
+
 # The step scalars of a compiled optimizer step: opaque ops, so that inductor does not
 # re-derive eager's fp64 maths with another rounding. Kernels: fastamp/optim/_traced.py.
 OPTIM_OPS: dict[str, OpDef] = {
@@ -159,7 +180,7 @@ OPTIM_OPS: dict[str, OpDef] = {
     ),
 }
 
-_TABLES = {NATIVE_NS: OPS, TRITON_NS: OPS, OPTIM_NS: OPTIM_OPS}
+_TABLES = {NATIVE_NS: {**OPS, **RELEASE_OPS}, TRITON_NS: OPS, OPTIM_NS: OPTIM_OPS}
 
 # How a Python argument is made the schema's type (tensors pass as they are).
 _COERCE = {"List[Tensor]": list, "float": float, "int": int, "bool": bool}
@@ -240,7 +261,7 @@ def _load_native() -> None:
         return
     lib = _LIBS[NATIVE_NS] = torch.library.Library(NATIVE_NS, "FRAGMENT")
     try:
-        for op in OPS:
+        for op in (*OPS, *RELEASE_OPS):
             _define(lib, NATIVE_NS, op)
     except RuntimeError as e:  # a C++ kernel whose signature differs from the table's schema
         NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/_ops.py: {e}"

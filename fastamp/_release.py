@@ -8,14 +8,26 @@ model. ``h.remove()`` restores the ordinary path. See :func:`release`.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from itertools import repeat
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.amp.grad_scaler import OptState
 
+from fastamp import backends, functional
 from fastamp._dtensor import is_dtensor
+from fastamp.scaler.device_scalars import (
+    _clip_coef,
+    _fold_found_inf,
+    _grad_scale_after_clip,
+    _inv_scale,
+    _new_found_inf,
+    _step_grad_scale,
+    _total_norm,
+)
 
 _grad_of = operator.attrgetter("grad")
 
@@ -28,6 +40,7 @@ def release(
     scaler: Any = None,
     max_norm: float | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    norm_type: float = 2.0,
 ) -> Release:
     """Run ``optimizer``'s step inside backward, bucket by bucket, and free each grad right after.
 
@@ -52,13 +65,33 @@ def release(
         model: the module whose params ``optimizer`` updates (not wrapped in DDP).
         optimizer: a fastamp optimizer (:class:`fastamp.AdamW`, :class:`fastamp.SGD`,
             :class:`fastamp.Lion`) holding exactly the model's trainable params.
-        scaler, max_norm: loss scaling and global clipping under release are not implemented
-            yet (both must be None).
+        scaler: a :class:`fastamp.Scaler`: each ``h.backward(loss)`` is then
+            ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` (with
+            ``max_norm``: ``scaler.clip_grad_norm_(opt, max_norm)`` before the step), bit for
+            bit, skips included. A disabled scaler is the same as None (as in the ordinary
+            loop, where it scales, clips, steps and updates nothing of its own).
+        max_norm: global clipping by the 2-norm of every grad of ``opt`` (``>= 0``; ``inf``
+            never clips). With a scaler it is the scaler's fused clip; without one it is
+            ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (what a disabled
+            ``fastamp.Scaler.clip_grad_norm_`` runs) before ``opt.step()``.
         bucket_bytes: the bytes of params per bucket (a param larger than that is a bucket of
             its own); 0 makes every param a bucket.
+        norm_type: 2 only (the norm the fused check pass computes).
+
+    With a scaler or ``max_norm``, ``h.backward`` runs two backwards over one graph (see
+    :meth:`Release.backward`): the first only checks each bucket's grads (non-finite flag,
+    and for clipping each grad's partial sums of squares into its slots of a device buffer)
+    and frees them; the skip decision and the clip coefficient are then computed on the
+    device, folding the partials in the order the ordinary check pass folds them (so the
+    norm has its bits); the second backward steps each bucket with them. Cost: one more
+    backward, and the activations live until the second one ends. CPU only for now (native,
+    Triton and torch backends); CUDA params are refused.
 
     Refused before anything is registered, with an error that says what to do instead: a
-    ``scaler`` or ``max_norm``; an optimizer that is not a fastamp fused optimizer; a model
+    scaler that is not a ``fastamp.Scaler``, or one with ``track_stats`` or a
+    ``process_group``; a ``max_norm`` that is not a number >= 0, or ``norm_type`` other than
+    2; with a scaler or ``max_norm``, params not all on one CPU device or of a dtype other
+    than fp32/fp16/bf16; an optimizer that is not a fastamp fused optimizer; a model
     param with ``requires_grad`` missing from the optimizer, or an optimizer param not in
     the model; a DDP-wrapped model; DTensor (FSDP2) params; stochastic rounding (the kernels
     draw a launch's random bits from the counter of its first param, and which param is first
@@ -83,16 +116,7 @@ def release(
     """
     from fastamp.optim._base import FusedOptimizer
 
-    if scaler is not None or max_norm is not None:
-        what = " and ".join(
-            name for name, v in (("a loss scaler", scaler), ("global clipping (max_norm)", max_norm)) if v is not None
-        )
-        raise NotImplementedError(
-            f"fastamp.release: {what} under gradient release is not implemented yet (the skip on overflow and the "
-            "clip coefficient need every grad before any param changes: a two-backward scheme is planned); use the "
-            "ordinary path: scaler.scale(loss).backward(); scaler.clip_grad_norm_(...); scaler.step(opt); "
-            "scaler.update()"
-        )
+    scaler, max_norm = _check_amp(scaler, max_norm, norm_type)
     if not isinstance(optimizer, FusedOptimizer):
         raise TypeError(
             f"fastamp.release: the optimizer must be a fastamp fused optimizer (fastamp.AdamW, fastamp.SGD, "
@@ -149,13 +173,86 @@ def release(
                 f"fastamp.release: the model's param {names[id(p)]!r} is a DTensor (FSDP2); gradient release of "
                 "sharded params is not supported yet: use the ordinary path"
             )
-    return Release(model, optimizer, order, bucket_bytes)
+    if scaler is not None or max_norm is not None:
+        for p in order:
+            if p.device.type != "cpu" or p.device != order[0].device:
+                raise NotImplementedError(
+                    f"fastamp.release: the model's param {names[id(p)]!r} is on {p.device}; gradient release with a "
+                    "loss scaler or max_norm runs on one CPU device only for now (the native CUDA check kernel has "
+                    "no variant that keeps its partial sums yet): use the ordinary path "
+                    "(scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, max_norm); scaler.step(opt); "
+                    "scaler.update()), or release without scaler and max_norm"
+                )
+            if p.dtype not in _CHECK_DTYPES:
+                raise NotImplementedError(
+                    f"fastamp.release: the model's param {names[id(p)]!r} is {p.dtype}; gradient release with a "
+                    "loss scaler or max_norm takes float32, float16 and bfloat16 params: use the ordinary path"
+                )
+    return Release(model, optimizer, order, bucket_bytes, scaler, max_norm)
+
+
+_CHECK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_amp(scaler: Any, max_norm: Any, norm_type: Any) -> tuple[Any, float | None]:
+    """The scaler (None for a disabled one) and max_norm (a float) of :func:`release`, or a clear error."""
+    from fastamp.scaler import Scaler
+
+    if scaler is not None:
+        if not isinstance(scaler, Scaler):
+            raise TypeError(
+                f"fastamp.release: scaler must be a fastamp.Scaler, got {type(scaler).__module__}."
+                f"{type(scaler).__qualname__}; release drives the scaler's own check, clip and update: replace "
+                "torch.amp.GradScaler(...) with fastamp.Scaler(...) (same arguments), or use the ordinary path"
+            )
+        if not scaler.is_enabled():
+            scaler = None  # the ordinary loop with a disabled scaler: nothing scaled, checked or updated
+        elif scaler._track_stats:
+            raise NotImplementedError(
+                "fastamp.release: the scaler has track_stats=True; gradient release frees each grad after its "
+                "check and writes no per-tensor statistics: use a scaler without track_stats, or the ordinary path"
+            )
+        elif scaler._process_group is not None:
+            raise NotImplementedError(
+                "fastamp.release: the scaler has a process_group; gradient release is single-process (DDP and FSDP "
+                "are not supported under release): use the ordinary path"
+            )
+    if max_norm is not None:
+        if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
+            raise TypeError(f"fastamp.release: max_norm must be a real number or None, got {type(max_norm).__name__}")
+        max_norm = float(max_norm)
+        if not max_norm >= 0:
+            # as Scaler.clip_grad_norm_: a negative max_norm would flip every grad
+            raise ValueError(f"fastamp.release: max_norm must be >= 0 (inf: never clip), got {max_norm}")
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real) or float(norm_type) != 2.0:
+        raise NotImplementedError(
+            f"fastamp.release: norm_type must be 2, got {norm_type!r}; the fused check pass computes the 2-norm "
+            "(Scaler.clip_grad_norm_ runs other norms on unscaled grads that release does not keep): use the ordinary "
+            "path for other norms"
+        )
+    return scaler, max_norm
 
 
 class Release:
-    """The handle :func:`release` returns: :meth:`backward` for each step, :meth:`remove` to go back."""
+    """The handle :func:`release` returns: :meth:`backward` for each step, :meth:`remove` to go back.
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, params: list[Tensor], bucket_bytes: int) -> None:
+    Attributes (with a scaler or ``max_norm``): ``total_norm``, the last step's global grad
+    norm as the ordinary clip returns it (a device tensor; None before the first step or
+    without ``max_norm``); ``mismatches`` (with a scaler), an int64 device count of buckets
+    whose grads were non-finite in the second backward but not in the first (a
+    non-deterministic backward): such a bucket is not stepped, and the iteration counts as
+    an overflow for the scaler's update.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        params: list[Tensor],
+        bucket_bytes: int,
+        scaler: Any = None,
+        max_norm: float | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         buckets: list[list[Tensor]] = []
@@ -173,6 +270,15 @@ class Release:
         self._sizes = [len(b) for b in self.buckets]
         self._arrived = [0] * len(self.buckets)
         self._active = False
+        self.scaler = scaler
+        self.max_norm = max_norm
+        self.total_norm: Tensor | None = None
+        self.mismatches: Tensor | None = None
+        self._two = None
+        if scaler is not None or max_norm is not None:
+            self._two = _TwoPass(self, optimizer, params)
+            if scaler is not None:
+                self.mismatches = torch.zeros((), dtype=torch.int64, device=params[0].device if params else "cpu")
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._params]
         optimizer._release = self
         # dynamo is imported here, not by ``import fastamp`` (it costs about half of that import)
@@ -188,19 +294,36 @@ class Release:
 
     def _step(self, k: int) -> None:
         bucket = self.buckets[k]
-        self.optimizer.step_bucket(bucket)
+        if self._two is not None:
+            self._two.bucket(bucket)
+        else:
+            self.optimizer.step_bucket(bucket)
         for q in bucket:
             q.grad = None
 
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
-        """``loss.backward(**kwargs); opt.step(); opt.zero_grad(set_to_none=True)``, stepping each bucket inside backward.
+        """One training step: the ordinary step's bits, each bucket stepped inside backward.
+
+        Without a scaler or ``max_norm``: ``loss.backward(**kwargs); opt.step();
+        opt.zero_grad(set_to_none=True)``, in one backward.
+
+        With them: ``scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, max_norm);
+        scaler.step(opt); scaler.update(); opt.zero_grad(set_to_none=True)`` (the clip only
+        with ``max_norm``; without a scaler, ``torch.nn.utils.clip_grad_norm_`` of ``opt``'s
+        params and ``opt.step()``), in two backwards over one graph: the first (with
+        ``retain_graph=True``) checks each bucket as its grads arrive and frees them; then
+        the global norm, the clip coefficient and the skip flag are computed on the device;
+        the second steps each bucket with them (the ``grad_scale`` / ``found_inf`` the scaler
+        hands an amp-aware optimizer) and frees its grads; then ``scaler.update()``. The only
+        keyword taken then is ``retain_graph`` (for the second backward). No host sync.
 
         Refuses (before backward runs, changing nothing) a step that finds a grad of the
         optimizer's params already there: a previous ``loss.backward()`` outside the handle,
         gradient accumulation (not supported under release), or a backward that failed
-        midway. ``opt``'s hyperparameters are validated before backward runs; a grad that a
-        step cannot take (e.g. a wrong dtype) raises from inside backward, after the buckets
-        before it were stepped.
+        midway; and, with a scaler, a step whose scaler already unscaled, clipped or stepped
+        ``opt`` since its last ``update()``. ``opt``'s hyperparameters are validated before
+        backward runs; a grad that a step cannot take (e.g. a wrong dtype) raises from inside
+        backward, after the buckets before it were stepped.
 
         Marked ``torch.compiler.disable`` (on the handle): a compiled function that calls it
         runs it eagerly.
@@ -223,6 +346,13 @@ class Release:
         opt = self.optimizer
         for gi, group in enumerate(opt.param_groups):
             opt._validate_group(group, f"param group {gi}")
+        if self._two is not None:
+            self._two.run(loss, kwargs)
+            return
+        self._one_backward(loss, kwargs)
+
+    def _one_backward(self, loss: Tensor, kwargs: dict[str, Any]) -> None:
+        """One backward with the hooks on; then the buckets some of whose params got no grad."""
         arrived = self._arrived
         for k in range(len(arrived)):
             arrived[k] = 0
@@ -250,3 +380,293 @@ class Release:
         self._handles = None
         if self.optimizer.__dict__.get("_release") is self:
             self.optimizer._release = None
+
+
+class _TwoPass:
+    """The two backwards of a release with a scaler and/or ``max_norm`` (see :meth:`Release.backward`).
+
+    The global sum of squares keeps the ordinary check pass's bits: that pass folds, in
+    fp64, partials that each depend on one grad only (the native CPU kernel: one per chunk
+    of 16384 elements, in chunk order; Triton: one per chunk, launch group after launch
+    group; the torch reference: one per grad), in the optimizer's param order. So the first
+    backward writes each grad's partials into its own slots of a device buffer (the op
+    ``unscale_check_partials_`` of its backend), and once every bucket is checked the
+    backend's own fold (``sumsq_fold``) sums the slots of the params that got a grad in the
+    order the ordinary call would have them. Without a scaler the clip is torch's
+    ``clip_grad_norm_``: each grad's norm (``torch._foreach_norm``, per tensor) is kept and
+    the norms are stacked in its (device, dtype) group order.
+    """
+
+    def __init__(self, handle: Release, optimizer: Any, params: list[Tensor]) -> None:
+        self.handle = handle
+        self.optimizer = optimizer
+        self.scaler = handle.scaler
+        self.max_norm = handle.max_norm
+        flat = [p for group in optimizer.param_groups for p in group["params"]]
+        self.flat = flat  # the ordinary check pass's order
+        self.pos = {id(p): j for j, p in enumerate(flat)}
+        self.device = params[0].device if params else torch.device("cpu")
+        self.keys: list[Any] = [None] * len(flat)
+        self.norms: list[Tensor | None] = [None] * len(flat)
+        self.layouts: dict[str, tuple[Any, Tensor, list[int]]] = {}
+        self.folds: dict[tuple, tuple[Tensor, list[int]]] = {}
+        self.phase = 0
+        self.backend = ""
+        self.sumsq: _SumsqBackend | None = None
+
+    # ---------------------------------------------------------------- one step
+
+    def run(self, loss: Tensor, kwargs: dict[str, Any]) -> None:
+        extra = set(kwargs) - {"retain_graph"}
+        if extra:
+            raise TypeError(
+                f"fastamp.release: h.backward with a scaler or max_norm takes only retain_graph (for its second "
+                f"backward), got {sorted(extra)}"
+            )
+        handle, opt, scaler = self.handle, self.optimizer, self.scaler
+        state = None
+        if scaler is not None:
+            state = scaler._per_optimizer_states[id(opt)]
+            if state["stage"] is not OptState.READY or scaler._clip_grad_scale(opt, state) is not None:
+                raise RuntimeError(
+                    "fastamp.release: the scaler already unscaled, clipped or stepped this optimizer since its last "
+                    "update(); h.backward does all of that itself: call scaler.update() first (or drop the extra "
+                    "scaler calls)"
+                )
+            loss = scaler.scale(loss)
+            scale = scaler._scale
+            self.inv_scale = _inv_scale(scale)
+            self.found = _new_found_inf(scale)
+            self.backend = backends.resolve("unscale_check_", self.device, scaler._backend)
+            if self.max_norm is not None:
+                self.sumsq = self._layout(self.backend)
+        for j in range(len(self.keys)):
+            self.keys[j] = None
+            self.norms[j] = None
+        self.phase = 1
+        handle._one_backward(loss, {"retain_graph": True})
+        present = [j for j, key in enumerate(self.keys) if key is not None]
+        clip_mul = None
+        if scaler is not None:
+            if present:
+                self._hand_over(state, scale)
+        elif present:
+            clip_mul = self._torch_clip_coef(present)
+        self.clip_mul = clip_mul
+        self.phase = 2
+        saved = {k: opt.__dict__.get(k, _MISSING) for k in ("grad_scale", "found_inf")}
+        done = False
+        try:
+            if scaler is not None and present:
+                opt.grad_scale = self.grad_scale
+                self.late = torch.zeros((), dtype=torch.float32, device=self.device)
+            handle._one_backward(loss, {"retain_graph": kwargs.get("retain_graph", False)})
+            done = True
+        finally:
+            self.phase = 0
+            for k, v in saved.items():
+                if done or v is _MISSING:
+                    opt.__dict__.pop(k, None)
+                else:
+                    setattr(opt, k, v)
+        if scaler is not None:
+            if present:
+                state["stage"] = OptState.STEPPED
+                # an overflow seen only by the second backward backs the scale off too
+                state["found_inf_per_device"] = {self.device: torch.maximum(self.found, self.late)}
+            scaler.update()
+
+    def _hand_over(self, state: dict[str, Any], scale: Tensor) -> None:
+        """The scaler's state after ``clip_grad_norm_`` (or a check) and what its ``step`` hands the optimizer."""
+        scaler, opt = self.scaler, self.optimizer
+        found = {self.device: self.found}
+        state["found_inf_per_device"] = found
+        if self.max_norm is not None:
+            sumsq = self._fold()
+            total_norm = _total_norm({self.device: sumsq})
+            self.handle.total_norm = total_norm
+            clip_coef = _clip_coef(self.max_norm, total_norm)
+            scaler._per_optimizer_clip_scales[id(opt)] = (state, _grad_scale_after_clip(scale, clip_coef))
+            state["stage"] = OptState.UNSCALED
+        self.found_inf = _fold_found_inf(found, scale)
+        clip_scale = scaler._clip_grad_scale(opt, state)
+        self.grad_scale = _step_grad_scale(
+            scale, clip_scale, getattr(opt, "grad_scale", None), state["stage"] is OptState.UNSCALED
+        )
+
+    # ---------------------------------------------------------------- per bucket
+
+    def bucket(self, bucket: tuple[Tensor, ...]) -> None:
+        """The hook's work on one bucket whose grads are there: check (first backward) or step (second)."""
+        with_grad = [p for p in bucket if p.grad is not None]
+        if not with_grad:
+            return
+        grads = [p.grad for p in with_grad]
+        if self.phase == 1:
+            self._check(with_grad, grads)
+            return
+        opt = self.optimizer
+        if self.scaler is not None:
+            # non-finite now but not in the first backward (a non-deterministic backward): skip this bucket
+            again = _new_found_inf(self.found)
+            with torch.no_grad():
+                functional._unscale_check(grads, again, self.inv_scale, False, False, None, None, self.backend)
+            late = again * (1.0 - self.found_inf)
+            self.handle.mismatches.add_(late.to(torch.int64))
+            self.late = torch.maximum(self.late, late)
+            opt.found_inf = torch.maximum(self.found_inf, again)
+        elif self.clip_mul is not None:
+            with torch.no_grad():
+                for same in _by_dtype(grads).values():
+                    torch._foreach_mul_(same, self.clip_mul)
+        opt.step_bucket(bucket)
+
+    def _check(self, with_grad: list[Tensor], grads: list[Tensor]) -> None:
+        pos, keys = self.pos, self.keys
+        scaler = self.scaler
+        if scaler is None:
+            with torch.no_grad():
+                for idx, same in _by_dtype(grads, True).items():
+                    for i, norm in zip(idx, torch._foreach_norm(same, 2.0)):
+                        j = pos[id(with_grad[i])]
+                        self.norms[j] = norm
+                        keys[j] = grads[i].dtype
+            return
+        if scaler._health.wants_dtypes():
+            scaler._health.note_grads(grads)
+        with torch.no_grad():
+            if self.sumsq is None:
+                functional._unscale_check(grads, self.found, self.inv_scale, False, False, None, None, self.backend)
+                for p in with_grad:
+                    keys[pos[id(p)]] = True
+                return
+            sumsq = self.sumsq
+            offsets = self.offsets
+            dense = [g if g.is_contiguous() else g.contiguous() for g in grads]
+            at = []
+            for p, g in zip(with_grad, grads):
+                j = pos[id(p)]
+                keys[j] = sumsq.key(g)
+                at.append(offsets[j])
+            sumsq.partials_(dense, self.found, self.inv_scale, self.slots, at)
+
+    # ---------------------------------------------------------------- the fold
+
+    def _layout(self, backend: str) -> _SumsqBackend:
+        entry = self.layouts.get(backend)
+        if entry is None:
+            impl = _SumsqBackend(backend)
+            offsets, total = [], 0
+            for p in self.flat:
+                offsets.append(total)
+                total += impl.count(p.numel())
+            slots = torch.zeros(max(total, 1), dtype=torch.float64, device=self.device)
+            entry = self.layouts[backend] = (impl, slots, offsets)
+        impl, self.slots, self.offsets = entry
+        return impl
+
+    def _fold(self) -> Tensor:
+        """The ordinary check pass's sum of squares from the slots, in its order (cached per grad pattern)."""
+        impl = self.sumsq
+        pattern = (self.backend, tuple(self.keys))
+        entry = self.folds.get(pattern)
+        if entry is None:
+            groups: dict[Any, list[int]] = {}
+            for j, key in enumerate(self.keys):
+                if key is not None:
+                    groups.setdefault(impl.group(key), []).append(j)
+            index: list[int] = []
+            for members in groups.values():
+                for j in members:
+                    start = self.offsets[j]
+                    index.extend(range(start, start + impl.count(self.flat[j].numel())))
+            entry = self.folds[pattern] = (torch.tensor(index, dtype=torch.int64), index)
+        return impl.fold(self.slots, *entry)
+
+    def _torch_clip_coef(self, present: list[int]) -> Tensor:
+        """``torch.nn.utils.clip_grad_norm_``'s clamped coefficient from the kept per-grad norms."""
+        norms = [self.norms[j] for j in present]
+        pattern = ("torch-clip", tuple(self.keys))
+        order = self.folds.get(pattern)
+        if order is None:
+            from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+            stand_ins = [torch.empty(0, dtype=self.keys[j], device=self.device) for j in present]
+            grouped = _group_tensors_by_device_and_dtype([stand_ins], with_indices=True)
+            order = self.folds[pattern] = [i for _, (_, idx) in grouped.items() for i in idx]
+        first = norms[0].device
+        with torch.no_grad():
+            total_norm = torch.linalg.vector_norm(torch.stack([norms[i].to(first) for i in order]), 2.0)
+            self.handle.total_norm = total_norm
+            return torch.clamp(self.max_norm / (total_norm + 1e-6), max=1.0)
+
+
+class _SumsqBackend:
+    """One backend's partials op and fold, and how many partials each grad has (see :class:`_TwoPass`)."""
+
+    def __init__(self, backend: str) -> None:
+        self.name = backend
+        if backend == "native":
+            if not hasattr(torch.ops.fastamp, "unscale_check_partials_"):
+                raise RuntimeError(
+                    "fastamp.release: fastamp._C has no unscale_check_partials_ (an older build): rebuild the "
+                    "extension, or force another backend (FASTAMP_BACKEND=torch)"
+                )
+            self.partials_ = torch.ops.fastamp.unscale_check_partials_
+            self.count = _native_partial_count
+            self.group = _one_group
+            self.fold = _native_fold
+        elif backend == "triton":
+            from fastamp.kernels import amp
+
+            self.partials_ = amp.unscale_check_partials_
+            self.count = amp.sumsq_partial_count
+            self.group = _as_is
+            self.fold = lambda slots, index, _: amp.sumsq_fold(slots, index)
+        else:
+            from fastamp.reference import amp
+
+            self.partials_ = amp.unscale_check_partials_
+            self.count = amp.sumsq_partial_count
+            self.group = _one_group
+            self.fold = lambda slots, _, index: amp.sumsq_fold(slots, index)
+
+    def key(self, grad: Tensor) -> Any:
+        if self.name == "triton":
+            from fastamp.kernels import amp
+
+            return amp.sumsq_key(grad)
+        return True
+
+
+# the chunk of csrc/cpu/multi_tensor.h (kChunkElems): one partial per chunk, an empty grad none
+_NATIVE_CHUNK = 16384
+
+
+def _native_partial_count(numel: int) -> int:
+    return -(-numel // _NATIVE_CHUNK)
+
+
+def _native_fold(slots: Tensor, index: Tensor, _: list[int]) -> Tensor:
+    return torch.ops.fastamp.sumsq_fold(slots, index)
+
+
+def _one_group(key: Any) -> bool:
+    return True
+
+
+def _as_is(key: Any) -> Any:
+    return key
+
+
+def _by_dtype(grads: list[Tensor], with_index: bool = False) -> dict:
+    """The grads by dtype (first-seen order); with ``with_index``, keyed by their positions."""
+    out: dict[torch.dtype, list] = {}
+    for i, g in enumerate(grads):
+        out.setdefault(g.dtype, []).append(i if with_index else g)
+    if with_index:
+        return {tuple(idx): [grads[i] for i in idx] for idx in out.values()}
+    return out
+
+
+_MISSING = object()

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from fastamp import _ops
 
-__all__ = ["unscale_check_", "unscale_check_stats_", "update_scale_"]
+__all__ = ["unscale_check_", "unscale_check_partials_", "unscale_check_stats_", "update_scale_"]
 
 _GRAD_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # chunks combined per iteration of the per-tensor statistics reduction
@@ -183,17 +183,7 @@ def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_s
         G.guard(absmax.device == dev and absmax.dtype == torch.float32 and tuple(absmax.shape) == (n,), op, "absmax")
         G.guard(counts.is_contiguous() and absmax.is_contiguous(), op, "counts and absmax must be contiguous")
     C.check_runnable(op, dev)
-    groups = {}
-    copies = []
-    for i, g in enumerate(grads):
-        if g.numel() == 0:
-            continue
-        if not g.is_contiguous():
-            tmp = g.contiguous()
-            copies.append((g, tmp))
-            g = tmp
-        # views at odd offsets go to the kernel compiled without the 16-byte alignment hint
-        groups.setdefault((g.dtype, C.is_aligned(g)), []).append((i, g))
+    groups, copies = _group_grads(grads)
     with C.device_guard(dev):
         sumsq = _launch_groups(groups, dev, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax)
     if write_back:
@@ -204,6 +194,19 @@ def _launch_unscale_check(op, grads, found_inf, inv_scale, write_back, compute_s
 
 def _launch_groups(groups, dev, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
     """One unscale_check launch per (dtype, aligned) group (+ a statistics reduction each); the sum of squares."""
+    partials = _launch_partials(groups, dev, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax)
+    if compute_sumsq and partials.numel() > 0:
+        return _fold(partials)
+    return torch.zeros((), dtype=torch.float32, device=dev)
+
+
+def _fold(partials: Tensor) -> Tensor:
+    # a fixed-order fp64 reduction of the per-chunk partials: deterministic
+    return partials.sum().to(torch.float32)
+
+
+def _launch_partials(groups, dev, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax):
+    """The launches of :func:`_launch_groups`; the fp64 partial of every chunk, group after group (empty without sumsq)."""
     chunk, block, opts = C.launch_config("unscale_check")
     stats = counts is not None
     launches = []
@@ -263,10 +266,66 @@ def _launch_groups(groups, dev, found_inf, inv_scale, write_back, compute_sumsq,
                 RBLOCK=_STATS_RBLOCK,
                 **C.LAUNCH_OPTS,
             )
-    if compute_sumsq and total_chunks > 0:
-        # a fixed-order fp64 reduction of the per-chunk partials: deterministic
-        return partials.sum().to(torch.float32)
-    return torch.zeros((), dtype=torch.float32, device=dev)
+    return partials if compute_sumsq else partials[:0]
+
+
+def _group_grads(grads):
+    """The grads by (dtype, aligned) in first-seen order, each as (index in the call, contiguous grad); strided copies."""
+    groups = {}
+    copies = []
+    for i, g in enumerate(grads):
+        if g.numel() == 0:
+            continue
+        if not g.is_contiguous():
+            tmp = g.contiguous()
+            copies.append((g, tmp))
+            g = tmp
+        # views at odd offsets go to the kernel compiled without the 16-byte alignment hint
+        groups.setdefault((g.dtype, C.is_aligned(g)), []).append((i, g))
+    return groups, copies
+
+
+def sumsq_key(grad: Tensor):
+    """The launch group of ``grad`` in :func:`unscale_check_` (whose partials come group after group)."""
+    # a strided grad is launched as its contiguous copy: a fresh allocation, aligned
+    return grad.dtype, C.is_aligned(grad) if grad.is_contiguous() else True
+
+
+def sumsq_partial_count(numel: int) -> int:
+    """The chunk partials of a grad of ``numel`` elements (0 for an empty one: it is not launched)."""
+    return -(-numel // C.launch_config("unscale_check")[0])
+
+
+def sumsq_fold(partials: Tensor, index: Tensor) -> Tensor:
+    """:func:`unscale_check_`'s fold of ``partials[index]`` (its partials in its launch order): bit for bit."""
+    if index.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=partials.device)
+    return _fold(partials[index])
+
+
+def unscale_check_partials_(grads, found_inf: Tensor, inv_scale: Tensor, partials: Tensor, offsets) -> None:
+    """Triton :func:`fastamp.reference.unscale_check_partials_`: grad i's chunk partials into ``partials[offsets[i]:]``.
+
+    The launches of :func:`unscale_check_` (check only, with the sum of squares); each grad's
+    chunk partials (:func:`sumsq_partial_count` of them, the values ``unscale_check_`` folds)
+    are then copied into its slots. No host sync.
+    """
+    op = "unscale_check_partials_"
+    dev = found_inf.device
+    G.guard_lists(op, dev, [1, 1], [("found_inf, inv_scale", [found_inf, inv_scale], G.F32, False)])
+    G.guard_lists(op, dev, [g.numel() for g in grads], [("grads", grads, _GRAD_DTYPES, False)])
+    G.guard(partials.device == dev and partials.dtype == torch.float64 and partials.dim() == 1, op, "partials")
+    C.check_runnable(op, dev)
+    groups, _ = _group_grads(grads)
+    with C.device_guard(dev):
+        chunk_partials = _launch_partials(groups, dev, found_inf, inv_scale, False, True, None, None)
+    if chunk_partials.numel() == 0:
+        return
+    slots = []
+    for members in groups.values():
+        for i, g in members:
+            slots.extend(range(offsets[i], offsets[i] + sumsq_partial_count(g.numel())))
+    partials.index_copy_(0, torch.tensor(slots, dtype=torch.int64, device=dev), chunk_partials)
 
 
 def _unscale_check_impl(grads, found_inf, inv_scale, write_back, compute_sumsq):

@@ -212,9 +212,13 @@ Bounds16 bounds16(float inv_scale, float limit) {
 }
 
 // unscale_check_, and with counts/absmax unscale_check_stats_ (same pass, STATS kernels).
+// slot_out (unscale_check_partials_, check only with the sum of squares): chunk k of grad t
+// writes its fp64 partial into slot_out[offsets[t] + k] instead of the call's own partials,
+// and the call folds nothing (sumsq_fold_ does, later, in the ordinary order).
 at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Tensor& found_inf,
                               const at::Tensor& inv_scale, bool write_back, bool compute_sumsq,
-                              const at::Tensor* counts, const at::Tensor* absmax) {
+                              const at::Tensor* counts, const at::Tensor* absmax, double* slot_out = nullptr,
+                              const int64_t* offsets = nullptr) {
   check_flag_tensor(op, "found_inf", found_inf, at::kFloat);
   check_flag_tensor(op, "inv_scale", inv_scale, at::kFloat);
   const size_t ntensors = grads.size();
@@ -278,7 +282,7 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
   }
 
   const std::vector<Chunk> chunks = split_into_chunks(numels);
-  std::vector<double> partial(compute_sumsq ? chunks.size() : 0);
+  std::vector<double> partial(compute_sumsq && slot_out == nullptr ? chunks.size() : 0);
   // Statistics rows: a tensor of one chunk (every small tensor) gets its row written by the
   // chunk's thread; the chunks of larger tensors leave theirs here (entries of one-chunk
   // tensors are never touched) and are combined after the parallel region.
@@ -314,7 +318,13 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
       double lanes[16] = {};
       ChunkStats st{};
       bad |= fns[slot](base, ch.len, inv, limits[slot], &bounds[slot], lanes, stats ? &st : nullptr);
-      if (compute_sumsq) partial[static_cast<size_t>(c)] = reduce_lanes16(lanes);
+      if (compute_sumsq) {
+        if (slot_out != nullptr) {
+          slot_out[offsets[ch.tensor] + ch.begin / kChunkElems] = reduce_lanes16(lanes);
+        } else {
+          partial[static_cast<size_t>(c)] = reduce_lanes16(lanes);
+        }
+      }
       if (stats) {
         if (whole_tensor(ch)) {
           const int64_t t = ch.tensor;
@@ -375,6 +385,51 @@ at::Tensor unscale_check_stats_cpu(at::TensorList grads, const at::Tensor& found
                             &absmax);
 }
 
+// Grad t's chunk partials go to partials[offsets[t] ..] (ceil(numel / kChunkElems) of them):
+// the per-chunk values unscale_check_ folds in chunk order, so
+// gradient release can check its buckets in hook order and fold them in the ordinary order.
+void unscale_check_partials_cpu(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                                const at::Tensor& partials, at::IntArrayRef offsets) {
+  constexpr const char* op = "unscale_check_partials_";
+  TORCH_CHECK(partials.device().is_cpu(), "fastamp::", op, ": partials must be a CPU tensor, got device ",
+              partials.device());
+  TORCH_CHECK(partials.scalar_type() == at::kDouble, "fastamp::", op, ": partials must have dtype Double, got ",
+              partials.scalar_type());
+  TORCH_CHECK(partials.dim() == 1 && partials.is_contiguous(), "fastamp::", op,
+              ": partials must be a contiguous 1-D tensor, got shape ", partials.sizes());
+  TORCH_CHECK(offsets.size() == grads.size(), "fastamp::", op, ": offsets must have one entry per grad (", grads.size(),
+              "), got ", offsets.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const int64_t n = grads[i].defined() ? grads[i].numel() : 0;
+    const int64_t k = (n + kChunkElems - 1) / kChunkElems;
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] + k <= partials.numel(), "fastamp::", op, ": offsets[", i,
+                "] = ", offsets[i], " leaves no room for the ", k, " partials of grads[", i, "] in ", partials.numel(),
+                " slots");
+  }
+  unscale_check_impl(op, grads, found_inf, inv_scale, false, true, nullptr, nullptr, partials.data_ptr<double>(),
+                     offsets.data());
+}
+
+// unscale_check_'s fold of the partials at index (in that order): fp64 from 0, rounded once to fp32.
+at::Tensor sumsq_fold_cpu(const at::Tensor& partials, const at::Tensor& index) {
+  constexpr const char* op = "sumsq_fold";
+  TORCH_CHECK(partials.device().is_cpu() && partials.scalar_type() == at::kDouble && partials.dim() == 1 &&
+                  partials.is_contiguous(),
+              "fastamp::", op, ": partials must be a contiguous 1-D CPU Double tensor");
+  TORCH_CHECK(index.device().is_cpu() && index.scalar_type() == at::kLong && index.dim() == 1 && index.is_contiguous(),
+              "fastamp::", op, ": index must be a contiguous 1-D CPU Long tensor");
+  const double* p = partials.data_ptr<double>();
+  const int64_t* ix = index.data_ptr<int64_t>();
+  const int64_t n = partials.numel();
+  for (int64_t k = 0; k < index.numel(); ++k) {
+    TORCH_CHECK(ix[k] >= 0 && ix[k] < n, "fastamp::", op, ": index[", k, "] = ", ix[k], " is out of range for ", n,
+                " partials");
+  }
+  double total = 0.0;
+  for (int64_t k = 0; k < index.numel(); ++k) total += p[ix[k]];
+  return at::scalar_tensor(static_cast<float>(total), partials.options().dtype(at::kFloat));
+}
+
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& hysteresis_tracker,
                       const at::Tensor& found_inf, double growth_factor, double backoff_factor, int64_t growth_interval,
                       int64_t hysteresis, double min_scale, double max_scale) {
@@ -403,4 +458,6 @@ TORCH_LIBRARY_IMPL(fastamp, CPU, m) {
   FASTAMP_IMPL(m, unscale_check_, fastamp::cpu::unscale_check_cpu);
   FASTAMP_IMPL(m, update_scale_, fastamp::cpu::update_scale_cpu);
   FASTAMP_IMPL(m, unscale_check_stats_, fastamp::cpu::unscale_check_stats_cpu);
+  FASTAMP_IMPL(m, unscale_check_partials_, fastamp::cpu::unscale_check_partials_cpu);
+  FASTAMP_IMPL(m, sumsq_fold, fastamp::cpu::sumsq_fold_cpu);
 }

@@ -56,19 +56,66 @@ def unscale_check_(
     bad = torch.zeros((), dtype=torch.bool, device=dev)
     acc = torch.zeros((), dtype=torch.float64, device=dev)
     for g in grads:
-        vals = g._values() if g.is_sparse else g
-        cdt = _compute_dtype(vals)
-        x = vals.to(cdt)
-        y = x * inv_scale.reshape(()).to(device=vals.device, dtype=cdt)
-        bad_g = (~torch.isfinite(x)).any() | (~torch.isfinite(y)).any()
-        if write_back:
-            stored = y.to(vals.dtype)
-            bad_g = bad_g | (~torch.isfinite(stored)).any()
-            vals.copy_(stored)
+        vals, y, bad_g = _unscale_one(g, inv_scale, write_back)
         bad = bad | bad_g.to(dev)
         if compute_sumsq:
-            acc = acc + y.double().square().sum().to(dev)
+            acc = acc + _sumsq_partial(y).to(dev)
     found_inf.masked_fill_(bad, 1.0)
+    return acc.float()
+
+
+def _unscale_one(g: Tensor, inv_scale: Tensor, write_back: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """One grad of :func:`unscale_check_`: its values, the unscaled ``y`` and its 0-dim non-finite flag."""
+    vals = g._values() if g.is_sparse else g
+    cdt = _compute_dtype(vals)
+    x = vals.to(cdt)
+    y = x * inv_scale.reshape(()).to(device=vals.device, dtype=cdt)
+    bad_g = (~torch.isfinite(x)).any() | (~torch.isfinite(y)).any()
+    if write_back:
+        stored = y.to(vals.dtype)
+        bad_g = bad_g | (~torch.isfinite(stored)).any()
+        vals.copy_(stored)
+    return vals, y, bad_g
+
+
+def _sumsq_partial(y: Tensor) -> Tensor:
+    """One grad's share of :func:`unscale_check_`'s sum of squares: an fp64 0-dim tensor."""
+    return y.double().square().sum()
+
+
+def unscale_check_partials_(
+    grads: Sequence[Tensor], found_inf: Tensor, inv_scale: Tensor, partials: Tensor, offsets: Sequence[int]
+) -> None:
+    """The check pass of :func:`unscale_check_` (``write_back=False``, ``compute_sumsq=True``), its fold left undone.
+
+    Grad ``i``'s fp64 share of the sum of squares goes to ``partials[offsets[i]]`` (one
+    partial per grad here: :func:`sumsq_partial_count`); ``found_inf`` is set as
+    :func:`unscale_check_` sets it. :func:`sumsq_fold` of the partials of a list of grads, in
+    that list's order, is bit for bit what :func:`unscale_check_` returns for that list, so
+    gradient release (:func:`fastamp.release`) can check its buckets in the order backward
+    produces them and still get the ordinary sum. Each backend does the same with its own
+    partials (the native CPU kernel: one per chunk of 16384 elements; Triton: one per chunk
+    of its launch), and matches the reference where :func:`unscale_check_` does.
+    """
+    dev = found_inf.device
+    bad = torch.zeros((), dtype=torch.bool, device=dev)
+    for g, off in zip(grads, offsets):
+        _, y, bad_g = _unscale_one(g, inv_scale, False)
+        bad = bad | bad_g.to(dev)
+        partials[off].copy_(_sumsq_partial(y))
+    found_inf.masked_fill_(bad, 1.0)
+
+
+def sumsq_partial_count(numel: int) -> int:
+    """How many slots :func:`unscale_check_partials_` fills for a grad of ``numel`` elements (one)."""
+    return 1
+
+
+def sumsq_fold(partials: Tensor, index: Sequence[int]) -> Tensor:
+    """:func:`unscale_check_`'s fold of ``partials[index]``, in that order: fp64 from 0, rounded once to fp32."""
+    acc = torch.zeros((), dtype=torch.float64, device=partials.device)
+    for i in index:
+        acc = acc + partials[i]
     return acc.float()
 
 

@@ -1,9 +1,12 @@
-"""Gradient release without a loss scaler or clipping (issue 23, part 1): fastamp.release and step_bucket.
+"""Gradient release (issue 23): fastamp.release and step_bucket, without and with a loss scaler and clipping.
 
-Release vs the ordinary ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``, bit for
-bit, for every rule and master kind, with buckets of one param, of everything and in between; a
-param that gets no grad every other step; a handle removed mid-training; a checkpoint resumed; the
-refusals, each leaving everything as it was; no host sync and no new plan in the steady state.
+Part 1: release vs the ordinary ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``,
+bit for bit, for every rule and master kind, with buckets of one param, of everything and in
+between; a param that gets no grad every other step; a handle removed mid-training; a checkpoint
+resumed; the refusals, each leaving everything as it was; no host sync and no new plan in the
+steady state. Part 2 (the two-backward scheme): the same against ``scaler.scale(loss).backward();
+scaler.clip_grad_norm_(opt, max_norm); scaler.step(opt); scaler.update()`` and against torch's
+clip without a scaler, with injected overflows and binding clips, on every CPU backend.
 """
 
 import contextlib
@@ -225,12 +228,6 @@ def _unchanged(model, opt, snap, what):
 @pytest.mark.parametrize(
     "case, error, match",
     [
-        (
-            "scaler",
-            NotImplementedError,
-            "a loss scaler under gradient release is not implemented yet.*use the ordinary path",
-        ),
-        ("max_norm", NotImplementedError, r"global clipping \(max_norm\) under .*ordinary path"),
         ("torch optimizer", TypeError, "must be a fastamp fused optimizer.*torch.optim.adamw.AdamW"),
         ("param not in optimizer", ValueError, "param 'l2.bias' .* requires grad but is not in the optimizer"),
         ("param not in model", ValueError, r"param 0 of param group 1 .* is not a param of the model"),
@@ -245,11 +242,7 @@ def test_release_refuses_before_registering_anything(case, error, match):
     _ordinary(model, opt, 0)  # some state to keep unchanged
     kw = {}
     target_model, target_opt = model, opt
-    if case == "scaler":
-        kw["scaler"] = fastamp.Scaler("cpu")
-    elif case == "max_norm":
-        kw["max_norm"] = 1.0
-    elif case == "torch optimizer":
+    if case == "torch optimizer":
         target_opt = torch.optim.AdamW(model.parameters())
     elif case == "param not in optimizer":
         target_opt = fastamp.AdamW([p for n, p in model.named_parameters() if n != "l2.bias"])
@@ -410,4 +403,364 @@ def test_a_compiled_function_runs_h_backward_eagerly():
         _ordinary(m1, o1, 0 if step == 0 else 2 * step)
         train_step(_batch(0 if step == 0 else 2 * step))
     _assert_same(m1, o1, m2, o2, "compiled caller")
+    h.remove()
+
+
+# ------------------------------------------------------------------ part 2: the loss scaler and global clipping
+
+
+class AmpNet(torch.nn.Module):
+    """Linear and LayerNorm layers, one weight over two native chunks (25,600 elements), a branch on even steps only."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(40, 12)
+        self.l1 = torch.nn.Linear(48, 160)
+        self.norm = torch.nn.LayerNorm(160)
+        self.l2 = torch.nn.Linear(160, 160)
+        self.branch = torch.nn.Linear(160, 160)
+        self.out = torch.nn.Linear(160, 6)
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        h = self.norm(torch.relu(self.l1(self.emb(x).flatten(1))))
+        h = torch.tanh(self.l2(h))
+        if step % 2 == 0:
+            h = h + self.branch(h)
+        return self.out(h).float().square().mean()
+
+
+# steps whose loss overflows: all grads inf/nan (3, and 11 and 12 in a row), or only fp16 ones (7: scaled by 2^24)
+_INF_STEPS = (3, 11, 12)
+_BIG_STEP = 7
+
+AMP_CONFIGS = {
+    # (param dtype, optimizer options, scaler: None / "on" / "off" (a disabled fastamp.Scaler))
+    "fp16-master-scaler": (torch.float16, {"master_weights": True}, "on"),
+    "bf16-remainder-scaler": (torch.bfloat16, {"master_weights": "remainder"}, "on"),
+    "bf16-remainder": (torch.bfloat16, {"master_weights": "remainder"}, None),
+    "bf16-master-disabled-scaler": (torch.bfloat16, {"master_weights": True}, "off"),
+}
+CLIPS = {"none": None, "binding": 1e-3, "loose": 1e6}
+
+
+def _amp_world(rule: str, config: str, backend: str | None = None):
+    dtype, kw, which = AMP_CONFIGS[config]
+    torch.manual_seed(0)
+    model = AmpNet(dtype)
+    opt = RULES[rule](model.parameters(), **kw)
+    scaler = None
+    if which is not None:
+        scaler = fastamp.Scaler("cpu", init_scale=2.0**12, growth_interval=4, backend=backend, enabled=which == "on")
+    return model, opt, scaler
+
+
+def _amp_loss(model, step: int, overflow: bool = True) -> torch.Tensor:
+    """The loss of ``step``; with ``overflow`` (runs with a scaler: without one an inf would stay in the params) x inf or 2^24."""
+    loss = model(_batch(step), step)
+    if not overflow:
+        return loss
+    if step in _INF_STEPS:
+        return loss * float("inf")
+    if step == _BIG_STEP:
+        return loss * 2.0**24
+    return loss
+
+
+def _amp_ordinary(model, opt, scaler, max_norm, step):
+    """The ordinary loop; the norm its clip returns (None without clipping)."""
+    loss = _amp_loss(model, step, scaler is not None and scaler.is_enabled())
+    norm = None
+    if scaler is not None and scaler.is_enabled():
+        scaler.scale(loss).backward()
+        if max_norm is not None:
+            norm = scaler.clip_grad_norm_(opt, max_norm)
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        if max_norm is not None:
+            params = [p for g in opt.param_groups for p in g["params"]]
+            if scaler is not None:
+                norm = scaler.clip_grad_norm_(opt, max_norm)  # disabled: torch's clip
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return norm
+
+
+def _assert_same_scaler(s1, s2, what):
+    if s1 is None or not s1.is_enabled():
+        return
+    assert_bits_equal(s2._scale, s1._scale, f"{what}: scale")
+    assert_bits_equal(s2._growth_tracker, s1._growth_tracker, f"{what}: growth tracker")
+    assert_bits_equal(s2._hysteresis_tracker, s1._hysteresis_tracker, f"{what}: hysteresis tracker")
+    assert_bits_equal(s2.skipped_steps, s1.skipped_steps, f"{what}: skipped steps")
+    assert_bits_equal(s2.last_step_skipped_tensor, s1.last_step_skipped_tensor, f"{what}: last step skipped")
+
+
+def _amp_run(rule, config, clip, bucket, backend=None, steps=STEPS):
+    max_norm = CLIPS[clip]
+    m1, o1, s1 = _amp_world(rule, config, backend)
+    m2, o2, s2 = _amp_world(rule, config, backend)
+    h = fastamp.release(m2, o2, scaler=s2, max_norm=max_norm, bucket_bytes=BUCKETS[bucket])
+    skipped = 0
+    for step in range(steps):
+        norm = _amp_ordinary(m1, o1, s1, max_norm, step)
+        h.backward(_amp_loss(m2, step, s1 is not None and s1.is_enabled()))
+        assert all(p.grad is None for p in m2.parameters()), "release left a grad"
+        if norm is not None:
+            assert_bits_equal(h.total_norm, norm, f"step {step}: the clip's total norm")
+        for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+            assert_bits_equal(b, a, f"step {step}: param {name}")
+        _assert_same_scaler(s1, s2, f"step {step}")
+        if s1 is not None and s1.is_enabled():
+            skipped += s1.last_step_skipped
+    _assert_same(m1, o1, m2, o2, "the last step")
+    if s1 is not None and s1.is_enabled():
+        # at least the overflows of _INF_STEPS, and of _BIG_STEP in fp16 (bf16 holds 2^24 times the grads)
+        assert skipped == int(s1.skipped_steps) >= (4 if AMP_CONFIGS[config][0] == torch.float16 else 3)
+        assert int(h.mismatches) == 0
+    return m1, o1, s1, m2, o2, s2, h
+
+
+# every rule, config and clip with middle buckets; the other bucket sizes on AdamW
+AMP_CASES = [
+    (rule, config, clip, "middle")
+    for rule in RULES
+    for config in AMP_CONFIGS
+    for clip in CLIPS
+    if AMP_CONFIGS[config][2] == "on" or clip != "none"  # neither: part 1's test
+] + [
+    ("adamw", config, clip, bucket)
+    for config in ("fp16-master-scaler", "bf16-remainder")
+    for clip in ("none", "binding")
+    for bucket in ("one-param", "everything")
+    if config != "bf16-remainder" or clip != "none"
+]
+
+
+@pytest.mark.parametrize("rule, config, clip, bucket", AMP_CASES)
+def test_release_with_a_scaler_or_clip_matches_the_ordinary_loop_bit_for_bit(rule, config, clip, bucket):
+    *_, o2, s2, h = _amp_run(rule, config, clip, bucket)
+    if clip == "binding":
+        assert float(h.total_norm) > 1e-3  # the clip bound
+    elif clip == "loose":
+        assert float(h.total_norm) < 1e6
+    if rule != "lion":  # the branch's counts lag: it has no grad on odd steps (and skipped steps do not count)
+        assert float(o2.state[h.model.branch.weight]["step"]) < float(o2.state[h.model.out.weight]["step"])
+    h.remove()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("clip", ["binding", "loose"])
+def test_release_with_a_scaler_matches_on_every_cpu_backend(backend, clip):
+    """The partials and their fold per backend: the torch reference and Triton (interpreter) fold as their check pass."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from fastamp import kernels
+
+        if not kernels.available("cpu")[0]:
+            pytest.skip("Triton cannot run on the CPU here (TRITON_INTERPRET is not 1)")
+    *_, h = _amp_run("adamw", "fp16-master-scaler", clip, "middle", backend=backend, steps=14)
+    h.remove()
+
+
+def test_partials_fold_to_the_check_pass_sum_on_every_backend():
+    """unscale_check_partials_ + sumsq_fold in any call order = unscale_check_'s sum of squares, bit for bit."""
+    from fastamp import _release, backends
+
+    torch.manual_seed(3)
+    grads = [
+        torch.randn(n).to(dt) * 3
+        for n, dt in (
+            (5, torch.float32),
+            (40000, torch.float16),
+            (16384, torch.bfloat16),
+            (0, torch.float32),
+            (16385, torch.float32),
+            (777, torch.float16),
+        )
+    ]
+    grads.append(torch.randn(30, 20)[:, :7])  # strided
+    inv = torch.full((), 0.25)
+    names = ["torch", "native"]
+    with contextlib.suppress(Exception):
+        from fastamp import kernels
+
+        if kernels.available("cpu")[0]:
+            names.append("triton")
+    for name in names:
+        if not backends.available(name, "unscale_check_", "cpu")[0]:
+            continue
+        found = torch.zeros(())
+        want = fastamp.functional.unscale_check_(
+            [g.clone() for g in grads], found, inv, write_back=False, compute_sumsq=True, backend=name
+        )
+        impl = _release._SumsqBackend(name)
+        counts = [impl.count(g.numel()) for g in grads]
+        offsets = [sum(counts[:i]) for i in range(len(grads))]
+        slots = torch.full((sum(counts) + 3,), float("nan"), dtype=torch.float64)
+        found2 = torch.zeros(())
+        for i in reversed(range(len(grads))):  # one grad per call, in reverse: as hooks run
+            g = grads[i]
+            impl.partials_([g.contiguous()], found2, inv, slots, [offsets[i]])
+        groups: dict = {}
+        for i, g in enumerate(grads):
+            if g.numel() or name == "torch":
+                groups.setdefault(impl.group(impl.key(g)), []).append(i)
+        index = [offsets[i] + k for members in groups.values() for i in members for k in range(counts[i])]
+        got = impl.fold(slots, torch.tensor(index, dtype=torch.int64), index)
+        assert_bits_equal(got, want, f"{name}: folded partials")
+        assert_bits_equal(found2, found, f"{name}: found_inf")
+        grads[1][3] = float("inf")
+        found3 = torch.zeros(())
+        impl.partials_([grads[1]], found3, inv, slots, [offsets[1]])
+        assert float(found3) == 1.0, name
+        grads[1][3] = 0.0
+
+
+def test_native_partials_ops_check_their_slots_first_and_pass_opcheck():
+    from fastamp import _ops
+
+    if not _ops.native_has_kernel("unscale_check_partials_", "cpu"):
+        pytest.skip("fastamp._C without the release ops")
+    grads = [torch.randn(20000), torch.randn(3).half()]
+    found, inv = torch.zeros(()), torch.ones(())
+    slots = torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"offsets\[0\] = 2 leaves no room for the 2 partials of grads\[0\] in 3"):
+        torch.ops.fastamp.unscale_check_partials_(grads, found, inv, slots, [2, 0])
+    assert float(found) == 0.0 and not slots.any()  # refused before anything was written
+    with pytest.raises(RuntimeError, match="index\\[1\\] = 3 is out of range for 3 partials"):
+        torch.ops.fastamp.sumsq_fold(slots, torch.tensor([0, 3]))
+    torch.library.opcheck(torch.ops.fastamp.unscale_check_partials_, (grads, found, inv, slots, [0, 2]))
+    torch.library.opcheck(torch.ops.fastamp.sumsq_fold, (slots, torch.tensor([2, 0, 1])))
+
+
+def test_release_with_a_scaler_removed_mid_training_then_the_ordinary_loop_continues():
+    m1, o1, s1 = _amp_world("adamw", "fp16-master-scaler")
+    m2, o2, s2 = _amp_world("adamw", "fp16-master-scaler")
+    h = fastamp.release(m2, o2, scaler=s2, max_norm=1e-3, bucket_bytes=6000)
+    for step in range(STEPS):
+        _amp_ordinary(m1, o1, s1, 1e-3, step)
+        if step < 9:
+            h.backward(_amp_loss(m2, step))
+        else:
+            if step == 9:
+                h.remove()
+            _amp_ordinary(m2, o2, s2, 1e-3, step)
+    _assert_same(m1, o1, m2, o2, "removed at step 9")
+    _assert_same_scaler(s1, s2, "removed at step 9")
+
+
+def test_a_checkpoint_with_the_scaler_saved_under_release_resumes_bit_identically():
+    m1, o1, s1 = _amp_world("sgd", "fp16-master-scaler")
+    m2, o2, s2 = _amp_world("sgd", "fp16-master-scaler")
+    h = fastamp.release(m2, o2, scaler=s2, max_norm=1e-3, bucket_bytes=6000)
+    for step in range(10):
+        _amp_ordinary(m1, o1, s1, 1e-3, step)
+        h.backward(_amp_loss(m2, step))
+    saved = save_load({"model": m2.state_dict(), "opt": o2.state_dict(), "scaler": s2.state_dict()})
+    h.remove()
+    m3, o3, s3 = _amp_world("sgd", "fp16-master-scaler")
+    m3.load_state_dict(saved["model"])
+    o3.load_state_dict(saved["opt"])
+    s3.load_state_dict(saved["scaler"])
+    h3 = fastamp.release(m3, o3, scaler=s3, max_norm=1e-3, bucket_bytes=6000)
+    for step in range(10, STEPS):
+        _amp_ordinary(m1, o1, s1, 1e-3, step)
+        h3.backward(_amp_loss(m3, step))
+    _assert_same(m1, o1, m3, o3, "resumed")
+    _assert_same_scaler(s1, s3, "resumed")
+
+
+def test_an_overflow_only_in_the_second_backward_skips_that_bucket_and_is_counted():
+    """A non-deterministic backward: the first pass saw finite grads, the second an inf in one layer's grads."""
+    model, opt, scaler = _amp_world("adamw", "fp16-master-scaler")
+    h = fastamp.release(model, opt, scaler=scaler, max_norm=1.0, bucket_bytes=0)
+    h.backward(_amp_loss(model, 0))
+    calls = []
+
+    def poison_second(grad):
+        calls.append(1)
+        return grad.clone().fill_(float("inf")) if len(calls) == 2 else grad
+
+    handle = model.out.weight.register_hook(poison_second)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scale = scaler.get_scale()
+    h.backward(_amp_loss(model, 2))
+    handle.remove()
+    assert len(calls) == 2
+    assert int(h.mismatches) == 1
+    assert_bits_equal(model.out.weight, before["out.weight"], "the poisoned bucket is not stepped")
+    assert not torch.equal(model.l1.weight, before["l1.weight"]), "the other buckets stepped"
+    assert scaler.get_scale() == scale / 2 and scaler.last_step_skipped  # counted as an overflow: backoff
+    h.backward(_amp_loss(model, 4))
+    assert int(h.mismatches) == 1
+    h.remove()
+
+
+def test_steady_state_with_a_scaler_and_clip_has_no_host_sync(monkeypatch):
+    model, opt, scaler = _amp_world("adamw", "fp16-master-scaler")
+    h = fastamp.release(model, opt, scaler=scaler, max_norm=1e-3, bucket_bytes=6000)
+    x = _batch(0)
+    for _ in range(3):
+        h.backward(model(x, 0))
+    with _no_host_sync_or_new_plan(monkeypatch):
+        for _ in range(3):
+            h.backward(model(x, 0))
+    h.remove()
+
+
+@pytest.mark.parametrize(
+    "case, error, match",
+    [
+        ("torch scaler", TypeError, r"scaler must be a fastamp.Scaler, got torch.amp.grad_scaler.GradScaler"),
+        ("track_stats", NotImplementedError, "track_stats=True.*use a scaler without track_stats"),
+        ("negative max_norm", ValueError, r"max_norm must be >= 0 \(inf: never clip\), got -1.0"),
+        ("nan max_norm", ValueError, "max_norm must be >= 0 .*got nan"),
+        ("bool max_norm", TypeError, "max_norm must be a real number or None, got bool"),
+        ("norm_type", NotImplementedError, "norm_type must be 2, got 1.0.*use the ordinary path"),
+    ],
+)
+def test_release_refuses_a_bad_scaler_or_clip_before_registering_anything(case, error, match):
+    model, opt, _ = _amp_world("adamw", "fp16-master-scaler")
+    _ordinary(model, opt, 0)
+    kw = {}
+    if case == "torch scaler":
+        kw["scaler"] = torch.amp.GradScaler("cpu")
+    elif case == "track_stats":
+        kw["scaler"] = fastamp.Scaler("cpu", track_stats=True)
+    elif case == "negative max_norm":
+        kw["max_norm"] = -1.0
+    elif case == "nan max_norm":
+        kw["max_norm"] = float("nan")
+    elif case == "bool max_norm":
+        kw["max_norm"] = True
+    elif case == "norm_type":
+        kw.update(max_norm=1.0, norm_type=1.0)
+    snap = _snapshot(model, opt)
+    with pytest.raises(error, match=match):
+        fastamp.release(model, opt, **kw)
+    _unchanged(model, opt, snap, case)
+    assert _no_hooks(model)
+    assert opt.__dict__.get("_release") is None
+
+
+def test_backward_with_a_scaler_refuses_a_scaler_already_used_this_iteration():
+    model, opt, scaler = _amp_world("adamw", "fp16-master-scaler")
+    h = fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
+    h.backward(_amp_loss(model, 0))
+    snap = _snapshot(model, opt)
+    scaler._per_optimizer_states[id(opt)]["stage"] = fastamp.OptState.UNSCALED  # as after scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match=r"already unscaled, clipped or stepped .* call scaler.update\(\) first"):
+        h.backward(_amp_loss(model, 2))
+    _unchanged(model, opt, snap, "refused")
+    assert all(p.grad is None for p in model.parameters())
+    scaler._per_optimizer_states.clear()
+    with pytest.raises(TypeError, match=r"takes only retain_graph .*\['create_graph'\]"):
+        h.backward(_amp_loss(model, 2), create_graph=True)
+    _unchanged(model, opt, snap, "refused")
+    h.backward(_amp_loss(model, 2))
     h.remove()

@@ -32,13 +32,15 @@ def _run(code: str, env: dict | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_native_ops_have_the_table_schema_and_a_cpu_kernel():
+# OPS, and gradient release's check-pass ops (defined from RELEASE_OPS in the native namespace, CPU kernels only)
+@pytest.mark.parametrize("table", ["OPS", "RELEASE_OPS"])
+def test_native_ops_have_the_table_schema_and_a_cpu_kernel(table):
     got = _run(
-        """
+        f"""
         import json, torch
         from fastamp import _ops
-        res = {"loaded": _ops.NATIVE_LOADED, "error": _ops.NATIVE_ERROR, "ops": {}}
-        for op in _ops.OPS:
+        res = {{"loaded": _ops.NATIVE_LOADED, "error": _ops.NATIVE_ERROR, "ops": {{}}}}
+        for op in _ops.{table}:
             if _ops.NATIVE_LOADED:
                 have = str(getattr(torch.ops.fastamp, op).default._schema)
                 res["ops"][op] = [have, str(_ops.schema("fastamp", op)), _ops.native_has_kernel(op, "cpu")]
@@ -48,9 +50,10 @@ def test_native_ops_have_the_table_schema_and_a_cpu_kernel():
     if not got["loaded"] and "No module named 'fastamp._C'" in (got["error"] or ""):
         pytest.skip("fastamp._C is not built")
     assert got["loaded"], got["error"]
-    from fastamp._ops import OPS
+    from fastamp import _ops
 
-    assert set(got["ops"]) == set(OPS)
+    assert set(got["ops"]) == set(getattr(_ops, table))
+    assert not set(_ops.RELEASE_OPS) & set(_ops.OPS)
     for op, (have, want, has_cpu) in got["ops"].items():
         assert have == want, op
         assert has_cpu, f"fastamp::{op} has no CPU kernel"
