@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/adamw_table.h"
 #include "op_signatures.h"
 
 namespace fastamp {
@@ -378,6 +379,71 @@ PyObject* lion_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_END
 }
 
+// adamw_table(params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad) -> capsule | NotImplemented:
+// a persistent table of adamw_'s tensors (csrc/cpu/adamw_table.h) for an optimizer's launch
+// plan; NotImplemented where the shortcut declines a tensor or the op refuses one.
+constexpr const char* kAdamWTableName = "fastamp.adamw_table";
+
+void free_adamw_table(PyObject* capsule) {
+  cpu::AdamWTableDeleter()(static_cast<cpu::AdamWTable*>(PyCapsule_GetPointer(capsule, kAdamWTableName)));
+}
+
+PyObject* adamw_table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != 6) return declined();
+  Borrowed b;
+  b.reserve(list_size(args[0]) * 5);
+  std::pair<size_t, size_t> lists[5];
+  for (int k = 0; k < 5; ++k) {
+    if (!b.add_list(args[k], &lists[k])) return declined();
+  }
+  bool amsgrad = false;
+  if (!as_bool(args[5], &amsgrad)) return declined();
+  if (b.dispatch_keys() != c10::DispatchKeySet(c10::DispatchKey::CPU)) return declined();
+  cpu::AdamWTablePtr table;
+  try {
+    table = cpu::adamw_table_new(b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]),
+                                 b.list(lists[4]), amsgrad);
+  } catch (const c10::Error&) {
+    return declined();
+  }
+  PyObject* capsule = PyCapsule_New(table.get(), kAdamWTableName, &free_adamw_table);
+  if (capsule != nullptr) table.release();
+  return capsule;
+  FASTAMP_DIRECT_END
+}
+
+// adamw_table_run(table, grads, step_scalars, found_inf, beta1, beta2, eps, amsgrad, maximize)
+// -> None | NotImplemented: adamw_(the table's tensors, grads, ...) when everything fits it.
+PyObject* adamw_table_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != 9 || !PyCapsule_IsValid(args[0], kAdamWTableName)) return declined();
+  auto* table = static_cast<cpu::AdamWTable*>(PyCapsule_GetPointer(args[0], kAdamWTableName));
+  Borrowed b;
+  b.reserve(static_cast<size_t>(cpu::adamw_table_size(*table)) + 2);
+  std::pair<size_t, size_t> grads;
+  std::ptrdiff_t step_scalars = 0, found_inf = -1;
+  double beta1 = 0, beta2 = 0, eps = 0;
+  bool amsgrad = false, maximize = false;
+  if (!b.add_list(args[1], &grads) || !b.add_one(args[2], false, &step_scalars) ||
+      !b.add_one(args[3], true, &found_inf) || !as_double(args[4], &beta1) || !as_double(args[5], &beta2) ||
+      !as_double(args[6], &eps) || !as_bool(args[7], &amsgrad) || !as_bool(args[8], &maximize)) {
+    return declined();
+  }
+  if (b.dispatch_keys() != c10::DispatchKeySet(c10::DispatchKey::CPU)) return declined();
+  bool ran = false;
+  const Ran status = run_kernel(
+      [&] {
+        return cpu::adamw_table_run(*table, b.list(grads), b.one(step_scalars), b.optional(found_inf), beta1, beta2,
+                                    eps, amsgrad, maximize);
+      },
+      &ran);
+  if (status != Ran::kYes) return finish(status, nullptr);
+  if (!ran) return declined();
+  Py_RETURN_NONE;
+  FASTAMP_DIRECT_END
+}
+
 }  // namespace
 }  // namespace fastamp
 
@@ -396,4 +462,8 @@ PyMethodDef fastamp_direct_methods[] = {
      "torch.ops.fastamp.sgd_ without the dispatcher's per-tensor work, or NotImplemented"},
     {"lion_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::lion_)), METH_FASTCALL,
      "torch.ops.fastamp.lion_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"adamw_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_table)), METH_FASTCALL,
+     "a persistent table of adamw_'s params and states for an optimizer's launch plan, or NotImplemented"},
+    {"adamw_table_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_table_run)),
+     METH_FASTCALL, "adamw_ on a table's tensors and new grads when they fit it, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};

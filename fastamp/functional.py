@@ -171,15 +171,39 @@ def _native_fast_path(op: str, backend: str, args: tuple | list):
         return _NOT_RUN
 
 
-def _direct_calls() -> dict:
+def _native_module():
     if not _ops.NATIVE_LOADED:
-        return {}
+        return None
     from fastamp import _C
 
-    return {op: getattr(_C, op) for op in _ops.OPS if hasattr(_C, op)}
+    return _C
 
 
-_DIRECT = _direct_calls()
+_NATIVE = _native_module()
+_DIRECT = {op: getattr(_NATIVE, op) for op in _ops.OPS if hasattr(_NATIVE, op)} if _NATIVE is not None else {}
+# The direct call a table stands in for: a table runs only while _DIRECT holds it, so a test
+# that routes _DIRECT through a spy (tests/helpers.spy_kernels) sees every kernel call.
+_TABLE_OPS = {op: fn for op, fn in _DIRECT.items() if op == "adamw_"}
+_TABLE_RUN = getattr(_NATIVE, "adamw_table_run", None)
+
+
+def _adamw_table(
+    params: list[Tensor],
+    masters: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    max_exp_avg_sqs: list[Tensor],
+    amsgrad: bool,
+):
+    """A persistent table of these lists for :func:`adamw_`'s ``_table`` (native CPU), or None.
+
+    None where the extension has no tables or declines the tensors (not plain dense CPU
+    tensors, or anything the op would refuse): the caller then passes the lists alone.
+    """
+    if _TABLE_RUN is None or torch.compiler.is_compiling():
+        return None
+    table = _NATIVE.adamw_table(params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
+    return None if table is NotImplemented else table
 
 
 def _scatter_rows(counts: Tensor, absmax: Tensor, idx: list[int], c: Tensor, a: Tensor) -> None:
@@ -248,6 +272,7 @@ def adamw_(
     amsgrad: bool = False,
     maximize: bool = False,
     backend: str | None = None,
+    _table=None,
 ) -> None:
     """One fused AdamW pass over a group of tensors (see :func:`fastamp.reference.adamw_`).
 
@@ -258,12 +283,26 @@ def adamw_(
     or ``[n, 4]``, contiguous fp32, row ``i`` for ``params[i]`` (e.g. bias corrections from
     each param's own step count); any other shape is refused. Skips everything on device
     when ``found_inf`` is non-zero. No host sync.
+
+    ``_table`` (private, for the optimizers' launch plans): what :func:`_adamw_table` made of
+    these ``params``, ``masters`` and moments. The native kernel then takes the table's
+    tensors, checked in one pass (see csrc/cpu/adamw_table.h), instead of the lists; the
+    lists are used whenever the table declines.
     """
     op = "adamw_"
     if len(params) == 0:
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
+    if (
+        _table is not None
+        and _DIRECT.get(op) is _TABLE_OPS.get(op)
+        and not torch.compiler.is_compiling()
+        and backends.resolve(op, dev, backend) == "native"
+        and _TABLE_RUN(_table, grads, step_scalars, found_inf, beta1, beta2, eps, amsgrad, maximize)
+        is not NotImplemented
+    ):
+        return
     tensors = (params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf)
     args = _ops.coerce(op, tensors + (beta1, beta2, eps, amsgrad, maximize))
     _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], strict=strict))

@@ -18,10 +18,13 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <atomic>
 #include <optional>
 #include <type_traits>
 #include <vector>
 
+#include "cpu/adamw_table.h"
 #include "cpu/isa.h"
 #include "cpu/multi_tensor.h"
 #include "cpu/optim_checks.h"
@@ -181,6 +184,29 @@ AdamWChunkFn pick_kernel(at::ScalarType param_dtype, at::ScalarType grad_dtype, 
   }
 }
 
+// The pass of adamw_ over `chunks` of the tensors `bases` (pointers at each tensor's first
+// element), shared by the op and by its persistent tables (AdamWTable below).
+void run_adamw_chunks(AdamWChunkFn fn, const std::vector<AdamWChunk>& bases, const std::vector<Chunk>& chunks,
+                      int64_t param_size, int64_t grad_size, const AdamWArgs& args, const float* sc,
+                      int64_t scalar_stride) {
+  auto at_chunk = [&](const Chunk& ch) {
+    const AdamWChunk& b = bases[static_cast<size_t>(ch.tensor)];
+    const int64_t o = ch.begin;
+    return AdamWChunk{static_cast<char*>(b.param) + o * param_size,
+                      static_cast<const char*>(b.grad) + o * grad_size,
+                      b.master ? b.master + o : nullptr,
+                      b.exp_avg + o,
+                      b.exp_avg_sq + o,
+                      b.max_exp_avg_sq ? b.max_exp_avg_sq + o : nullptr};
+  };
+  parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      const Chunk& ch = chunks[static_cast<size_t>(c)];
+      fn(at_chunk(ch), ch.len, with_row(args, sc + ch.tensor * scalar_stride));
+    }
+  });
+}
+
 void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avgs,
                at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, const at::Tensor& step_scalars,
                const std::optional<at::Tensor>& found_inf, double beta1, double beta2, double eps, bool amsgrad,
@@ -251,22 +277,137 @@ void adamw_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
                           static_cast<float*>(exp_avg_sqs[i].data_ptr()),
                           amsgrad ? static_cast<float*>(max_exp_avg_sqs[i].data_ptr()) : nullptr};
   }
-  const std::vector<Chunk> chunks = split_into_chunks(numels);
-  parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
-    for (int64_t c = cb; c < ce; ++c) {
-      const Chunk& ch = chunks[static_cast<size_t>(c)];
-      const AdamWChunk& b = bases[static_cast<size_t>(ch.tensor)];
-      const int64_t o = ch.begin;
-      const AdamWChunk ptrs{static_cast<char*>(b.param) + o * static_cast<int64_t>(param_size),
-                            static_cast<const char*>(b.grad) + o * static_cast<int64_t>(grad_size),
-                            b.master ? b.master + o : nullptr,
-                            b.exp_avg + o,
-                            b.exp_avg_sq + o,
-                            b.max_exp_avg_sq ? b.max_exp_avg_sq + o : nullptr};
-      fn(ptrs, ch.len, with_row(args, sc + ch.tensor * scalar_stride));
-    }
-  });
+  run_adamw_chunks(fn, bases, split_into_chunks(numels), static_cast<int64_t>(param_size),
+                   static_cast<int64_t>(grad_size), args, sc, scalar_stride);
 }
+
+}  // namespace
+
+struct AdamWTable {
+  int64_t n = 0;
+  int lists = 0;  // tensors per entry: param, exp_avg, exp_avg_sq, then master and max_exp_avg_sq if used
+  at::ScalarType param_dtype = at::kFloat;
+  bool master = false;
+  bool amsgrad = false;
+  std::vector<at::Tensor> tensors;  // entry i's at [i * lists, (i + 1) * lists)
+  std::vector<const void*> ptrs;    // their data pointers when the table was made
+  std::vector<int64_t> numels;
+  std::vector<AdamWChunk> bases;  // the grads' pointers are written by each run
+  std::vector<Chunk> chunks;
+  std::atomic<bool> busy{false};  // one run at a time (a run writes `bases`)
+};
+
+void AdamWTableDeleter::operator()(AdamWTable* t) const { delete t; }
+
+int64_t adamw_table_size(const AdamWTable& table) { return table.n; }
+
+AdamWTablePtr adamw_table_new(at::TensorList params, at::TensorList masters, at::TensorList exp_avgs,
+                              at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs, bool amsgrad) {
+  const size_t n = params.size();
+  TORCH_CHECK(n > 0, "fastamp::adamw_: a table needs at least one param");
+  TORCH_CHECK(exp_avgs.size() == n && exp_avg_sqs.size() == n && (masters.empty() || masters.size() == n) &&
+                  (!amsgrad || max_exp_avg_sqs.size() == n),
+              "fastamp::adamw_: the lists of a table differ in length");
+  AdamWTablePtr t(new AdamWTable);
+  t->n = static_cast<int64_t>(n);
+  t->param_dtype = params[0].scalar_type();
+  TORCH_CHECK(is_kernel_float(t->param_dtype), "fastamp::adamw_: params must be float32, float16 or bfloat16, got ",
+              t->param_dtype);
+  t->master = !masters.empty();
+  t->amsgrad = amsgrad;
+  t->lists = 3 + (t->master ? 1 : 0) + (amsgrad ? 1 : 0);
+  t->tensors.reserve(n * static_cast<size_t>(t->lists));
+  t->numels.resize(n);
+  t->bases.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    check_list_tensor("adamw_", "params", i, p, p, t->param_dtype);
+    check_list_tensor("adamw_", "exp_avgs", i, exp_avgs[i], p, at::kFloat);
+    check_list_tensor("adamw_", "exp_avg_sqs", i, exp_avg_sqs[i], p, at::kFloat);
+    if (t->master) check_list_tensor("adamw_", "masters", i, masters[i], p, at::kFloat);
+    if (amsgrad) check_list_tensor("adamw_", "max_exp_avg_sqs", i, max_exp_avg_sqs[i], p, at::kFloat);
+    t->tensors.push_back(p);
+    t->tensors.push_back(exp_avgs[i]);
+    t->tensors.push_back(exp_avg_sqs[i]);
+    if (t->master) t->tensors.push_back(masters[i]);
+    if (amsgrad) t->tensors.push_back(max_exp_avg_sqs[i]);
+    t->numels[i] = p.numel();
+  }
+  t->ptrs.reserve(t->tensors.size());
+  for (at::Tensor& x : t->tensors) t->ptrs.push_back(x.data_ptr());
+  for (size_t i = 0; i < n; ++i) {
+    void* const* q = const_cast<void* const*>(t->ptrs.data() + i * static_cast<size_t>(t->lists));
+    int k = 3;
+    AdamWChunk& b = t->bases[i];
+    b.param = q[0];
+    b.grad = nullptr;
+    b.exp_avg = static_cast<float*>(q[1]);
+    b.exp_avg_sq = static_cast<float*>(q[2]);
+    b.master = t->master ? static_cast<float*>(q[k++]) : nullptr;
+    b.max_exp_avg_sq = amsgrad ? static_cast<float*>(q[k]) : nullptr;
+  }
+  t->chunks = split_into_chunks(t->numels);
+  return t;
+}
+
+namespace {
+
+// Whether the table's tensors are still where, and what, the table says: a `.data` rebind,
+// a resize or a view as another dtype changes one of these (one pass over the tensors).
+bool table_intact(const AdamWTable& t) {
+  const size_t total = t.tensors.size();
+  const size_t lists = static_cast<size_t>(t.lists);
+  for (size_t j = 0; j < total; ++j) {
+    const at::Tensor& x = t.tensors[j];
+    const size_t i = j / lists;
+    const at::ScalarType want = j % lists == 0 ? t.param_dtype : at::kFloat;
+    if (x.numel() != t.numels[i] || x.scalar_type() != want || !x.is_contiguous() || x.data_ptr() != t.ptrs[j]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool adamw_table_run(AdamWTable& t, at::TensorList grads, const at::Tensor& step_scalars,
+                     const std::optional<at::Tensor>& found_inf, double beta1, double beta2, double eps, bool amsgrad,
+                     bool maximize) {
+  const size_t n = static_cast<size_t>(t.n);
+  if (grads.size() != n || amsgrad != t.amsgrad) return false;
+  if (t.busy.exchange(true)) return false;
+  struct Release {
+    std::atomic<bool>* flag;
+    ~Release() { flag->store(false); }
+  } release{&t.busy};
+  const int64_t scalar_stride =
+      check_step_scalars("adamw_", step_scalars, n, 4, "[step_size, bc2_sqrt, decay, grad_mul]");
+  check_found_inf("adamw_", found_inf);
+  const at::ScalarType grad_dtype = grads[0].scalar_type();
+  if (!is_kernel_float(grad_dtype)) return false;
+  const caffe2::TypeMeta grad_meta = c10::scalarTypeToTypeMeta(grad_dtype);
+  for (size_t i = 0; i < n; ++i) {
+    const c10::TensorImpl* g = grads[i].unsafeGetTensorImpl();
+    if (!g->device().is_cpu() || g->layout() != at::kStrided || g->dtype() != grad_meta || !g->is_contiguous() ||
+        g->numel() != t.numels[i]) {
+      return false;
+    }
+  }
+  if (!table_intact(t)) return false;
+  for (size_t i = 0; i < n; ++i) t.bases[i].grad = grads[i].const_data_ptr();
+  if (skip_step(found_inf)) return true;
+  AdamWArgs args;
+  args.h = math::AdamWHyper{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+                            static_cast<float>(1.0 - beta2), static_cast<float>(eps)};
+  args.maximize = maximize;
+  const AdamWChunkFn fn = pick_kernel(t.param_dtype, grad_dtype, active_isa(), t.master, t.amsgrad);
+  run_adamw_chunks(fn, t.bases, t.chunks, static_cast<int64_t>(c10::elementSize(t.param_dtype)),
+                   static_cast<int64_t>(c10::elementSize(grad_dtype)), args, step_scalars.data_ptr<float>(),
+                   scalar_stride);
+  return true;
+}
+
+namespace {
 
 using AdamWBf16ChunkFn = void (*)(const AdamWBf16Chunk&, int64_t, const AdamWArgs&);
 

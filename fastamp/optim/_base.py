@@ -759,6 +759,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                             args = self._kernel_args(group, launch, scalars)
                             n, names = _keyword_args(part.op)
                             kw = dict(zip(names, args[n:]))
+                            if part is run and run.op == "adamw_":
+                                kw["_table"] = self._table_of(run, args, kw)
                             getattr(functional, part.op)(*args[:n], **kw, backend=self.backend)
                         for p, tmp in run.copy_back:
                             p.copy_(tmp)
@@ -778,6 +780,26 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             if gp.remainder:
                 gp.versions = list(map(_version_of, gp.remainder))
                 self._param_versions.update(zip(map(id, gp.remainder), gp.versions))
+
+    def _table_of(self, run: _Run, args: tuple, kw: dict[str, Any]) -> Any:
+        """The run's persistent kernel table (made at its first native launch), or None.
+
+        Runs whose params are copied contiguous each step (strided params) or are DTensor
+        shards take the lists each time.
+        """
+        from fastamp import backends
+
+        table = run.table
+        if table is None:
+            table = False
+            if (
+                not run.strided
+                and not run.dtensor
+                and backends.resolve(run.op, run.params[0].device, self.backend) == "native"
+            ):
+                table = functional._adamw_table(args[0], args[2], args[3], args[4], args[5], kw["amsgrad"]) or False
+            run.table = table
+        return table or None
 
     def _resync_written(self, gp: _GroupPlan, versions: list[int]) -> None:
         """Re-sync the remainder masters of params written since the last step (see the class doc)."""

@@ -209,6 +209,7 @@ class _Run:
         "dtensor",
         "whole",
         "row0",
+        "table",
     )
 
     def __init__(self, op: str, kind: str, keys: tuple[str, ...] = ()) -> None:
@@ -229,6 +230,9 @@ class _Run:
         self.dtensor = False  # DTensor params (FSDP2): the kernels get the local shards
         self.whole = False  # holds every param of its group, in order: takes the group's grads as they are
         self.row0 = -1
+        # the kernel's persistent table of this run's tensors (fastamp.functional._adamw_table):
+        # None until the first native launch tries to make one, False where none can be made
+        self.table: Any = None
 
     def add(self, p: Tensor, pos: int, st: dict[str, Any], sr_id: int | None) -> None:
         if is_dtensor(p):

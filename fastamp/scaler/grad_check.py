@@ -18,7 +18,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections import defaultdict
-from itertools import repeat
+from itertools import chain, compress, repeat
 
 import torch
 from torch import Tensor
@@ -28,6 +28,8 @@ from fastamp._dtensor import local_of
 from fastamp.scaler.device_scalars import _PerDevice
 
 _DTYPE_OF = operator.attrgetter("dtype")
+_GRAD_OF = operator.attrgetter("grad")
+_PARAMS_OF = operator.itemgetter("params")
 
 
 def _check_grads(
@@ -198,18 +200,20 @@ def _plain_grads(optimizer, allow_fp16: bool) -> tuple[list[Tensor], list[int] |
     non-tensor param, a grad that is not a plain ``torch.Tensor`` (DTensor), or fp16 grads
     where they are refused (that loop raises the error).
     """
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    groups = optimizer.param_groups
+    params = list(groups[0]["params"]) if len(groups) == 1 else list(chain.from_iterable(map(_PARAMS_OF, groups)))
     if not all(map(isinstance, params, repeat(Tensor))):
         return None
-    grads = [p.grad for p in params]
+    # C-level passes only (no Python code per param): thousands of small params are common
+    grads = list(map(_GRAD_OF, params))
     positions = None
     if any(map(operator.is_, grads, repeat(None))):
-        positions = [i for i, g in enumerate(grads) if g is not None]
-        params = [params[i] for i in positions]
-        grads = [grads[i] for i in positions]
+        positions = list(compress(range(len(grads)), map(operator.is_not, grads, repeat(None))))
+        params = list(map(params.__getitem__, positions))
+        grads = list(map(grads.__getitem__, positions))
     if grads and set(map(type, grads)) != {Tensor}:
         return None
-    if not allow_fp16 and torch.float16 in {g.dtype for g in grads}:
+    if not allow_fp16 and torch.float16 in set(map(_DTYPE_OF, grads)):
         return None
     return params, positions, grads
 
