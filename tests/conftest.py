@@ -16,6 +16,16 @@ _TESTS = Path(__file__).resolve().parent
 _NO_CUDA = "needs a CUDA device (run by benchmarks/gpu_check.sh on a GPU machine)"
 
 
+def pytest_configure(config):
+    """``FASTAMP_TEST_INSTALLED=1`` (the CUDA-build tier): the fastamp under test is the installed one."""
+    if os.environ.get("FASTAMP_TEST_INSTALLED") == "1":
+        import importlib.util
+
+        origin = getattr(importlib.util.find_spec("fastamp"), "origin", None) or ""
+        if "site-packages" not in origin:
+            raise pytest.UsageError(f"FASTAMP_TEST_INSTALLED=1 but fastamp would be imported from {origin!r}")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tier markers from the folder; ``gpu`` on every test that needs CUDA, and its skip where there is none.
 

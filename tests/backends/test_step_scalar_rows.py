@@ -213,12 +213,20 @@ LION = [  # masters, rng, maximize
 ]
 
 
-def _cases(dev):
-    out = [_adamw_case(dev, *c) for c in ADAMW]
-    out += [_adamw_bf16_case(dev, *c) for c in ADAMW_BF16]
-    out += [_sgd_case(dev, *c) for c in SGD]
-    out += [_lion_case(dev, *c) for c in LION]
-    return out
+# (maker, its arguments after dev) of case number i; each maker seeds its own generator, so a case's
+# tensors are the same whether or not the others are made
+CASES = (
+    [(_adamw_case, c) for c in ADAMW]
+    + [(_adamw_bf16_case, c) for c in ADAMW_BF16]
+    + [(_sgd_case, c) for c in SGD]
+    + [(_lion_case, c) for c in LION]
+)
+
+
+def _make_case(dev, case):
+    """(op, lists, rest) of case number ``case`` (only that one is made: the tensors cost time)."""
+    make, args = CASES[case]
+    return make(dev, *args)
 
 
 CASE_IDS = (
@@ -237,7 +245,7 @@ def _rows_for(op, dev):
 def _case(backend, case):
     """(op, lists, rest) of case number ``case``; skipped where the backend has no kernel for the op yet."""
     name, dev = backend
-    op, lists, rest = _cases(dev)[case]
+    op, lists, rest = _make_case(dev, case)
     ok, why = backends.available(name, op, dev)
     if not ok:
         pytest.skip(why)
@@ -383,7 +391,7 @@ def test_wrong_step_scalars_are_refused(backend, op_case):
 def test_one_tensor_takes_row_zero_of_a_1_by_k(backend):
     """n = 1: ``[1, k]`` is the per-tensor form (row 0), as the reference reads it."""
     name, dev = backend
-    op, lists, rest = _cases(dev)[1]
+    op, lists, rest = _make_case(dev, 1)
     lists = [lst[-1:] if lst else [] for lst in lists]
     row = _rows_for(op, dev)[5:6].clone()
     want = clone_lists(lists)

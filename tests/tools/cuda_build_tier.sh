@@ -43,17 +43,20 @@ case "$MAJOR" in
 esac
 
 t0=$(date +%s)
-STAMP="$VENV/.tier-stamp-$TORCH_PIN"
+# torch's own dependencies (nvidia-* runtime wheels, triton) come with it; setuptools is left to
+# torch's constraint (it caps the version).
+# numpy 2.3: triton 3.6's interpreter converts 1-element arrays with int(), which numpy 2.4
+# refuses ("only 0-dimensional arrays can be converted to Python scalars").
+# pytest-xdist: the tests below run on every core, as the main suite does.
+PACKAGES=("$TORCH_PIN" numpy==2.3.5 pytest==9.2.0 pytest-xdist==3.8.0 execnet==2.1.2 hypothesis==6.170.17
+    expecttest==0.3.0 setuptools wheel ninja==1.13.2)
+# the stamp names the whole list: a venv made from another list is made again
+STAMP="$VENV/.tier-stamp-$TORCH_PIN-$(printf '%s\n' "${PACKAGES[@]}" | sha256sum | cut -c1-12)"
 if [ ! -f "$STAMP" ]; then
     rm -rf "$VENV"
     "$PYTHON" -m venv "$VENV"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
-    # torch's own dependencies (nvidia-* runtime wheels, triton) come with it; setuptools is
-    # left to torch's constraint (it caps the version).
-    # numpy 2.3: triton 3.6's interpreter converts 1-element arrays with int(), which numpy 2.4
-    # refuses ("only 0-dimensional arrays can be converted to Python scalars").
-    "$VENV/bin/python" -m pip install --quiet "$TORCH_PIN" numpy==2.3.5 pytest==9.2.0 hypothesis==6.170.17 \
-        expecttest==0.3.0 setuptools wheel ninja==1.13.2
+    "$VENV/bin/python" -m pip install --quiet "${PACKAGES[@]}"
     touch "$STAMP"
 fi
 say "environment ready after $(($(date +%s) - t0))s: $("$VENV/bin/python" -c 'import torch, triton; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)')"
@@ -85,9 +88,12 @@ print("[cuda-build tier] every op has a CPU and a CUDA kernel;", fastamp.__file_
 ')
 
 # The tests that run the built library on CPU and the Triton kernels under this triton's
-# interpreter. CUDA-device tests skip with their reason. -P: import the installed fastamp.
+# interpreter. CUDA-device tests skip with their reason. -P: import the installed fastamp (xdist
+# gives its workers the sys.path of this process; FASTAMP_TEST_INSTALLED=1 makes tests/conftest.py
+# check, in every worker, that fastamp comes from site-packages).
 t2=$(date +%s)
-"$VENV/bin/python" -P -m pytest -q -p no:cacheprovider -o addopts="" -rfE -W ignore::UserWarning -W ignore::DeprecationWarning \
+FASTAMP_TEST_INSTALLED=1 "$VENV/bin/python" -P -m pytest -q -n "${CUDA_TIER_JOBS:-auto}" --dist load \
+    -p no:cacheprovider -o addopts="" -rfE -W ignore::UserWarning -W ignore::DeprecationWarning \
     tests/backends/test_native_cpu.py tests/backends/test_optim_matrix.py tests/backends/test_triton.py tests/backends/test_triton_lowbit.py tests/api/test_adamw_amp.py \
     tests/backends/test_cuda.py tests/backends/test_cuda_lowbit.py
 say "tests ran in $(($(date +%s) - t2))s; tier total $(($(date +%s) - t0))s"

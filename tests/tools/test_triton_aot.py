@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
 import os
 import re
@@ -1052,13 +1053,53 @@ def _tritons():
     return out
 
 
+def _tier_key(python, pythonpath, full) -> str:
+    """What a tier's results depend on: this tree's kernels and fastamp sources, this file, the
+    Triton asked for (interpreter, side install) and the environment the compile workers see."""
+    h = hashlib.sha256()
+    files = sorted((ROOT / "kernels").rglob("*.py")) + sorted((ROOT / "fastamp").rglob("*.py"))
+    for path in (*files, Path(__file__).resolve()):
+        h.update(f"{path.relative_to(ROOT)}\0".encode())
+        h.update(path.read_bytes())
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "FASTAMP_", "PYTHONPATH")))
+    h.update(repr((python or sys.executable, pythonpath, full, env)).encode())
+    return h.hexdigest()[:24]
+
+
+def _tier_once_per_run(tmp_path_factory, python, pythonpath, full) -> dict:
+    """``run_tier``'s results, compiled once per pytest run whatever the number of xdist workers.
+
+    Under xdist every worker needs the results of the same compiles (``--dist load`` spreads this
+    module's tests over all of them). The first worker to get the lock compiles; the others wait
+    for it and read its results. The shared folder is the run's own base temp directory (the
+    parent of each worker's), so nothing outlives the run: a fresh checkout starts empty, and a
+    kernel edited between runs is compiled again. The key also holds the sources' hash, so not
+    even an edit during a run is served stale results.
+    """
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return run_tier(tmp_path_factory.mktemp("aot"), python, pythonpath, full)
+    from filelock import FileLock  # a dependency of torch
+
+    shared = tmp_path_factory.getbasetemp().parent / "triton_aot"
+    shared.mkdir(exist_ok=True)
+    key = _tier_key(python, pythonpath, full)
+    done = shared / f"{key}.json"
+    with FileLock(str(shared / f"{key}.lock")):
+        if not done.exists():
+            merged = run_tier(shared / key, python, pythonpath, full)
+            partial = shared / f"{key}.json.part"
+            partial.write_text(json.dumps(merged))
+            os.replace(partial, done)
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="module", params=_tritons())
 def tier(request, tmp_path_factory):
-    """Every compile of this module, done once per Triton (workers in parallel); skip where none can run."""
+    """Every compile of this module, done once per Triton and run (workers in parallel); skip where none can run."""
     pytest.importorskip("triton")
     python, pythonpath = request.param
     full = os.environ.get("FASTAMP_AOT_FULL") == "1"
-    merged = run_tier(tmp_path_factory.mktemp("aot"), python, pythonpath, full)
+    merged = _tier_once_per_run(tmp_path_factory, python, pythonpath, full)
     if merged.get("skip"):
         pytest.skip(merged["skip"])
     if merged.get("errors"):
