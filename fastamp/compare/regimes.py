@@ -28,6 +28,12 @@ REGIME_INFO: dict[str, tuple[torch.dtype | None, str]] = {
         torch.bfloat16,
         'as fastamp-bf16 with AdamW(master_weights="remainder"): int16 remainders instead of fp32 masters',
     ),
+    "fastamp-bf16-release": (
+        torch.bfloat16,
+        "as fastamp-bf16-remainder with gradient release: fastamp.release(model, opt, max_norm=clip), each bucket "
+        "of params stepped inside backward and its grads freed at once (the global clip runs a second backward); "
+        "its training losses must equal fastamp-bf16-remainder's bit for bit",
+    ),
     "fastamp-bf16-sr": (
         torch.bfloat16,
         "as fastamp-bf16 without masters: AdamW(stochastic_rounding=True, seed=0)",
@@ -57,7 +63,7 @@ BN_DEMO_REGIMES = ("fp32", "torch-amp-fp16", "fastamp-fp16", "half-fp16-fastamp"
 # fp16) on the CNNs, where BatchNorm is.
 FULL_MODEL_REGIMES = {
     "gpt": tuple(r for r in REGIMES if r != "half-fp16-fastamp"),
-    "cnn": tuple(r for r in REGIMES if r != "fastamp-scaler-fp16"),
+    "cnn": tuple(r for r in REGIMES if r not in ("fastamp-scaler-fp16", "fastamp-bf16-release")),
     "cnn-raw12": BN_DEMO_REGIMES,
 }
 # The default on CPU. An fp16 CNN step is the costly one there: 8x an fp32 step on a 2-core
@@ -68,7 +74,7 @@ FULL_MODEL_REGIMES = {
 # about what fp32 does.
 MODEL_REGIMES = {
     "gpt": FULL_MODEL_REGIMES["gpt"],
-    "cnn": tuple(r for r in REGIMES if REGIME_INFO[r][0] != torch.float16),
+    "cnn": tuple(r for r in FULL_MODEL_REGIMES["cnn"] if REGIME_INFO[r][0] != torch.float16),
     "cnn-raw12": ("fp32", "fastamp-fp16", "half-fp16-fastamp"),
 }
 
@@ -109,7 +115,7 @@ def build_regime(regime: str, model: nn.Module, lr: float, device: torch.device,
         else:
             fastamp.cast_model(model, dtype)
         kwargs: dict[str, Any] = {}
-        if regime == "fastamp-bf16-remainder":
+        if regime in ("fastamp-bf16-remainder", "fastamp-bf16-release"):
             kwargs = {"master_weights": "remainder"}
         elif regime == "fastamp-bf16-sr":
             kwargs = {"stochastic_rounding": True, "seed": 0}

@@ -152,6 +152,14 @@ def verdicts(results: list[RegimeResult]) -> list[str]:
                 f"65,536, the remainder's bf16 param is the neighbour away from zero, one ulp from the nearest-even "
                 f"one, and from then on the two runs see slightly different forwards)"
             )
+        a, b = by.get((model, "fastamp-bf16-release")), by.get((model, "fastamp-bf16-remainder"))
+        if a is not None and b is not None and a.losses and len(a.losses) == len(b.losses):
+            same = next((i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x != y), len(a.losses))
+            out.append(
+                f"{model}: fastamp-bf16-release vs fastamp-bf16-remainder (the same step inside backward): training "
+                f"losses bit-identical for {same} of {len(a.losses)} steps"
+                + ("" if same == len(a.losses) else " (MISMATCH: gradient release must reproduce the ordinary step)")
+            )
         for pure in ("pure-fp16", "pure-bf16"):
             r, base = by.get((model, pure)), by.get((model, "fp32"))
             if r is None or base is None:

@@ -183,6 +183,12 @@ class RegimeRun:
             )
         if self.scaler is not None:
             self.result.init_scale = float(self.scaler.get_scale())
+        # gradient release: backward steps the optimizer (and clips, with a second backward) and frees the grads
+        self.release = None
+        if regime.endswith("-release"):
+            import fastamp
+
+            self.release = fastamp.release(self.model, self.opt, max_norm=clip if clip > 0 else None)
         # the drop-in regime keeps torch's loop (unscale_ + clip_grad_norm_), not fastamp's fused clip
         self.torch_loop = regime == "fastamp-scaler-fp16"
         self.params = list(self.model.parameters())
@@ -206,7 +212,9 @@ class RegimeRun:
         opt.zero_grad(set_to_none=True)
         with self._autocast():
             loss = self.loss_fn(self.model(x), y)
-        if scaler is not None:
+        if self.release is not None:
+            self.release.backward(loss)  # = loss.backward(); clip; opt.step(); opt.zero_grad(set_to_none=True)
+        elif scaler is not None:
             scaler.scale(loss).backward()
             if self.clip > 0 and self.torch_loop:
                 scaler.unscale_(opt)

@@ -205,6 +205,22 @@ def test_training_state_per_param_is_measured_per_regime_and_projected_to_7b():
     assert "7B-parameter projection" in text and "| fp32 | 16.00" in text and "| 112.0 |" in text, text
 
 
+@pytest.mark.parametrize("clip", [1e-3, 0.0])  # a clip that binds every step (two backwards), and none
+def test_the_release_row_reproduces_its_twin_bit_for_bit_without_holding_grads(clip):
+    data = compare.TextData(16, 4, torch.device("cpu"))
+    torch.manual_seed(0)
+    base = compare.TinyGPT(len(data.vocab), 16, 2, 32, 2)
+    twin, rel = (
+        compare.train_regime("gpt", reg, base, data, torch.device("cpu"), 6, 3e-3, clip)
+        for reg in ("fastamp-bf16-remainder", "fastamp-bf16-release")
+    )
+    assert rel.losses == twin.losses and len(rel.losses) == 6 and rel.losses[-1] < rel.losses[0]
+    # no grad is alive after a released step: 2 bytes per param less (bf16 grads; the LayerNorms' fp32 ones 4)
+    assert twin.state_bytes - rel.state_bytes >= 2 * rel.n_params
+    line = next(v for v in compare.verdicts([twin, rel]) if "fastamp-bf16-release" in v)
+    assert "bit-identical for 6 of 6 steps" in line and "MISMATCH" not in line
+
+
 @pytest.mark.slow
 def test_tiny_end_to_end_run_writes_table_csv_and_png(tmp_path, capfd):
     regimes = "fp32,torch-amp-fp16,fastamp-scaler-fp16,fastamp-fp16,fastamp-bf16-sr,pure-fp16"
