@@ -128,6 +128,14 @@ def _first_nonfinite(losses: list[float]) -> int | None:
     return next((i for i, v in enumerate(losses) if not math.isfinite(v)), None)
 
 
+def _identical_steps(a: RegimeResult | None, b: RegimeResult | None) -> tuple[int, int]:
+    """(the steps before ``a``'s and ``b``'s training losses first differ, the steps) when both ran alike; else (0, 0)."""
+    if a is None or b is None or not a.losses or len(a.losses) != len(b.losses):
+        return 0, 0
+    n = len(a.losses)
+    return next((i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x != y), n), n
+
+
 def verdicts(results: list[RegimeResult]) -> list[str]:
     """One line per fastamp row vs its reference row, remainder vs fp32 master, and per pure low-precision row."""
     out = []
@@ -143,22 +151,20 @@ def verdicts(results: list[RegimeResult]) -> list[str]:
                 f"{model}: {ours} final val loss {a.final_loss:.4f} vs {theirs} {b.final_loss:.4f} "
                 f"({100 * rel:+.2f}%): {'within' if ok else 'OUTSIDE'} the {100 * CONVERGENCE_RTOL:.0f}% tolerance"
             )
-        a, b = by.get((model, "fastamp-bf16-remainder")), by.get((model, "fastamp-bf16"))
-        if a is not None and b is not None and a.losses and len(a.losses) == len(b.losses):
-            same = next((i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x != y), len(a.losses))
+        same, n = _identical_steps(by.get((model, "fastamp-bf16-remainder")), by.get((model, "fastamp-bf16")))
+        if n:
             out.append(
                 f"{model}: fastamp-bf16-remainder vs fastamp-bf16 (fp32 masters): training losses bit-identical for "
-                f"{same} of {len(a.losses)} steps (same master update; at an exact rounding tie, about 1 element in "
+                f"{same} of {n} steps (same master update; at an exact rounding tie, about 1 element in "
                 f"65,536, the remainder's bf16 param is the neighbour away from zero, one ulp from the nearest-even "
                 f"one, and from then on the two runs see slightly different forwards)"
             )
-        a, b = by.get((model, "fastamp-bf16-release")), by.get((model, "fastamp-bf16-remainder"))
-        if a is not None and b is not None and a.losses and len(a.losses) == len(b.losses):
-            same = next((i for i, (x, y) in enumerate(zip(a.losses, b.losses)) if x != y), len(a.losses))
+        same, n = _identical_steps(by.get((model, "fastamp-bf16-release")), by.get((model, "fastamp-bf16-remainder")))
+        if n:
             out.append(
                 f"{model}: fastamp-bf16-release vs fastamp-bf16-remainder (the same step inside backward): training "
-                f"losses bit-identical for {same} of {len(a.losses)} steps"
-                + ("" if same == len(a.losses) else " (MISMATCH: gradient release must reproduce the ordinary step)")
+                f"losses bit-identical for {same} of {n} steps"
+                + ("" if same == n else " (MISMATCH: gradient release must reproduce the ordinary step)")
             )
         for pure in ("pure-fp16", "pure-bf16"):
             r, base = by.get((model, pure)), by.get((model, "fp32"))
