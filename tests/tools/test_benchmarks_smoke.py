@@ -307,6 +307,8 @@ def test_bench_release_checks_and_reports_the_peak_of_live_grads(tmp_path):
             "--quick",
             "--buckets-mib",
             "0.02,0",
+            "--amp-buckets-mib",
+            "0.02,0",
             "--steps",
             "1",
             "--check-steps",
@@ -317,12 +319,20 @@ def test_bench_release_checks_and_reports_the_peak_of_live_grads(tmp_path):
             "t",
         ]
     )
-    assert [r["provider"] for r in rows] == ["ordinary", "release-0.02MiB", "release-0MiB"]
-    ordinary, *released = rows
-    for r in released:
-        assert r["check"] == "ok", r
-        assert r["meets_goal"] is True, r
-        assert r["peak_live_grads_mib"] < ordinary["peak_live_grads_mib"], r
-    assert released[1]["buckets"] == 48  # 24 weights + 24 biases
-    assert len(_read_csv(tmp_path / "bench_release-t.csv")) == 3
-    assert "| release-0MiB | ok |" in (tmp_path / "bench_release-t.md").read_text()
+    assert [r["provider"] for r in rows] == [
+        "ordinary",
+        "release-0.02MiB",
+        "release-0MiB",
+        "ordinary-amp",  # fp16 + fastamp.Scaler + a binding clip: the two-backward release
+        "release-amp-0.02MiB",
+        "release-amp-0MiB",
+    ]
+    for ordinary, *released in (rows[:3], rows[3:]):
+        for r in released:
+            assert r["check"] == "ok", r
+            assert r["meets_goal"] is True, r
+            assert r["peak_live_grads_mib"] < ordinary["peak_live_grads_mib"], r
+        assert released[1]["buckets"] == 48  # 24 weights + 24 biases
+    assert len(_read_csv(tmp_path / "bench_release-t.csv")) == 6
+    md = (tmp_path / "bench_release-t.md").read_text()
+    assert "| release-0MiB | ok |" in md and "| release-amp-0MiB | ok |" in md
