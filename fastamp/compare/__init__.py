@@ -32,6 +32,10 @@ Regimes:
   ``fastamp-bf16``    ``cast_model(model, bf16)`` + fp32 masters, under ``autocast(bf16)``.
   ``fastamp-bf16-remainder``  the same with ``master_weights="remainder"``: int16 remainders
                       instead of fp32 masters (exact, 2 bytes per param less).
+  ``fastamp-bf16-release`` ``fastamp-bf16-remainder`` with gradient release
+                      (``fastamp.release(model, opt, max_norm=clip)``): each bucket stepped inside
+                      backward and its grads freed; its losses must equal its twin's bit for bit
+                      (the report checks it). gpt only.
   ``fastamp-bf16-sr`` the same without masters, ``stochastic_rounding=True, seed=0``.
   ``fastamp-bf16-10B`` remainder masters + bf16 moments with stochastic rounding (10 bytes per
                       param: param 2, remainder 2, moments 2 + 2, grad 2).
@@ -42,7 +46,7 @@ Regimes:
   ``pure-bf16``       the same in bf16.
 
 Which regimes run: on CPU by default (``MODEL_REGIMES``) gpt runs every regime but
-``half-fp16-fastamp``, cnn every one without fp16, cnn-raw12 ``fp32``, ``fastamp-fp16`` and
+``half-fp16-fastamp``, cnn every one without fp16 or release, cnn-raw12 ``fp32``, ``fastamp-fp16`` and
 ``half-fp16-fastamp`` (the BatchNorm point): fp16 CNN steps are the costly ones on a CPU.
 ``--full`` (and the default on CUDA, ``FULL_MODEL_REGIMES``) adds the other fp16 CNN rows;
 ``--regimes`` runs the given ones on every model.

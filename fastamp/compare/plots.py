@@ -57,6 +57,7 @@ def plot(
         "fastamp-fp16": "tab:red",
         "fastamp-bf16": "tab:orange",
         "fastamp-bf16-remainder": "tab:brown",
+        "fastamp-bf16-release": "tab:brown",
         "fastamp-bf16-sr": "tab:green",
         "fastamp-bf16-10B": "tab:pink",
         "half-fp16-fastamp": "tab:gray",
@@ -69,6 +70,7 @@ def plot(
         "fastamp-scaler-fp16": ":",
         "torch-amp-bf16": "--",
         "fastamp-bf16-remainder": (0, (5, 1)),
+        "fastamp-bf16-release": ":",  # drawn over its twin: the two curves must coincide
         "half-fp16-fastamp": "-.",
         "pure-fp16": ":",
         "pure-bf16": ":",
