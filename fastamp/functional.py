@@ -183,7 +183,7 @@ _NATIVE = _native_module()
 _DIRECT = {op: getattr(_NATIVE, op) for op in _ops.OPS if hasattr(_NATIVE, op)} if _NATIVE is not None else {}
 # The direct call a table stands in for: a table runs only while _DIRECT holds it, so a test
 # that routes _DIRECT through a spy (tests/helpers.spy_kernels) sees every kernel call.
-_TABLE_OPS = {op: fn for op, fn in _DIRECT.items() if op == "adamw_"}
+_TABLE_DIRECT = _DIRECT.get("adamw_")
 _TABLE_RUN = getattr(_NATIVE, "adamw_table_run", None)
 
 
@@ -296,7 +296,7 @@ def adamw_(
     V.adam_hyper(op, beta1, beta2, eps)
     if (
         _table is not None
-        and _DIRECT.get(op) is _TABLE_OPS.get(op)
+        and _DIRECT.get(op) is _TABLE_DIRECT
         and not torch.compiler.is_compiling()
         and backends.resolve(op, dev, backend) == "native"
         and _TABLE_RUN(_table, grads, step_scalars, found_inf, beta1, beta2, eps, amsgrad, maximize)
