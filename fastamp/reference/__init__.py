@@ -33,6 +33,7 @@ from fastamp.reference.numerics import sqrt_rn
 from fastamp.reference.optim import (
     adamw_,
     adamw_bf16_,
+    adamw_q8_,
     adamw_step_scalars,
     lion_,
     lion_sign,
@@ -51,6 +52,7 @@ __all__ = [
     "adamw_",
     "adamw_step_scalars",
     "adamw_bf16_",
+    "adamw_q8_",
     "sgd_",
     "sgd_step_scalars",
     "lion_",

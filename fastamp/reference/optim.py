@@ -1,7 +1,8 @@
 """The reference of the optimizer ops: their step scalars and element maths, per tensor.
 
 ``adamw_`` (fp32/fp16/bf16 params, optional fp32 masters), ``adamw_bf16_`` (bf16 params with
-int16 remainders or stochastic rounding, fp32 or bf16 moments), ``sgd_`` and ``lion_``; the step
+int16 remainders or stochastic rounding, fp32 or bf16 moments), ``adamw_q8_`` (8-bit
+block-scaled moments, :mod:`fastamp.reference.q8`), ``sgd_`` and ``lion_``; the step
 scalars (``adamw_step_scalars``, ``sgd_step_scalars``, ``lion_step_scalars``) are computed once per launch on the
 device, shared (``[k]``) or one row per tensor (``[n, k]``, see :func:`scalar_rows`). The
 low-bit storage helpers are in :mod:`fastamp.reference.formats`.
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from fastamp.reference.formats import _store_lowp, join_master, split_master, sr_random16
 from fastamp.reference.numerics import _f32, sqrt_rn
+from fastamp.reference.q8 import q8_decode_m, q8_decode_v, q8_encode_m, q8_encode_v
 
 # torch's CPU loops compute a vector's full SIMD blocks with one pow and its tail (and a 0-dim
 # call) with another, whose fp64 results differ in the last bit (79 of 4,000 counts on a Xeon
@@ -315,6 +317,82 @@ def _store_master(
     p.copy_(new_p)
     if new_master is not None:
         masters[i].copy_(new_master)
+
+
+def adamw_q8_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    exp_avg_codes: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor],
+    exp_avg_sq_codes: Sequence[Tensor],
+    exp_avg_sq_scales: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Tensor | None,
+    rng: Tensor | None,
+    rng_base: int,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    maximize: bool,
+    sr_param: bool,
+    sr_codes: bool,
+) -> None:
+    """AdamW with 8-bit block-scaled moments (the ``q8`` format of :mod:`fastamp.reference.q8`).
+
+    The element maths is :func:`adamw_`'s, on the moments decoded to fp32
+    (:func:`~fastamp.reference.q8.q8_decode_m` / :func:`~fastamp.reference.q8.q8_decode_v`); the
+    updated fp32 moments drive this step's update and are then encoded again, block by block
+    (32 elements of the flattened tensor per scale byte). ``exp_avg_codes[i]`` /
+    ``exp_avg_sq_codes[i]`` are uint8 shaped like ``params[i]`` (contiguous), the scales uint8
+    ``[ceil(n / 32)]``. ``masters`` as in :func:`sgd_`: fp32 masters (params of any float dtype),
+    int16 remainders (bf16 params), or empty (the param is updated in place).
+
+    ``rng`` (int64 ``[seed, counter]``) is read when ``sr_codes`` or ``sr_param`` is set:
+    ``sr_codes`` rounds the codes stochastically (streams ``4 * (rng_base + i) + 1`` for m and
+    ``+ 2`` for v), else to nearest even; ``sr_param`` rounds a bf16 param without a master
+    stochastically (stream ``4 * (rng_base + i)``). A non-zero (or NaN) ``found_inf`` writes
+    nothing. Only integer maths, ``+ - * /`` and :func:`sqrt_rn`: every backend is bit-exact
+    with this function on the CPU.
+    """
+    if len(params) == 0:
+        return
+    if (sr_codes or sr_param) and rng is None:
+        raise ValueError("adamw_q8_: sr_codes / sr_param need rng ([seed, counter], int64)")
+    dev = params[0].device
+    rows = scalar_rows(step_scalars, len(params), 4)
+    b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
+    b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
+    eps_t = _f32(eps, dev)
+    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
+    kind = _master_kind(masters)
+    seed = counter = None
+    if rng is not None:
+        seed, counter = rng.reshape(-1)[0], rng.reshape(-1)[1]
+    for i, p in enumerate(params):
+        step_size, bc2_sqrt, decay, grad_mul = rows(i)
+        n = p.numel()
+        p32 = _load_master(kind, p, masters, i).reshape(-1)
+        m = q8_decode_m(exp_avg_codes[i], exp_avg_scales[i]).reshape(-1)
+        v = q8_decode_v(exp_avg_sq_codes[i], exp_avg_sq_scales[i]).reshape(-1)
+        g = grads[i].float().reshape(-1) * grad_mul
+        if maximize:
+            g = -g
+        pv = p32 * decay
+        diff = g - m
+        mv = m + omb1 * diff if _lerp_low(beta1) else g - diff * b1
+        vv = v * b2 + (omb2 * g) * g
+        denom = sqrt_rn(vv) / bc2_sqrt + eps_t
+        pv = pv - (step_size * mv) / denom
+        rand_m = sr_random16(seed, counter, 4 * (rng_base + i) + 1, n, dev) if sr_codes else None
+        rand_v = sr_random16(seed, counter, 4 * (rng_base + i) + 2, n, dev) if sr_codes else None
+        cm, sm = q8_encode_m(mv, rand_m)
+        cv, sv = q8_encode_v(vv, rand_v)
+        pairs = ((exp_avg_codes[i], cm), (exp_avg_scales[i], sm), (exp_avg_sq_codes[i], cv), (exp_avg_sq_scales[i], sv))
+        for dst, new in pairs:
+            new = new.reshape(dst.shape)
+            dst.copy_(new if keep is None else torch.where(keep, dst, new))
+        _store_master(kind, pv.reshape(p.shape), p, masters, i, rng if sr_param else None, rng_base, keep)
 
 
 def sgd_step_scalars(lr, step: Tensor, grad_mul: Tensor | None = None) -> Tensor:
