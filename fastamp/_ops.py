@@ -41,6 +41,7 @@ import torch
 NATIVE_NS = "fastamp"
 TRITON_NS = "fastamp_triton"
 OPTIM_NS = "fastamp_optim"
+REF_NS = "fastamp_ref"
 
 
 def _fake_sum_of_squares(args: dict):
@@ -155,6 +156,21 @@ RELEASE_OPS: dict[str, OpDef] = {
     ),
 }
 
+# AdamW on 8-bit block-scaled moments (the q8 format, fastamp/reference/q8.py; issue 22): CPU
+# kernels only so far, so it is kept out of OPS (which every backend implements).
+Q8_OPS: dict[str, OpDef] = {
+    "adamw_q8_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
+        "Tensor(d!)[] exp_avg_scales, Tensor(e!)[] exp_avg_sq_codes, Tensor(f!)[] exp_avg_sq_scales, "
+        "Tensor step_scalars, Tensor? found_inf, Tensor? rng, int rng_base, float beta1, float beta2, float eps, "
+        "bool maximize, bool sr_param, bool sr_codes) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, masters, both moments' codes and scales (nothing when found_inf is non-zero); reads rng, "
+        "never advances it; step_scalars: fp32 [4] shared or [n, 4] (contiguous, row i for tensor i)",
+    ),
+}
+
 # The step scalars of a compiled optimizer step: opaque ops, so that inductor does not
 # re-derive eager's fp64 maths with another rounding. Kernels: fastamp/optim/_traced.py.
 OPTIM_OPS: dict[str, OpDef] = {
@@ -180,7 +196,7 @@ OPTIM_OPS: dict[str, OpDef] = {
     ),
 }
 
-_TABLES = {NATIVE_NS: {**OPS, **RELEASE_OPS}, TRITON_NS: OPS, OPTIM_NS: OPTIM_OPS}
+_TABLES = {NATIVE_NS: {**OPS, **RELEASE_OPS, **Q8_OPS}, TRITON_NS: OPS, OPTIM_NS: OPTIM_OPS, REF_NS: Q8_OPS}
 
 # How a Python argument is made the schema's type (tensors pass as they are).
 _COERCE = {"List[Tensor]": list, "float": float, "int": int, "bool": bool}
@@ -195,7 +211,7 @@ def _coercers(op: str) -> tuple:
     return tuple(_COERCE.get(str(a.type)) for a in schema(NATIVE_NS, op).arguments)
 
 
-_COERCERS = {op: _coercers(op) for op in OPS}
+_COERCERS = {op: _coercers(op) for op in (*OPS, *Q8_OPS)}
 
 
 def coerce(op: str, args) -> tuple:
@@ -261,7 +277,7 @@ def _load_native() -> None:
         return
     lib = _LIBS[NATIVE_NS] = torch.library.Library(NATIVE_NS, "FRAGMENT")
     try:
-        for op in (*OPS, *RELEASE_OPS):
+        for op in (*OPS, *RELEASE_OPS, *Q8_OPS):
             _define(lib, NATIVE_NS, op)
     except RuntimeError as e:  # a C++ kernel whose signature differs from the table's schema
         NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/_ops.py: {e}"
@@ -287,6 +303,23 @@ def register_triton(op: str, impl: Callable):
 def register_optim(op: str, impl: Callable):
     """Define ``fastamp_optim::op`` from :data:`OPTIM_OPS` with ``impl`` as its kernel on every device; the op."""
     return _register(OPTIM_NS, op, impl, ("CompositeExplicitAutograd",))
+
+
+def reference_op(op: str):
+    """``fastamp_ref::op``: the torch reference of an op of :data:`Q8_OPS` as an opaque op (every device).
+
+    What the ``torch`` backend's compiled steps call instead of tracing the reference: inductor
+    (torch 2.13, CPU) miscompiles the q8 codec's integer maths, writing garbage into the last
+    elements of a tensor whose size is not a multiple of its vector width; opaque, the eager code
+    runs as it is. Registered on first use.
+    """
+    ns = getattr(torch.ops, REF_NS)
+    if not hasattr(ns, op):
+        from fastamp import reference
+
+        register_ref = _register(REF_NS, op, getattr(reference, op), ("CompositeExplicitAutograd",))
+        return register_ref
+    return getattr(ns, op)
 
 
 def native_has_kernel(op: str, device_type: str) -> bool:

@@ -124,7 +124,8 @@ def _dtype_names(dtypes) -> str:
 
 def _streams(op: str, params, grads, param_dtypes, state: list) -> None:
     """The kernels' per-tensor rules: dense contiguous params, dense grads of as many elements,
-    and each ``(name, tensors, dtypes)`` of ``state`` contiguous, of ``dtypes``, as long as its param."""
+    and each ``(name, tensors, dtypes)`` of ``state`` contiguous, of ``dtypes``, as long as its param
+    (``(name, tensors, dtypes, numel_of)``: of ``numel_of(param numel)`` elements, e.g. block scales)."""
     for i, p in enumerate(params):
         g = grads[i]
         if p.dtype not in param_dtypes:
@@ -137,12 +138,16 @@ def _streams(op: str, params, grads, param_dtypes, state: list) -> None:
             raise ValueError(f"{op}: grads[{i}] has {g.numel()} elements but params[{i}] has {p.numel()}")
         if not p.is_contiguous():
             raise ValueError(f"{op}: params[{i}] must be contiguous")
-        for name, lst, dtypes in state:
+        for name, lst, dtypes, *numel_of in state:
             s = lst[i]
             if s.dtype not in dtypes:
                 raise TypeError(f"{op}: {name}[{i}] must be {_dtype_names(dtypes)}, got {s.dtype}")
-            if s.numel() != p.numel():
-                raise ValueError(f"{op}: {name}[{i}] has {s.numel()} elements but params[{i}] has {p.numel()}")
+            want = numel_of[0](p.numel()) if numel_of else p.numel()
+            if s.numel() != want:
+                raise ValueError(
+                    f"{op}: {name}[{i}] has {s.numel()} elements but params[{i}] has {p.numel()}"
+                    + ("" if want == p.numel() else f", which need {want}")
+                )
             if not s.is_contiguous():
                 raise ValueError(f"{op}: {name}[{i}] must be contiguous")
 
@@ -220,6 +225,58 @@ def adamw(
     if amsgrad:
         state.append(("max_exp_avg_sqs", max_exp_avg_sqs, moments))
     _streams(op, params, grads, (torch.bfloat16,) if bf16 else FLOAT_DTYPES, state)
+
+
+def adamw_q8(
+    op: str,
+    dev,
+    params,
+    grads,
+    masters,
+    exp_avg_codes,
+    exp_avg_scales,
+    exp_avg_sq_codes,
+    exp_avg_sq_scales,
+    step_scalars,
+    found_inf,
+    rng,
+    sr_param: bool,
+    sr_codes: bool,
+    *,
+    strict: bool,
+) -> None:
+    """``adamw_q8_``: uint8 codes shaped like the params, uint8 scales of ``ceil(n / 32)`` per moment."""
+    from fastamp.reference.q8 import num_blocks
+
+    lists = {
+        "grads": grads,
+        "exp_avg_codes": exp_avg_codes,
+        "exp_avg_scales": exp_avg_scales,
+        "exp_avg_sq_codes": exp_avg_sq_codes,
+        "exp_avg_sq_scales": exp_avg_sq_scales,
+    }
+    if len(masters):
+        lists["masters"] = masters
+    _lists(op, dev, params, lists)
+    if (sr_param or sr_codes) and rng is None:
+        raise ValueError(f"{op}: sr_param / sr_codes need rng (an int64 tensor [seed, counter] on the device)")
+    # every backend, the reference included (strict or not): it would write tensor 0 before
+    # finding tensor 1's scales of the wrong length
+    _device_scalars(op, dev, step_scalars, len(params), 4, "[step_size, bc2_sqrt, decay, grad_mul]", found_inf, rng)
+    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
+    for i, p in enumerate(params):
+        if remainder and p.dtype != torch.bfloat16:
+            raise TypeError(f"{op}: int16 remainders need bfloat16 params, but params[{i}] is {p.dtype}")
+    u8 = (torch.uint8,)
+    state = [
+        ("exp_avg_codes", exp_avg_codes, u8),
+        ("exp_avg_scales", exp_avg_scales, u8, num_blocks),
+        ("exp_avg_sq_codes", exp_avg_sq_codes, u8),
+        ("exp_avg_sq_scales", exp_avg_sq_scales, u8, num_blocks),
+    ]
+    if len(masters):
+        state.append(("masters", masters, (torch.int16,) if remainder else (torch.float32,)))
+    _streams(op, params, grads, (torch.float32, torch.float16, torch.bfloat16), state)
 
 
 def sgd(

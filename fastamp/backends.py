@@ -114,6 +114,8 @@ def get_impl(op: str, backend: str) -> Callable:
     kernel module (registering ``torch.ops.fastamp_triton.<op>``) and checks what the op's
     launch tables rely on.
     """
+    if backend == "torch" and op in _ops.Q8_OPS:
+        _ops.reference_op(op)  # registers fastamp_ref::op, which kernel() returns
     if backend in ("torch", "native"):
         return kernel(op, backend)
     if backend == "triton":
@@ -137,6 +139,8 @@ def kernel(op: str, backend: str) -> Callable:
     that a later ``_init_group`` of the same trace adds would be missing from it.
     """
     if backend == "torch":
+        if op in _ops.Q8_OPS:  # opaque under torch.compile (see _ops.reference_op)
+            return getattr(torch.ops.fastamp_ref, op)
         from fastamp import reference
 
         return getattr(reference, op)

@@ -19,7 +19,7 @@ from torch import Tensor
 from fastamp import _ops, backends
 from fastamp import _validate as V
 
-__all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_", "lion_"]
+__all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "lion_"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -340,6 +340,47 @@ def adamw_bf16_(
     tensors = (params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng)
     args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, eps, amsgrad, maximize))
     _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], args[8], strict=strict))
+
+
+def adamw_q8_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    exp_avg_codes: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor],
+    exp_avg_sq_codes: Sequence[Tensor],
+    exp_avg_sq_scales: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Tensor | None,
+    rng: Tensor | None = None,
+    rng_base: int = 0,
+    *,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    maximize: bool = False,
+    sr_param: bool = False,
+    sr_codes: bool = False,
+    backend: str | None = None,
+) -> None:
+    """AdamW on 8-bit block-scaled moments (the q8 format; see :func:`fastamp.reference.adamw_q8_`).
+
+    ``masters``: fp32 masters, int16 remainders (bf16 params) or empty. Codes are uint8
+    shaped like the params (contiguous), scales uint8 ``[ceil(n / 32)]``. ``rng``
+    (``[seed, counter]``, int64) drives the stochastic rounding of the codes (``sr_codes``) and
+    of bf16 params without a master (``sr_param``). ``step_scalars`` as in :func:`adamw_`. No
+    host sync.
+    """
+    op = "adamw_q8_"
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    V.adam_hyper(op, beta1, beta2, eps)
+    tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
+               step_scalars, found_inf, rng)  # fmt: skip
+    args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes))
+    _call_checked(op, dev, backend, args,
+                  lambda strict: V.adamw_q8(op, dev, *args[:10], sr_param, sr_codes, strict=strict))  # fmt: skip
 
 
 def sgd_(

@@ -279,8 +279,10 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         """
         return (group["master_weights"], group["stochastic_rounding"], group["seed"])
 
-    def _launch_keys(self, group: dict[str, Any], kind: str, use_rng: bool) -> tuple[str, ...]:
+    def _launch_keys(self, group: dict[str, Any], kind: str, use_rng: bool, op: str = "") -> tuple[str, ...]:
         keys = self._moment_keys(group)
+        if op == "adamw_q8_":  # codes and block scales of each moment (see fastamp.optim._formats)
+            keys = tuple(k for key in keys for k in (key + "_q", key + "_scale"))
         if kind == "fp32":
             keys += ("master_param",)
         elif kind == "remainder":
@@ -399,14 +401,14 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 if use_rng:
                     bucket.rngs.append(st["rng"])
                     if sr_ids is None:
-                        sr_ids = self._bf16_ids()
+                        sr_ids = self._rng_ids()
                     sr_id = sr_ids[id(p)]
                 op = self._kernel_op(group, p, kind)
                 counted = "step" in st
                 key = (op, p.dtype, g.dtype, kind, use_rng, counted) + self._extra_key(group, p, st, kind)
                 run = bucket.runs.get(key)
                 if run is None:
-                    run = bucket.runs[key] = _Run(op, kind, self._launch_keys(group, kind, use_rng))
+                    run = bucket.runs[key] = _Run(op, kind, self._launch_keys(group, kind, use_rng, op))
                 run.add(p, pos, st, sr_id)
                 plan.needed.add((op, p.device))
             stepped = {pos for pos, _, _ in items}

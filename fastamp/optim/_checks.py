@@ -441,10 +441,13 @@ class _StateValidation:
         for key in moment_keys:
             t = st.get(key)
             # the common case inline: a rebuild at tens of thousands of params checks every state
-            if t is not None and not (
-                type(t) is Tensor and t.shape == shape and t.device == device and t.is_floating_point()
-            ):
-                self._check_state_tensor(gi, i, p, key, t, None)
+            if (
+                t is not None
+                and not (type(t) is Tensor and t.shape == shape and t.device == device and t.is_floating_point())
+            ) or (key + "_q" in st or key + "_scale" in st):
+                from fastamp.optim import _formats
+
+                _formats.check_held(self, gi, i, p, st, key)  # q8 codes (other keys), or a clear error
         if kind == "fp32" or kind == "remainder":
             t = st.get("master_param")
             if t is not None and not (

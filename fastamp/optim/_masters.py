@@ -132,6 +132,20 @@ class _MasterWeights:
             )
             st["master_remainder"].zero_()
 
+    def _rng_ids(self) -> dict[int, int]:
+        """The random-bit tensor id of every param: :meth:`_bf16_ids` for bf16 params, and
+        ``2^24 +`` its index among all the optimizer's params for the others (q8 moments of fp32 and
+        fp16 params round stochastically too); the two ranges never meet, so adding a non-bf16
+        param changes no bf16 param's bits."""
+        ids = self._bf16_ids()
+        k = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in ids:
+                    ids[id(p)] = (1 << 24) + k
+                k += 1
+        return ids
+
     def _bf16_ids(self) -> dict[int, int]:
         """Stochastic-rounding tensor id of each bf16 param: its index among the optimizer's bf16 params.
 

@@ -27,6 +27,47 @@ _INT_STATE: dict[str, tuple[torch.dtype, Callable[[Tensor], tuple[int, ...]]]] =
 }
 
 
+_CODES, _SCALE = "_q", "_scale"
+
+
+def _q8_entry(opt_name: str, where: str, p: Tensor, key: str, value: Any, saved: dict[str, Any]) -> Tensor:
+    """A moment saved as q8 (``fastamp.optim._formats``): ``<moment>_q`` uint8 shaped like the param, ``<moment>_scale``
+    uint8 ``[ceil(n / 32)]``, both present; a plain tensor copied to the param's device."""
+    from fastamp.reference.q8 import num_blocks
+
+    codes = key.endswith(_CODES)
+    base = key[: -len(_CODES)] if codes else key[: -len(_SCALE)]
+    other = base + (_SCALE if codes else _CODES)
+    if other not in saved:
+        raise ValueError(
+            f"{opt_name}.load_state_dict: {where}: {key!r} is given but {other!r} is missing (q8 codes and scales "
+            "go together)"
+        )
+    if base in saved:
+        raise ValueError(
+            f"{opt_name}.load_state_dict: {where}: holds moment {base!r} twice, as {base!r} and as {key!r}"
+        )
+    shape = tuple(p.shape) if codes else (num_blocks(p.numel()),)
+    if (
+        not isinstance(value, Tensor)
+        or value.dtype != torch.uint8
+        or tuple(value.shape) != shape
+        or is_dtensor(value)
+        or is_dtensor(p)
+    ):
+        raise ValueError(
+            f"{opt_name}.load_state_dict: {where}: {key!r} must be a plain torch.uint8 tensor of shape {shape}, got "
+            f"{value.dtype if isinstance(value, Tensor) else type(value).__name__} {_fmt_shape(value)}"
+        )
+    return value.to(device=p.device, copy=True).contiguous()
+
+
+def _q8_key(key: str, fp32_state_keys: Sequence[str]) -> bool:
+    return (key.endswith(_CODES) and key[: -len(_CODES)] in fp32_state_keys) or (
+        key.endswith(_SCALE) and key[: -len(_SCALE)] in fp32_state_keys
+    )
+
+
 def load_state_dict(
     opt: torch.optim.Optimizer,
     state_dict: dict[str, Any],
@@ -95,7 +136,8 @@ def load_state_dict(
             raise ValueError(f"{opt_name}.load_state_dict: {where} must be a dict, got {type(v).__name__}")
         if len(v) == 0:
             continue
-        missing = [key for key in required_state_keys(group_of[k]) if key not in v]
+        # a moment may be saved as q8 codes (<key>_q, with <key>_scale) instead
+        missing = [key for key in required_state_keys(group_of[k]) if key not in v and key + _CODES not in v]
         if missing:
             raise ValueError(
                 f"{opt_name}.load_state_dict: {where} has no {missing} (its keys: {sorted(v)}); "
@@ -125,6 +167,8 @@ def load_state_dict(
                     )
                 entry[key] = torch.full((), step_value, dtype=torch.float32, device=p.device)
                 steps[p] = step_value
+            elif _q8_key(key, fp32_state_keys):
+                entry[key] = _q8_entry(opt_name, where, p, key, value, v)
             elif key in fp32_state_keys:
                 if not isinstance(value, Tensor) or not value.is_floating_point() or value.is_complex():
                     raise ValueError(
@@ -177,7 +221,9 @@ def params_with_state(opt: torch.optim.Optimizer) -> list[Tensor]:
 class _StateDictExport:
     """``state_dict`` of :class:`~fastamp.optim._base.FusedOptimizer` (remainder masters exported as is or as fp32)."""
 
-    def state_dict(self, master_format: str = "native") -> dict[str, Any]:
+    def state_dict(
+        self, master_format: str = "native", moment_format: str = "native", format: str | None = None
+    ) -> dict[str, Any]:
         """The optimizer state, as torch's ``state_dict()``.
 
         Args:
@@ -186,12 +232,37 @@ class _StateDictExport:
                 params of the model's own state dict, saved at the same time). ``"fp32"``
                 exports them as an fp32 ``master_param`` (the exact master: for other tools,
                 or to load into an optimizer with ``master_weights=True``); both forms load.
+            moment_format (str): ``"native"`` (default) keeps the moments as stored (q8 codes
+                ``*_q`` with their ``*_scale``, bf16); ``"fp32"`` decodes them to fp32 tensors shaped
+                like the params (exact), torch.optim's layout; both forms load.
+            format (str, optional): ``"fp32"`` is both of the above: torch.optim.AdamW's layout
+                (fp32 moments) plus exact fp32 masters.
         """
+        if format is not None:
+            if format not in ("native", "fp32"):
+                raise ValueError(f"{self._NAME}.state_dict: format must be 'native' or 'fp32', got {format!r}")
+            master_format = moment_format = format
         if master_format not in ("native", "fp32"):
             raise ValueError(
                 f"{self._NAME}.state_dict: master_format must be 'native' or 'fp32', got {master_format!r}"
             )
+        if moment_format not in ("native", "fp32"):
+            raise ValueError(
+                f"{self._NAME}.state_dict: moment_format must be 'native' or 'fp32', got {moment_format!r}"
+            )
         sd = super().state_dict()
+        if moment_format == "fp32":
+            from fastamp.optim import _formats
+
+            for idx, st in list(sd["state"].items()):
+                if isinstance(st, dict):
+                    keys = tuple(
+                        k
+                        for k in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer")
+                        if k + _CODES in st or (isinstance(st.get(k), Tensor) and st[k].dtype == torch.bfloat16)
+                    )
+                    if keys:
+                        sd["state"][idx] = _formats.export_fp32(st, keys)
         if master_format == "fp32":
             from fastamp import reference
 

@@ -8,7 +8,8 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from fastamp.optim import _checks, _masters, _state_dict, _traced
+from fastamp._dtensor import is_dtensor
+from fastamp.optim import _checks, _formats, _masters, _state_dict, _traced
 from fastamp.optim._base import FusedOptimizer
 
 __all__ = ["AdamW"]
@@ -59,6 +60,34 @@ def _validate_group(
             f"a master (master_weights=False, or None with stochastic_rounding=True); got master_weights="
             f"{group['master_weights']!r}, stochastic_rounding={group['stochastic_rounding']} in {where}"
         )
+    _check_state_format(group, where)
+
+
+def _check_state_format(group: dict[str, Any], where: str) -> None:
+    """``state_format``, ``lowbit_min_numel`` and ``state_rounding`` of a group."""
+    fmt = group["state_format"]
+    if fmt is not None and fmt != "q8":
+        raise ValueError(
+            f"{_NAME}: state_format must be None (dense moments, see state_dtype) or 'q8', got {fmt!r} in {where}"
+        )
+    n = group["lowbit_min_numel"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeError(f"{_NAME}: lowbit_min_numel must be an int >= 0, got {n!r} in {where}")
+    rounding = group["state_rounding"]
+    if rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"{_NAME}: state_rounding must be 'stochastic' or 'nearest', got {rounding!r} in {where}")
+    if fmt == "q8":
+        if group["amsgrad"]:
+            raise ValueError(
+                f"{_NAME}: amsgrad=True is not supported with state_format='q8' (max_exp_avg_sq has no 8-bit "
+                f"format yet); use state_format=None for this group ({where})"
+            )
+        if group["state_dtype"] != torch.float32:
+            raise ValueError(
+                f"{_NAME}: state_dtype={group['state_dtype']} does not combine with state_format='q8' (the q8 "
+                f"moments replace bf16 ones; tensors below lowbit_min_numel keep fp32 moments); leave state_dtype at "
+                f"torch.float32 ({where})"
+            )
 
 
 def _betas(betas: Any, where: str) -> tuple[float, float]:
@@ -113,7 +142,8 @@ class AdamW(FusedOptimizer):
 
     Memory (bytes per param, besides the param and its grad): fp32 master + fp32 moments 12;
     ``master_weights="remainder"`` 10; remainder + ``state_dtype=torch.bfloat16`` 6;
-    ``stochastic_rounding=True`` (no master) 8, with bf16 moments 4.
+    remainder + ``state_format="q8"`` 4.06 (exact master, 8-bit moments); ``stochastic_rounding=True``
+    (no master) 8, with bf16 moments 4, with q8 moments 2.06.
 
     Args:
         params (iterable): params or dicts defining param groups (as in torch.optim).
@@ -174,6 +204,25 @@ class AdamW(FusedOptimizer):
             ~2^-9 of itself with round-to-nearest (it stalls; stochastic rounding keeps it
             unbiased but noisy): expect slightly worse loss than fp32 moments, most visible
             late in training and with small gradients. It buys 4 bytes per param.
+        state_format (str, optional): ``None`` (default): dense moments (fp32, or bf16 per
+            ``state_dtype``). ``"q8"``: 8-bit block-scaled moments (:mod:`fastamp.reference.q8`),
+            1 + 1/32 bytes per moment per element: per block of 32 elements of the flattened
+            param a power-of-two scale byte, per element an 8-bit float code (signed E3M4 of
+            ``exp_avg``; unsigned E3M5 of ``sqrt(exp_avg_sq)``, never 0 for a nonzero value).
+            Each step decodes them (exactly), does the fp32 update of AdamW, then encodes the new
+            moments: the result is bit for bit AdamW whose moments are replaced by
+            ``decode(encode(.))`` after every step. Stored as ``exp_avg_q`` / ``exp_avg_sq_q``
+            (uint8, the param's shape) and ``exp_avg_scale`` / ``exp_avg_sq_scale`` (uint8,
+            ``ceil(n / 32)``). Works with every master kind and param dtype, the scalers, clipping,
+            ``torch.compile``; not with ``amsgrad`` or ``state_dtype=torch.bfloat16`` (refused),
+            nor with DTensor params yet (refused at the step). Native CPU kernel where built;
+            elsewhere the torch reference runs it (Triton and CUDA kernels: not yet).
+        lowbit_min_numel (int, optional): params with fewer elements keep fp32 moments under
+            ``state_format="q8"`` (default 4096: biases and norms, where 8 bits buy little).
+        state_rounding (str, optional): how q8 codes are rounded: ``"stochastic"`` (default;
+            unbiased, from the counter-based random bits of ``seed``, streams 1 and 2 of the param:
+            see ``stochastic_rounding``) or ``"nearest"`` (nearest-even; an EMA step smaller than
+            half a code step is then lost: for ablations).
         backend (str, optional): ``"native"``, ``"triton"`` or ``"torch"`` forces the
             kernel backend of this optimizer (an unavailable one raises); ``None`` uses
             :mod:`fastamp.backends` (``FASTAMP_BACKEND`` or the fastest available).
@@ -181,7 +230,9 @@ class AdamW(FusedOptimizer):
     State per param (created at its first step): ``step`` (fp32 0-dim tensor on the param's
     device, as with torch's ``fused=True``), ``exp_avg`` and ``exp_avg_sq`` (fp32, or bf16 per
     ``state_dtype``), ``max_exp_avg_sq`` (with ``amsgrad``), ``master_param`` (fp32) or
-    ``master_remainder`` (int16), ``rng`` (int64 ``[seed, counter]``, with stochastic rounding).
+    ``master_remainder`` (int16), ``rng`` (int64 ``[seed, counter]``, with stochastic rounding); with
+    ``state_format="q8"``, ``exp_avg_q``, ``exp_avg_scale``, ``exp_avg_sq_q``, ``exp_avg_sq_scale``
+    in place of the two moments (params of ``lowbit_min_numel`` elements or more).
     For a DTensor param (FSDP2 ``fully_shard``) the moments and the master are DTensors
     sharded like the param and the kernels update each rank's local shard;
     ``master_weights="remainder"`` is not supported for DTensor params yet.
@@ -237,8 +288,11 @@ class AdamW(FusedOptimizer):
         ``param.data`` are invisible: call :meth:`reset_master_weights` after them. Load the
         model's and the optimizer's state from the same checkpoint before the next step.
 
-    ``state_dict()`` holds the state as stored; ``state_dict(master_format="fp32")`` exports
-    remainder masters as exact fp32 ``master_param``. ``load_state_dict`` accepts both forms
+    ``state_dict()`` holds the state as stored (plain tensors: ``torch.load(weights_only=True)``
+    loads it); ``state_dict(master_format="fp32")`` exports remainder masters as exact fp32
+    ``master_param``, ``moment_format="fp32"`` q8 and bf16 moments as fp32 ``exp_avg`` /
+    ``exp_avg_sq``, and ``format="fp32"`` both: torch.optim.AdamW's layout. Native -> fp32 ->
+    native is bit-exact (q8 decodes exactly, and encoding a decoded block gives its bytes back). ``load_state_dict`` accepts both forms
     for either master mode, keeps fp32 state fp32 (torch's would cast it to the param dtype),
     validates the whole dict before changing anything, and accepts a
     :class:`torch.optim.AdamW` state dict (for fp16/bf16 params the masters are then built
@@ -266,6 +320,9 @@ class AdamW(FusedOptimizer):
         stochastic_rounding: bool = False,
         seed: int = 0,
         state_dtype: torch.dtype = torch.float32,
+        state_format: str | None = None,
+        lowbit_min_numel: int = 4096,
+        state_rounding: str = "stochastic",
         backend: str | None = None,
     ) -> None:
         defaults = {
@@ -279,6 +336,9 @@ class AdamW(FusedOptimizer):
             "stochastic_rounding": stochastic_rounding,
             "seed": seed,
             "state_dtype": state_dtype,
+            "state_format": state_format,
+            "lowbit_min_numel": lowbit_min_numel,
+            "state_rounding": state_rounding,
         }
         self._init_fused(params, defaults, backend)
 
@@ -287,7 +347,23 @@ class AdamW(FusedOptimizer):
         _validate_group(group, where, check_tensor_lr, self._lr_checks())
 
     def _group_setdefaults(self) -> dict[str, Any]:
-        return {**super()._group_setdefaults(), "amsgrad": False, "state_dtype": torch.float32}
+        return {
+            **super()._group_setdefaults(),
+            "amsgrad": False,
+            "state_dtype": torch.float32,
+            "state_format": None,
+            "lowbit_min_numel": 4096,
+            "state_rounding": "stochastic",
+        }
+
+    @staticmethod
+    def _q8(group: dict[str, Any], p: Tensor) -> bool:
+        return group["state_format"] == "q8" and p.numel() >= group["lowbit_min_numel"]
+
+    def _moment_format(self, group: dict[str, Any], p: Tensor, kind: str) -> _formats.MomentFormat:
+        if self._q8(group, p):
+            return _formats.Q8
+        return _formats.BF16 if self._moment_dtype(group, p, kind) == torch.bfloat16 else _formats.FP32
 
     @staticmethod
     def _moment_dtype(group: dict[str, Any], p: Tensor, kind: str) -> torch.dtype:
@@ -296,18 +372,34 @@ class AdamW(FusedOptimizer):
         return torch.float32
 
     def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
+        if self._q8(group, p):
+            if is_dtensor(p):
+                raise NotImplementedError(
+                    f"{_NAME}: state_format='q8' is not supported for DTensor params (FSDP2) yet: a shard's blocks of "
+                    "32 need not line up with the param's; use state_format=None for the sharded groups"
+                )
+            return "adamw_q8_"
         if kind in ("remainder", "sr") or self._moment_dtype(group, p, kind) == torch.bfloat16:
             return "adamw_bf16_"
         return "adamw_"
 
     def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
+        if self._q8(group, p) and group["state_rounding"] == "stochastic":
+            return True
         return group["stochastic_rounding"] and (kind == "sr" or self._moment_dtype(group, p, kind) == torch.bfloat16)
 
     def _plan_key(self, group: dict[str, Any]) -> tuple:
-        return super()._plan_key(group) + (group["amsgrad"], group["state_dtype"])
+        return super()._plan_key(group) + (
+            group["amsgrad"],
+            group["state_dtype"],
+            group["state_format"],
+            group["lowbit_min_numel"],
+            group["state_rounding"],
+        )
 
     def _extra_key(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> tuple:
-        return (st["exp_avg"].dtype,)
+        t = st.get("exp_avg")
+        return (torch.uint8 if t is None else t.dtype,)  # q8 moments: exp_avg_q
 
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
@@ -319,20 +411,16 @@ class AdamW(FusedOptimizer):
         return group
 
     def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
-        mdt = self._moment_dtype(group, p, kind)
+        fmt = self._moment_format(group, p, kind)
         created = None
         if len(st) == 0:
             st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
             created = 0.0
         for key in self._moment_keys(group):
-            t = st.get(key)
-            if t is None:
-                st[key] = _masters.state_zeros(p, mdt)
-            elif t.dtype != mdt or not t.is_contiguous():
-                # the group's state_dtype or master kind changed (or a state dict of the other
-                # kind was loaded, or a strided moment assigned): convert once, rounding to
-                # nearest-even when narrowing
-                st[key] = _masters.state_copy(p, t, mdt)
+            # create, or convert once when the group's state_dtype / state_format or master kind
+            # changed (or a state dict of another format was loaded, or a strided moment
+            # assigned), rounding to nearest-even when narrowing
+            _formats.convert(p, st, key, fmt)
         return created
 
     def _step_scalars(
@@ -359,6 +447,11 @@ class AdamW(FusedOptimizer):
         vmax = st["max_exp_avg_sq"] if group["amsgrad"] else []
         hyper = (float(beta1), float(beta2), float(group["eps"]), bool(group["amsgrad"]), bool(group["maximize"]))
         head = (launch.params, launch.grads)
+        if launch.op == "adamw_q8_":
+            masters = {"fp32": "master_param", "remainder": "master_remainder"}.get(launch.kind)
+            return (*head, st[masters] if masters else [], st["exp_avg_q"], st["exp_avg_scale"], st["exp_avg_sq_q"],
+                    st["exp_avg_sq_scale"], scalars, launch.found_inf, launch.rng, launch.rng_base, *hyper[:3],
+                    hyper[4], launch.kind == "sr", group["state_rounding"] == "stochastic" and launch.rng is not None)  # fmt: skip
         if launch.op == "adamw_bf16_":
             rem = st["master_remainder"] if launch.kind == "remainder" else []
             return (*head, rem, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, launch.rng,
@@ -414,6 +507,9 @@ class AdamW(FusedOptimizer):
                 "stochastic_rounding": g["stochastic_rounding"],
                 "seed": g["seed"],
                 "state_dtype": g["state_dtype"],
+                "state_format": g["state_format"],
+                "lowbit_min_numel": g["lowbit_min_numel"],
+                "state_rounding": g["state_rounding"],
             },
             drop_state_keys=_masters.unkept_master_keys,
             state_dtype=state_dtype,

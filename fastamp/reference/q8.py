@@ -133,8 +133,9 @@ def _block_scale(a: Tensor, scale_min: int) -> Tensor:
     """Scale bytes [nb] (int64) from the abs bits [n] of one moment."""
     n = a.numel()
     nb = num_blocks(n)
-    padded = torch.zeros(nb * BLOCK, dtype=torch.int64, device=a.device)
-    padded[:n] = a
+    # zero-padded to whole blocks by F.pad: inductor (torch 2.13, CPU) miscompiled the
+    # zeros + slice-assign form, garbling the last partial block's elements under torch.compile
+    padded = torch.nn.functional.pad(a, (0, nb * BLOCK - n))
     e = padded.view(nb, BLOCK).amax(dim=1) >> 23
     return torch.clamp(e, min=scale_min)
 

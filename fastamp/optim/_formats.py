@@ -1,0 +1,186 @@
+"""Moment storage formats of the fused optimizers: what a moment stores, and how it is made, checked and converted.
+
+A moment ``key`` of a param (``"exp_avg"``, ``"exp_avg_sq"``) is stored in one format:
+
+* :data:`FP32` / :data:`BF16`: one tensor ``state[key]`` shaped like the param;
+* :data:`Q8`: 8-bit block-scaled codes (:mod:`fastamp.reference.q8`): ``state[key + "_q"]``
+  uint8 shaped like the param and ``state[key + "_scale"]`` uint8 ``[ceil(n / 32)]`` (one byte
+  per block of 32 elements of the flattened param); ``exp_avg_sq`` codes its square root. The
+  key names are those of ``fastamp/reference/layout.py`` (and the design's state dict): a
+  q8 state never holds a tensor under the plain key, so no tool mistakes codes for values.
+
+The checks, the conversions between formats (a group's ``state_format`` changed, a state dict
+of another format loaded), the fp32 export of ``state_dict(moment_format="fp32")`` and the
+bytes per param all ask the format, so the rest of the optimizer does not assume that a
+moment is one tensor shaped like its param.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastamp.optim._checks import where_of
+
+CODES = "_q"
+SCALE = "_scale"
+
+
+class MomentFormat:
+    """One storage format of a moment. Subclasses: :class:`Dense`, :class:`Q8Format`."""
+
+    name = ""
+
+    def keys(self, key: str) -> tuple[str, ...]:
+        """The state keys that hold moment ``key``."""
+        return (key,)
+
+    def create(self, p: Tensor, key: str) -> dict[str, Tensor]:
+        raise NotImplementedError
+
+    def decode(self, st: dict[str, Any], key: str) -> Tensor:
+        """The moment as fp32, shaped like the stored codes (exact: every format decodes exactly to fp32)."""
+        raise NotImplementedError
+
+    def encode(self, p: Tensor, key: str, value: Tensor) -> dict[str, Tensor]:
+        """``value`` (any float dtype, shaped like ``p``) stored in this format, rounded to nearest-even."""
+        raise NotImplementedError
+
+    def bytes_per_element(self) -> float:
+        raise NotImplementedError
+
+
+class Dense(MomentFormat):
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.name = str(dtype).replace("torch.", "")
+
+    def create(self, p: Tensor, key: str) -> dict[str, Tensor]:
+        from fastamp.optim._masters import state_zeros
+
+        return {key: state_zeros(p, self.dtype)}
+
+    def decode(self, st: dict[str, Any], key: str) -> Tensor:
+        return st[key].float()
+
+    def encode(self, p: Tensor, key: str, value: Tensor) -> dict[str, Tensor]:
+        from fastamp.optim._masters import state_copy
+
+        return {key: state_copy(p, value, self.dtype)}
+
+    def bytes_per_element(self) -> float:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+class Q8Format(MomentFormat):
+    name = "q8"
+
+    def keys(self, key: str) -> tuple[str, ...]:
+        return (key + CODES, key + SCALE)
+
+    @staticmethod
+    def _second(key: str) -> bool:
+        return key.endswith("_sq")
+
+    def create(self, p: Tensor, key: str) -> dict[str, Tensor]:
+        from fastamp.reference import q8
+
+        nb = q8.num_blocks(p.numel())
+        floor = q8.W_SCALE_MIN if self._second(key) else q8.M_SCALE_MIN
+        return {
+            key + CODES: torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
+            key + SCALE: torch.full((nb,), floor, dtype=torch.uint8, device=p.device),
+        }
+
+    def decode(self, st: dict[str, Any], key: str) -> Tensor:
+        from fastamp.reference import q8
+
+        dec = q8.q8_decode_v if self._second(key) else q8.q8_decode_m
+        return dec(st[key + CODES], st[key + SCALE])
+
+    def encode(self, p: Tensor, key: str, value: Tensor) -> dict[str, Tensor]:
+        from fastamp.reference import q8
+
+        enc = q8.q8_encode_v if self._second(key) else q8.q8_encode_m
+        codes, scales = enc(value.detach().float().reshape(p.shape).contiguous())
+        return {key + CODES: codes.contiguous(), key + SCALE: scales.contiguous()}
+
+    def bytes_per_element(self) -> float:
+        return 1.0 + 1.0 / 32
+
+
+FP32 = Dense(torch.float32)
+BF16 = Dense(torch.bfloat16)
+Q8 = Q8Format()
+_DENSE = {torch.float32: FP32, torch.bfloat16: BF16}
+
+
+def held(st: dict[str, Any], key: str) -> MomentFormat | None:
+    """The format ``st`` holds moment ``key`` in now (None: absent; checked by :func:`check_held` first)."""
+    t = st.get(key)
+    if t is None:
+        return Q8 if key + CODES in st else None
+    return _DENSE.get(t.dtype) or Dense(t.dtype)
+
+
+def check_held(opt: Any, gi: int, i: int, p: Tensor, st: dict[str, Any], key: str) -> None:
+    """Refuse a stored moment no format can read for ``p`` (changes nothing), naming the param and the key.
+
+    A floating tensor ``st[key]`` shaped like the param (any float dtype: converted at the
+    step), or q8 codes ``st[key + "_q"]`` (uint8, the param's shape, contiguous) with their
+    scales ``st[key + "_scale"]`` (uint8, 1-D, ``ceil(n / 32)``, contiguous), all on the
+    param's device; not both.
+    """
+    ckey, skey = key + CODES, key + SCALE
+    t = st.get(key)
+    if ckey in st or skey in st:
+        from fastamp.reference import q8
+
+        if t is not None:
+            raise ValueError(
+                f"{opt._NAME}: {where_of(gi, i, p)}: its state holds moment {key!r} twice, as {key!r} and as q8 "
+                f"codes {ckey!r}; keep one (`del opt.state[p][{key!r}]` or the q8 pair)"
+            )
+        for k in (ckey, skey):
+            if k not in st:
+                raise ValueError(
+                    f"{opt._NAME}: {where_of(gi, i, p)}: its state has {skey if k == ckey else ckey!r} but no "
+                    f"{k!r} (q8 codes and scales go together); reset its state (`del opt.state[p]`) or load both"
+                )
+        opt._check_state_tensor(gi, i, p, ckey, st[ckey], torch.uint8, contiguous=True)
+        opt._check_state_tensor(gi, i, p, skey, st[skey], torch.uint8, (q8.num_blocks(p.numel()),), contiguous=True)
+        return
+    if t is not None and not (
+        type(t) is Tensor and t.shape == p.shape and t.device == p.device and t.is_floating_point()
+    ):
+        opt._check_state_tensor(gi, i, p, key, t, None)
+
+
+def convert(p: Tensor, st: dict[str, Any], key: str, target: MomentFormat) -> None:
+    """Store moment ``key`` of ``p`` in ``target``: create it when absent, convert it (through fp32) when held otherwise."""
+    have = held(st, key)
+    if have is None:
+        st.update(target.create(p, key))
+        return
+    if have is target and (target is Q8 or st[key].is_contiguous()):  # q8 state is checked contiguous
+        return
+    value = have.decode(st, key)
+    for k in have.keys(key):
+        st.pop(k, None)
+    st.update(target.encode(p, key, value))
+
+
+def export_fp32(st: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """A copy of ``st`` with every q8 / bf16 moment of ``keys`` decoded to fp32 (torch.optim.AdamW's layout)."""
+    out = dict(st)
+    for key in keys:
+        fmt = held(st, key)
+        if fmt is None or fmt is FP32:
+            continue
+        value = fmt.decode(st, key)
+        for k in fmt.keys(key):
+            out.pop(k, None)
+        out[key] = value.contiguous()
+    return out

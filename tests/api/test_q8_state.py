@@ -1,0 +1,316 @@
+"""``AdamW(state_format="q8")``: 8-bit block-scaled moments in the optimizer (issue 22).
+
+What the optimizer adds to the op (``tests/spec/test_adamw_q8.py``): the state it keeps and
+the random streams it draws, its threshold, conversions, state dicts, skips, refusals. The
+defining check: q8 + remainder masters equals fp32-master AdamW whose moments are replaced
+by ``decode(encode(.))`` after every step with the same random bits, bit for bit.
+"""
+
+import pytest
+import torch
+from helpers import assert_bits_equal, save_load, set_grads
+
+import fastamp
+from fastamp import reference
+from fastamp.optim import AdamW
+from fastamp.reference import q8
+
+BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "adamw_q8_", "cpu")[0]]
+SHAPES = [(96, 40), (33,), (7, 5), (4097,)]
+
+
+def _params(dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in SHAPES]
+
+
+def _grads(params, step, scale=1.0):
+    g = torch.Generator().manual_seed(100 + step)
+    out = []
+    for p in params:
+        x = torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g) * 2) * scale
+        out.append(x.to(p.dtype))
+    return out
+
+
+def _master(opt, p):
+    st = opt.state[p]
+    if "master_remainder" in st:
+        return reference.join_master(p.detach(), st["master_remainder"])
+    if "master_param" in st:
+        return st["master_param"]
+    return p.detach().float()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_q8_remainder_equals_fp32_master_adamw_with_requantised_moments(backend, rounding):
+    ps_q8, ps_ref = _params(), _params()
+    opt = AdamW(ps_q8, lr=3e-3, weight_decay=0.1, master_weights="remainder", state_format="q8",
+                lowbit_min_numel=0, state_rounding=rounding, seed=11, backend=backend)  # fmt: skip
+    ref = AdamW(ps_ref, lr=3e-3, weight_decay=0.1, master_weights=True, backend="torch")
+    for step in range(1, 7):
+        grads = _grads(ps_q8, step)
+        set_grads(ps_q8, grads)
+        set_grads(ps_ref, grads)
+        opt.step()
+        ref.step()
+        for tid, (p, r) in enumerate(zip(ps_q8, ps_ref)):
+            st, rs = opt.state[p], ref.state[r]
+            n = p.numel()
+            sr = rounding == "stochastic"
+            rm = reference.sr_random16(11, torch.tensor(step - 1), 4 * tid + 1, n, "cpu") if sr else None
+            rv = reference.sr_random16(11, torch.tensor(step - 1), 4 * tid + 2, n, "cpu") if sr else None
+            cm, sm = q8.q8_encode_m(rs["exp_avg"], rm)
+            cv, sv = q8.q8_encode_v(rs["exp_avg_sq"], rv)
+            assert_bits_equal(st["exp_avg_q"], cm, f"step {step} param {tid} exp_avg codes")
+            assert_bits_equal(st["exp_avg_scale"], sm, f"step {step} param {tid} exp_avg scales")
+            assert_bits_equal(st["exp_avg_sq_q"], cv, f"step {step} param {tid} exp_avg_sq codes")
+            assert_bits_equal(st["exp_avg_sq_scale"], sv, f"step {step} param {tid} exp_avg_sq scales")
+            rs["exp_avg"].copy_(q8.q8_decode_m(cm, sm))
+            rs["exp_avg_sq"].copy_(q8.q8_decode_v(cv, sv))
+            assert_bits_equal(_master(opt, p), rs["master_param"], f"step {step} param {tid} master")
+            assert int(st["rng"][1]) == step if sr else "rng" not in st
+
+
+def test_threshold_keeps_small_tensors_dense_and_bytes_per_param():
+    ps = _params()
+    opt = AdamW(ps, state_format="q8", master_weights="remainder")  # default lowbit_min_numel=4096
+    set_grads(ps, _grads(ps, 1))
+    opt.step()
+    for p in ps:
+        st = opt.state[p]
+        if p.numel() >= 4096:
+            assert (
+                "exp_avg" not in st
+                and st["exp_avg_q"].dtype == torch.uint8
+                and st["exp_avg_sq_scale"].numel() == q8.num_blocks(p.numel())
+            )
+            state_bytes = sum(t.numel() * t.element_size() for k, t in st.items() if k not in ("step", "rng"))
+            # remainder (2) + two moments of one code byte + one scale byte per 32 elements
+            assert state_bytes == p.numel() * 4 + 2 * q8.num_blocks(p.numel())
+        else:
+            assert st["exp_avg"].dtype == torch.float32 and "exp_avg_q" not in st
+
+
+def test_fp32_and_fp16_params_get_q8_moments_with_their_own_streams():
+    ps32 = _params(torch.float32)
+    opt = AdamW(ps32, lr=1e-3, state_format="q8", lowbit_min_numel=0, seed=3)
+    set_grads(ps32, _grads(ps32, 1))
+    opt.step()
+    # fp32 params are not bf16: their tensor ids start at 2^24 (no bf16 param's stream moves)
+    ref = _params(torch.float32)
+    m = torch.zeros(SHAPES[0])
+    g = _grads(ref, 1)[0].float()
+    m = m + (1 - torch.tensor(0.9, dtype=torch.float32)) * (g - m)
+    rm = reference.sr_random16(3, torch.tensor(0), 4 * (1 << 24) + 1, m.numel(), "cpu")
+    codes, scales = q8.q8_encode_m(m, rm)
+    assert_bits_equal(opt.state[ps32[0]]["exp_avg_q"], codes)
+    assert_bits_equal(opt.state[ps32[0]]["exp_avg_scale"], scales)
+    ps16 = _params(torch.float16)
+    opt16 = AdamW(ps16, lr=1e-3, state_format="q8", lowbit_min_numel=0)
+    set_grads(ps16, _grads(ps16, 1))
+    opt16.step()
+    assert opt16.state[ps16[0]]["master_param"].dtype == torch.float32
+    assert opt16.state[ps16[0]]["exp_avg_q"].dtype == torch.uint8
+
+
+def _state_bytes(opt):
+    return {
+        (i, k): t.clone() if isinstance(t, torch.Tensor) else t
+        for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+        for k, t in opt.state[p].items()
+    }
+
+
+def _same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert_bits_equal(a[k], b[k], str(k))
+        else:
+            assert a[k] == b[k], k
+
+
+def test_fp16_scaler_skip_changes_no_state_byte():
+    ps = _params(torch.float16)
+    opt = AdamW(ps, lr=1e-3, state_format="q8", lowbit_min_numel=0)
+    scaler = fastamp.Scaler(init_scale=2.0**10)
+    scaler.scale(torch.ones(()))  # the grads below are set by hand, already scaled
+    set_grads(ps, _grads(ps, 1, scale=2.0**10))
+    scaler.step(opt)
+    scaler.update()
+    before = _state_bytes(opt)
+    params_before = [p.detach().clone() for p in ps]
+    grads = _grads(ps, 2)
+    grads[0].view(-1)[5] = float("inf")
+    set_grads(ps, grads)
+    scaler.scale(torch.ones(()))
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.last_step_skipped
+    _same_state(before, _state_bytes(opt))
+    for p, q in zip(ps, params_before):
+        assert_bits_equal(p.detach(), q)
+
+
+def _run(opt, ps, steps, start=1):
+    for step in range(start, start + steps):
+        set_grads(ps, _grads(ps, step))
+        opt.step()
+
+
+def _make(ps, **kw):
+    return AdamW(ps, lr=2e-3, master_weights="remainder", state_format="q8", lowbit_min_numel=64, seed=5, **kw)
+
+
+def test_state_dict_native_resume_is_bit_exact_and_loads_weights_only():
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 3)
+    sd = save_load(opt.state_dict())
+    model_sd = [p.detach().clone() for p in ps]
+    _run(opt, ps, 3, start=4)
+    ps2 = [torch.nn.Parameter(t.clone()) for t in model_sd]
+    opt2 = _make(ps2)
+    opt2.load_state_dict(sd)
+    _run(opt2, ps2, 3, start=4)
+    _same_state(_state_bytes(opt), _state_bytes(opt2))
+    for p, q in zip(ps, ps2):
+        assert_bits_equal(p.detach(), q.detach())
+
+
+def test_fp32_export_matches_torch_layout_and_round_trips_bit_exactly():
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 3)
+    sd32 = opt.state_dict(format="fp32")
+    for i, st in sd32["state"].items():
+        assert sorted(k for k in st if k != "rng") == ["exp_avg", "exp_avg_sq", "master_param", "step"]
+        assert st["exp_avg"].dtype == torch.float32 and st["exp_avg"].shape == ps[i].shape
+    # native -> fp32 -> native: the same bytes
+    ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt2 = _make(ps2)
+    opt2.load_state_dict(save_load(sd32))
+    set_grads(ps, _grads(ps, 4))
+    set_grads(ps2, _grads(ps2, 4))
+    opt.step()
+    opt2.step()
+    _same_state(_state_bytes(opt), _state_bytes(opt2))
+    # torch's AdamW loads the fp32 export of an fp32-param instance
+    p32 = _params(torch.float32)
+    o32 = AdamW(p32, lr=1e-3, state_format="q8", lowbit_min_numel=0, state_rounding="nearest")
+    _run(o32, p32, 2)
+    t_opt = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in p32], lr=1e-3)
+    exported = o32.state_dict(format="fp32")
+    for st in exported["state"].values():
+        st.pop("rng", None)
+    t_opt.load_state_dict(exported)
+    for i, p in enumerate(t_opt.param_groups[0]["params"]):
+        assert_bits_equal(
+            t_opt.state[p]["exp_avg"],
+            q8.q8_decode_m(o32.state[p32[i]]["exp_avg_q"], o32.state[p32[i]]["exp_avg_scale"]),
+        )
+
+
+def test_torch_state_dict_loads_and_format_switch_converts():
+    ps = _params(torch.float32)
+    t_opt = torch.optim.AdamW(ps, lr=1e-3)
+    _run(t_opt, ps, 2)
+    opt = AdamW(ps, lr=1e-3, state_format="q8", lowbit_min_numel=0)
+    opt.load_state_dict(t_opt.state_dict())
+    m = t_opt.state[ps[0]]["exp_avg"].clone()
+    set_grads(ps, _grads(ps, 3))
+    opt.step()
+    assert opt.state[ps[0]]["exp_avg_q"].dtype == torch.uint8 and "exp_avg" not in opt.state[ps[0]]
+    # switching back to dense moments decodes them (exactly) at the next step
+    opt.param_groups[0]["state_format"] = None
+    decoded = q8.q8_decode_m(opt.state[ps[0]]["exp_avg_q"], opt.state[ps[0]]["exp_avg_scale"])
+    set_grads(ps, [torch.zeros_like(p) for p in ps])
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    st = opt.state[ps[0]]
+    assert st["exp_avg"].dtype == torch.float32 and "exp_avg_q" not in st and "exp_avg_scale" not in st
+    assert_bits_equal(st["exp_avg"], decoded + torch.tensor(1 - 0.9, dtype=torch.float32) * (0 - decoded))
+    assert not torch.equal(m, decoded)
+
+
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        ({"state_format": "int8"}, ValueError, "state_format must be None"),
+        ({"state_format": "q8", "amsgrad": True}, ValueError, "amsgrad=True is not supported"),
+        ({"state_format": "q8", "state_dtype": torch.bfloat16, "master_weights": "remainder"}, ValueError,
+         "does not combine"),
+        ({"state_format": "q8", "lowbit_min_numel": -1}, TypeError, "lowbit_min_numel"),
+        ({"state_format": "q8", "state_rounding": "up"}, ValueError, "state_rounding"),
+    ],
+)  # fmt: skip
+def test_refusals_at_construction(kw, err, match):
+    with pytest.raises(err, match=match):
+        AdamW(_params(), **kw)
+
+
+@pytest.mark.parametrize("corrupt", ["short_scales", "no_scales", "strided_codes", "wrong_dtype"])
+def test_corrupted_q8_state_is_refused_before_anything_changes(corrupt):
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 1)
+    st = opt.state[ps[0]]
+    if corrupt == "short_scales":
+        st["exp_avg_scale"] = st["exp_avg_scale"][:-1].clone()
+    elif corrupt == "no_scales":
+        del st["exp_avg_sq_scale"]
+    elif corrupt == "strided_codes":
+        st["exp_avg_q"] = st["exp_avg_q"].t().contiguous().t()
+    else:
+        st["exp_avg_scale"] = st["exp_avg_scale"].to(torch.int16)
+    before = _state_bytes(opt)
+    params_before = [p.detach().clone() for p in ps]
+    set_grads(ps, _grads(ps, 2))
+    with pytest.raises(ValueError, match=r"param 0 of param group 0 \(shape \(96, 40\)\)"):
+        opt.step()
+    _same_state(before, _state_bytes(opt))
+    for p, q in zip(ps, params_before):
+        assert_bits_equal(p.detach(), q)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        ("short_scale", r"'exp_avg_scale' must be a plain torch.uint8 tensor of shape \(120,\)"),
+        ("no_scale", r"'exp_avg_q' is given but 'exp_avg_scale' is missing"),
+        ("both_forms", r"holds moment 'exp_avg' twice"),
+        ("codes_shape", r"'exp_avg_sq_q' must be a plain torch.uint8 tensor of shape \(96, 40\)"),
+    ],
+)
+def test_load_refuses_bad_q8_state_and_changes_nothing(edit, match):
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 1)
+    sd = opt.state_dict()
+    st = sd["state"][0] = dict(sd["state"][0])
+    if edit == "short_scale":
+        st["exp_avg_scale"] = st["exp_avg_scale"][:3]
+    elif edit == "no_scale":
+        del st["exp_avg_scale"]
+    elif edit == "both_forms":
+        st["exp_avg"] = torch.zeros(ps[0].shape)
+    else:
+        st["exp_avg_sq_q"] = st["exp_avg_sq_q"].reshape(-1)
+    before = _state_bytes(opt)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    _same_state(before, _state_bytes(opt))
+
+
+def test_compiled_step_equals_eager():
+    ps_e, ps_c = _params(), _params()
+    eager, comp = _make(ps_e), _make(ps_c)
+    step = torch.compile(comp.step, fullgraph=True)
+    for s in range(1, 4):
+        set_grads(ps_e, _grads(ps_e, s))
+        set_grads(ps_c, _grads(ps_c, s))
+        eager.step()
+        step()
+    _same_state(_state_bytes(eager), _state_bytes(comp))
