@@ -16,8 +16,8 @@ param elements. Rows:
 - *computed*, not measured: FlashOptim 0.1.4 (its allocation code, databricks/flashoptim
   ``flashoptim/optimizers.py`` at 8b2d966: int8 codes + one fp16 scale per 32 elements per moment,
   an int8 (24-bit master) or int16 (32-bit) error-correction tensor; its quantised states exist only on
-  CUDA) and fastamp's planned ``ulp8`` master from ``fastamp/reference/layout.py`` (issue 22: not
-  implemented yet). The q8 moments (``state_format="q8"``) are measured.
+  CUDA), and fastamp's ulp8 + q8 under gradient release (no grads held) from
+  ``fastamp/reference/layout.py``. The q8 / ulp8 configs themselves are measured.
 
 Every fastamp row is checked against ``reference/layout.py``'s prediction for the same tensors
 (``expected``; the bench fails if a measured fastamp row is off by more than 0.01 B/param). The
@@ -159,6 +159,24 @@ def _expected_q8(master: str, min_numel: int = 4096) -> Callable[[list[int]], fl
     return f
 
 
+def _expected_q8_ulp8(min_numel: int = 4096) -> Callable[[list[int]], float]:
+    """ulp8 + q8 with AdamW's rule: tensors below ``min_numel`` keep fp32 moments and a remainder master."""
+
+    def f(numels: list[int]) -> float:
+        total = sum(
+            (
+                layout.state_bytes_per_param("ulp8", "q8", n_moments=2, numel=n)
+                if n >= min_numel
+                else layout.state_bytes_per_param("remainder", "fp32", n_moments=2, numel=n)
+            )
+            * n
+            for n in numels
+        )
+        return total / sum(numels)
+
+    return f
+
+
 def configs() -> list[dict[str, Any]]:
     bf16 = torch.bfloat16
     f32 = torch.float32
@@ -198,6 +216,12 @@ def configs() -> list[dict[str, Any]]:
             expect=_expected_q8("remainder"),
         ),
         dict(
+            name="fastamp AdamW ulp8 + q8",
+            dtype=bf16,
+            make=_fastamp(A, master_weights="ulp8", state_format="q8", seed=0),
+            expect=_expected_q8_ulp8(),
+        ),
+        dict(
             name="fastamp AdamW SR + q8",
             dtype=bf16,
             make=_fastamp(A, stochastic_rounding=True, state_format="q8", seed=0),
@@ -223,7 +247,7 @@ def configs() -> list[dict[str, Any]]:
 
 
 def computed_rows(numels: list[int]) -> list[dict[str, Any]]:
-    """Rows computed from allocation code, not measured: FlashOptim, and fastamp's planned ulp8 master."""
+    """Rows computed from allocation code, not measured: FlashOptim, and fastamp's release configuration."""
     n = sum(numels)
     rows = []
     for label, err, grad in (
@@ -234,12 +258,11 @@ def computed_rows(numels: list[int]) -> list[dict[str, Any]]:
         b = sum(_flashoptim_bytes(k, err, grad) for k in numels)
         rows.append(dict(config=label, source="computed (flashoptim 0.1.4 allocation code; CUDA only)", bpp=b / n))
     for label, master, release in (
-        ("fastamp AdamW ulp8 + q8 (planned)", "ulp8", False),
-        ("fastamp AdamW ulp8 + q8, gradient release (planned)", "ulp8", True),
+        ("fastamp AdamW ulp8 + q8, gradient release (computed: no grads held)", "ulp8", True),
     ):
         grad = 0 if release else 2
         b = sum(layout.state_bytes_per_param(master, "q8", numel=k, grad_bytes=grad) * k for k in numels)
-        rows.append(dict(config=label, source="computed (fastamp/reference/layout.py; issue 22)", bpp=b / n))
+        rows.append(dict(config=label, source="computed (fastamp/reference/layout.py)", bpp=b / n))
     return rows
 
 

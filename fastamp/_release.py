@@ -93,7 +93,7 @@ def release(
     2; with a scaler or ``max_norm``, params not all on one CPU device or of a dtype other
     than fp32/fp16/bf16; an optimizer that is not a fastamp fused optimizer; a model
     param with ``requires_grad`` missing from the optimizer, or an optimizer param not in
-    the model; a DDP-wrapped model; DTensor (FSDP2) params; stochastic rounding (the kernels
+    the model; a DDP-wrapped model; DTensor (FSDP2) params; stochastic rounding, of params or of q8 moments (the kernels
     draw a launch's random bits from the counter of its first param, and which param is first
     in ``opt.step()``'s launch depends on which params got a grad, known only when backward
     ends); an optimizer already under release. :meth:`Release.backward` refuses a step that
@@ -157,6 +157,14 @@ def release(
                     "param, and which param comes first in opt.step() depends on which params got a grad this step, "
                     "known only when backward ends (a bucket's step would draw other bits once counters differ); use "
                     "master_weights='remainder' or True, or the ordinary path"
+                )
+            if group.get("state_format") == "q8" and group.get("state_rounding") == "stochastic":
+                raise NotImplementedError(
+                    f"fastamp.release: param group {gi} keeps q8 moments rounded stochastically "
+                    "(state_format='q8', state_rounding='stochastic'), which gradient release does not support yet, "
+                    "for the reason stochastic_rounding is refused: a launch draws its random bits from the rng "
+                    "counter of its first param, which depends on which params got a grad this step; use "
+                    "state_rounding='nearest' under release, or the ordinary path"
                 )
     order = []
     for name, p in model.named_parameters():

@@ -263,10 +263,14 @@ def adamw_q8(
     # every backend, the reference included (strict or not): it would write tensor 0 before
     # finding tensor 1's scales of the wrong length
     _device_scalars(op, dev, step_scalars, len(params), 4, "[step_size, bc2_sqrt, decay, grad_mul]", found_inf, rng)
-    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
+    mdt = masters[0].dtype if len(masters) else None
     for i, p in enumerate(params):
-        if remainder and p.dtype != torch.bfloat16:
+        if mdt == torch.int16 and p.dtype != torch.bfloat16:
             raise TypeError(f"{op}: int16 remainders need bfloat16 params, but params[{i}] is {p.dtype}")
+        if mdt == torch.int8 and p.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"{op}: int8 ulp8 corrections need bfloat16 or float16 params, but params[{i}] is {p.dtype}"
+            )
     u8 = (torch.uint8,)
     state = [
         ("exp_avg_codes", exp_avg_codes, u8),
@@ -275,7 +279,7 @@ def adamw_q8(
         ("exp_avg_sq_scales", exp_avg_sq_scales, u8, num_blocks),
     ]
     if len(masters):
-        state.append(("masters", masters, (torch.int16,) if remainder else (torch.float32,)))
+        state.append(("masters", masters, (mdt,) if mdt in (torch.int16, torch.int8) else (torch.float32,)))
     _streams(op, params, grads, (torch.float32, torch.float16, torch.bfloat16), state)
 
 

@@ -287,6 +287,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             keys += ("master_param",)
         elif kind == "remainder":
             keys += ("master_remainder",)
+        elif kind == "ulp8":
+            keys += ("master_ulp8",)
         if use_rng:
             keys += ("rng",)
         return keys
@@ -384,7 +386,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 kind = self._kind(group, p)
                 self._init_state(p, st, group, kind)
                 self._init_master(p, st, kind)
-                if kind == "remainder":
+                if kind == "remainder" or kind == "ulp8":
                     self._resync_if_written(p, st, "a param")
                     gp.remainder.append(p)
                 use_rng = self._uses_rng(group, p, st, kind)

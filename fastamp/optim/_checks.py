@@ -56,14 +56,22 @@ def check_grad(opt_name: str, p: Tensor, g: Tensor, where: str) -> None:
         )
 
 
-def check_master_weights_flag(opt_name: str, value: Any) -> None:
-    if value is not None and not isinstance(value, bool) and not (isinstance(value, str) and value == "remainder"):
-        raise TypeError(f"{opt_name}: master_weights must be None, True, False or 'remainder', got {value!r}")
+def check_master_weights_flag(opt_name: str, value: Any, strings: tuple[str, ...] = ("remainder",)) -> None:
+    if value is not None and not isinstance(value, bool) and not (isinstance(value, str) and value in strings):
+        if value == "ulp8":
+            raise ValueError(
+                f"{opt_name}: master_weights='ulp8' (8-bit master corrections) exists only for AdamW with "
+                "state_format='q8' so far; use 'remainder' (bf16 params, exact) or True"
+            )
+        allowed = ", ".join(repr(s) for s in strings)
+        raise TypeError(f"{opt_name}: master_weights must be None, True, False or {allowed}, got {value!r}")
 
 
-def check_lowbit_options(opt_name: str, group: dict[str, Any], where: str) -> None:
+def check_lowbit_options(
+    opt_name: str, group: dict[str, Any], where: str, master_strings: tuple[str, ...] = ("remainder",)
+) -> None:
     """Validate ``master_weights``, ``stochastic_rounding`` and ``seed`` of a group."""
-    check_master_weights_flag(opt_name, group["master_weights"])
+    check_master_weights_flag(opt_name, group["master_weights"], master_strings)
     sr = group["stochastic_rounding"]
     if not isinstance(sr, bool):
         raise TypeError(f"{opt_name}: stochastic_rounding must be a bool, got {sr!r} in {where}")
@@ -448,7 +456,7 @@ class _StateValidation:
                 from fastamp.optim import _formats
 
                 _formats.check_held(self, gi, i, p, st, key)  # q8 codes (other keys), or a clear error
-        if kind == "fp32" or kind == "remainder":
+        if kind == "fp32" or kind == "remainder" or kind == "ulp8":
             t = st.get("master_param")
             if t is not None and not (
                 type(t) is Tensor
@@ -461,6 +469,9 @@ class _StateValidation:
             t = st.get("master_remainder")
             if t is not None:
                 self._check_state_tensor(gi, i, p, "master_remainder", t, torch.int16, contiguous=True)
+            t = st.get("master_ulp8")
+            if t is not None:
+                self._check_state_tensor(gi, i, p, "master_ulp8", t, torch.int8, contiguous=True)
         if "rng" in st and self._uses_rng(group, p, st, kind):
             self._check_state_tensor(gi, i, p, "rng", st["rng"], torch.int64, (2,), contiguous=True)
         return untrusted

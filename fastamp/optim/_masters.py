@@ -13,6 +13,9 @@ from torch import Tensor
 
 from fastamp.optim._checks import LOW_PRECISION_DTYPES
 
+_MASTER_KEYS = ("master_param", "master_remainder", "master_ulp8")
+_MASTER_KEY_OF = {"fp32": "master_param", "remainder": "master_remainder", "ulp8": "master_ulp8"}
+
 
 def master_kind(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bool = False) -> str:
     """How a param of ``dtype`` is stored under a group's ``master_weights`` / ``stochastic_rounding``.
@@ -33,6 +36,8 @@ def master_kind(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bo
     sr = bool(stochastic_rounding) and dtype == torch.bfloat16
     if master_weights is True:
         return "fp32"
+    if master_weights == "ulp8":  # AdamW with q8 moments (which keeps it only for large params)
+        return "ulp8"
     if isinstance(master_weights, str):  # "remainder"
         return "remainder" if dtype == torch.bfloat16 else "fp32"
     if master_weights is None and not sr:
@@ -41,14 +46,14 @@ def master_kind(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bo
 
 
 def uses_master(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bool = False) -> bool:
-    """Whether a param of ``dtype`` keeps an exact fp32 master (fp32 copy or int16 remainder)."""
-    return master_kind(master_weights, dtype, stochastic_rounding) in ("fp32", "remainder")
+    """Whether a param of ``dtype`` keeps a master (fp32 copy, int16 remainder or int8 ulp8 correction)."""
+    return master_kind(master_weights, dtype, stochastic_rounding) in ("fp32", "remainder", "ulp8")
 
 
 def unkept_master_keys(p: Tensor, group: dict) -> tuple[str, ...]:
     """The saved master keys ``load_state_dict`` drops for ``p``: both, where the loading group keeps no master."""
     kind = master_kind(group.get("master_weights"), p.dtype, group.get("stochastic_rounding", False))
-    return () if kind in ("fp32", "remainder") else ("master_param", "master_remainder")
+    return () if kind in ("fp32", "remainder", "ulp8") else ("master_param", "master_remainder", "master_ulp8")
 
 
 def state_zeros(p: Tensor, dtype: torch.dtype) -> Tensor:
@@ -80,7 +85,7 @@ class _MasterWeights:
     def reset_master_weights(self) -> None:
         """Re-sync every master to its param (call after changing params outside the optimizer).
 
-        fp32 masters become copies of the params; remainders become 0 (master == param).
+        fp32 masters become copies of the params; remainders and ulp8 corrections become 0 (master == param).
         Needed after writes that bypass autograd version counters (``param.data.copy_``);
         other in-place writes are detected for remainder masters at the next step.
         """
@@ -91,46 +96,66 @@ class _MasterWeights:
                     continue
                 if "master_param" in st:
                     st["master_param"].copy_(p.detach())
-                if "master_remainder" in st:
-                    st["master_remainder"].zero_()
-                    self._param_versions[id(p)] = p._version
+                for key in ("master_remainder", "master_ulp8"):
+                    if key in st:
+                        st[key].zero_()
+                        self._param_versions[id(p)] = p._version
         self._plan = None
 
     def _init_master(self, p: Tensor, st: dict[str, Any], kind: str) -> None:
+        """Create the master of ``kind`` for ``p``, or convert the one ``st`` holds (exactly where the
+        target can hold it: an ulp8 correction is a rounding of the master it is made from)."""
         from fastamp import reference
 
-        if kind == "fp32":
-            if "master_param" not in st:
-                rem = st.pop("master_remainder", None)
-                if rem is not None and p.dtype == torch.bfloat16:
-                    st["master_param"] = reference.join_master(p.detach(), rem).contiguous()
-                else:
-                    st["master_param"] = fp32_copy_of(p)
-            st.pop("master_remainder", None)
-        elif kind == "remainder":
-            if "master_remainder" not in st:
-                master = st.pop("master_param", None)
-                if master is not None:
-                    hi, rem = reference.split_master(master)
-                    p.copy_(hi)
-                    st["master_remainder"] = rem.contiguous()
-                else:
+        want = _MASTER_KEY_OF.get(kind)
+        if want is None:
+            for k in _MASTER_KEYS:
+                st.pop(k, None)
+            return
+        if want not in st:
+            master = None  # the exact fp32 value of the held master, None: the param itself
+            if "master_param" in st:
+                master = st["master_param"]
+            elif "master_remainder" in st and p.dtype == torch.bfloat16:
+                master = reference.join_master(p.detach(), st["master_remainder"])
+            elif "master_ulp8" in st and p.dtype in (torch.bfloat16, torch.float16):
+                master = reference.ulp8_decode(p.detach(), st["master_ulp8"])
+            if kind == "fp32":
+                st["master_param"] = fp32_copy_of(p) if master is None else master.contiguous()
+            elif kind == "remainder":
+                if master is None:
                     st["master_remainder"] = state_zeros(p, torch.int16)
-            st.pop("master_param", None)
-        else:
-            st.pop("master_param", None)
-            st.pop("master_remainder", None)
+                else:
+                    hi, rem = reference.split_master(master.contiguous())
+                    p.copy_(hi)
+                    if id(p) in self._param_versions:  # our own write: not a foreign one to re-sync after
+                        self._param_versions[id(p)] = p._version
+                    st["master_remainder"] = rem.contiguous()
+            else:  # ulp8
+                if master is None:
+                    st["master_ulp8"] = state_zeros(p, torch.int8)
+                else:
+                    hi, corr = reference.ulp8_encode(master.contiguous(), p.dtype)
+                    p.copy_(hi)
+                    if id(p) in self._param_versions:  # our own write: not a foreign one to re-sync after
+                        self._param_versions[id(p)] = p._version
+                    st["master_ulp8"] = corr.contiguous()
+        for k in _MASTER_KEYS:
+            if k != want:
+                st.pop(k, None)
 
     def _resync_if_written(self, p: Tensor, st: dict[str, Any], where: str) -> None:
         seen = self._param_versions.get(id(p))
         if seen is not None and p._version != seen:
+            key = "master_ulp8" if "master_ulp8" in st else "master_remainder"
+            mode = "'ulp8'" if key == "master_ulp8" else "'remainder'"
             warnings.warn(
-                f"{self._NAME}: {where} (bf16, master_weights='remainder') was written outside the optimizer "
-                "since its last step; its master is re-synced to the param (remainder := 0). Call "
+                f"{self._NAME}: {where} ({p.dtype}, master_weights={mode}) was written outside the optimizer "
+                f"since its last step; its master is re-synced to the param ({key} := 0). Call "
                 "reset_master_weights() after such writes to silence this.",
                 stacklevel=3,
             )
-            st["master_remainder"].zero_()
+            st[key].zero_()
 
     def _rng_ids(self) -> dict[int, int]:
         """The random-bit tensor id of every param: :meth:`_bf16_ids` for bf16 params, and

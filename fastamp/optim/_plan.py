@@ -269,6 +269,8 @@ class _Run:
             return self.launch["master_param"]
         if self.kind == "remainder":
             return self.launch["master_remainder"]
+        if self.kind == "ulp8":
+            return self.launch["master_ulp8"]
         return []
 
     def refresh(self, grads: list[Tensor]) -> None:

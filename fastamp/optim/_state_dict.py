@@ -23,6 +23,7 @@ from fastamp.optim._masters import fp32_copy_of, state_copy
 
 _INT_STATE: dict[str, tuple[torch.dtype, Callable[[Tensor], tuple[int, ...]]]] = {
     "master_remainder": (torch.int16, lambda p: tuple(p.shape)),
+    "master_ulp8": (torch.int8, lambda p: tuple(p.shape)),
     "rng": (torch.int64, lambda p: (2,)),
 }
 
@@ -271,16 +272,20 @@ class _StateDictExport:
             # step does not re-sync after them (see _forget_compiled_steps): the records are void
             versions = {} if self._compiled["ran"] else self._param_versions
             for idx, st in list(sd["state"].items()):
-                if not (isinstance(idx, int) and isinstance(st, dict) and "master_remainder" in st):
+                if not (
+                    isinstance(idx, int) and isinstance(st, dict) and ("master_remainder" in st or "master_ulp8" in st)
+                ):
                     continue
                 p = params[idx].detach()
                 st = dict(st)
-                rem = st.pop("master_remainder")
+                rem, corr = st.pop("master_remainder", None), st.pop("master_ulp8", None)
                 seen = versions.get(id(params[idx]))
                 if seen is not None and params[idx]._version != seen:
                     master = fp32_copy_of(p)  # what the next step would re-sync to
-                else:
+                elif rem is not None:
                     master = reference.join_master(p, rem)
+                else:
+                    master = reference.ulp8_decode(p, corr)  # the master the next step would use
                 st["master_param"] = master
                 sd["state"][idx] = st
         return sd

@@ -46,7 +46,7 @@ def _validate_group(
     for flag in ("amsgrad", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
-    _checks.check_lowbit_options(_NAME, group, where)
+    _checks.check_lowbit_options(_NAME, group, where, ("remainder", "ulp8"))
     sdt = group["state_dtype"]
     if sdt not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{_NAME}: state_dtype must be torch.float32 or torch.bfloat16, got {sdt!r} in {where}")
@@ -76,6 +76,17 @@ def _check_state_format(group: dict[str, Any], where: str) -> None:
     rounding = group["state_rounding"]
     if rounding not in ("stochastic", "nearest"):
         raise ValueError(f"{_NAME}: state_rounding must be 'stochastic' or 'nearest', got {rounding!r} in {where}")
+    if group["master_weights"] == "ulp8":
+        if fmt != "q8":
+            raise ValueError(
+                f"{_NAME}: master_weights='ulp8' needs state_format='q8' (the 8-bit master correction is built on "
+                f"the q8 kernels); use master_weights='remainder' or True with dense moments ({where})"
+            )
+        if group["stochastic_rounding"]:
+            raise ValueError(
+                f"{_NAME}: stochastic_rounding=True does not combine with master_weights='ulp8': the param is the "
+                f"master rounded to nearest, and the correction is rounded per state_rounding ({where})"
+            )
     if fmt == "q8":
         if group["amsgrad"]:
             raise ValueError(
@@ -360,6 +371,14 @@ class AdamW(FusedOptimizer):
     def _q8(group: dict[str, Any], p: Tensor) -> bool:
         return group["state_format"] == "q8" and p.numel() >= group["lowbit_min_numel"]
 
+    def _kind(self, group: dict[str, Any], p: Tensor) -> str:
+        kind = _masters.master_kind(group["master_weights"], p.dtype, group["stochastic_rounding"])
+        if kind == "ulp8" and not self._q8(group, p):
+            # a param below lowbit_min_numel keeps dense moments, which the ulp8 kernels do not
+            # take: it gets the exact master of 'remainder' (a few bytes at these sizes)
+            return "remainder" if p.dtype == torch.bfloat16 else "fp32"
+        return kind
+
     def _moment_format(self, group: dict[str, Any], p: Tensor, kind: str) -> _formats.MomentFormat:
         if self._q8(group, p):
             return _formats.Q8
@@ -448,10 +467,11 @@ class AdamW(FusedOptimizer):
         hyper = (float(beta1), float(beta2), float(group["eps"]), bool(group["amsgrad"]), bool(group["maximize"]))
         head = (launch.params, launch.grads)
         if launch.op == "adamw_q8_":
-            masters = {"fp32": "master_param", "remainder": "master_remainder"}.get(launch.kind)
+            masters = {"fp32": "master_param", "remainder": "master_remainder", "ulp8": "master_ulp8"}.get(launch.kind)
             return (*head, st[masters] if masters else [], st["exp_avg_q"], st["exp_avg_scale"], st["exp_avg_sq_q"],
                     st["exp_avg_sq_scale"], scalars, launch.found_inf, launch.rng, launch.rng_base, *hyper[:3],
-                    hyper[4], launch.kind == "sr", group["state_rounding"] == "stochastic" and launch.rng is not None)  # fmt: skip
+                    hyper[4], launch.kind == "sr" or (launch.kind == "ulp8" and launch.rng is not None),
+                    group["state_rounding"] == "stochastic" and launch.rng is not None)  # fmt: skip
         if launch.op == "adamw_bf16_":
             rem = st["master_remainder"] if launch.kind == "remainder" else []
             return (*head, rem, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, launch.rng,

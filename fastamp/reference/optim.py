@@ -18,6 +18,7 @@ from torch import Tensor
 from fastamp.reference.formats import _store_lowp, join_master, split_master, sr_random16
 from fastamp.reference.numerics import _f32, sqrt_rn
 from fastamp.reference.q8 import q8_decode_m, q8_decode_v, q8_encode_m, q8_encode_v
+from fastamp.reference.ulp8 import ulp8_decode, ulp8_encode
 
 # torch's CPU loops compute a vector's full SIMD blocks with one pow and its tail (and a 0-dim
 # call) with another, whose fp64 results differ in the last bit (79 of 4,000 counts on a Xeon
@@ -279,8 +280,10 @@ def adamw_bf16_(
 
 
 def _master_kind(masters: Sequence[Tensor]) -> str:
-    """The master format of a one-state op's ``masters`` list: "none", "remainder" (int16) or "fp32"."""
-    return "none" if len(masters) == 0 else ("remainder" if masters[0].dtype == torch.int16 else "fp32")
+    """The master format of a ``masters`` list: "none", "remainder" (int16), "ulp8" (int8; ``adamw_q8_``) or "fp32"."""
+    if len(masters) == 0:
+        return "none"
+    return {torch.int16: "remainder", torch.int8: "ulp8"}.get(masters[0].dtype, "fp32")
 
 
 def _load_master(kind: str, p: Tensor, masters: Sequence[Tensor], i: int) -> Tensor:
@@ -289,6 +292,8 @@ def _load_master(kind: str, p: Tensor, masters: Sequence[Tensor], i: int) -> Ten
         return masters[i]
     if kind == "remainder":
         return join_master(p, masters[i])
+    if kind == "ulp8":
+        return ulp8_decode(p, masters[i])
     return p.float()
 
 
@@ -304,6 +309,12 @@ def _store_master(
         new_p, new_master = pv.to(p.dtype), pv
     elif kind == "remainder":
         new_p, new_master = split_master(pv)
+    elif kind == "ulp8":
+        rand = None
+        if rng is not None:
+            r = rng.reshape(-1)
+            rand = sr_random16(r[0], r[1], 4 * (rng_base + i), p.numel(), p.device)
+        new_p, new_master = ulp8_encode(pv.float().contiguous(), p.dtype, rand)
     else:
         rand = None
         if rng is not None and p.dtype == torch.bfloat16:
@@ -345,13 +356,15 @@ def adamw_q8_(
     updated fp32 moments drive this step's update and are then encoded again, block by block
     (32 elements of the flattened tensor per scale byte). ``exp_avg_codes[i]`` /
     ``exp_avg_sq_codes[i]`` are uint8 shaped like ``params[i]`` (contiguous), the scales uint8
-    ``[ceil(n / 32)]``. ``masters`` as in :func:`sgd_`: fp32 masters (params of any float dtype),
-    int16 remainders (bf16 params), or empty (the param is updated in place).
+    ``[ceil(n / 32)]``. ``masters``: fp32 masters (params of any float dtype), int16 remainders
+    (bf16 params), int8 ``ulp8`` corrections (bf16 / fp16 params: the master is
+    ``ulp8_decode(param, correction)``, stored back by :func:`~fastamp.reference.ulp8.ulp8_encode`),
+    or empty (the param is updated in place).
 
     ``rng`` (int64 ``[seed, counter]``) is read when ``sr_codes`` or ``sr_param`` is set:
     ``sr_codes`` rounds the codes stochastically (streams ``4 * (rng_base + i) + 1`` for m and
-    ``+ 2`` for v), else to nearest even; ``sr_param`` rounds a bf16 param without a master
-    stochastically (stream ``4 * (rng_base + i)``). A non-zero (or NaN) ``found_inf`` writes
+    ``+ 2`` for v), else to nearest even; ``sr_param`` rounds a bf16 param without a master, or
+    an ulp8 correction, stochastically (stream ``4 * (rng_base + i)``). A non-zero (or NaN) ``found_inf`` writes
     nothing. Only integer maths, ``+ - * /`` and :func:`sqrt_rn`: every backend is bit-exact
     with this function on the CPU.
     """

@@ -314,3 +314,114 @@ def test_compiled_step_equals_eager():
         eager.step()
         step()
     _same_state(_state_bytes(eager), _state_bytes(comp))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter(torch.randn(64, 80, generator=g).bfloat16() * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(80, 72, generator=g).bfloat16() * 0.1)
+        self.c = torch.nn.Parameter(torch.randn(72, generator=g).bfloat16())
+
+    def forward(self, x):
+        return ((torch.tanh(x @ self.a) @ self.b + self.c).float() ** 2).mean()
+
+
+def test_gradient_release_with_q8_nearest_equals_the_ordinary_step_and_stochastic_is_refused():
+    nets = [_Net(), _Net()]
+    opts = [_make(list(n.parameters()), state_rounding="nearest") for n in nets]
+    h = fastamp.release(nets[1], opts[1], max_norm=0.05, bucket_bytes=8000)
+    for step in range(6):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step)).bfloat16()
+        loss = nets[0](x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(nets[0].parameters(), 0.05)
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=True)
+        h.backward(nets[1](x))
+    h.remove()
+    _same_state(_state_bytes(opts[0]), _state_bytes(opts[1]))
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        assert_bits_equal(p.detach(), q.detach())
+    net = _Net()
+    with pytest.raises(NotImplementedError, match="state_rounding='nearest' under release"):
+        fastamp.release(net, _make(list(net.parameters())))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+def test_ulp8_master_equals_fp32_master_rounded_through_ulp8_after_every_step(dtype, rounding):
+    ps_u, ps_f = _params(dtype), _params(dtype)
+    kw = dict(lr=3e-3, state_format="q8", lowbit_min_numel=0, state_rounding=rounding, seed=4)
+    opt_u = AdamW(ps_u, master_weights="ulp8", **kw)
+    opt_f = AdamW(ps_f, master_weights=True, **kw)
+    ids = opt_u._rng_ids()
+    for step in range(1, 6):
+        grads = _grads(ps_u, step)
+        set_grads(ps_u, grads)
+        set_grads(ps_f, grads)
+        opt_u.step()
+        opt_f.step()
+        for k, (p, q) in enumerate(zip(ps_u, ps_f)):
+            su, sf = opt_u.state[p], opt_f.state[q]
+            n = p.numel()
+            rand = None
+            if rounding == "stochastic":
+                rand = reference.sr_random16(4, torch.tensor(step - 1), 4 * ids[id(p)], n, "cpu")
+            hi, corr = reference.ulp8_encode(sf["master_param"], dtype, rand)
+            assert_bits_equal(p.detach(), hi, f"step {step} param {k}")
+            assert_bits_equal(su["master_ulp8"], corr, f"step {step} param {k} correction")
+            for key in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"):
+                assert_bits_equal(su[key], sf[key], f"step {step} param {k} {key}")
+            sf["master_param"].copy_(reference.ulp8_decode(hi, corr))
+            assert "master_param" not in su and "master_remainder" not in su
+    assert any(int(opt_u.state[p]["master_ulp8"].abs().max()) > 0 for p in ps_u)
+
+
+def test_ulp8_bytes_small_tensors_conversions_and_export():
+    ps = _params()
+    opt = AdamW(ps, lr=1e-3, master_weights="remainder", state_format="q8", lowbit_min_numel=64, seed=1)
+    _run(opt, ps, 2)
+    exact = [reference.join_master(p.detach(), opt.state[p]["master_remainder"]) for p in ps]
+    opt.param_groups[0]["master_weights"] = "ulp8"  # remainder -> ulp8: encoded from the exact master
+    opt.param_groups[0]["lr"] = 0.0
+    set_grads(ps, [torch.zeros_like(p) for p in ps])
+    opt.step()
+    ids = opt._rng_ids()
+    for p, m in zip(ps, exact):
+        st = opt.state[p]
+        if p.numel() >= 64:
+            # converted from the exact master (to nearest), then one step at lr 0 re-encodes the decoded
+            # master with its stochastic correction (counter 2: two steps applied before)
+            hi, corr = reference.ulp8_encode(m.contiguous(), p.dtype)
+            rand = reference.sr_random16(1, torch.tensor(2), 4 * ids[id(p)], p.numel(), "cpu")
+            hi, corr = reference.ulp8_encode(reference.ulp8_decode(hi, corr), p.dtype, rand)
+            assert "master_remainder" not in st and st["master_ulp8"].dtype == torch.int8
+            assert_bits_equal(p.detach(), hi)
+            assert_bits_equal(st["master_ulp8"], corr)
+            nbytes = sum(t.numel() * t.element_size() for k, t in st.items() if k not in ("step", "rng"))
+            assert nbytes == p.numel() * 3 + 2 * q8.num_blocks(p.numel())  # int8 + two q8 moments
+        else:  # below lowbit_min_numel: dense moments, the exact remainder master
+            assert "master_ulp8" not in st and st["master_remainder"].dtype == torch.int16
+    sd = opt.state_dict(format="fp32")
+    for i, p in enumerate(ps):
+        st = sd["state"][i]
+        assert "master_ulp8" not in st and st["master_param"].dtype == torch.float32
+        if p.numel() >= 64:
+            assert_bits_equal(st["master_param"], reference.ulp8_decode(p.detach(), opt.state[p]["master_ulp8"]))
+
+
+@pytest.mark.parametrize(
+    "cls, kw, err, match",
+    [
+        (AdamW, {"master_weights": "ulp8"}, ValueError, "needs state_format='q8'"),
+        (AdamW, {"master_weights": "ulp8", "state_format": "q8", "stochastic_rounding": True}, ValueError,
+         "does not combine with master_weights='ulp8'"),
+        (fastamp.optim.SGD, {"master_weights": "ulp8", "lr": 0.1}, ValueError, "exists only for AdamW"),
+        (fastamp.optim.Lion, {"master_weights": "ulp8"}, ValueError, "exists only for AdamW"),
+    ],
+)  # fmt: skip
+def test_ulp8_refusals(cls, kw, err, match):
+    with pytest.raises(err, match=match):
+        cls(_params(), **kw)

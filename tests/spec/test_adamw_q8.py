@@ -143,3 +143,32 @@ def test_sr_without_rng_is_refused():
     with pytest.raises(ValueError, match="need rng"):
         reference.adamw_q8_([p], [p.clone()], [], [cm], [sm], [cv], [sv], _scalars(1), None, None, 0, 0.9, 0.999,
                             1e-8, False, False, True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sr_param", [False, True])
+def test_ulp8_master_is_decode_step_encode(dtype, sr_param):
+    """int8 masters: the step runs on ulp8_decode(param, c) and stores ulp8_encode(new master) (stream 0)."""
+    shape = (3, 45)
+    torch.manual_seed(2)
+    m32 = torch.randn(shape)
+    p, c = reference.ulp8_encode(m32, dtype)
+    p_ref, c_ref = p.clone(), c.clone()
+    state = _zeros_q8(shape)
+    state_ref = [t.clone() for t in state]
+    rng = torch.tensor([9, 0], dtype=torch.int64)
+    for step in range(1, 7):
+        g = _grads(shape, step)
+        rng[1] = step - 1
+        sc = _scalars(step, lr=1e-3)
+        reference.adamw_q8_([p], [g], [c], *[[t] for t in state], sc, None, rng, 2, 0.9, 0.999, 1e-8, False,
+                            sr_param, True)  # fmt: skip
+        master = reference.ulp8_decode(p_ref, c_ref).clone()
+        reference.adamw_q8_([p_ref.clone()], [g], [master], *[[t] for t in state_ref], sc, None, rng, 2, 0.9, 0.999,
+                            1e-8, False, False, True)  # fmt: skip
+        rand = reference.sr_random16(9, rng[1], 4 * 2, master.numel(), "cpu") if sr_param else None
+        p_ref, c_ref = reference.ulp8_encode(master, dtype, rand)
+        for a, b in zip(state, state_ref):
+            assert torch.equal(a, b), f"step {step}"
+        assert torch.equal(p.view(torch.int16), p_ref.view(torch.int16)) and torch.equal(c, c_ref), f"step {step}"
+    assert c.abs().max() > 0
