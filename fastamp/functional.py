@@ -376,6 +376,16 @@ def adamw_q8_(
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
+    if len(masters) and masters[0].dtype == torch.int8:
+        # ulp8 masters: the native kernel does not take them yet, so AUTO picks the reference
+        chosen = backends.resolve(op, dev, backend)
+        if chosen == "native":
+            if (backend or backends.get_backend()) == "native":
+                raise backends.BackendUnavailableError(
+                    f"fastamp: backend 'native' was requested for {op} with int8 (ulp8) masters, which its kernel "
+                    "does not take yet; use backend='torch' (or leave the backend to AUTO)"
+                )
+            backend = "torch"
     tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
                step_scalars, found_inf, rng)  # fmt: skip
     args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes))
