@@ -39,6 +39,8 @@ Regimes:
   ``fastamp-bf16-sr`` the same without masters, ``stochastic_rounding=True, seed=0``.
   ``fastamp-bf16-10B`` remainder masters + bf16 moments with stochastic rounding (10 bytes per
                       param: param 2, remainder 2, moments 2 + 2, grad 2).
+  ``fastamp-bf16-q8`` ``master_weights="ulp8", state_format="q8"``: 8-bit block-scaled moments and an
+                      int8 master correction (7.06 bytes per param with the grad at large tensors). gpt only.
   ``half-fp16-fastamp`` ``model.half()`` (BatchNorm / LayerNorm in fp16 too) with everything
                       else as ``fastamp-fp16``: isolates what ``cast_model`` changes.
   ``pure-fp16``       plain ``model.half()`` (BatchNorm and LayerNorm included), torch AdamW on the

@@ -60,6 +60,7 @@ def plot(
         "fastamp-bf16-release": "tab:brown",
         "fastamp-bf16-sr": "tab:green",
         "fastamp-bf16-10B": "tab:pink",
+        "fastamp-bf16-q8": "gold",
         "half-fp16-fastamp": "tab:gray",
         "pure-fp16": "tab:purple",
         "pure-bf16": "tab:olive",

@@ -43,6 +43,12 @@ REGIME_INFO: dict[str, tuple[torch.dtype | None, str]] = {
         'as fastamp-bf16 with AdamW(master_weights="remainder", state_dtype=bf16, stochastic_rounding=True, '
         "seed=0): 10 bytes per param with the grad",
     ),
+    "fastamp-bf16-q8": (
+        torch.bfloat16,
+        'as fastamp-bf16 with AdamW(master_weights="ulp8", state_format="q8", seed=0): 8-bit moments and an int8 '
+        "master correction, 7.06 bytes per param with the grad (tensors under 4,096 elements keep fp32 moments); "
+        "gpt only",
+    ),
     "half-fp16-fastamp": (
         torch.float16,
         "plain model.half() (BatchNorm/LayerNorm params and running stats fp16) + fastamp AdamW (fp32 masters) "
@@ -63,7 +69,7 @@ BN_DEMO_REGIMES = ("fp32", "torch-amp-fp16", "fastamp-fp16", "half-fp16-fastamp"
 # fp16) on the CNNs, where BatchNorm is.
 FULL_MODEL_REGIMES = {
     "gpt": tuple(r for r in REGIMES if r != "half-fp16-fastamp"),
-    "cnn": tuple(r for r in REGIMES if r not in ("fastamp-scaler-fp16", "fastamp-bf16-release")),
+    "cnn": tuple(r for r in REGIMES if r not in ("fastamp-scaler-fp16", "fastamp-bf16-release", "fastamp-bf16-q8")),
     "cnn-raw12": BN_DEMO_REGIMES,
 }
 # The default on CPU. An fp16 CNN step is the costly one there: 8x an fp32 step on a 2-core
@@ -122,6 +128,8 @@ def build_regime(regime: str, model: nn.Module, lr: float, device: torch.device,
         elif regime == "fastamp-bf16-10B":
             kwargs = {"master_weights": "remainder", "state_dtype": torch.bfloat16, "stochastic_rounding": True}
             kwargs["seed"] = 0
+        elif regime == "fastamp-bf16-q8":
+            kwargs = {"master_weights": "ulp8", "state_format": "q8", "seed": 0}
         opt = FastAdamW(model.parameters(), lr=lr, **kwargs)
         if dtype == torch.float16:
             scaler = fastamp.Scaler(device.type, growth_interval=growth_interval)

@@ -120,6 +120,7 @@ _PAIRS = (
     ("fastamp-bf16-remainder", "torch-amp-bf16"),
     ("fastamp-bf16-sr", "torch-amp-bf16"),
     ("fastamp-bf16-10B", "torch-amp-bf16"),
+    ("fastamp-bf16-q8", "torch-amp-bf16"),
     ("half-fp16-fastamp", "fastamp-fp16"),
 )
 

@@ -692,3 +692,17 @@ def test_the_op_profile_names_what_took_the_time():
     assert "| fastamp-fp16 | 293.00 ms | aten::convolution_backward 99%, x 1% |" in hotspot_table([fp32, fp16], "cnn")
     note = compare.cpu_speed_note([fp32, fp16, bf16])
     assert "cnn: bf16 1.25x, fp16 0.017x" in note and "aten::convolution_backward in cnn/fastamp-fp16" in note
+
+
+def test_the_q8_row_keeps_8_bit_moments_and_an_int8_master_on_its_large_tensors():
+    model = compare.TinyGPT(64, 8, 1, 64, 2)  # the head, 64 x 64, reaches lowbit_min_numel (4,096)
+    opt, scaler, autocast_dtype, _ = compare.build_regime("fastamp-bf16-q8", model, 1e-3, torch.device("cpu"))
+    assert scaler is None and autocast_dtype == torch.bfloat16
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    big = opt.state[model.head.weight]
+    assert big["exp_avg_q"].dtype == torch.uint8 and big["master_ulp8"].dtype == torch.int8, set(big)
+    small = opt.state[model.head.bias] if model.head.bias is not None else opt.state[model.ln_f.weight]
+    assert small["exp_avg"].dtype == torch.float32 and "master_ulp8" not in small
+    assert "fastamp-bf16-q8" in compare.MODEL_REGIMES["gpt"] and "fastamp-bf16-q8" not in compare.MODEL_REGIMES["cnn"]
