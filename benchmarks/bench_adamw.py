@@ -19,6 +19,14 @@ Providers (each checked against :mod:`fastamp.reference` before being timed):
                    ``bf16-10B``        ``adamw_bf16_`` with remainders and bf16 moments, stochastic
                                        rounding: reads grad, param, remainder, m, v (2 B each);
                                        writes param, remainder, m, v: 18 B/elem.
+                   ``bf16-q8``         :func:`fastamp.functional.adamw_q8_`: remainders and q8
+                                       moments (one code byte + 1/32 scale byte each), stochastic
+                                       codes: reads and writes p, rem (2 B each), m, v codes (1 B
+                                       each), reads g: 14 B/elem + 1/8 B of scales (not in the ceiling).
+                   ``bf16-sr-q8``      ``adamw_q8_`` without master, stochastic rounding: 10 B/elem
+                                       + 1/8 B of scales.
+
+The q8 rows run only on the backends that have ``adamw_q8_`` (native CPU, the reference).
 
 Byte counts are what each kernel reads and writes; write-allocate traffic (a store to a line
 that was not read) is not counted, for any provider. This is the kernel alone; ``bench_step.py``
@@ -48,6 +56,8 @@ DTYPES = {
     "bf16-remainder": torch.bfloat16,
     "bf16-sr": torch.bfloat16,
     "bf16-10B": torch.bfloat16,
+    "bf16-q8": torch.bfloat16,
+    "bf16-sr-q8": torch.bfloat16,
 }
 # dtype entry -> (master kind, moment dtype, stochastic rounding, bytes per element)
 KINDS = {
@@ -57,7 +67,10 @@ KINDS = {
     "bf16-remainder": ("remainder", torch.float32, False, 26),
     "bf16-sr": ("none", torch.float32, True, 22),
     "bf16-10B": ("remainder", torch.bfloat16, True, 18),
+    "bf16-q8": ("remainder", "q8", True, 14),
+    "bf16-sr-q8": ("none", "q8", True, 10),
 }
+Q8_KINDS = ("bf16-q8", "bf16-sr-q8")
 # dtype entry -> the same bytes stream by stream (common.parse_traffic): the ceiling of the row.
 TRAFFIC = {
     "fp32": "p:rw4 g:r4 m:rw4 v:rw4",
@@ -66,6 +79,9 @@ TRAFFIC = {
     "bf16-remainder": "g:r2 p:rw2 rem:rw2 m:rw4 v:rw4",
     "bf16-sr": "g:r2 p:rw2 m:rw4 v:rw4",
     "bf16-10B": "g:r2 p:rw2 rem:rw2 m:rw2 v:rw2",
+    # the two 1-byte code streams as one 2-byte stream (the ceiling's buffers are 2, 4 or 8 B wide)
+    "bf16-q8": "g:r2 p:rw2 rem:rw2 q:rw2",
+    "bf16-sr-q8": "g:r2 p:rw2 q:rw2",
 }
 NOTES = {
     "fp32": "fp32 params, adamw_: reads p, g, m, v, writes p, m, v (28 B)",
@@ -77,6 +93,10 @@ NOTES = {
     "v: 22 B",
     "bf16-10B": "bf16 params + int16 remainder + bf16 moments, stochastic rounding, adamw_bf16_: reads g, p, rem, m, "
     "v; writes p, rem, m, v (2 B each): 18 B",
+    "bf16-q8": "bf16 params + int16 remainder + q8 moments (stochastic codes), adamw_q8_: reads g, p, rem (2 B), m, v "
+    "codes (1 B) and scales (1/32 B each); writes p, rem, codes, scales: 14 B + 1/8",
+    "bf16-sr-q8": "bf16 params, no master, stochastic rounding, q8 moments, adamw_q8_: reads g, p, codes, scales; "
+    "writes p, codes, scales: 10 B + 1/8",
 }
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 CHECK_SIZES = [1, 7, 4099, 65537, 256, 3, 131]
@@ -97,8 +117,19 @@ class _FastampState:
         self.remainders = [torch.zeros(p.shape, dtype=torch.int16, device=p.device) for p in params] if (
             master == "remainder"
         ) else []  # fmt: skip
-        self.m = [torch.zeros(p.shape, dtype=mdt, device=p.device) for p in params]
-        self.v = [torch.zeros(p.shape, dtype=mdt, device=p.device) for p in params]
+        self.q8 = mdt == "q8"
+        if self.q8:
+            from fastamp.optim import _formats
+
+            m = [_formats.Q8.create(p, "exp_avg") for p in params]
+            v = [_formats.Q8.create(p, "exp_avg_sq") for p in params]
+            self.m = [d["exp_avg_q"] for d in m]
+            self.ms = [d["exp_avg_scale"] for d in m]
+            self.v = [d["exp_avg_sq_q"] for d in v]
+            self.vs = [d["exp_avg_sq_scale"] for d in v]
+        else:
+            self.m = [torch.zeros(p.shape, dtype=mdt, device=p.device) for p in params]
+            self.v = [torch.zeros(p.shape, dtype=mdt, device=p.device) for p in params]
         self.step_t = torch.zeros((), dtype=torch.float32, device=params[0].device)
         self.rng = torch.tensor([0, 0], dtype=torch.int64, device=params[0].device) if sr else None
         self.lowbit = kind.startswith("bf16-")
@@ -106,7 +137,14 @@ class _FastampState:
     def __call__(self):
         self.step_t += 1
         scalars = reference.adamw_step_scalars(LR, self.step_t, BETAS[0], BETAS[1], WD)
-        if self.lowbit:
+        if self.q8:
+            F.adamw_q8_(
+                self.params, self.grads, self.remainders, self.m, self.ms, self.v, self.vs, scalars, None, self.rng, 0,
+                beta1=BETAS[0], beta2=BETAS[1], eps=EPS, sr_param=not self.remainders, sr_codes=True,
+                backend=self.backend,
+            )  # fmt: skip
+            self.rng[1] += 1
+        elif self.lowbit:
             F.adamw_bf16_(
                 self.params, self.grads, self.remainders, self.m, self.v, [], scalars, None, self.rng, 0,
                 beta1=BETAS[0], beta2=BETAS[1], eps=EPS, backend=self.backend,
@@ -178,6 +216,12 @@ def make_fastamp_check(kind, backend, device):
             st()
         err = max(common.assert_close(f"value[{i}]", a, b) for i, (a, b) in enumerate(zip(st.values(), ref.values())))
         msg = f"vs reference after 3 steps: max abs error {err:.2g}"
+        if kind in Q8_KINDS:
+            for name in ("m", "ms", "v", "vs"):
+                for i, (a, b) in enumerate(zip(getattr(st, name), getattr(ref, name))):
+                    if not torch.equal(a, b):
+                        raise AssertionError(f"q8 {name}[{i}] differs from the reference's bytes")
+            msg += "; q8 codes and scales bit-identical to the reference"
         if master == "remainder" and not KINDS[kind][2]:
             # the remainder master must follow the fp32-master trajectory bit for bit (issue #7)
             fp32_master = _reference_run(params, grads, "bf16").masters
@@ -225,9 +269,13 @@ def make_providers(args, device):
                 traffic=TRAFFIC["fp32"],
             )
         ]
+        from fastamp import backends as fb
+
         for b in backends:
             for d in dtypes:
                 dt = DTYPES[d]
+                if d in Q8_KINDS and not fb.available(b, "adamw_q8_", device)[0]:
+                    continue
 
                 def fa_setup(d=d, dt=dt, b=b):
                     params = [torch.randn(per, device=device).to(dt) for _ in range(n_tensors)]
