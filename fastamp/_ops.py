@@ -155,6 +155,23 @@ RELEASE_OPS: dict[str, OpDef] = {
     ),
 }
 
+# AdamW on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
+# fastamp.reference.adamw_q8_), defined in the native namespace: its kernel exists for CPU only
+# so far, so it stays out of OPS, whose ops every backend registers.
+Q8_OPS: dict[str, OpDef] = {
+    "adamw_q8_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
+        "Tensor(d!)[] exp_avg_scales, Tensor(e!)[] exp_avg_sq_codes, Tensor(f!)[] exp_avg_sq_scales, "
+        "Tensor step_scalars, Tensor? found_inf, Tensor? rng, int rng_base, float beta1, float beta2, float eps, "
+        "bool maximize, bool sr_param, bool sr_codes) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, masters and both moments' codes and scales (nothing when found_inf is non-zero); reads rng "
+        "(when sr_param or sr_codes), never advances it; step_scalars: fp32 [4] shared or [n, 4] (contiguous, row i "
+        "for tensor i)",
+    ),
+}
+
 # The step scalars of a compiled optimizer step: opaque ops, so that inductor does not
 # re-derive eager's fp64 maths with another rounding. Kernels: fastamp/optim/_traced.py.
 OPTIM_OPS: dict[str, OpDef] = {
@@ -180,7 +197,7 @@ OPTIM_OPS: dict[str, OpDef] = {
     ),
 }
 
-_TABLES = {NATIVE_NS: {**OPS, **RELEASE_OPS}, TRITON_NS: OPS, OPTIM_NS: OPTIM_OPS}
+_TABLES = {NATIVE_NS: {**OPS, **RELEASE_OPS, **Q8_OPS}, TRITON_NS: OPS, OPTIM_NS: OPTIM_OPS}
 
 # How a Python argument is made the schema's type (tensors pass as they are).
 _COERCE = {"List[Tensor]": list, "float": float, "int": int, "bool": bool}
@@ -261,7 +278,7 @@ def _load_native() -> None:
         return
     lib = _LIBS[NATIVE_NS] = torch.library.Library(NATIVE_NS, "FRAGMENT")
     try:
-        for op in (*OPS, *RELEASE_OPS):
+        for op in (*OPS, *RELEASE_OPS, *Q8_OPS):
             _define(lib, NATIVE_NS, op)
     except RuntimeError as e:  # a C++ kernel whose signature differs from the table's schema
         NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/_ops.py: {e}"
