@@ -129,10 +129,17 @@ void q8_chunk(const Q8Chunk& c, int64_t n, const Q8Args& a) {
 
 }  // namespace scalar
 
+#define FASTAMP_ISA_KERNELS "cpu/adamw_q8_kernels.inc"
+#include "cpu/per_isa.inc"  // namespaces avx512 and avx2: the loops of adamw_q8_kernels.inc per ISA
+
 using Q8ChunkFn = void (*)(const Q8Chunk&, int64_t, const Q8Args&);
 
 template <class P, class G, int KIND, bool SRP, bool SRC>
 Q8ChunkFn pick_isa(Isa isa) {
+#if FASTAMP_X86_SIMD
+  if (isa == Isa::Avx512) return &avx512::q8_chunk<P, G, KIND, SRP, SRC>;
+  if (isa == Isa::Avx2) return &avx2::q8_chunk<P, G, KIND, SRP, SRC>;
+#endif
   (void)isa;
   return &scalar::q8_chunk<P, G, KIND, SRP, SRC>;
 }
