@@ -156,8 +156,9 @@ RELEASE_OPS: dict[str, OpDef] = {
     ),
 }
 
-# AdamW on 8-bit block-scaled moments (the q8 format, fastamp/reference/q8.py; issue 22): CPU
-# kernels only so far, so it is kept out of OPS (which every backend implements).
+# AdamW on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
+# fastamp.reference.adamw_q8_), defined in the native namespace: its kernel exists for CPU only
+# so far, so it stays out of OPS, whose ops every backend registers.
 Q8_OPS: dict[str, OpDef] = {
     "adamw_q8_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
@@ -166,8 +167,9 @@ Q8_OPS: dict[str, OpDef] = {
         "bool maximize, bool sr_param, bool sr_codes) -> ()",
         _fake_in_place,
         "step_scalars",
-        "writes params, masters, both moments' codes and scales (nothing when found_inf is non-zero); reads rng, "
-        "never advances it; step_scalars: fp32 [4] shared or [n, 4] (contiguous, row i for tensor i)",
+        "writes params, masters and both moments' codes and scales (nothing when found_inf is non-zero); reads rng "
+        "(when sr_param or sr_codes), never advances it; step_scalars: fp32 [4] shared or [n, 4] (contiguous, row i "
+        "for tensor i)",
     ),
 }
 

@@ -32,8 +32,9 @@ def _run(code: str, env: dict | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# OPS, and gradient release's check-pass ops (defined from RELEASE_OPS in the native namespace, CPU kernels only)
-@pytest.mark.parametrize("table", ["OPS", "RELEASE_OPS"])
+# OPS, gradient release's check-pass ops (defined from RELEASE_OPS in the native namespace, CPU kernels only)
+# and AdamW on q8 moments (Q8_OPS, likewise)
+@pytest.mark.parametrize("table", ["OPS", "RELEASE_OPS", "Q8_OPS"])
 def test_native_ops_have_the_table_schema_and_a_cpu_kernel(table):
     got = _run(
         f"""
@@ -54,6 +55,7 @@ def test_native_ops_have_the_table_schema_and_a_cpu_kernel(table):
 
     assert set(got["ops"]) == set(getattr(_ops, table))
     assert not set(_ops.RELEASE_OPS) & set(_ops.OPS)
+    assert not set(_ops.Q8_OPS) & (set(_ops.OPS) | set(_ops.RELEASE_OPS))
     for op, (have, want, has_cpu) in got["ops"].items():
         assert have == want, op
         assert has_cpu, f"fastamp::{op} has no CPU kernel"

@@ -204,11 +204,21 @@ def _schema_ops():
     return set(re.findall(r'^    "(\w+)": OpDef\(', table, flags=re.M))
 
 
+def _table_ops(name):
+    """The ops of the table ``name`` in fastamp/_ops.py (its ``    "name": OpDef(`` entries)."""
+    text = (ROOT / "fastamp" / "_ops.py").read_text()
+    table = text.split(f"\n{name}: dict[str, OpDef] = {{\n", 1)[1].split("\n}\n", 1)[0]
+    return set(re.findall(r'^    "(\w+)": OpDef\(', table, flags=re.M))
+
+
 def _release_ops():
     """The ops of ``RELEASE_OPS`` in fastamp/_ops.py: gradient release's check pass, CPU kernels only so far."""
-    text = (ROOT / "fastamp" / "_ops.py").read_text()
-    table = text.split("\nRELEASE_OPS: dict[str, OpDef] = {\n", 1)[1].split("\n}\n", 1)[0]
-    return set(re.findall(r'^    "(\w+)": OpDef\(', table, flags=re.M))
+    return _table_ops("RELEASE_OPS")
+
+
+def _q8_ops():
+    """The ops of ``Q8_OPS`` in fastamp/_ops.py: AdamW on q8 moments, CPU kernels only so far."""
+    return _table_ops("Q8_OPS")
 
 
 def test_no_op_schema_is_defined_in_cpp():
@@ -230,8 +240,10 @@ def test_every_kernel_registers_through_the_signature_check():
     declared = set(re.findall(r"^using (\w+) =", header, flags=re.M))
     release = _release_ops()
     assert release == {"unscale_check_partials_", "sumsq_fold"}
-    assert declared == _schema_ops() | release, (
-        "op_signatures.h must declare exactly the ops of the op tables (OPS and RELEASE_OPS in fastamp/_ops.py)"
+    q8 = _q8_ops()
+    assert q8 == {"adamw_q8_"}
+    assert declared == _schema_ops() | release | q8, (
+        "op_signatures.h must declare exactly the ops of the op tables (OPS, RELEASE_OPS and Q8_OPS in fastamp/_ops.py)"
     )
     registered = {"CPU": set(), "CUDA": set()}
     for path in [*(ROOT / "csrc").rglob("*.cpp"), *(ROOT / "csrc").rglob("*.cu")]:
@@ -239,7 +251,7 @@ def test_every_kernel_registers_through_the_signature_check():
         assert not re.search(r"\bm\.impl\(", text), f"{path.name}: register kernels with FASTAMP_IMPL, not m.impl"
         for key, body in re.findall(r"TORCH_LIBRARY_IMPL\(fastamp, (\w+), m\) \{(.*?)\n?\}", text, flags=re.S):
             registered[key] |= set(re.findall(r"FASTAMP_IMPL\(m, (\w+),", body))
-    assert registered["CUDA"] == declared - release  # the release ops have CPU kernels only so far
+    assert registered["CUDA"] == declared - release - q8  # the release and q8 ops have CPU kernels only so far
     assert registered["CPU"] == declared
 
 
