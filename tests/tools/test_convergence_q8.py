@@ -1,0 +1,86 @@
+"""Smoke test of benchmarks/convergence_q8.py (issue 22): ``--quick`` runs, writes its report, and trains.
+
+Not the criterion: 40 steps of a 1-layer model cannot tell the configurations apart (the
+committed full run, benchmarks/results/convergence_q8-cpu.md, does that).
+"""
+
+import json
+import math
+import os
+import sys
+
+import pytest
+
+BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "benchmarks")
+sys.path.insert(0, BENCH_DIR)
+
+import convergence_q8  # noqa: E402
+
+CONFIGS = ["baseline", "remainder-q8", "sr-q8", "pure-bf16", "fastamp-fp16", "fp16-q8"]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("conv")
+    payload = convergence_q8.main(["--quick", "--out", str(out)])
+    return out, payload
+
+
+def test_quick_writes_json_and_markdown_with_the_run_described(quick):
+    out, payload = quick
+    on_disk = json.loads((out / "convergence_q8-cpu-quick.json").read_text())
+    assert on_disk["verdict"] == payload["verdict"] and list(on_disk["configs"]) == CONFIGS
+    meta = on_disk["meta"]
+    assert meta["corpus_sha256"] == convergence_q8.CORPUS_SHA256
+    assert meta["torch"].startswith(convergence_q8.CORPUS_TORCH_VERSION)
+    assert meta["git_commit"] and meta["date"] and meta["machine"]["cpu"]
+    assert meta["quick"] is True and meta["seeds"] == [0] and meta["steps"] == 40
+    md = (out / "convergence_q8-cpu-quick.md").read_text()
+    for key in ("git_commit", "date", "cpu", "torch", meta["corpus_sha256"], "## Final validation loss", "## Verdict"):
+        assert key in md
+    for name in CONFIGS:
+        assert f"| {name} |" in md
+
+
+def test_quick_rows_carry_the_criterion_and_the_q8_coverage(quick):
+    rows = quick[1]["configs"]
+    for name in ("remainder-q8", "sr-q8", "pure-bf16", "fp16-q8"):
+        r = rows[name]
+        assert r["reference"] == ("fastamp-fp16" if name == "fp16-q8" else "baseline")
+        assert isinstance(r["pass"], bool) and isinstance(r["pass_mean"], bool) and isinstance(r["pass_seeds"], bool)
+        assert r["ratio"] == pytest.approx(r["mean"] / rows[r["reference"]]["mean"])
+    assert rows["pure-bf16"]["control"] is True
+    for name in ("baseline", "fastamp-fp16"):
+        assert "pass" not in rows[name]
+    # q8 state is really there: the weight matrices (>= lowbit_min_numel) hold 8-bit moments
+    for name in ("remainder-q8", "sr-q8", "fp16-q8"):
+        assert rows[name]["q8_fraction"] > 0.9
+    for name in ("baseline", "pure-bf16", "fastamp-fp16"):
+        assert rows[name]["q8_fraction"] == 0.0
+
+
+def test_quick_losses_are_finite_and_decrease(quick):
+    rows = quick[1]["configs"]
+    for name, r in rows.items():
+        assert r["nonfinite_train_losses"] == [0], name
+        (curve,) = r["val_curves"]
+        vals = [v for _, v in curve]
+        assert all(math.isfinite(v) for v in vals), name
+        assert curve[0][0] == 0 and curve[-1][0] == 40
+        assert vals[-1] < vals[0] - 0.5, (name, vals)  # from ~ln(vocab) = 4.5
+        assert r["final_val"] == [vals[-1]]
+        assert r["train_loss_last10_mean"][0] < r["train_loss_first"][0] - 0.5, name
+
+
+def test_quick_fp16_rows_skip_every_injected_overflow(quick):
+    rows = quick[1]["configs"]
+    for name in ("fastamp-fp16", "fp16-q8"):
+        r = rows[name]
+        assert r["injected_overflow_steps"] and r["all_injected_skipped"] is True
+        assert set(r["injected_overflow_steps"]) <= set(r["skipped_steps"][0])
+        assert r["final_scale"][0] < 65536.0  # each injected overflow backed the scale off
+
+
+def test_corpus_hash_mismatch_names_the_expected_torch_version():
+    with pytest.raises(SystemExit, match=f"torch=={convergence_q8.CORPUS_TORCH_VERSION}"):
+        convergence_q8.check_corpus("not the corpus")
