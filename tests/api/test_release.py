@@ -134,23 +134,44 @@ def test_release_matches_the_ordinary_step_bit_for_bit(rule, config, bucket):
     h3.remove()
 
 
-def test_step_bucket_matches_step_with_stochastic_rounding_when_every_param_steps():
-    """The engine entry point keeps each param's SR tensor id and counter: one bucket per param gives step()'s bits."""
-    m1, o1 = _world("adamw", "bf16-remainder")
-    m2, o2 = _world("adamw", "bf16-remainder")
-    for o in (o1, o2):
+def test_step_bucket_inside_bucket_step_matches_step_with_stochastic_rounding():
+    """The engine entry point: the buckets of one step inside ``bucket_step()``, in any order, give step()'s bits.
+
+    Each launch draws from its group's rng counter, which advances once when the block ends; the
+    branch gets no grad on odd steps (its step count lags). Outside the block each call is a step
+    of its own for the counters: one call per param then draws other bits.
+    """
+    worlds = [_world("adamw", "bf16-remainder") for _ in range(3)]
+    for _, o in worlds:
         for g in o.param_groups:
             g["master_weights"], g["stochastic_rounding"], g["seed"] = None, True, 7
-    params2 = list(m2.parameters())
+    (m1, o1), (m2, o2), (m3, o3) = worlds
     for step in range(6):
-        m1(_batch(step), 0).backward()
+        for m in (m1, m2, m3):
+            m(_batch(step), step).backward()
         o1.step()
-        o1.zero_grad(set_to_none=True)
-        m2(_batch(step), 0).backward()
-        for p in reversed(params2):
-            o2.step_bucket([p])
-        o2.zero_grad(set_to_none=True)
-    _assert_same(m1, o1, m2, o2, "stochastic rounding")
+        params = list(m2.parameters())
+        with o2.bucket_step():
+            for p in params[::-2] + params[-2::-2]:  # every other param, backwards, then the rest
+                o2.step_bucket([p])
+        for p in m3.parameters():
+            o3.step_bucket([p])
+        for o in (o1, o2, o3):
+            o.zero_grad(set_to_none=True)
+    _assert_same(m1, o1, m2, o2, "stochastic rounding, buckets inside bucket_step()")
+    counter = o2.state[m2.out.weight]["rng"]
+    assert all(o2.state[p]["rng"] is counter for p in m2.parameters()), "one counter per group"
+    assert counter.tolist() == [7, 6] and float(o2.state[m2.branch.weight]["step"]) == 3
+    # outside the block: one advance per call that launched (every param of the model, minus the branch's on odd steps)
+    assert o3.state[m3.out.weight]["rng"].tolist() == [7, 6 * 9 - 3 * 2]
+    assert not torch.equal(m3.out.weight, m1.out.weight)
+    with o2.bucket_step():
+        with pytest.raises(RuntimeError, match=r"step\(\) inside bucket_step\(\)"):
+            o2.step()
+        with pytest.raises(RuntimeError, match=r"bucket_step\(\) inside bucket_step\(\)"):
+            with o2.bucket_step():
+                pass
+    assert counter.tolist() == [7, 6], "a block without launches advances nothing"
 
 
 def test_step_scalar_rows_do_not_depend_on_the_position_of_a_count():
