@@ -5,10 +5,15 @@ The kernels draw the random bits of a launch from one ``rng`` tensor, ``[seed, c
 param's stochastic-rounding id, :meth:`_MasterWeights._rng_ids
 <fastamp.optim._masters._MasterWeights._rng_ids>`). So that every launch of a step reads the
 same counter, whichever params got a grad and however the step is cut into launches (one
-:meth:`step`, or the buckets of :meth:`step_bucket <fastamp.optim._base.FusedOptimizer.step_bucket>`
-in any order), the params of a group on one device share one counter: their states hold the
-same tensor as ``state[p]["rng"]``. It advances by one per applied step (``found_inf == 0``)
-that stepped at least one of those params, once, after the step's launches.
+``step()``, or :meth:`step_bucket <fastamp.optim._base.FusedOptimizer.step_bucket>` calls inside
+one :meth:`bucket_step <fastamp.optim._base.FusedOptimizer.bucket_step>`, buckets in any order),
+the params of a group on one device share one counter: their states hold the same tensor as
+``state[p]["rng"]`` (a write in place writes the group's). It advances by one per applied step
+(``found_inf == 0``) that stepped at least one of those params, once, after the step's launches.
+
+Against the earlier rule (a counter per param, a launch reading its first param's) the bits
+differ only where those counters would have differed: a launch whose first param had missed a
+step read a lagging count (and its other params could draw bits they had drawn before).
 
 Created with the group's ``seed`` at the first step that needs it; a param whose state is
 created later (its first grad at step k) joins the counter as it is. The states are the
@@ -16,7 +21,10 @@ record: a plan (of a step or of a bucket) looks at the whole group and, where it
 states hold different counter tensors (a state dict loaded from per-param counters, an
 ``rng`` assigned by hand), makes them one: the first one's seed (in group order) and the
 largest counter, so that no param draws bits it has drawn before. ``state_dict()`` gives each
-param its own copy.
+param its own copy. The group's ``seed`` is read when its counter is created (a later change
+does not reseed it; a cleared state or a new group starts a new counter with its seed).
+A compiled step reads each group's counter through the first param of its launches: a
+counter replaced by hand in another param's state is merged by the next eager step or load.
 """
 
 from __future__ import annotations
@@ -45,7 +53,9 @@ def group_counter(opt: Any, group: dict[str, Any], dev: torch.device) -> Tensor:
     """The counter of ``group``'s params on ``dev``: the one tensor their states hold (made one here), or a new one.
 
     Looks at every param of the group (not only those of the plan being built), so that a
-    step's plan and the plans of its buckets find the same tensor. Device ops only.
+    step's plan and the plans of its buckets find the same tensor: a pass over the group's
+    states per plan (a bucket's plan already checks every param's memory), none per step.
+    Device ops only (no host read of a counter).
     """
     found: dict[int, Tensor] = {}
     holders: list[dict[str, Any]] = []
