@@ -51,7 +51,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -287,7 +287,18 @@ class RunResult:
     final_scale: float | None = None
 
 
-def train(cfg: Config, seed: int, data: Batches, steps: int, lr: float, weight_decay: float, n_evals: int) -> RunResult:
+def train(
+    cfg: Config,
+    seed: int,
+    data: Batches,
+    steps: int,
+    lr: float,
+    weight_decay: float,
+    n_evals: int,
+    after_step: Callable[[int, fastamp.optim.AdamW], None] | None = None,
+) -> RunResult:
+    """One run of ``cfg`` with ``seed``; ``after_step(step, opt)`` runs after every optimizer step
+    (the grads still in place), before the validation that follows it (the ablation's hook)."""
     spec = data.spec
     torch.manual_seed(seed)
     model = TinyGPT(len(data.corpus.vocab), spec.seq_len, spec.n_layer, spec.d_model, spec.n_head)
@@ -319,6 +330,8 @@ def train(cfg: Config, seed: int, data: Batches, steps: int, lr: float, weight_d
         else:
             loss.backward()
             opt.step()
+        if after_step is not None:
+            after_step(step, opt)
         losses.append(loss.detach().float())
         if step + 1 in evals:
             res.val_curve.append((step + 1, val_loss(model, data.val_rows, cfg.dtype)))
@@ -474,11 +487,42 @@ def _pf(v: Any) -> str:
     return "PASS" if v else "FAIL"
 
 
+def corpus_meta(corpus: Corpus) -> dict[str, Any]:
+    """What a report says about the corpus (also the ablation's)."""
+    return {
+        "corpus_sha256": corpus.sha256,
+        "corpus_torch_version": CORPUS_TORCH_VERSION,
+        "corpus_files": len(CORPUS_FILES),
+        "corpus_docs": corpus.n_docs,
+        "corpus_chars": len(corpus.text),
+        "train_chars": len(corpus.train),
+        "val_chars": len(corpus.val),
+        "vocab": len(corpus.vocab),
+        "rare_chars": "".join(corpus.rare_chars),
+    }
+
+
+def setup_lines(meta: dict[str, Any]) -> list[str]:
+    """The report lines on corpus, split, schedule and validation, from :func:`corpus_meta` plus
+    ``steps``, ``seeds``, ``lr``, ``weight_decay`` and ``val_windows`` (also the ablation's)."""
+    return [
+        f"- corpus: docstrings of {meta['corpus_files']} files of torch=={CORPUS_TORCH_VERSION} "
+        f"(torch/nn/modules/*, torch/nn/functional.py, torch/optim/*; list in benchmarks/convergence_q8.py), "
+        f"{meta['corpus_chars']} chars, {meta['corpus_docs']} docstrings, sha256 `{meta['corpus_sha256']}` (checked)",
+        f"- vocabulary {meta['vocab']} tokens (chars seen < {RARE_CHAR_COUNT} times share one: "
+        f"{meta['rare_chars']!r}); split: every {VAL_EVERY}th docstring is validation: train {meta['train_chars']} "
+        f"chars, val {meta['val_chars']} chars",
+        f"- steps {meta['steps']}, seeds {meta['seeds']}, lr {meta['lr']:g} (warmup 5%, cosine to 10%), weight decay "
+        f"{meta['weight_decay']:g}, betas (0.9, 0.999), eps 1e-8, no clipping; bf16/fp16 autocast, "
+        "fastamp.cast_model (LayerNorm fp32)",
+        f"- validation: {meta['val_windows']} fixed windows of the val text (evenly spaced, the same for every run), "
+        "model in its own precision under autocast, fp32 cross entropy",
+    ]
+
+
 def write_report(path_stem: str, payload: dict[str, Any]) -> None:
-    with open(path_stem + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
+    """The Markdown report (``write_outputs`` writes the JSON)."""
     meta, rows = payload["meta"], payload["configs"]
-    seeds = meta["seeds"]
     table = []
     for name, r in rows.items():
         row: dict[str, object] = {"config": name, "dtype": r["dtype"]}
@@ -502,19 +546,9 @@ def write_report(path_stem: str, payload: dict[str, Any]) -> None:
         "",
         *common.header_lines(meta["machine"]),
         "",
-        f"- corpus: docstrings of {meta['corpus_files']} files of torch=={CORPUS_TORCH_VERSION} "
-        f"(torch/nn/modules/*, torch/nn/functional.py, torch/optim/*; list in the script), {meta['corpus_chars']} chars, "
-        f"{meta['corpus_docs']} docstrings, sha256 `{meta['corpus_sha256']}` (checked)",
-        f"- vocabulary {meta['vocab']} tokens (chars seen < {RARE_CHAR_COUNT} times share one: "
-        f"{meta['rare_chars']!r}); split: every {VAL_EVERY}th docstring is validation: train {meta['train_chars']} "
-        f"chars, val {meta['val_chars']} chars",
-        f"- steps {meta['steps']}, seeds {seeds}, lr {meta['lr']:g} (warmup 5%, cosine to 10%), weight decay "
-        f"{meta['weight_decay']:g}, betas (0.9, 0.999), eps 1e-8, no clipping; bf16/fp16 autocast, "
-        "fastamp.cast_model (LayerNorm fp32)",
+        *setup_lines(meta),
         f"- bf16 model: TinyGPT {meta['bf16_model']}, {meta['bf16_params']} params; fp16 model: TinyGPT "
         f"{meta['fp16_model']}, {meta['fp16_params']} params",
-        f"- validation: {meta['val_windows']} fixed windows of the val text (evenly spaced, the same for every run), "
-        "model in its own precision under autocast, fp32 cross entropy",
         f"- fp16 rows: fastamp.Scaler(growth_interval=100), loss x {INJECT_FACTOR:g} at steps "
         f"{meta['inject_steps']} (inf grads: the step is skipped)",
         f"- criterion: mean final val loss <= reference x {1 + MEAN_TOL:g} and each seed <= same-seed reference x "
@@ -558,29 +592,92 @@ def write_report(path_stem: str, payload: dict[str, Any]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 1000; --quick 40)")
+@dataclass(frozen=True)
+class RunSettings:
+    """What the command line of the study (and of the ablation) decided."""
+
+    steps: int
+    seeds: list[int]
+    lr: float
+    weight_decay: float
+    n_evals: int
+    names: list[str]  # the chosen configs / variants, in their table's order
+    quick: bool
+    out_dir: str
+    tag: str
+
+
+def parse_run_args(
+    argv: list[str] | None, doc: str, subset: str, choices: list[str], quick_steps: int, evals: tuple[int, int]
+) -> RunSettings:
+    """The shared command line: ``--{subset}`` picks among ``choices``; ``evals`` = (full, quick) validation points."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help=f"steps per run (default 1000; --quick {quick_steps})")
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
     parser.add_argument("--lr", type=float, default=None, help="peak lr (default 1e-3; --quick 3e-3)")
     parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--configs", default=None, help=f"comma-separated subset of {[c.name for c in CONFIGS]}")
-    parser.add_argument("--evals", type=int, default=None, help="validation points after step 0 (default 8)")
-    parser.add_argument("--quick", action="store_true", help="CI smoke: a tiny model, 40 steps, 1 seed")
+    parser.add_argument(f"--{subset}", default=None, help=f"comma-separated subset of {choices}")
+    parser.add_argument("--evals", type=int, default=None, help=f"validation points after step 0 (default {evals[0]})")
+    parser.add_argument("--quick", action="store_true", help=f"CI smoke: a tiny model, {quick_steps} steps, 1 seed")
     parser.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     parser.add_argument("--tag", default=None, help="suffix of the output names (default cpu, cpu-quick)")
     args = parser.parse_args(argv)
-    steps = args.steps or (40 if args.quick else 1000)
-    seeds = list(range(args.seeds or (1 if args.quick else 3)))
-    lr = args.lr or (3e-3 if args.quick else 1e-3)
-    n_evals = args.evals or (2 if args.quick else 8)
-    names = args.configs.split(",") if args.configs else [c.name for c in CONFIGS]
+    picked = getattr(args, subset)
+    names = picked.split(",") if picked else list(choices)
     for n in names:
-        if n not in CONFIG_BY_NAME:
-            raise SystemExit(f"--configs: unknown config {n!r}; expected some of {list(CONFIG_BY_NAME)}")
-    cfgs = [c for c in CONFIGS if c.name in names]
-    bf16_spec, fp16_spec = (QUICK_MODEL, QUICK_MODEL) if args.quick else (BF16_MODEL, FP16_MODEL)
-    n_val = QUICK_VAL_WINDOWS if args.quick else VAL_WINDOWS
+        if n not in choices:
+            raise SystemExit(f"--{subset}: unknown {subset[:-1]} {n!r}; expected some of {choices}")
+    return RunSettings(
+        steps=args.steps or (quick_steps if args.quick else 1000),
+        seeds=list(range(args.seeds or (1 if args.quick else 3))),
+        lr=args.lr or (3e-3 if args.quick else 1e-3),
+        weight_decay=args.weight_decay,
+        n_evals=args.evals or evals[1 if args.quick else 0],
+        names=[c for c in choices if c in names],
+        quick=args.quick,
+        out_dir=args.out or common.DEFAULT_OUT,
+        tag=args.tag or ("cpu-quick" if args.quick else "cpu"),
+    )
+
+
+def run_meta(info: dict[str, Any], corpus: Corpus, rs: RunSettings, n_val: int, wall: float) -> dict[str, Any]:
+    """The meta fields every report of the study and the ablation has (the load average at the end added to ``info``)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if load is not None:
+        info["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in load)
+    return {
+        "machine": info,
+        "git_commit": info.get("git_commit"),
+        "date": info.get("date"),
+        "torch": torch.__version__,
+        **corpus_meta(corpus),
+        "steps": rs.steps,
+        "seeds": rs.seeds,
+        "lr": rs.lr,
+        "weight_decay": rs.weight_decay,
+        "quick": rs.quick,
+        "val_windows": n_val,
+        "wall_s": wall,
+    }
+
+
+def write_outputs(rs: RunSettings, name: str, payload: dict[str, Any], writer: Callable[[str, dict], None]) -> str:
+    """``payload`` as ``<out>/<name>-<tag>.json``, and ``writer(stem, payload)`` (the Markdown); returns the stem."""
+    os.makedirs(rs.out_dir, exist_ok=True)
+    stem = os.path.join(rs.out_dir, f"{name}-{rs.tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    writer(stem, payload)
+    common.log(f"[{name}] wrote {stem}.md and .json in {payload['meta']['wall_s']:.0f} s")
+    return stem
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    rs = parse_run_args(argv, __doc__, "configs", list(CONFIG_BY_NAME), 40, (8, 2))
+    steps, seeds, lr, n_evals = rs.steps, rs.seeds, rs.lr, rs.n_evals
+    cfgs = [CONFIG_BY_NAME[n] for n in rs.names]
+    bf16_spec, fp16_spec = (QUICK_MODEL, QUICK_MODEL) if rs.quick else (BF16_MODEL, FP16_MODEL)
+    n_val = QUICK_VAL_WINDOWS if rs.quick else VAL_WINDOWS
 
     info = common.machine_info(torch.device("cpu"))
     t_start = time.perf_counter()
@@ -589,7 +686,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[RunResult]] = {}
     for seed in seeds:
         for cfg in cfgs:
-            r = train(cfg, seed, data[cfg.dtype], steps, lr, args.weight_decay, n_evals)
+            r = train(cfg, seed, data[cfg.dtype], steps, lr, rs.weight_decay, n_evals)
             runs.setdefault(cfg.name, []).append(r)
             common.log(
                 f"[convergence_q8] {cfg.name} seed {seed}: final val {r.final_val:.4f} "
@@ -607,48 +704,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for n, r in rows.items()
         if r["q8_fraction"] > 0
     )
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    if load is not None:
-        info["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in load)
-    payload = {
-        "meta": {
-            "machine": info,
-            "git_commit": info.get("git_commit"),
-            "date": info.get("date"),
-            "torch": torch.__version__,
-            "corpus_sha256": corpus.sha256,
-            "corpus_torch_version": CORPUS_TORCH_VERSION,
-            "corpus_files": len(CORPUS_FILES),
-            "corpus_docs": corpus.n_docs,
-            "corpus_chars": len(corpus.text),
-            "train_chars": len(corpus.train),
-            "val_chars": len(corpus.val),
-            "vocab": len(corpus.vocab),
-            "rare_chars": "".join(corpus.rare_chars),
-            "steps": steps,
-            "seeds": seeds,
-            "lr": lr,
-            "weight_decay": args.weight_decay,
-            "quick": args.quick,
-            "bf16_model": bf16_spec.__dict__,
-            "fp16_model": fp16_spec.__dict__,
-            "bf16_params": n_params(bf16_spec),
-            "fp16_params": n_params(fp16_spec),
-            "val_windows": n_val,
-            "inject_steps": inject_steps(steps),
-            "q8_coverage": coverage,
-            "criterion": {"mean_tol": MEAN_TOL, "seed_tol": SEED_TOL},
-            "wall_s": wall,
-        },
-        "configs": rows,
-        "verdict": verdict(rows, steps, seeds, args.quick),
-    }
-    out_dir = args.out or common.DEFAULT_OUT
-    os.makedirs(out_dir, exist_ok=True)
-    tag = args.tag or ("cpu-quick" if args.quick else "cpu")
-    stem = os.path.join(out_dir, f"convergence_q8-{tag}")
-    write_report(stem, payload)
-    common.log(f"[convergence_q8] wrote {stem}.md and .json in {wall:.0f} s")
+    meta = run_meta(info, corpus, rs, n_val, wall)
+    meta.update(
+        bf16_model=bf16_spec.__dict__,
+        fp16_model=fp16_spec.__dict__,
+        bf16_params=n_params(bf16_spec),
+        fp16_params=n_params(fp16_spec),
+        inject_steps=inject_steps(steps),
+        q8_coverage=coverage,
+        criterion={"mean_tol": MEAN_TOL, "seed_tol": SEED_TOL},
+    )
+    payload = {"meta": meta, "configs": rows, "verdict": verdict(rows, steps, seeds, rs.quick)}
+    write_outputs(rs, "convergence_q8", payload, write_report)
     common.log(payload["verdict"])
     return payload
 
