@@ -69,10 +69,15 @@ def test_quick_direction_error_has_the_fp32_floor_and_sees_quantisation(quick):
         assert r["vs_default"] == pytest.approx(r["mean"] / rows["default"]["mean"] - 1)
 
 
+@pytest.fixture(scope="module")
+def small_data():
+    return convergence_q8.Batches(convergence_q8.Corpus(), convergence_q8.QUICK_MODEL, 8)
+
+
 @pytest.mark.parametrize("variant,rounding", [("default", "stochastic"), ("nearest", "nearest")])
-def test_requantised_fp32_adamw_is_adamw_q8_bit_for_bit(variant, rounding):
+def test_requantised_fp32_adamw_is_adamw_q8_bit_for_bit(small_data, variant, rounding):
     """The ablation's harness for a q8 variant equals the optimizer's own q8 path: params, moments, masters."""
-    data = convergence_q8.Batches(convergence_q8.Corpus(), convergence_q8.QUICK_MODEL, 8)
+    data = small_data
     kw = {"master_weights": "remainder", "state_format": "q8", "state_rounding": rounding}
     cfg = convergence_q8.Config("q8", torch.bfloat16, kw, None, "")
     seen = {}
