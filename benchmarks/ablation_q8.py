@@ -342,6 +342,19 @@ def decide(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick:
             f"p99 {r['dir_err_p99']:.4f} (default {d['dir_err_p99']:.4f}), v lost {r['v_lost_fraction'] * 100:.3f}% of "
             f"elements, {r['bytes_per_moment_element']:.4f} B per moment element."
         )
+    within = [n for n in others if abs(rows[n]["vs_default"]) <= DECIDE_TOL]
+    worse = [n for n in others if rows[n]["vs_default"] > DECIDE_TOL]
+    if within:
+        parts.append(f"Within +-{DECIDE_TOL * 100:.1f}% of the default's val loss: {', '.join(within)}.")
+    if worse:
+        parts.append(f"Worse than the default by more than {DECIDE_TOL * 100:.1f}%: {', '.join(worse)}.")
+    sharper = [n for n in others if n not in better and rows[n]["dir_err_mean"] < d["dir_err_mean"]]
+    if sharper:
+        parts.append(
+            f"A lower direction error than the default's without a val loss better by more than "
+            f"{DECIDE_TOL * 100:.1f}%: {', '.join(sharper)} (on this model the error it removes does not show in "
+            "the loss beyond the rule's margin)."
+        )
     if "fp32" in rows:
         parts.append(f"fp32 (the error floor): direction error mean {rows['fp32']['dir_err_mean']:.2e}.")
     return " ".join(parts)

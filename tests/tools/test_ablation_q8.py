@@ -154,10 +154,13 @@ def _row(mean, **kw):
             "bytes_per_moment_element": 1.03, **kw}  # fmt: skip
 
 
-@pytest.mark.parametrize("delta,changes", [(-0.003, True), (-0.001, False), (0.004, False)])
-def test_decision_rule(delta, changes):
+@pytest.mark.parametrize("delta,verdict", [(-0.003, "change"), (-0.001, "within"), (0.004, "worse")])
+def test_decision_rule(delta, verdict):
     d = 1.5
     rows = {"fp32": _row(d), "default": _row(d, vs_default=0.0, vs_default_per_seed=[0.0])}
     rows["block64"] = _row(d * (1 + delta), vs_default=delta, vs_default_per_seed=[delta])
     text = ablation_q8.decide(rows, 1000, [0], False)
+    changes = verdict == "change"
     assert text.startswith("Decision: change the default to block64" if changes else "Decision: keep the default")
+    assert ("Within +-0.2% of the default's val loss: block64." in text) == (verdict == "within")
+    assert ("Worse than the default by more than 0.2%: block64." in text) == (verdict == "worse")
