@@ -37,11 +37,22 @@ Measured per variant:
   not (the next step then divides m by eps alone); the q8 codes never do this by construction.
 - **Final validation loss** per seed, and the mean over seeds relative to ``default`` and ``fp32``.
 
-Decision rule (the design, shared/design/memory-formats.md M4): the default stands unless a
-variant beats its mean final validation loss by more than :data:`DECIDE_TOL` (0.2%).
+Decision rule (the design's, shared/design/memory-formats.md M4, made robust to one seed): the
+default stands unless a variant beats its mean final validation loss by more than
+:data:`DECIDE_TOL` (0.2%) and is better than it in every seed.
+
+Size: the study's own run, 1,000 steps and 3 seeds. 1,000 steps because shorter runs are still
+in the warmup-dominated phase where the formats' errors have not separated (at 100 steps
+round-to-nearest's direction error is still climbing) and because the default's row is then
+the study's ``remainder-q8`` run bit for bit (checked in the report's cross-check); 3 seeds
+because the rule's 0.2% margin is about the seed-to-seed spread of paired differences in the
+study (remainder-q8 vs baseline: -0.13% to +0.06%). Cost per step on the 2-core CPU: the model
+~30 ms; the reference codec (integer maths in torch) adds ~40-55 ms CPU for the SR and nearest q8
+variants, ~10 ms for FlashOptim's: about 13-17 minutes for the five variants on a quiet machine.
 
 Writes ``results/ablation_q8-<tag>.{md,json}`` (tag ``cpu``, ``cpu-quick`` with ``--quick``).
-Run the full ablation niced: ``nice -n 10 python benchmarks/ablation_q8.py``.
+Run the full ablation niced, after the convergence study (the cross-check reads its JSON):
+``nice -n 10 python benchmarks/ablation_q8.py``.
 """
 
 from __future__ import annotations
@@ -304,7 +315,8 @@ def summarise(runs: dict[str, list[VariantRun]], steps: int) -> dict[str, dict[s
 
 
 def decide(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick: bool) -> str:
-    """The decision, in words, from the numbers: the default stands unless a variant beats it by > DECIDE_TOL."""
+    """The decision, in words, from the numbers: the default stands unless a variant beats its mean final val
+    loss by more than DECIDE_TOL and is better in every seed (so one seed's noise cannot change the default)."""
 
     def pct(x: float) -> str:
         return f"{x * 100:+.2f}%"
@@ -313,7 +325,8 @@ def decide(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick:
     if d is None or "vs_default" not in d:
         return "Decision: none (the default did not run)."
     others = [n for n in rows if n not in ("fp32", "default") and "vs_default" in rows[n]]
-    better = [n for n in others if rows[n]["vs_default"] < -DECIDE_TOL]
+    beats_mean = [n for n in others if rows[n]["vs_default"] < -DECIDE_TOL]
+    better = [n for n in beats_mean if all(x < 0 for x in rows[n]["vs_default_per_seed"])]
     parts = []
     if quick:
         parts.append("(--quick: a smoke run of the machinery; these numbers decide nothing.)")
@@ -321,13 +334,20 @@ def decide(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick:
         best = min(better, key=lambda n: rows[n]["vs_default"])
         parts.append(
             f"Decision: change the default to {best}: its mean final val loss is {pct(rows[best]['vs_default'])} vs the "
-            f"default's (rule: a variant that beats it by more than {DECIDE_TOL * 100:.1f}% replaces it)."
+            f"default's, and it is better in every seed (rule: a variant that beats it by more than "
+            f"{DECIDE_TOL * 100:.1f}% in the mean and in no seed is worse replaces it)."
         )
     else:
         parts.append(
             f"Decision: keep the default (q8, block 32, stochastic rounding): no variant beats its mean final val loss "
-            f"by more than {DECIDE_TOL * 100:.1f}% ({steps} steps, {len(seeds)} seeds)."
+            f"by more than {DECIDE_TOL * 100:.1f}% and is better in every seed ({steps} steps, {len(seeds)} seeds)."
         )
+    for n in beats_mean:
+        if n not in better:
+            parts.append(
+                f"{n} beats the default's mean by {pct(-rows[n]['vs_default'])[1:]} but not in every seed "
+                f"({', '.join(pct(x) for x in rows[n]['vs_default_per_seed'])}): seed noise, not a reason to change."
+            )
     if "vs_fp32" in d:
         parts.append(
             f"The default is {pct(d['vs_fp32'])} vs fp32 moments (per seed "
@@ -348,7 +368,7 @@ def decide(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick:
         parts.append(f"Within +-{DECIDE_TOL * 100:.1f}% of the default's val loss: {', '.join(within)}.")
     if worse:
         parts.append(f"Worse than the default by more than {DECIDE_TOL * 100:.1f}%: {', '.join(worse)}.")
-    sharper = [n for n in others if n not in better and rows[n]["dir_err_mean"] < d["dir_err_mean"]]
+    sharper = [n for n in others if n not in beats_mean and rows[n]["dir_err_mean"] < d["dir_err_mean"]]
     if sharper:
         parts.append(
             f"A lower direction error than the default's without a val loss better by more than "
@@ -427,7 +447,8 @@ def write_report(path_stem: str, payload: dict[str, Any]) -> None:
         f"(step, tensor) pairs of all seeds; late mean: the last {LATE_FRACTION * 100:.0f}% of steps",
         "- v lost: share of (step, element) pairs whose dequantised v is 0 while the shadow's is not",
         f"- decision rule: the default stands unless a variant's mean final val loss beats it by more than "
-        f"{DECIDE_TOL * 100:.1f}% (shared/design/memory-formats.md, M4)",
+        f"{DECIDE_TOL * 100:.1f}% and the variant is better in every seed (shared/design/memory-formats.md, M4; "
+        "the every-seed condition is ours: one seed's noise must not change a default)",
         f"- wall time of the ablation: {meta['wall_s']:.0f} s",
         "",
         "## Variants",

@@ -154,13 +154,23 @@ def _row(mean, **kw):
             "bytes_per_moment_element": 1.03, **kw}  # fmt: skip
 
 
-@pytest.mark.parametrize("delta,verdict", [(-0.003, "change"), (-0.001, "within"), (0.004, "worse")])
-def test_decision_rule(delta, verdict):
+@pytest.mark.parametrize(
+    "per_seed,verdict",
+    [
+        ([-0.003, -0.002, -0.004], "change"),
+        ([-0.008, -0.002, +0.001], "noise"),  # the mean beats the margin, one seed does not
+        ([-0.001, 0.0, -0.002], "within"),
+        ([0.004, 0.003, 0.005], "worse"),
+    ],
+)
+def test_decision_rule(per_seed, verdict):
     d = 1.5
-    rows = {"fp32": _row(d), "default": _row(d, vs_default=0.0, vs_default_per_seed=[0.0])}
-    rows["block64"] = _row(d * (1 + delta), vs_default=delta, vs_default_per_seed=[delta])
-    text = ablation_q8.decide(rows, 1000, [0], False)
+    delta = sum(per_seed) / len(per_seed)
+    rows = {"fp32": _row(d), "default": _row(d, vs_default=0.0, vs_default_per_seed=[0.0] * 3)}
+    rows["block64"] = _row(d * (1 + delta), vs_default=delta, vs_default_per_seed=per_seed)
+    text = ablation_q8.decide(rows, 1000, [0, 1, 2], False)
     changes = verdict == "change"
     assert text.startswith("Decision: change the default to block64" if changes else "Decision: keep the default")
+    assert ("block64 beats the default's mean by 0.30% but not in every seed" in text) == (verdict == "noise")
     assert ("Within +-0.2% of the default's val loss: block64." in text) == (verdict == "within")
     assert ("Worse than the default by more than 0.2%: block64." in text) == (verdict == "worse")
