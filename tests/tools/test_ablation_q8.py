@@ -174,3 +174,37 @@ def test_decision_rule(per_seed, verdict):
     assert ("block64 beats the default's mean by 0.30% but not in every seed" in text) == (verdict == "noise")
     assert ("Within +-0.2% of the default's val loss: block64." in text) == (verdict == "within")
     assert ("Worse than the default by more than 0.2%: block64." in text) == (verdict == "worse")
+
+
+@pytest.mark.parametrize(
+    "variant,row,reason",
+    [
+        ("nearest", {"dir_err_mean": 0.3}, "direction error mean is 3.00x the default's"),
+        ("block64", {"v_lost_fraction": 0.001}, "decodes a nonzero v to 0"),
+        ("flashoptim", {}, "not portable"),
+    ],
+)
+def test_decision_needs_fidelity_no_lost_v_and_portability(variant, row, reason):
+    """A lower val loss in every seed is not enough: the variant must also follow AdamW as closely, keep v, be exact."""
+    d, per_seed = 1.5, [-0.01, -0.02, -0.03]
+    rows = {"fp32": _row(d), "default": _row(d, vs_default=0.0, vs_default_per_seed=[0.0] * 3)}
+    rows[variant] = _row(d * 0.98, vs_default=-0.02, vs_default_per_seed=per_seed, **row)
+    text = ablation_q8.decide(rows, 1000, [0, 1, 2], False)
+    assert text.startswith("Decision: keep the default"), text
+    assert f"{variant} has a lower val loss" in text and reason in text
+    rows[variant] = _row(d * 0.98, vs_default=-0.02, vs_default_per_seed=per_seed, dir_err_mean=0.05)
+    changes = ablation_q8.decide(rows, 1000, [0, 1, 2], False).startswith(f"Decision: change the default to {variant}")
+    assert changes == (variant != "flashoptim")  # fidelity and v restored: only the non-portable one stays out
+
+
+def test_report_from_rewrites_the_decision_and_keeps_the_numbers(quick, tmp_path):
+    out, _ = quick
+    src = json.loads((out / "ablation_q8-cpu-quick.json").read_text())
+    path = tmp_path / "ablation_q8-t.json"
+    src["decision"] = "stale"
+    path.write_text(json.dumps(src))
+    out = ablation_q8.main(["--report-from", str(path)])
+    assert out["decision"] != "stale" and out["decision"].startswith("(--quick")
+    assert out["variants"] == src["variants"] and out["meta"]["git_commit"] == src["meta"]["git_commit"]
+    md = (tmp_path / "ablation_q8-t.md").read_text()
+    assert "regenerated from the run's JSON" in md and out["decision"] in md
