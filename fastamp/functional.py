@@ -180,7 +180,11 @@ def _native_module():
 
 
 _NATIVE = _native_module()
-_DIRECT = {op: getattr(_NATIVE, op) for op in _ops.OPS if hasattr(_NATIVE, op)} if _NATIVE is not None else {}
+_DIRECT = (
+    {op: getattr(_NATIVE, op) for op in (*_ops.OPS, *_ops.Q8_OPS) if hasattr(_NATIVE, op)}
+    if _NATIVE is not None
+    else {}
+)
 # The direct call a table stands in for: a table runs only while _DIRECT holds it, so a test
 # that routes _DIRECT through a spy (tests/helpers.spy_kernels) sees every kernel call.
 _TABLE_DIRECT = _DIRECT.get("adamw_")

@@ -45,6 +45,8 @@ constexpr int kMasterUlp8 = 3;       // int8 ulp8 corrections of bf16 / fp16 par
 constexpr int64_t kBlock = math::kQ8Block;
 static_assert(kChunkElems % kBlock == 0, "chunks must hold whole q8 blocks");
 static_assert((uint64_t{1} << 32) % static_cast<uint64_t>(kChunkElems) == 0, "chunks must not cross 2^32");
+static_assert((1 << 16) % kChunkElems == 0 && kChunkElems % (1 << 14) == 0,
+              "the vector RNG needs chunks of 2^14..2^16 elements (vq8_random16)");
 
 struct Q8Args {
   math::AdamWStepScalars s;
@@ -138,6 +140,26 @@ void q8_chunk(const Q8Chunk& c, int64_t n, const Q8Args& a) {
 }
 
 }  // namespace scalar
+
+// The vector codec computes with fp32 subnormals and round-to-nearest (as the reference does): a
+// thread set to flush-to-zero / denormals-are-zero or another rounding mode (as
+// torch.set_flush_denormal(True) does) runs its part of the kernel with the default mode, which
+// it gets back afterwards.
+class DefaultFloatMode {
+ public:
+#if FASTAMP_X86_SIMD
+  static constexpr unsigned kControl = 0xE040u;  // MXCSR: flush-to-zero, rounding mode, denormals-are-zero
+  DefaultFloatMode() : saved_(_mm_getcsr() & kControl) {
+    if (saved_ != 0) _mm_setcsr(_mm_getcsr() & ~kControl);
+  }
+  ~DefaultFloatMode() {
+    if (saved_ != 0) _mm_setcsr(_mm_getcsr() | saved_);
+  }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 #define FASTAMP_ISA_KERNELS "cpu/adamw_q8_kernels.inc"
 #include "cpu/per_isa.inc"  // namespaces avx512 and avx2: the loops of adamw_q8_kernels.inc per ISA
@@ -315,6 +337,7 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
   const int64_t master_size = kind == kMasterFp32 ? 4 : kind == kMasterRemainder ? 2 : 1;
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
+    const DefaultFloatMode float_mode;
     for (int64_t c = cb; c < ce; ++c) {
       const Chunk& ch = chunks[static_cast<size_t>(c)];
       const size_t t = static_cast<size_t>(ch.tensor);
