@@ -180,7 +180,11 @@ def _native_module():
 
 
 _NATIVE = _native_module()
-_DIRECT = {op: getattr(_NATIVE, op) for op in _ops.OPS if hasattr(_NATIVE, op)} if _NATIVE is not None else {}
+_DIRECT = (
+    {op: getattr(_NATIVE, op) for op in (*_ops.OPS, *_ops.Q8_OPS) if hasattr(_NATIVE, op)}
+    if _NATIVE is not None
+    else {}
+)
 # The direct call a table stands in for: a table runs only while _DIRECT holds it, so a test
 # that routes _DIRECT through a spy (tests/helpers.spy_kernels) sees every kernel call.
 _TABLE_DIRECT = _DIRECT.get("adamw_")
@@ -365,10 +369,11 @@ def adamw_q8_(
 ) -> None:
     """AdamW on 8-bit block-scaled moments (the q8 format; see :func:`fastamp.reference.adamw_q8_`).
 
-    ``masters``: fp32 masters, int16 remainders (bf16 params) or empty. Codes are uint8
-    shaped like the params (contiguous), scales uint8 ``[ceil(n / 32)]``. ``rng``
-    (``[seed, counter]``, int64) drives the stochastic rounding of the codes (``sr_codes``) and
-    of bf16 params without a master (``sr_param``). ``step_scalars`` as in :func:`adamw_`. No
+    ``masters``: fp32 masters, int16 remainders (bf16 params), int8 ulp8 corrections (bf16 /
+    fp16 params) or empty. Codes are uint8 shaped like the params (contiguous), scales uint8
+    ``[ceil(n / 32)]``. ``rng`` (``[seed, counter]``, int64) drives the stochastic rounding of
+    the codes (``sr_codes``) and of bf16 params without a master or of ulp8 corrections
+    (``sr_param``). ``step_scalars`` as in :func:`adamw_`. No
     host sync.
     """
     op = "adamw_q8_"
@@ -376,16 +381,6 @@ def adamw_q8_(
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
-    if len(masters) and masters[0].dtype == torch.int8:
-        # ulp8 masters: the native kernel does not take them yet, so AUTO picks the reference
-        chosen = backends.resolve(op, dev, backend)
-        if chosen == "native":
-            if (backend or backends.get_backend()) == "native":
-                raise backends.BackendUnavailableError(
-                    f"fastamp: backend 'native' was requested for {op} with int8 (ulp8) masters, which its kernel "
-                    "does not take yet; use backend='torch' (or leave the backend to AUTO)"
-                )
-            backend = "torch"
     tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
                step_scalars, found_inf, rng)  # fmt: skip
     args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes))
