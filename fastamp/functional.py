@@ -342,6 +342,11 @@ def adamw_bf16_(
     _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], args[8], strict=strict))
 
 
+# Device types whose native adamw_q8_ kernel takes int8 (ulp8) masters: none yet (the CPU and
+# CUDA kernels refuse them, naming the reason).
+_NATIVE_ULP8: frozenset = frozenset()
+
+
 def adamw_q8_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -365,27 +370,32 @@ def adamw_q8_(
 ) -> None:
     """AdamW on 8-bit block-scaled moments (the q8 format; see :func:`fastamp.reference.adamw_q8_`).
 
-    ``masters``: fp32 masters, int16 remainders (bf16 params) or empty. Codes are uint8
-    shaped like the params (contiguous), scales uint8 ``[ceil(n / 32)]``. ``rng``
-    (``[seed, counter]``, int64) drives the stochastic rounding of the codes (``sr_codes``) and
-    of bf16 params without a master (``sr_param``). ``step_scalars`` as in :func:`adamw_`. No
-    host sync.
+    ``masters``: fp32 masters, int16 remainders (bf16 params), int8 ulp8 corrections (bf16 /
+    fp16 params) or empty. Codes are uint8 shaped like the params (contiguous), scales uint8
+    ``[ceil(n / 32)]``. ``rng`` (``[seed, counter]``, int64) drives the stochastic rounding of
+    the codes (``sr_codes``) and of bf16 params without a master or ulp8 corrections
+    (``sr_param``). ``step_scalars`` as in :func:`adamw_`. No host sync.
+
+    Backends: native (CPU; CUDA where built), Triton (CUDA; the CPU under ``TRITON_INTERPRET=1``),
+    torch. ulp8 masters run on Triton or the reference: AUTO passes the native kernel over for
+    them, and an explicit ``backend='native'`` is refused with the reason.
     """
     op = "adamw_q8_"
     if len(params) == 0:
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
-    if len(masters) and masters[0].dtype == torch.int8:
-        # ulp8 masters: the native kernel does not take them yet, so AUTO picks the reference
+    if len(masters) and masters[0].dtype == torch.int8 and dev.type not in _NATIVE_ULP8:
+        # ulp8 masters: the native kernel does not take them yet, so AUTO picks the next backend
+        # (Triton on a GPU, the reference on the CPU)
         chosen = backends.resolve(op, dev, backend)
         if chosen == "native":
-            if (backend or backends.get_backend()) == "native":
+            if (backends._check_name(backend) or backends.get_backend()) == "native":
                 raise backends.BackendUnavailableError(
-                    f"fastamp: backend 'native' was requested for {op} with int8 (ulp8) masters, which its kernel "
-                    "does not take yet; use backend='torch' (or leave the backend to AUTO)"
+                    f"fastamp: backend 'native' was requested for {op} with int8 (ulp8) masters, which its "
+                    f"{dev.type} kernel does not take yet; use backend='triton' or 'torch' (or leave the backend to AUTO)"
                 )
-            backend = "torch"
+            backend = backends.resolve(op, dev, skip=("native",))
     tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
                step_scalars, found_inf, rng)  # fmt: skip
     args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes))

@@ -42,8 +42,12 @@ def _master(opt, p):
     return p.detach().float()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
+# Triton runs interpreted here (~6 s a run): stochastic rounding only, its round-to-nearest codes
+# are checked byte for byte against the op's reference by tests/backends/test_triton_q8.py
+@pytest.mark.parametrize(
+    "backend,rounding",
+    [(b, r) for b in BACKENDS for r in ("stochastic", "nearest") if not (b == "triton" and r == "nearest")],
+)
 def test_q8_remainder_equals_fp32_master_adamw_with_requantised_moments(backend, rounding):
     ps_q8, ps_ref = _params(), _params()
     opt = AdamW(ps_q8, lr=3e-3, weight_decay=0.1, master_weights="remainder", state_format="q8",
