@@ -347,6 +347,23 @@ def adamw_bf16_(
 _NATIVE_ULP8: frozenset = frozenset()
 
 
+def _q8_backend(dev: torch.device, backend: str | None, ulp8: bool) -> str:
+    """The resolved backend of an ``adamw_q8_`` call: with ulp8 masters on a device whose native kernel
+    does not take them, AUTO passes it over for the next backend (Triton on a GPU, the reference on the
+    CPU) and an explicit or forced ``'native'`` is refused with the reason. Eager and compiled steps
+    (fastamp.optim) both ask here."""
+    op = "adamw_q8_"
+    chosen = backends.resolve(op, dev, backend)
+    if chosen != "native" or not ulp8 or dev.type in _NATIVE_ULP8:
+        return chosen
+    if (backends._check_name(backend) or backends.get_backend()) == "native":
+        raise backends.BackendUnavailableError(
+            f"fastamp: backend 'native' was requested for {op} with int8 (ulp8) masters, which its "
+            f"{dev.type} kernel does not take yet; use backend='triton' or 'torch' (or leave the backend to AUTO)"
+        )
+    return backends.resolve(op, dev, skip=("native",))
+
+
 def adamw_q8_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -385,17 +402,8 @@ def adamw_q8_(
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
-    if len(masters) and masters[0].dtype == torch.int8 and dev.type not in _NATIVE_ULP8:
-        # ulp8 masters: the native kernel does not take them yet, so AUTO picks the next backend
-        # (Triton on a GPU, the reference on the CPU)
-        chosen = backends.resolve(op, dev, backend)
-        if chosen == "native":
-            if (backends._check_name(backend) or backends.get_backend()) == "native":
-                raise backends.BackendUnavailableError(
-                    f"fastamp: backend 'native' was requested for {op} with int8 (ulp8) masters, which its "
-                    f"{dev.type} kernel does not take yet; use backend='triton' or 'torch' (or leave the backend to AUTO)"
-                )
-            backend = backends.resolve(op, dev, skip=("native",))
+    if len(masters) and masters[0].dtype == torch.int8:
+        backend = _q8_backend(dev, backend, True)
     tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
                step_scalars, found_inf, rng)  # fmt: skip
     args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes))

@@ -760,7 +760,7 @@ def _small_cover(specs: dict, groups: dict, weight) -> set:
     """
     chosen = set()
     per_param = defaultdict(dict)
-    for d, members in groups.items():
+    for members in groups.values():
         flags = specs[members[0]]["flags"]
         per_param[flags.get("P_KIND")][flags.get("G_KIND")] = members
     for i, p in enumerate(sorted(per_param)):
