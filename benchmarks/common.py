@@ -182,14 +182,22 @@ def assert_close(
 # How many bytes of a stream one element moves: a read-only or write-only stream once, an
 # in-place read-modify-write twice (read + write).
 ROLE_MULT = {"r": 1, "w": 1, "rw": 2}
-_INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-# Every ceiling buffer holds fp32 normal numbers; XOR with this constant, on any integer view
-# of them (16, 32 or 64 bits), flips mantissa bits only: the numbers stay finite and normal
-# (no slow paths in the fp32 sum of a read stream), and two calls restore every value. (A
-# stream XORed with another holds other bits between two calls; only read streams are summed.)
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Every ceiling buffer holds fp32 normal numbers; XOR with this constant, on a 16, 32 or 64-bit
+# integer view of them, flips mantissa bits only: the numbers stay finite and normal (no slow
+# paths in the fp32 sum of a read stream), and two calls restore every value. (A stream XORed
+# with another holds other bits between two calls; only read streams are summed.) On an 8-bit
+# view every byte is XORed, the exponent's too: there the constant is 0x01, which moves an
+# exponent by at most 2 (the buffers hold randn values, far from the subnormals and inf).
 _XOR_K = 0x55
-# What a write-only stream with no read to copy is filled with: fp32 1.0 in every 4 bytes.
-_FILL = {2: 0x3F80, 4: 0x3F800000, 8: 0x3F8000003F800000}
+_XOR_K_BYTE = 0x01
+# What a write-only stream with no read to copy is filled with: fp32 1.0 in every 4 bytes
+# (0x3F3F3F3F, about 0.75, for a 1-byte stream).
+_FILL = {1: 0x3F, 2: 0x3F80, 4: 0x3F800000, 8: 0x3F8000003F800000}
+
+
+def _xor_k(x: torch.Tensor) -> int:
+    return _XOR_K_BYTE if x.element_size() == 1 else _XOR_K
 
 
 @dataclass(frozen=True)
@@ -261,10 +269,10 @@ def _cpu_ceiling(spec: str, numel: int, device: torch.device, pool: dict) -> tup
         block = [s for s, r in partner.items() if s.role == "rw" and r is None and s.name not in elsewhere]
         if len(block) > 1:
             nbytes = numel * sum(s.size for s in block)
-            width = 4 if all(s.size % 4 == 0 for s in block) else 2
+            width = next(w for w in (4, 2, 1) if all(s.size % w == 0 for s in block))
             x = raw(("block",) + tuple((s.name, s.size) for s in block), nbytes).view(torch.uint8)[:nbytes]
             x = x.view(_INT_OF_SIZE[width])
-            ops.append(lambda x=x: x.bitwise_xor_(_XOR_K))
+            ops.append(lambda x=x: x.bitwise_xor_(_xor_k(x)))
             words.append(f"[{' '.join(s.name for s in block)}] ^= k")
         for s, src in partner.items():
             if len(block) > 1 and s in block:
@@ -281,7 +289,7 @@ def _cpu_ceiling(spec: str, numel: int, device: torch.device, pool: dict) -> tup
                 ops.append(lambda d=dst: d.fill_(_FILL[d.element_size()]))
                 words.append(f"{s.name}.fill_(k)")
             else:
-                ops.append(lambda d=dst: d.bitwise_xor_(_XOR_K))
+                ops.append(lambda d=dst: d.bitwise_xor_(_xor_k(d)))
                 words.append(f"{s.name} ^= k")
         # A read nothing else consumes: an fp32 sum over its bytes, whatever the stream's dtype (a bf16 sum
         # is bound by the conversion, not by memory).
@@ -497,8 +505,12 @@ def run_benchmark(
     make_providers: Callable[[int, int, list[str]], list[Provider]],
     title: str,
     summarise: Callable[[list[dict[str, object]]], list[str]] | None = None,
+    not_timed: list[str] | None = None,
 ) -> list[dict[str, object]]:
     """Check, time and report every provider at every config; write CSV, Markdown and PNG.
+
+    ``not_timed``: lines the providers' builder appends to while it runs (a provider whose
+    package is missing), listed with the backends that were not timed.
 
     At each config, every distinct provider traffic gets its :func:`ceiling` at that
     config's element count, timed in the same interleaved rounds as the providers (so the
@@ -607,6 +619,7 @@ def run_benchmark(
     notes = sorted({f"- {r['provider']} ({r['scenario']}): {r['notes']}" for r in rows if r["notes"]})
     failed = [f"- {r['scenario']}/{r['provider']}/{r['dtype']}: {r['check']}" for r in rows if r["check"] != "ok"]
     md = [f"# {title}", ""] + header_lines(info, ceilings) + [""]
+    skipped = skipped + list(not_timed or ())
     if skipped:
         md += ["Not timed:", ""] + [f"- {s}" for s in skipped] + [""]
     if failed:

@@ -1,4 +1,4 @@
-"""Convergence of ``AdamW(state_format="q8")`` on real text (issue 22): does it train as well as fp32 masters?
+"""Convergence of AdamW's 8-bit formats on real text (issue 22): do q8 moments and ulp8 masters train as fp32 masters?
 
 A character-level GPT (:class:`fastamp.compare.models.TinyGPT`) learns the docstrings of the
 installed torch wheel (a fixed list of its Python sources, read with ``ast``; the corpus string is
@@ -8,26 +8,32 @@ checked by sha256, so every run trains on the same text), under bf16 autocast wi
 ``baseline``        fp32-master AdamW (``master_weights=True``, fp32 moments): the reference
 ``remainder-q8``    ``master_weights="remainder", state_format="q8"`` (exact master, 8-bit moments)
 ``sr-q8``           ``master_weights=False, stochastic_rounding=True, state_format="q8"`` (no master)
+``ulp8-q8``         ``master_weights="ulp8", state_format="q8"`` (int8 master correction, 8-bit moments)
 ``pure-bf16``       ``master_weights=False``, round to nearest, fp32 moments: the negative control;
                     small updates are lost, and it must fail the criterion, else the study cannot
                     tell a loss of precision from none
 
 and, on a smaller GPT (fp16 matmuls are slow on CPUs without AVX512-FP16), in fp16
-(``cast_model(model, torch.float16)``, ``fastamp.Scaler``, fp32 masters) with overflows injected
+(``cast_model(model, torch.float16)``, ``fastamp.Scaler``) with overflows injected
 at fixed steps (the loss times 1e30: inf grads, a skipped step, a backoff):
 
-``fastamp-fp16``    fp32 moments: the fp16 twin
-``fp16-q8``         ``state_format="q8"``
+``fastamp-fp16``    fp32 masters, fp32 moments: the fp16 twin
+``fp16-q8``         fp32 masters, ``state_format="q8"``
+``fp16-ulp8-q8``    ``master_weights="ulp8", state_format="q8"`` (fp16 param + int8 correction, no fp32 master)
 
 Every configuration of a seed starts from the same init (``torch.manual_seed(seed)`` before the
 model is built) and sees the same batches in the same order (a generator seeded by seed and
-step); the q8 and stochastic-rounding bits come from ``AdamW(seed=seed)``. Validation: fixed
+step); the q8, ulp8 and stochastic-rounding bits come from ``AdamW(seed=seed)``. Validation: fixed
 windows of a fixed document-level split (every 10th docstring), the same for every seed and
 configuration, evaluated in the model's own precision under autocast with the loss in fp32.
 
 Criterion: a configuration passes when the mean over seeds of its final validation loss is
-within +0.5% of its reference's (``baseline``; ``fastamp-fp16`` for ``fp16-q8``) and every seed's
-within +1.0% of the same seed's reference. ``pure-bf16`` must fail it.
+within +0.5% of its reference's (``baseline`` for the bf16 rows, ``fastamp-fp16`` for the fp16
+ones) and every seed's within +1.0% of the same seed's reference. ``pure-bf16`` must fail it.
+
+The ulp8 rows run ``adamw_q8_`` on the torch reference backend while the native kernel lacks
+ulp8 masters (:func:`fastamp.functional.adamw_q8_` picks it under AUTO): the same bits by the
+backend contract, but their wall time per run says nothing about the kernels' speed.
 
 Writes ``results/convergence_q8-<tag>.{md,json}`` (tag ``cpu``, ``cpu-quick`` with ``--quick``).
 Run the full study niced: ``nice -n 10 python benchmarks/convergence_q8.py``.
@@ -45,7 +51,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -129,12 +135,16 @@ CONFIGS = (
     Config("sr-q8", torch.bfloat16,
            {"master_weights": False, "stochastic_rounding": True, "state_format": "q8"}, "baseline",
            "bf16 params, no master, stochastic rounding, q8 moments"),
+    Config("ulp8-q8", torch.bfloat16, {"master_weights": "ulp8", "state_format": "q8"}, "baseline",
+           "bf16 params, int8 ulp8 master corrections (stochastic), q8 moments"),
     Config("pure-bf16", torch.bfloat16, {"master_weights": False}, "baseline",
            "bf16 params, no master, round to nearest, fp32 moments (negative control: must fail)", control=True),
     Config("fastamp-fp16", torch.float16, {"master_weights": True}, None,
            "fp16 params, fp32 masters, fp32 moments, fastamp.Scaler, injected overflows (the fp16 twin)"),
     Config("fp16-q8", torch.float16, {"master_weights": True, "state_format": "q8"}, "fastamp-fp16",
            "fp16 params, fp32 masters, q8 moments, fastamp.Scaler, injected overflows"),
+    Config("fp16-ulp8-q8", torch.float16, {"master_weights": "ulp8", "state_format": "q8"}, "fastamp-fp16",
+           "fp16 params, int8 ulp8 master corrections (stochastic), q8 moments, fastamp.Scaler, injected overflows"),
 )  # fmt: skip
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -270,13 +280,25 @@ class RunResult:
     n_params: int = 0
     q8_params: int = 0
     q8_tensors: int = 0
+    ulp8_params: int = 0
     n_tensors: int = 0
     injected: list[int] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     final_scale: float | None = None
 
 
-def train(cfg: Config, seed: int, data: Batches, steps: int, lr: float, weight_decay: float, n_evals: int) -> RunResult:
+def train(
+    cfg: Config,
+    seed: int,
+    data: Batches,
+    steps: int,
+    lr: float,
+    weight_decay: float,
+    n_evals: int,
+    after_step: Callable[[int, fastamp.optim.AdamW], None] | None = None,
+) -> RunResult:
+    """One run of ``cfg`` with ``seed``; ``after_step(step, opt)`` runs after every optimizer step
+    (the grads still in place), before the validation that follows it (the ablation's hook)."""
     spec = data.spec
     torch.manual_seed(seed)
     model = TinyGPT(len(data.corpus.vocab), spec.seq_len, spec.n_layer, spec.d_model, spec.n_head)
@@ -308,6 +330,8 @@ def train(cfg: Config, seed: int, data: Batches, steps: int, lr: float, weight_d
         else:
             loss.backward()
             opt.step()
+        if after_step is not None:
+            after_step(step, opt)
         losses.append(loss.detach().float())
         if step + 1 in evals:
             res.val_curve.append((step + 1, val_loss(model, data.val_rows, cfg.dtype)))
@@ -319,6 +343,7 @@ def train(cfg: Config, seed: int, data: Batches, steps: int, lr: float, weight_d
     res.n_tensors = len(params)
     q8 = [p for p in params if "exp_avg_q" in opt.state[p]]
     res.q8_params, res.q8_tensors = sum(p.numel() for p in q8), len(q8)
+    res.ulp8_params = sum(p.numel() for p in params if "master_ulp8" in opt.state[p])
     if scaler is not None:
         res.skipped = [i for i, c in enumerate(counts) if c == (counts[i - 1] if i else 0.0)]
         res.final_scale = float(scaler.get_scale())
@@ -353,6 +378,7 @@ def judge(runs: dict[str, list[RunResult]]) -> dict[str, dict[str, Any]]:
             "n_params": rs[0].n_params,
             "q8_fraction": rs[0].q8_params / rs[0].n_params,
             "q8_tensors": f"{rs[0].q8_tensors}/{rs[0].n_tensors}",
+            "ulp8_fraction": rs[0].ulp8_params / rs[0].n_params,
             "val_curves": [r.val_curve for r in rs],
             "train_loss_first": [r.train_losses[0] for r in rs],
             "train_loss_last10_mean": [_mean(r.train_losses[-10:]) for r in rs],
@@ -382,7 +408,8 @@ def verdict(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick
     def pct(r):
         return f"{(r['ratio'] - 1) * 100:+.2f}%"
 
-    q8 = [n for n in ("remainder-q8", "sr-q8", "fp16-q8") if n in rows and "pass" in rows[n]]
+    # the configurations on trial: every judged row but the control, in CONFIGS order
+    q8 = [c.name for c in CONFIGS if not c.control and c.name in rows and "pass" in rows[c.name]]
     ctl = rows.get("pure-bf16")
     parts = []
     if ctl is None or "pass" not in ctl:
@@ -421,25 +448,32 @@ def verdict(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick
             )
             + "."
         )
-    fp16 = rows.get("fp16-q8")
-    if fp16 is not None and "all_injected_skipped" in fp16:
-        twin = rows.get("fastamp-fp16", {})
+    fp16 = [n for n, r in rows.items() if "all_injected_skipped" in r]
+    if fp16:
+        missed = [n for n in fp16 if not rows[n]["all_injected_skipped"]]
         parts.append(
-            f"fp16: every injected overflow was skipped by the scaler in both fp16 rows: "
-            f"{'yes' if fp16['all_injected_skipped'] and twin.get('all_injected_skipped', False) else 'NO'}."
+            f"fp16: every injected overflow was skipped by the scaler in every fp16 row ({', '.join(fp16)}): "
+            + ("yes." if not missed else f"NO (not in {', '.join(missed)}).")
         )
-    frac = rows.get("remainder-q8", rows.get("sr-q8", {})).get("q8_fraction")
+    frac = next((rows[n]["q8_fraction"] for n in ("remainder-q8", "sr-q8", "ulp8-q8") if n in rows), None)
     if frac is not None:
         parts.append(f"q8 covered {frac * 100:.1f}% of the bf16 model's params.")
+    ulp8 = [n for n in rows if rows[n]["ulp8_fraction"] > 0]
+    if ulp8:
+        parts.append(
+            "ulp8 (int8) masters covered "
+            + ", ".join(f"{rows[n]['ulp8_fraction'] * 100:.1f}% of {n}'s params" for n in ulp8)
+            + "."
+        )
     if valid and q8 and not failed:
         parts.insert(
             0,
-            f"Verdict: on this study ({steps} steps, {len(seeds)} seeds), AdamW with q8 moments trains as well as "
-            "fp32-master AdamW.",
+            f"Verdict: on this study ({steps} steps, {len(seeds)} seeds), AdamW with q8 moments (and with ulp8 "
+            "masters, where they ran) trains as well as fp32-master AdamW.",
         )
     elif valid and failed:
-        parts.insert(0, f"Verdict: on this study ({steps} steps, {len(seeds)} seeds), q8 does NOT match fp32-master AdamW "
-                     "in every configuration.")  # fmt: skip
+        parts.insert(0, f"Verdict: on this study ({steps} steps, {len(seeds)} seeds), the 8-bit formats do NOT match "
+                     "fp32-master AdamW in every configuration.")  # fmt: skip
     else:
         parts.insert(0, "Verdict: inconclusive.")
     if quick:
@@ -453,11 +487,42 @@ def _pf(v: Any) -> str:
     return "PASS" if v else "FAIL"
 
 
+def corpus_meta(corpus: Corpus) -> dict[str, Any]:
+    """What a report says about the corpus (also the ablation's)."""
+    return {
+        "corpus_sha256": corpus.sha256,
+        "corpus_torch_version": CORPUS_TORCH_VERSION,
+        "corpus_files": len(CORPUS_FILES),
+        "corpus_docs": corpus.n_docs,
+        "corpus_chars": len(corpus.text),
+        "train_chars": len(corpus.train),
+        "val_chars": len(corpus.val),
+        "vocab": len(corpus.vocab),
+        "rare_chars": "".join(corpus.rare_chars),
+    }
+
+
+def setup_lines(meta: dict[str, Any]) -> list[str]:
+    """The report lines on corpus, split, schedule and validation, from :func:`corpus_meta` plus
+    ``steps``, ``seeds``, ``lr``, ``weight_decay`` and ``val_windows`` (also the ablation's)."""
+    return [
+        f"- corpus: docstrings of {meta['corpus_files']} files of torch=={CORPUS_TORCH_VERSION} "
+        f"(torch/nn/modules/*, torch/nn/functional.py, torch/optim/*; list in benchmarks/convergence_q8.py), "
+        f"{meta['corpus_chars']} chars, {meta['corpus_docs']} docstrings, sha256 `{meta['corpus_sha256']}` (checked)",
+        f"- vocabulary {meta['vocab']} tokens (chars seen < {RARE_CHAR_COUNT} times share one: "
+        f"{meta['rare_chars']!r}); split: every {VAL_EVERY}th docstring is validation: train {meta['train_chars']} "
+        f"chars, val {meta['val_chars']} chars",
+        f"- steps {meta['steps']}, seeds {meta['seeds']}, lr {meta['lr']:g} (warmup 5%, cosine to 10%), weight decay "
+        f"{meta['weight_decay']:g}, betas (0.9, 0.999), eps 1e-8, no clipping; bf16/fp16 autocast, "
+        "fastamp.cast_model (LayerNorm fp32)",
+        f"- validation: {meta['val_windows']} fixed windows of the val text (evenly spaced, the same for every run), "
+        "model in its own precision under autocast, fp32 cross entropy",
+    ]
+
+
 def write_report(path_stem: str, payload: dict[str, Any]) -> None:
-    with open(path_stem + ".json", "w") as f:
-        json.dump(payload, f, indent=1)
+    """The Markdown report (``write_outputs`` writes the JSON)."""
     meta, rows = payload["meta"], payload["configs"]
-    seeds = meta["seeds"]
     table = []
     for name, r in rows.items():
         row: dict[str, object] = {"config": name, "dtype": r["dtype"]}
@@ -471,27 +536,19 @@ def write_report(path_stem: str, payload: dict[str, Any]) -> None:
         row["seeds <= +1.0%"] = _pf(r.get("pass_seeds"))
         row["criterion"] = _pf(r.get("pass")) + (" (control: must FAIL)" if r["control"] else "")
         row["q8 params"] = f"{r['q8_fraction'] * 100:.1f}%"
+        row["ulp8 params"] = f"{r['ulp8_fraction'] * 100:.1f}%"
         row["s/run"] = f"{_mean(r['seconds']):.0f}"
         table.append(row)
     cols = [(k, k) for k in table[0]] if table else []
     lines = [
-        "# convergence_q8: AdamW(state_format='q8') vs fp32-master AdamW on real text (issue 22)",
+        "# convergence_q8: AdamW's 8-bit formats (q8 moments, ulp8 masters) vs fp32-master AdamW on real text "
+        "(issue 22)",
         "",
         *common.header_lines(meta["machine"]),
         "",
-        f"- corpus: docstrings of {meta['corpus_files']} files of torch=={CORPUS_TORCH_VERSION} "
-        f"(torch/nn/modules/*, torch/nn/functional.py, torch/optim/*; list in the script), {meta['corpus_chars']} chars, "
-        f"{meta['corpus_docs']} docstrings, sha256 `{meta['corpus_sha256']}` (checked)",
-        f"- vocabulary {meta['vocab']} tokens (chars seen < {RARE_CHAR_COUNT} times share one: "
-        f"{meta['rare_chars']!r}); split: every {VAL_EVERY}th docstring is validation: train {meta['train_chars']} "
-        f"chars, val {meta['val_chars']} chars",
-        f"- steps {meta['steps']}, seeds {seeds}, lr {meta['lr']:g} (warmup 5%, cosine to 10%), weight decay "
-        f"{meta['weight_decay']:g}, betas (0.9, 0.999), eps 1e-8, no clipping; bf16/fp16 autocast, "
-        "fastamp.cast_model (LayerNorm fp32)",
+        *setup_lines(meta),
         f"- bf16 model: TinyGPT {meta['bf16_model']}, {meta['bf16_params']} params; fp16 model: TinyGPT "
         f"{meta['fp16_model']}, {meta['fp16_params']} params",
-        f"- validation: {meta['val_windows']} fixed windows of the val text (evenly spaced, the same for every run), "
-        "model in its own precision under autocast, fp32 cross entropy",
         f"- fp16 rows: fastamp.Scaler(growth_interval=100), loss x {INJECT_FACTOR:g} at steps "
         f"{meta['inject_steps']} (inf grads: the step is skipped)",
         f"- criterion: mean final val loss <= reference x {1 + MEAN_TOL:g} and each seed <= same-seed reference x "
@@ -535,29 +592,92 @@ def write_report(path_stem: str, payload: dict[str, Any]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 1000; --quick 40)")
+@dataclass(frozen=True)
+class RunSettings:
+    """What the command line of the study (and of the ablation) decided."""
+
+    steps: int
+    seeds: list[int]
+    lr: float
+    weight_decay: float
+    n_evals: int
+    names: list[str]  # the chosen configs / variants, in their table's order
+    quick: bool
+    out_dir: str
+    tag: str
+
+
+def parse_run_args(
+    argv: list[str] | None, doc: str, subset: str, choices: list[str], quick_steps: int, evals: tuple[int, int]
+) -> RunSettings:
+    """The shared command line: ``--{subset}`` picks among ``choices``; ``evals`` = (full, quick) validation points."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=None, help=f"steps per run (default 1000; --quick {quick_steps})")
     parser.add_argument("--seeds", type=int, default=None, help="seeds 0..N-1 (default 3; --quick 1)")
     parser.add_argument("--lr", type=float, default=None, help="peak lr (default 1e-3; --quick 3e-3)")
     parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--configs", default=None, help=f"comma-separated subset of {[c.name for c in CONFIGS]}")
-    parser.add_argument("--evals", type=int, default=None, help="validation points after step 0 (default 8)")
-    parser.add_argument("--quick", action="store_true", help="CI smoke: a tiny model, 40 steps, 1 seed")
+    parser.add_argument(f"--{subset}", default=None, help=f"comma-separated subset of {choices}")
+    parser.add_argument("--evals", type=int, default=None, help=f"validation points after step 0 (default {evals[0]})")
+    parser.add_argument("--quick", action="store_true", help=f"CI smoke: a tiny model, {quick_steps} steps, 1 seed")
     parser.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     parser.add_argument("--tag", default=None, help="suffix of the output names (default cpu, cpu-quick)")
     args = parser.parse_args(argv)
-    steps = args.steps or (40 if args.quick else 1000)
-    seeds = list(range(args.seeds or (1 if args.quick else 3)))
-    lr = args.lr or (3e-3 if args.quick else 1e-3)
-    n_evals = args.evals or (2 if args.quick else 8)
-    names = args.configs.split(",") if args.configs else [c.name for c in CONFIGS]
+    picked = getattr(args, subset)
+    names = picked.split(",") if picked else list(choices)
     for n in names:
-        if n not in CONFIG_BY_NAME:
-            raise SystemExit(f"--configs: unknown config {n!r}; expected some of {list(CONFIG_BY_NAME)}")
-    cfgs = [c for c in CONFIGS if c.name in names]
-    bf16_spec, fp16_spec = (QUICK_MODEL, QUICK_MODEL) if args.quick else (BF16_MODEL, FP16_MODEL)
-    n_val = QUICK_VAL_WINDOWS if args.quick else VAL_WINDOWS
+        if n not in choices:
+            raise SystemExit(f"--{subset}: unknown {subset[:-1]} {n!r}; expected some of {choices}")
+    return RunSettings(
+        steps=args.steps or (quick_steps if args.quick else 1000),
+        seeds=list(range(args.seeds or (1 if args.quick else 3))),
+        lr=args.lr or (3e-3 if args.quick else 1e-3),
+        weight_decay=args.weight_decay,
+        n_evals=args.evals or evals[1 if args.quick else 0],
+        names=[c for c in choices if c in names],
+        quick=args.quick,
+        out_dir=args.out or common.DEFAULT_OUT,
+        tag=args.tag or ("cpu-quick" if args.quick else "cpu"),
+    )
+
+
+def run_meta(info: dict[str, Any], corpus: Corpus, rs: RunSettings, n_val: int, wall: float) -> dict[str, Any]:
+    """The meta fields every report of the study and the ablation has (the load average at the end added to ``info``)."""
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    if load is not None:
+        info["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in load)
+    return {
+        "machine": info,
+        "git_commit": info.get("git_commit"),
+        "date": info.get("date"),
+        "torch": torch.__version__,
+        **corpus_meta(corpus),
+        "steps": rs.steps,
+        "seeds": rs.seeds,
+        "lr": rs.lr,
+        "weight_decay": rs.weight_decay,
+        "quick": rs.quick,
+        "val_windows": n_val,
+        "wall_s": wall,
+    }
+
+
+def write_outputs(rs: RunSettings, name: str, payload: dict[str, Any], writer: Callable[[str, dict], None]) -> str:
+    """``payload`` as ``<out>/<name>-<tag>.json``, and ``writer(stem, payload)`` (the Markdown); returns the stem."""
+    os.makedirs(rs.out_dir, exist_ok=True)
+    stem = os.path.join(rs.out_dir, f"{name}-{rs.tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump(payload, f, indent=1)
+    writer(stem, payload)
+    common.log(f"[{name}] wrote {stem}.md and .json in {payload['meta']['wall_s']:.0f} s")
+    return stem
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    rs = parse_run_args(argv, __doc__, "configs", list(CONFIG_BY_NAME), 40, (8, 2))
+    steps, seeds, lr, n_evals = rs.steps, rs.seeds, rs.lr, rs.n_evals
+    cfgs = [CONFIG_BY_NAME[n] for n in rs.names]
+    bf16_spec, fp16_spec = (QUICK_MODEL, QUICK_MODEL) if rs.quick else (BF16_MODEL, FP16_MODEL)
+    n_val = QUICK_VAL_WINDOWS if rs.quick else VAL_WINDOWS
 
     info = common.machine_info(torch.device("cpu"))
     t_start = time.perf_counter()
@@ -566,7 +686,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[RunResult]] = {}
     for seed in seeds:
         for cfg in cfgs:
-            r = train(cfg, seed, data[cfg.dtype], steps, lr, args.weight_decay, n_evals)
+            r = train(cfg, seed, data[cfg.dtype], steps, lr, rs.weight_decay, n_evals)
             runs.setdefault(cfg.name, []).append(r)
             common.log(
                 f"[convergence_q8] {cfg.name} seed {seed}: final val {r.final_val:.4f} "
@@ -582,50 +702,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     coverage = "; ".join(
         f"{n}: {r['q8_fraction'] * 100:.1f}% of {r['n_params']} params ({r['q8_tensors']} tensors) under q8"
         for n, r in rows.items()
-        if "q8" in n
+        if r["q8_fraction"] > 0
     )
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    if load is not None:
-        info["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in load)
-    payload = {
-        "meta": {
-            "machine": info,
-            "git_commit": info.get("git_commit"),
-            "date": info.get("date"),
-            "torch": torch.__version__,
-            "corpus_sha256": corpus.sha256,
-            "corpus_torch_version": CORPUS_TORCH_VERSION,
-            "corpus_files": len(CORPUS_FILES),
-            "corpus_docs": corpus.n_docs,
-            "corpus_chars": len(corpus.text),
-            "train_chars": len(corpus.train),
-            "val_chars": len(corpus.val),
-            "vocab": len(corpus.vocab),
-            "rare_chars": "".join(corpus.rare_chars),
-            "steps": steps,
-            "seeds": seeds,
-            "lr": lr,
-            "weight_decay": args.weight_decay,
-            "quick": args.quick,
-            "bf16_model": bf16_spec.__dict__,
-            "fp16_model": fp16_spec.__dict__,
-            "bf16_params": n_params(bf16_spec),
-            "fp16_params": n_params(fp16_spec),
-            "val_windows": n_val,
-            "inject_steps": inject_steps(steps),
-            "q8_coverage": coverage,
-            "criterion": {"mean_tol": MEAN_TOL, "seed_tol": SEED_TOL},
-            "wall_s": wall,
-        },
-        "configs": rows,
-        "verdict": verdict(rows, steps, seeds, args.quick),
-    }
-    out_dir = args.out or common.DEFAULT_OUT
-    os.makedirs(out_dir, exist_ok=True)
-    tag = args.tag or ("cpu-quick" if args.quick else "cpu")
-    stem = os.path.join(out_dir, f"convergence_q8-{tag}")
-    write_report(stem, payload)
-    common.log(f"[convergence_q8] wrote {stem}.md and .json in {wall:.0f} s")
+    meta = run_meta(info, corpus, rs, n_val, wall)
+    meta.update(
+        bf16_model=bf16_spec.__dict__,
+        fp16_model=fp16_spec.__dict__,
+        bf16_params=n_params(bf16_spec),
+        fp16_params=n_params(fp16_spec),
+        inject_steps=inject_steps(steps),
+        q8_coverage=coverage,
+        criterion={"mean_tol": MEAN_TOL, "seed_tol": SEED_TOL},
+    )
+    payload = {"meta": meta, "configs": rows, "verdict": verdict(rows, steps, seeds, rs.quick)}
+    write_outputs(rs, "convergence_q8", payload, write_report)
     common.log(payload["verdict"])
     return payload
 

@@ -29,7 +29,8 @@ stage() {
     "$@" || rc=1
     echo "run_all: $name took $((SECONDS - t0)) s" >&2
 }
-for b in bench_unscale bench_adamw bench_step; do
+# bench_lowbit adds torchao / bitsandbytes rows when they are importable (benchmarks/README.md)
+for b in bench_unscale bench_adamw bench_step bench_lowbit; do
     stage "$b" "$PY" "benchmarks/$b.py" "${EXTRA[@]}" --out "$OUTDIR"
 done
 # its own options: native CPU only (--backends does not apply), --quick for smoke sizes

@@ -1,8 +1,9 @@
 // The q8 moment codec (fastamp::adamw_q8_), scalar: the C++ twin of fastamp/reference/q8.py,
-// whose module docstring is the bit-level specification. Shared by the CPU kernels (and the
-// CUDA ones to come); no torch header. All integer maths is 32-bit: every intermediate of the
-// reference is below 2^41 only because it keeps `shift` up to 40, and any shift >= 25 gives the
-// same rounding as 25 (the significand has 24 bits), so the shifts are clamped here.
+// whose module docstring is the bit-level specification, and the ulp8 master (the twin of
+// fastamp/reference/ulp8.py). Shared by the CPU kernels (and the CUDA ones to come); no torch
+// header. All integer maths of the codec is 32-bit: every intermediate of the reference is below
+// 2^41 only because it keeps `shift` up to 40, and any shift >= 25 gives the same rounding as 25
+// (the significand has 24 bits), so the shifts are clamped here.
 //
 // Layout: codes one uint8 per element, one scale byte per block of 32 elements (the last block
 // may be partial; missing elements count as zeros). Scale byte s = max(E(absmax), S_MIN), the
@@ -102,6 +103,103 @@ FASTAMP_HD uint32_t q8_encode_w(float w, uint32_t s, uint32_t rand16) {
   const uint32_t a = float_bits(w) & 0x7fffffffu;
   const uint32_t q = q8_encode_magnitude<kQ8WMant, SR>(a, s, rand16);
   return (q == 0u && a > 0u) ? 1u : q;
+}
+
+// ---- the ulp8 master (fastamp/reference/ulp8.py, whose module docstring is the specification) ----
+//
+// A bf16 or fp16 param plus an int8 c: the master's rounding error in units of ulp16(M) / 254.
+// Integer maths on the fp32 bits; every intermediate fits in int32 (|D| <= 2^15, |t| < 2^22).
+// Right shifts of negative int32 are arithmetic (floor), as the reference's int64 >> is.
+
+constexpr uint32_t kUlp8Fp16MinNormalBits = 0x38800000u;  // 2^-14 as fp32 bits
+
+// round(t / 2^K), ties to even, for signed t (reference ulp8._rne_rshift).
+template <int K>
+FASTAMP_HD int32_t ulp8_rne_rshift(int32_t t) {
+  return (t + ((1 << (K - 1)) - 1) + ((t >> K) & 1)) >> K;
+}
+
+// D' = floor((c_mag * 65536 + 127) / 254) for c_mag in [-128, 128], without a division:
+// 65536 = 258 * 254 + 4, so D' = 258 c + floor((4 c + 127) / 254), that floor in [-2, 2].
+FASTAMP_HD int32_t ulp8_units(int32_t c) {
+  return 258 * c + (c >= 32 ? 1 : 0) + (c >= 96 ? 1 : 0) - (c <= -32 ? 1 : 0) - (c <= -96 ? 1 : 0);
+}
+
+// reference.ulp8_decode of one element: bf16 param bits p, correction c -> the fp32 master.
+FASTAMP_HD float ulp8_decode_bf16(uint16_t p, int8_t c) {
+  const uint32_t pb = static_cast<uint32_t>(p) << 16;
+  const uint32_t pa = pb & 0x7fffffffu;
+  if (pa >= 0x7f800000u) return bits_float(pb);  // inf / NaN: the param itself
+  const uint32_t neg = static_cast<uint32_t>(p) >> 15;
+  const int32_t c_mag = neg ? -static_cast<int32_t>(c) : static_cast<int32_t>(c);
+  const int32_t mag_bits = static_cast<int32_t>(pa) + ulp8_units(c_mag);
+  const uint32_t flip = mag_bits < 0 ? 1u : 0u;  // only at p = +-0 with c toward zero
+  const uint32_t mag = static_cast<uint32_t>(mag_bits < 0 ? -mag_bits : mag_bits);
+  return bits_float(mag | ((neg ^ flip) << 31));
+}
+
+// reference.ulp8_decode of one element: fp16 param bits p, correction c -> the fp32 master.
+FASTAMP_HD float ulp8_decode_fp16(uint16_t p, int8_t c) {
+  const float pf = half_bits_to_float(p);
+  const uint32_t pa = float_bits(pf) & 0x7fffffffu;
+  if (pa >= 0x7f800000u) return pf;
+  const uint32_t neg = static_cast<uint32_t>(p) >> 15;
+  const int32_t c_mag = neg ? -static_cast<int32_t>(c) : static_cast<int32_t>(c);
+  const int32_t d = ulp8_units(c_mag);
+  uint32_t mag, flip = 0u;
+  if (pa > kUlp8Fp16MinNormalBits || (pa == kUlp8Fp16MinNormalBits && c_mag >= 0)) {
+    mag = static_cast<uint32_t>(static_cast<int32_t>(pa) + ulp8_rne_rshift<3>(d));
+  } else {
+    // in units of 2^-40: |n40| < 2^27, so the int -> fp32 rounding (nearest even) is the only one
+    const int32_t n40 = static_cast<int32_t>((static_cast<uint32_t>(p) & 0x7fffu) << 16) + d;
+    flip = n40 < 0 ? 1u : 0u;
+    mag = float_bits(static_cast<float>(n40 < 0 ? -n40 : n40) * 0x1p-40f);
+  }
+  return bits_float(mag | ((neg ^ flip) << 31));
+}
+
+// D (the error M - p in units of ulp16(M) / 2^16) of an fp16 master below 2^-14 (abs bits a)
+// and its param bits pb: floor(|M| * 2^40) - (pb & 0x7FFF) * 2^16.
+FASTAMP_HD int32_t ulp8_fp16_small_error(uint32_t a, uint16_t pb) {
+  const uint32_t e = a >> 23;
+  const uint32_t sig = (a & 0x7fffffu) | (e > 0 ? 0x800000u : 0u);
+  const int sh = static_cast<int>(e > 0 ? e : 1u) - 110;  // <= 2 below 2^-14
+  // sig < 2^24: any right shift >= 24 gives 0 (the reference clamps at 40)
+  const uint32_t fixed40 = sh >= 0 ? sig << sh : (-sh >= 24 ? 0u : sig >> -sh);
+  return static_cast<int32_t>(fixed40) - static_cast<int32_t>((static_cast<uint32_t>(pb) & 0x7fffu) << 16);
+}
+
+// reference.ulp8_encode of one element: the fp32 master M -> the param bits (M rounded to
+// nearest even, bf16 or fp16 as FP16) and the correction; SR: rounded with 16 random bits.
+template <bool FP16, bool SR>
+FASTAMP_HD void ulp8_encode(float master, uint32_t rand16, uint16_t* param_bits, int8_t* correction) {
+  const uint32_t u = float_bits(master);
+  const uint32_t a = u & 0x7fffffffu;
+  int32_t d;
+  if constexpr (FP16) {
+    const uint16_t pb = float_to_half_bits(master);
+    *param_bits = pb;
+    if ((pb & 0x7c00u) == 0x7c00u) {
+      d = 0;  // inf / NaN param (a NaN master, or one that rounds to inf): c = 0
+    } else if (a >= kUlp8Fp16MinNormalBits) {
+      d = (static_cast<int32_t>(a) - static_cast<int32_t>(float_bits(half_bits_to_float(pb)) & 0x7fffffffu)) * 8;
+    } else {
+      d = ulp8_fp16_small_error(a, pb);
+    }
+  } else {
+    const uint16_t pb = float_to_bf16_bits(master);
+    *param_bits = pb;
+    const uint32_t pa = (static_cast<uint32_t>(pb) << 16) & 0x7fffffffu;
+    d = pa >= 0x7f800000u ? 0 : static_cast<int32_t>(a) - static_cast<int32_t>(pa);
+  }
+  const int32_t t = d * 127;
+  int32_t c_mag;
+  if constexpr (SR) {
+    c_mag = (t + static_cast<int32_t>((rand16 & 0xffffu) >> 1)) >> 15;
+  } else {
+    c_mag = ulp8_rne_rshift<15>(t);
+  }
+  *correction = static_cast<int8_t>((u >> 31) ? -c_mag : c_mag);
 }
 
 }  // namespace math

@@ -93,18 +93,20 @@ def release(
     2; with a scaler or ``max_norm``, params not all on one CPU device or of a dtype other
     than fp32/fp16/bf16; an optimizer that is not a fastamp fused optimizer; a model
     param with ``requires_grad`` missing from the optimizer, or an optimizer param not in
-    the model; a DDP-wrapped model; DTensor (FSDP2) params; stochastic rounding, of params or of q8 moments (the kernels
-    draw a launch's random bits from the counter of its first param, and which param is first
-    in ``opt.step()``'s launch depends on which params got a grad, known only when backward
-    ends); an optimizer already under release. :meth:`Release.backward` refuses a step that
-    finds a grad already there (gradient accumulation, or a ``loss.backward()`` outside the
-    handle).
+    the model; a DDP-wrapped model; DTensor (FSDP2) params; an optimizer already under
+    release. :meth:`Release.backward` refuses a step that finds a grad already there
+    (gradient accumulation, or a ``loss.backward()`` outside the handle).
 
     Bit-identity with ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``: a
     param is written only after every backward node that reads it has run (its grad is
     complete), the update is elementwise, and each param's step scalars come from its own
-    count (see ``step_bucket``). Checkpoints: ``opt.state_dict()`` between two
-    ``h.backward`` calls is the ordinary one.
+    count (see ``step_bucket``). Stochastic rounding (of params, ulp8 corrections and q8
+    moments) included: a launch draws its random bits from its param group's counter (one
+    per group and device, :mod:`fastamp.optim._rng`) and each param's own stream, and each
+    ``h.backward`` is one :meth:`FusedOptimizer.bucket_step
+    <fastamp.optim._base.FusedOptimizer.bucket_step>`: every bucket reads the counters as the
+    step began, and they advance once when it ends, as ``opt.step()`` advances them.
+    Checkpoints: ``opt.state_dict()`` between two ``h.backward`` calls is the ordinary one.
 
     No host sync: a hook does a dict lookup and a counter increment; a bucket's step is the
     fused step of a plan that fits (host work of a few identity tests per param).
@@ -149,22 +151,6 @@ def release(
                 raise ValueError(
                     f"fastamp.release: param {i} of param group {gi} of the optimizer (shape {tuple(p.shape)}) is not "
                     "a param of the model; release needs the optimizer to hold exactly the model's trainable params"
-                )
-            if group["stochastic_rounding"]:
-                raise NotImplementedError(
-                    f"fastamp.release: param group {gi} uses stochastic rounding, which gradient release does not "
-                    "support: the kernels draw a launch's random bits from the rng counter of the launch's first "
-                    "param, and which param comes first in opt.step() depends on which params got a grad this step, "
-                    "known only when backward ends (a bucket's step would draw other bits once counters differ); use "
-                    "master_weights='remainder' or True, or the ordinary path"
-                )
-            if group.get("state_format") == "q8" and group.get("state_rounding") == "stochastic":
-                raise NotImplementedError(
-                    f"fastamp.release: param group {gi} keeps q8 moments rounded stochastically "
-                    "(state_format='q8', state_rounding='stochastic'), which gradient release does not support yet, "
-                    "for the reason stochastic_rounding is refused: a launch draws its random bits from the rng "
-                    "counter of its first param, which depends on which params got a grad this step; use "
-                    "state_rounding='nearest' under release, or the ordinary path"
                 )
     order = []
     for name, p in model.named_parameters():
@@ -364,14 +350,17 @@ class Release:
         arrived = self._arrived
         for k in range(len(arrived)):
             arrived[k] = 0
-        self._active = True
-        try:
-            torch.autograd.backward(loss, **kwargs)
-        finally:
-            self._active = False
-        for k, n in enumerate(arrived):
-            if 0 < n < self._sizes[k]:
-                self._step(k)
+        # one step of the optimizer: every bucket reads the rng counters as they were, and they advance
+        # once when the step ends (see FusedOptimizer.bucket_step); the first of two backwards steps nothing
+        with self.optimizer.bucket_step():
+            self._active = True
+            try:
+                torch.autograd.backward(loss, **kwargs)
+            finally:
+                self._active = False
+            for k, n in enumerate(arrived):
+                if 0 < n < self._sizes[k]:
+                    self._step(k)
 
     def _name_of(self, p: Tensor) -> str:
         for name, q in self.model.named_parameters():

@@ -8,11 +8,13 @@
 // update, write the param (and its master), then encode the new m and w = sqrt(v) (the sqrt the
 // update itself computed) over the new block scales. The value optimised is an fp32 master
 // (params of any float dtype), the exact master of a bf16 param and an int16 remainder
-// (math::join_master / split_master), or the param itself (a bf16 one rounded stochastically
-// when sr_param). sr_codes rounds the codes stochastically with streams 4 * (rng_base + i) + 1
-// (m) and + 2 (v), the param with stream 4 * (rng_base + i), element index = flat index in the
-// tensor. Bit-exact with the reference for every instruction set (AVX-512, AVX2, scalar). A
-// non-zero (or NaN) found_inf writes nothing. step_scalars is [4] (shared) or [n, 4].
+// (math::join_master / split_master), the ulp8 master of a bf16 / fp16 param and an int8
+// correction (math::ulp8_decode_* / ulp8_encode, the correction rounded stochastically when
+// sr_param), or the param itself (a bf16 one rounded stochastically when sr_param). sr_codes
+// rounds the codes stochastically with streams 4 * (rng_base + i) + 1 (m) and + 2 (v), the param
+// (or correction) with stream 4 * (rng_base + i), element index = flat index in the tensor.
+// Bit-exact with the reference for every instruction set (AVX-512, AVX2, scalar). A non-zero (or
+// NaN) found_inf writes nothing. step_scalars is [4] (shared) or [n, 4].
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -38,6 +40,7 @@ namespace {
 constexpr int kMasterNone = 0;       // params updated directly
 constexpr int kMasterFp32 = 1;       // fp32 master weights
 constexpr int kMasterRemainder = 2;  // int16 remainders of bf16 params
+constexpr int kMasterUlp8 = 3;       // int8 ulp8 corrections of bf16 / fp16 params
 
 constexpr int64_t kBlock = math::kQ8Block;
 static_assert(kChunkElems % kBlock == 0, "chunks must hold whole q8 blocks");
@@ -53,7 +56,7 @@ struct Q8Args {
 struct Q8Chunk {
   void* param;
   const void* grad;
-  void* master;  // float* (fp32 masters), int16_t* (remainders) or nullptr
+  void* master;  // float* (fp32 masters), int16_t* (remainders), int8_t* (ulp8) or nullptr
   uint8_t* m_codes;
   uint8_t* m_scales;
   uint8_t* v_codes;
@@ -65,8 +68,8 @@ struct Q8Chunk {
 namespace scalar {
 
 // Blocks of one chunk from element `begin` (a multiple of 32) to `n` (the last block may be
-// partial). KIND: the master; SRP: the bf16 param without master rounded stochastically;
-// SRC: the codes rounded stochastically.
+// partial). KIND: the master; SRP: the bf16 param without master, or the ulp8 correction,
+// rounded stochastically; SRC: the codes rounded stochastically.
 template <class P, class G, int KIND, bool SRP, bool SRC>
 void q8_range(const Q8Chunk& c, int64_t begin, int64_t n, const Q8Args& a) {
   P* param = static_cast<P*>(c.param);
@@ -84,6 +87,10 @@ void q8_range(const Q8Chunk& c, int64_t begin, int64_t n, const Q8Args& a) {
         p = static_cast<float*>(c.master)[i];
       } else if constexpr (KIND == kMasterRemainder) {
         p = math::join_master(param[i].x, static_cast<int16_t*>(c.master)[i]);
+      } else if constexpr (KIND == kMasterUlp8) {
+        const int8_t corr = static_cast<int8_t*>(c.master)[i];
+        p = std::is_same_v<P, c10::Half> ? math::ulp8_decode_fp16(param[i].x, corr)
+                                         : math::ulp8_decode_bf16(param[i].x, corr);
       } else {
         p = load_float(param + i);
       }
@@ -96,6 +103,9 @@ void q8_range(const Q8Chunk& c, int64_t begin, int64_t n, const Q8Args& a) {
         store_float(param + i, p);
       } else if constexpr (KIND == kMasterRemainder) {
         math::split_master(p, &param[i].x, &static_cast<int16_t*>(c.master)[i]);
+      } else if constexpr (KIND == kMasterUlp8) {
+        const uint32_t r = SRP ? math::sr_random16(c.key[0], c.index0 + static_cast<uint64_t>(i)) : 0u;
+        math::ulp8_encode<std::is_same_v<P, c10::Half>, SRP>(p, r, &param[i].x, &static_cast<int8_t*>(c.master)[i]);
       } else if constexpr (SRP) {
         param[i].x = math::float_to_bf16_bits_sr(p, math::sr_random16(c.key[0], c.index0 + static_cast<uint64_t>(i)));
       } else {
@@ -150,10 +160,16 @@ Q8ChunkFn pick_codes(Isa isa, bool sr_codes) {
 }
 
 // Only the combinations the checks allow are instantiated: remainders and a stochastically
-// rounded param exist for bf16 params only.
+// rounded param exist for bf16 params only, ulp8 corrections for bf16 and fp16 params.
 template <class P, class G>
 Q8ChunkFn pick_mode(Isa isa, int kind, bool sr_param, bool sr_codes) {
   if (kind == kMasterFp32) return pick_codes<P, G, kMasterFp32, false>(isa, sr_codes);
+  if constexpr (!std::is_same_v<P, float>) {
+    if (kind == kMasterUlp8) {
+      return sr_param ? pick_codes<P, G, kMasterUlp8, true>(isa, sr_codes)
+                      : pick_codes<P, G, kMasterUlp8, false>(isa, sr_codes);
+    }
+  }
   if constexpr (std::is_same_v<P, c10::BFloat16>) {
     if (kind == kMasterRemainder) return pick_codes<P, G, kMasterRemainder, false>(isa, sr_codes);
     if (sr_param) return pick_codes<P, G, kMasterNone, true>(isa, sr_codes);
@@ -232,11 +248,11 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
   if (!masters.empty()) {
     TORCH_CHECK(masters[0].defined(), "fastamp::adamw_q8_: masters[0] is undefined");
     master_dtype = masters[0].scalar_type();
-    TORCH_CHECK(master_dtype == at::kFloat || master_dtype == at::kShort,
-                "fastamp::adamw_q8_: masters must be float32 (fp32 master weights) or int16 (remainders of "
-                "bfloat16 params), got ",
+    TORCH_CHECK(master_dtype == at::kFloat || master_dtype == at::kShort || master_dtype == at::kChar,
+                "fastamp::adamw_q8_: masters must be float32 (fp32 master weights), int16 (remainders of "
+                "bfloat16 params) or int8 (ulp8 corrections of bfloat16 / float16 params), got ",
                 master_dtype);
-    kind = master_dtype == at::kFloat ? kMasterFp32 : kMasterRemainder;
+    kind = master_dtype == at::kFloat ? kMasterFp32 : master_dtype == at::kShort ? kMasterRemainder : kMasterUlp8;
   }
   std::vector<int64_t> numels(n);
   for (size_t i = 0; i < n; ++i) {
@@ -251,6 +267,9 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
       check_list_tensor(op, "masters", i, masters[i], p, master_dtype);
       TORCH_CHECK(kind != kMasterRemainder || p.scalar_type() == at::kBFloat16,
                   "fastamp::adamw_q8_: int16 remainder masters need bfloat16 params, but params[", i, "] is ",
+                  p.scalar_type());
+      TORCH_CHECK(kind != kMasterUlp8 || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
+                  "fastamp::adamw_q8_: int8 (ulp8) masters need bfloat16 or float16 params, but params[", i, "] is ",
                   p.scalar_type());
     }
     check_list_tensor(op, "exp_avg_codes", i, exp_avg_codes[i], p, at::kByte);
@@ -273,8 +292,9 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
   std::vector<int8_t> elem_sizes(n * 2);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    // the param's random bits only where the reference draws them: bf16 params without a master
-    const bool srp = sr_param && kind == kMasterNone && p.scalar_type() == at::kBFloat16;
+    // the param's random bits only where the reference draws them: ulp8 corrections, and bf16
+    // params without a master
+    const bool srp = sr_param && (kind == kMasterUlp8 || (kind == kMasterNone && p.scalar_type() == at::kBFloat16));
     fns[i] = pick_kernel(p.scalar_type(), grads[i].scalar_type(), isa, kind, srp, sr_codes);
     elem_sizes[2 * i] = static_cast<int8_t>(p.element_size());
     elem_sizes[2 * i + 1] = static_cast<int8_t>(grads[i].element_size());
@@ -292,7 +312,7 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
     b.key[1] = sr_codes ? rng_key(*rng, rng_base, i, 1) : 0u;
     b.key[2] = sr_codes ? rng_key(*rng, rng_base, i, 2) : 0u;
   }
-  const int64_t master_size = kind == kMasterFp32 ? 4 : 2;
+  const int64_t master_size = kind == kMasterFp32 ? 4 : kind == kMasterRemainder ? 2 : 1;
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
     for (int64_t c = cb; c < ce; ++c) {

@@ -9,7 +9,9 @@ and :mod:`._steps`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -17,7 +19,7 @@ from torch import Tensor
 
 from fastamp import _compile_errors, _ops, functional
 from fastamp._dtensor import is_dtensor
-from fastamp.optim import _traced
+from fastamp.optim import _rng, _traced
 from fastamp.optim._checks import (
     GRAD_DTYPES,
     PARAM_DTYPES,
@@ -114,6 +116,12 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     ``.data`` (of a step, a state tensor or a grad) bypass version counters and identity:
     a step count written so is used but not validated, and a same-address rebind of a
     param (``p.data = p.data.t()``) is not seen.
+
+    Random bits (stochastic rounding): one ``rng`` counter per param group and device, the
+    same tensor in each param's state, advanced once per applied step that stepped a param of
+    the group there, after the step's launches, so every launch of a step reads the same
+    count whichever params have a grad (:mod:`fastamp.optim._rng`; :meth:`bucket_step` for
+    steps made of :meth:`step_bucket` calls).
 
     torch.compile: under ``torch.compiler.is_compiling()`` the step takes the path of
     :mod:`fastamp.optim._traced` (``fullgraph=True``, one compile, eager's bits): the checks
@@ -368,6 +376,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             params = None if subsets is None else _select(group["params"], subsets[gi])
             gp = _GroupPlan(group, self._plan_key(group), params)
             buckets: dict[torch.device, _Bucket] = {}
+            counters: dict[torch.device, Tensor] = {}  # the group's rng counter per device (see _rng)
             for pos, p, g in items:
                 st = self.state.get(p)
                 if st is None:
@@ -390,10 +399,12 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                     self._resync_if_written(p, st, "a param")
                     gp.remainder.append(p)
                 use_rng = self._uses_rng(group, p, st, kind)
-                if use_rng and "rng" not in st:
-                    rng = torch.zeros(2, dtype=torch.int64, device=p.device)
-                    rng[0] = int(group["seed"])
-                    st["rng"] = rng
+                if use_rng:
+                    rng = counters.get(p.device)
+                    if rng is None:
+                        rng = counters[p.device] = _rng.group_counter(self, group, p.device)
+                    if st.get("rng") is not rng:
+                        st["rng"] = rng
                 if st and self.state.get(p) is not st:
                     self.state[p] = st
                 bucket = buckets.get(p.device)
@@ -401,7 +412,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                     bucket = buckets[p.device] = _Bucket(p.device)
                 sr_id = None
                 if use_rng:
-                    bucket.rngs.append(st["rng"])
+                    if not bucket.rngs:
+                        bucket.rngs.append(rng)
                     if sr_ids is None:
                         sr_ids = self._rng_ids()
                     sr_id = sr_ids[id(p)]
@@ -487,6 +499,12 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         if torch.compiler.is_compiling():
             return _traced.traced_step(self, closure)
         self._opt_called = True  # what torch's LR schedulers record (see _wrapped_by_lr_sched below the class)
+        if self.__dict__.get("_rng_pending") is not None:
+            raise RuntimeError(
+                f"{self._NAME}: step() inside bucket_step() (a step made of step_bucket calls, such as "
+                "fastamp.release's): its params would draw the random bits of that step again; step the buckets "
+                "with step_bucket, or call step() after the block"
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -521,6 +539,35 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             raise
         return loss
 
+    @contextlib.contextmanager
+    def bucket_step(self) -> Iterator[None]:
+        """One optimizer step made of :meth:`step_bucket` calls (what :func:`fastamp.release` runs each step).
+
+        Stochastic rounding draws each launch's random bits from the ``rng`` counter of its
+        param group (one per group and device, see :mod:`fastamp.optim._rng`), which a step
+        advances once, after its launches. Inside this block every ``step_bucket`` call reads
+        the counters as they were when the block began, and they advance once when it ends
+        (by 1 where any launch of the group was applied: ``found_inf == 0``, or no scaler), also
+        when it ends with an error (the launches that ran used their bits). So the buckets of one
+        step, stepped inside it in any order, give :meth:`step`'s bits. Without stochastic
+        rounding the block changes nothing. ``step()`` inside it, or a nested block, is refused.
+
+        Example::
+
+            with opt.bucket_step():
+                for bucket in buckets:  # disjoint; each once
+                    opt.step_bucket(bucket)
+        """
+        if self.__dict__.get("_rng_pending") is not None:
+            raise RuntimeError(f"{self._NAME}: bucket_step() inside bucket_step(): one step is one block")
+        pending = self._rng_pending = _rng.PendingAdvances()
+        try:
+            yield
+        finally:
+            self._rng_pending = None
+            with torch.no_grad():
+                pending.apply()
+
     @torch.no_grad()
     def step_bucket(self, params: list[Tensor] | tuple[Tensor, ...]) -> None:
         """Perform the optimization step of ``params`` only (a *bucket* of this optimizer's params).
@@ -543,10 +590,12 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         scalars come from its own count (computed lane-wise, see
         :func:`fastamp.reference.adamw_step_scalars`, so their bits do not depend on where a
         count sits in the vector), and each param keeps its stochastic-rounding tensor id.
-        Stochastic rounding draws a launch's bits from the ``rng`` counter of the launch's
-        first param: equal to :meth:`step`'s as long as the params of a launch have stepped
-        equally often (a param skipped by a step lags); :func:`fastamp.release` refuses
-        stochastic rounding for that reason.
+        Stochastic rounding draws a launch's bits from its group's ``rng`` counter (one per
+        group and device, :mod:`fastamp.optim._rng`), which a step advances once: the calls of
+        one step go inside :meth:`bucket_step`, which advances the counters when it ends, and
+        then give :meth:`step`'s bits, buckets in any order. A call outside it is a step of its
+        own for the counters (they advance when it returns): two calls on disjoint buckets then
+        draw other random bits than one ``step()`` of both (everything else is the same).
 
         Args:
             params: params of this optimizer, each at most once (any groups).
@@ -734,7 +783,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     def _execute(self, plan: _Plan, grads_per_group: list[list[Tensor | None]], amp: AmpInputs) -> None:
         rng_inc: dict[torch.device, Tensor] = {}
-        for gp, grads in zip(plan.groups, grads_per_group):
+        pending = self.__dict__.get("_rng_pending")  # inside bucket_step(): the counters advance when it ends
+        for gi, (gp, grads) in enumerate(zip(plan.groups, grads_per_group)):
             if not gp.buckets:
                 continue
             group = self._hyper(gp.group)
@@ -781,7 +831,10 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                         run.release()
                 if b.step_buf is not None:
                     b.advance(inc)
-                if b.rngs:
+                if b.rngs and pending is not None:
+                    pending.note(gi, b.rngs[0], inc)
+                elif b.rngs:
+                    # the group's one counter on this device (see _rng), once per step
                     delta = rng_inc.get(dev)
                     if delta is None:
                         delta = rng_inc[dev] = torch.zeros(2, dtype=torch.int64, device=dev)

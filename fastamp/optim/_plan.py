@@ -343,7 +343,7 @@ class _Bucket:
         self.step_idx: Tensor | None = None  # where the bucket's counts sit in step_buf (None: all of it, in order)
         self.ones: Tensor | None = None
         self.states: list[dict[str, Any]] = []
-        self.rngs: list[Tensor] = []
+        self.rngs: list[Tensor] = []  # the group's rng counter on this device, if used (one: see fastamp.optim._rng)
         self.known: list[Any] = [None, 0]  # the optimizer's record of step_buf: [weakref, expected version]
 
     def share_steps(

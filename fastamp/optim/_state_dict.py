@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from fastamp._dtensor import is_dtensor
+from fastamp.optim import _rng
 from fastamp.optim._checks import _fmt_shape
 from fastamp.optim._masters import fp32_copy_of, state_copy
 
@@ -252,6 +253,11 @@ class _StateDictExport:
                 f"{self._NAME}.state_dict: moment_format must be 'native' or 'fp32', got {moment_format!r}"
             )
         sd = super().state_dict()
+        for idx, st in list(sd["state"].items()):
+            if isinstance(st, dict) and isinstance(st.get("rng"), Tensor):
+                # the group's counter, one tensor shared by its params (see fastamp.optim._rng): each
+                # param gets its own [seed, counter], as one loads into any optimizer
+                sd["state"][idx] = {**st, "rng": st["rng"].clone()}
         if moment_format == "fp32":
             from fastamp.optim import _formats
 
@@ -294,3 +300,4 @@ class _StateDictExport:
         self._param_versions = {}
         self._plan = None
         self._adopt_steps()
+        _rng.share_counters(self)

@@ -17,7 +17,9 @@ guard on. Under ``torch.compiler.is_compiling()`` the step takes this path inste
   of step scalars per count; per launch the params, grads and state tensors (read from
   ``param_groups`` and ``state`` at every call, so dynamo guards them), the same kernel op
   eager calls (``torch.ops.fastamp.adamw_`` ...) with the launch's rows (``[n, k]``), the
-  step counts (and ``rng`` counters) advanced with tensor ops by ``found_inf == 0``.
+  step counts advanced with tensor ops by ``found_inf == 0``, and the group's ``rng`` counter
+  (one tensor that every state of the group on the device holds, see :mod:`fastamp.optim._rng`)
+  once, after the group's launches on the device, as eager advances it.
 
 Bit-identity with eager: the kernels are the same ops, and the step scalars are computed by
 ``fastamp_optim::adamw_step_scalars`` / ``sgd_step_scalars`` / ``lion_step_scalars``, ops of the op table
@@ -40,7 +42,9 @@ so the counts of a launch may differ). What a compiled step does not re-check (d
 guards dtypes, shapes, devices, strides, which params have a grad, the group settings and
 the state's keys; not values nor version counters): the values written from outside (an
 eager step validates them: a negative or NaN count is refused there, not in a compiled
-step), a remainder-mode param written outside the optimizer between a compiled step and
+step), an ``rng`` counter replaced in one param's state (``state[p]["rng"] = t``: the graph
+reads each group's counter through the first param of its launches; the next eager step or
+load merges it into the group's), a remainder-mode param written outside the optimizer between a compiled step and
 the next (eager re-syncs its master with a warning), and the backend: it is resolved at
 trace time, so ``FASTAMP_BACKEND`` / :func:`fastamp.backends.set_backend` changed later do
 not apply to an already compiled step.
@@ -215,6 +219,7 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
             steps = [state[params[i]]["step"] for i in counted]
             rows = opt._step_scalars(group, torch.stack(steps), found_inf, grad_scale, dev) if steps else None
             shared = None
+            counter = None  # the group's rng counter on this device: one tensor in every state (see _rng)
             for op, backend, kind, keys, positions, rng_base, strided, row0 in launches:
                 ps = [params[i] for i in positions]
                 if row0 >= 0:
@@ -234,12 +239,16 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                 backends.kernel(op, backend)(*opt._kernel_args(group, launch, scalars))
                 for i in strided:
                     ps[i].copy_(launch_params[i])
-                if rng is not None:
-                    delta = rng_delta.get(dev)
-                    if delta is None:
-                        inc = torch.ones((), dtype=torch.int64, device=dev) if fi is None else (fi == 0).to(torch.int64)
-                        delta = rng_delta[dev] = torch.stack([torch.zeros_like(inc), inc])
-                    torch._foreach_add_(tensors["rng"], [delta] * len(tensors["rng"]))
+                if counter is None:
+                    counter = rng
+            if counter is not None:
+                # once per group and device, after its launches (as eager: every launch reads the same count)
+                delta = rng_delta.get(dev)
+                if delta is None:
+                    fi = None if found_inf is None else _amp_found_inf(found_inf, dev)
+                    inc = torch.ones((), dtype=torch.int64, device=dev) if fi is None else (fi == 0).to(torch.int64)
+                    delta = rng_delta[dev] = torch.stack([torch.zeros_like(inc), inc])
+                counter.add_(delta)
             if steps:
                 if found_inf is None:
                     torch._foreach_add_(steps, 1.0)

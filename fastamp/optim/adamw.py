@@ -202,11 +202,19 @@ class AdamW(FusedOptimizer):
             moments (``state_dtype``). Default False. Not allowed with
             ``master_weights=True`` (nothing to round); fp16 params always round to nearest.
         seed (int, optional): seed of the counter-based random bits (default 0). The bits of
-            an element depend only on (seed, the param's count of applied steps, the param's
-            index among this optimizer's bf16 params, the element's index), so runs are
-            reproducible and data-parallel ranks with the same seed round identically. The
-            counter lives on the device in ``state[p]["rng"] = [seed, counter]`` (int64) and
-            advances only on applied steps.
+            an element depend only on (seed, its param group's counter, the param's index
+            among this optimizer's bf16 params (``2^24 +`` its index among all params for the
+            q8 codes of other params), the element's index), so runs are reproducible and
+            data-parallel ranks with the same seed round identically. The counter is one per
+            param group and device, ``[seed, counter]`` (int64, on the device), held by every
+            param's ``state[p]["rng"]`` (the same tensor: a write in place writes the group's);
+            it counts the applied steps (``found_inf == 0``) that stepped a param of the group
+            on that device, and advances once per step, after its launches, so every launch of
+            a step reads the same count whichever params got a grad (which :func:`fastamp.release`
+            needs). It is created at the group's first such step with the ``seed`` of then; a
+            param whose state is created later joins it. See :mod:`fastamp.optim._rng` for
+            loads of per-param counters (made one: the largest) and ``state_dict()`` (a copy
+            per param).
         state_dtype (torch.dtype, optional): ``torch.float32`` (default) or
             ``torch.bfloat16``: moments of bf16 params with remainder masters or without a
             master are stored in bf16 (rounded stochastically with ``stochastic_rounding``,

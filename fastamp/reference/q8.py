@@ -8,7 +8,9 @@ Layout (n = numel of the moment, flattened in row-major order)
 ----------------------------------------------------------------
 ``codes``: uint8, one per element, the moment's shape. ``scales``: uint8 ``[ceil(n / 32)]``;
 block ``b`` holds the elements ``32*b .. 32*b+31`` (the last block may be partial; the
-missing elements count as zeros).
+missing elements count as zeros). Every function takes an optional ``block=`` (default 32) for
+the format ablation (``benchmarks/ablation_q8.py``): the same rules over blocks of ``block``
+elements. Only block 32 is the format: no kernel, optimizer or state dict takes another.
 
 Scale byte
 ----------
@@ -107,9 +109,17 @@ W_MANT_BITS = 5
 _M32 = 0xFFFFFFFF
 
 
-def num_blocks(numel: int) -> int:
-    """The number of scale bytes of a q8 moment of ``numel`` elements: ``ceil(numel / 32)``."""
-    return -(-int(numel) // BLOCK)
+def num_blocks(numel: int, *, block: int = BLOCK) -> int:
+    """The number of scale bytes of a q8 moment of ``numel`` elements: ``ceil(numel / block)``, block 32 by default."""
+    return -(-int(numel) // _check_block(block))
+
+
+def _check_block(block: int) -> int:
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise TypeError(f"q8: block must be an int (elements per scale byte), got {block!r}")
+    if block < 1:
+        raise ValueError(f"q8: block must be >= 1 (elements per scale byte), got {block}")
+    return block
 
 
 def _abs_bits(x: Tensor) -> Tensor:
@@ -129,19 +139,19 @@ def _check_input(x: Tensor, rand16: Tensor | None, what: str) -> None:
             raise ValueError(f"{what}: rand16 is on {rand16.device}, the input on {x.device}")
 
 
-def _block_scale(a: Tensor, scale_min: int) -> Tensor:
+def _block_scale(a: Tensor, scale_min: int, block: int) -> Tensor:
     """Scale bytes [nb] (int64) from the abs bits [n] of one moment."""
     n = a.numel()
-    nb = num_blocks(n)
+    nb = num_blocks(n, block=block)
     # zero-padded to whole blocks by F.pad: inductor (torch 2.13, CPU) miscompiled the
     # zeros + slice-assign form, garbling the last partial block's elements under torch.compile
-    padded = torch.nn.functional.pad(a, (0, nb * BLOCK - n))
-    e = padded.view(nb, BLOCK).amax(dim=1) >> 23
+    padded = torch.nn.functional.pad(a, (0, nb * block - n))
+    e = padded.view(nb, block).amax(dim=1) >> 23
     return torch.clamp(e, min=scale_min)
 
 
-def _per_element(scales: Tensor, n: int) -> Tensor:
-    return scales.to(torch.int64).repeat_interleave(BLOCK)[:n]
+def _per_element(scales: Tensor, n: int, block: int) -> Tensor:
+    return scales.to(torch.int64).repeat_interleave(block)[:n]
 
 
 def _encode_magnitude(a: Tensor, s: Tensor, mant_bits: int, rand16: Tensor | None) -> Tensor:
@@ -176,36 +186,43 @@ def _pow2_f32(k: Tensor) -> Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-def q8_encode_m(m: Tensor, rand16: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def q8_encode_m(m: Tensor, rand16: Tensor | None = None, *, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """Encode a first moment (fp32) as q8: signed E3M4 codes over one E8M0 scale byte per 32.
 
     Args:
         m: fp32 tensor, any shape (flattened row-major into blocks of 32).
         rand16: 16 random bits per element (``sr_random16(seed, step, 4 * tensor_id + 1, n)``)
             for stochastic rounding; ``None`` rounds to nearest even (``state_rounding="nearest"``).
+        block: elements per scale byte (default 32, the format). Another value is for the
+            format ablation only: the same rules over blocks of ``block`` elements; no kernel
+            or optimizer takes it.
 
     Returns:
-        ``(codes, scales)``: uint8 of ``m``'s shape, uint8 ``[ceil(n / 32)]``. See the module
+        ``(codes, scales)``: uint8 of ``m``'s shape, uint8 ``[ceil(n / block)]``. See the module
         doc for the exact bits. Nothing is read on the host.
     """
     _check_input(m, rand16, "q8_encode_m")
+    _check_block(block)
     flat = m.reshape(-1)
     n = flat.numel()
     bits = flat.contiguous().view(torch.int32).to(torch.int64)
     a = bits & 0x7FFFFFFF
-    scales = _block_scale(a, M_SCALE_MIN)
-    s = _per_element(scales, n)
+    scales = _block_scale(a, M_SCALE_MIN, block)
+    s = _per_element(scales, n, block)
     q = _encode_magnitude(a, s, M_MANT_BITS, rand16)
     code = q | (((bits >> 31) & 1) << 7)
     code = torch.where(s == NONFINITE_SCALE, torch.zeros_like(code), code)
     return code.to(torch.uint8).reshape(m.shape), scales.to(torch.uint8)
 
 
-def q8_decode_m(codes: Tensor, scales: Tensor) -> Tensor:
-    """Decode q8 first-moment codes to fp32, exactly: ``(-1)^sign * K(q) * 2^(s - 137)``; NaN where ``s == 0xFF``."""
-    _check_codes(codes, scales, "q8_decode_m")
+def q8_decode_m(codes: Tensor, scales: Tensor, *, block: int = BLOCK) -> Tensor:
+    """Decode q8 first-moment codes to fp32, exactly: ``(-1)^sign * K(q) * 2^(s - 137)``; NaN where ``s == 0xFF``.
+
+    ``block``: elements per scale byte, as given to :func:`q8_encode_m` (default 32).
+    """
+    _check_codes(codes, scales, "q8_decode_m", block)
     c = codes.reshape(-1).to(torch.int64)
-    s = _per_element(scales, c.numel())
+    s = _per_element(scales, c.numel(), block)
     k = _code_units(c & 0x7F, M_MANT_BITS)
     mag = k.to(torch.float32) * _pow2_f32(torch.clamp(s - 137, min=-149))
     out = torch.where((c & 0x80) != 0, -mag, mag)
@@ -213,7 +230,7 @@ def q8_decode_m(codes: Tensor, scales: Tensor) -> Tensor:
     return out.reshape(codes.shape)
 
 
-def q8_encode_v(v: Tensor, rand16: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def q8_encode_v(v: Tensor, rand16: Tensor | None = None, *, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """Encode a second moment (fp32) as q8: ``w = sqrt_rn(v)`` as unsigned E3M5 codes over w's block scale.
 
     A nonzero v never codes to 0 (the smallest nonzero code instead). A negative v (never
@@ -223,44 +240,49 @@ def q8_encode_v(v: Tensor, rand16: Tensor | None = None) -> tuple[Tensor, Tensor
         v: fp32 tensor, any shape.
         rand16: 16 random bits per element (``sr_random16(seed, step, 4 * tensor_id + 2, n)``);
             ``None`` rounds to nearest even.
+        block: elements per scale byte, as in :func:`q8_encode_m` (default 32).
 
     Returns:
         ``(codes, scales)`` as :func:`q8_encode_m`.
     """
     _check_input(v, rand16, "q8_encode_v")
+    _check_block(block)
     flat = v.reshape(-1)
     a = _abs_bits(sqrt_rn(flat))
-    scales = _block_scale(a, W_SCALE_MIN)
-    s = _per_element(scales, flat.numel())
+    scales = _block_scale(a, W_SCALE_MIN, block)
+    s = _per_element(scales, flat.numel(), block)
     q = _encode_magnitude(a, s, W_MANT_BITS, rand16)
     q = torch.where((a > 0) & (q == 0), torch.ones_like(q), q)
     q = torch.where(s == NONFINITE_SCALE, torch.zeros_like(q), q)
     return q.to(torch.uint8).reshape(v.shape), scales.to(torch.uint8)
 
 
-def q8_decode_v(codes: Tensor, scales: Tensor) -> Tensor:
+def q8_decode_v(codes: Tensor, scales: Tensor, *, block: int = BLOCK) -> Tensor:
     """Decode q8 second-moment codes to fp32: ``v = fp32(w * w)``, ``w = K(q) * 2^(s - 138)``; NaN where ``s == 0xFF``.
 
     ``w`` is exact in fp32 for every byte pair and ``w * w`` is exact for ``s`` in [75, 190]
-    (everything encode writes), so there v is exactly ``K^2 * 2^(2s - 276)``.
+    (everything encode writes), so there v is exactly ``K^2 * 2^(2s - 276)``. ``block`` as in
+    :func:`q8_decode_m`.
     """
-    _check_codes(codes, scales, "q8_decode_v")
+    _check_codes(codes, scales, "q8_decode_v", block)
     c = codes.reshape(-1).to(torch.int64)
-    s = _per_element(scales, c.numel())
+    s = _per_element(scales, c.numel(), block)
     w = _code_units(c, W_MANT_BITS).to(torch.float32) * _pow2_f32(torch.clamp(s - 138, min=-149))
     out = w * w
     out = torch.where(s == NONFINITE_SCALE, torch.full_like(out, float("nan")), out)
     return out.reshape(codes.shape)
 
 
-def _check_codes(codes: Tensor, scales: Tensor, what: str) -> None:
+def _check_codes(codes: Tensor, scales: Tensor, what: str, block: int = BLOCK) -> None:
+    _check_block(block)
     for name, t in (("codes", codes), ("scales", scales)):
         if not isinstance(t, Tensor) or t.dtype != torch.uint8:
             got = t.dtype if isinstance(t, Tensor) else type(t).__name__
             raise TypeError(f"{what}: {name} must be uint8, got {got}")
-    if scales.dim() != 1 or scales.numel() != num_blocks(codes.numel()):
+    nb = num_blocks(codes.numel(), block=block)
+    if scales.dim() != 1 or scales.numel() != nb:
         raise ValueError(
-            f"{what}: {codes.numel()} codes need {num_blocks(codes.numel())} scale bytes (1-D), "
+            f"{what}: {codes.numel()} codes need {nb} scale bytes (1-D, one per {block} codes), "
             f"got shape {tuple(scales.shape)}"
         )
     if scales.device != codes.device:

@@ -389,6 +389,98 @@ def test_sr_ids_are_bf16_indices_and_fp32_params_do_not_split_launches(monkeypat
     assert sorted(calls) == [(1, 0), (2, 2)]
 
 
+def test_rng_counter_is_one_per_group_and_device_and_advances_once_per_applied_step(monkeypatch):
+    """The rule of fastamp.optim._rng: every launch of a step reads its group's counter as the step began.
+
+    A param whose state is created late joins the counter; a param without a grad draws, when it steps again,
+    from the group's count (where a per-param counter would lag); a skipped step and a group without grads do not
+    advance it; the state dict holds a copy per param; a loaded dict of per-param counters is made one (the first's
+    seed, the largest count); a new group and a state cleared start at 0 with their seed.
+    """
+    seen = []
+    real = fastamp.functional.adamw_bf16_
+
+    def spy(params, grads, remainders, m, v, vmax, scalars, found_inf, rng=None, rng_base=0, **kw):
+        seen.append((rng_base, len(params), rng.tolist()))
+        return real(params, grads, remainders, m, v, vmax, scalars, found_inf, rng, rng_base, **kw)
+
+    monkeypatch.setattr(fastamp.functional, "adamw_bf16_", spy)
+    g = torch.Generator().manual_seed(3)
+    a, c, d, e = (torch.randn(n, generator=g).bfloat16().requires_grad_() for n in (300, 51, 40, 9))
+    b = torch.randn(5, generator=g).requires_grad_()  # fp32: no rng
+    opt = AdamW([{"params": [a, b, c]}, {"params": [d], "seed": 11}], lr=1e-3, stochastic_rounding=True)
+
+    def step(*with_grad, skip=False):
+        for p in (a, b, c, d, e):
+            p.grad = torch.randn(p.shape, generator=g).to(p.dtype) if any(p is q for q in with_grad) else None
+        if skip:
+            opt.found_inf, opt.grad_scale = torch.ones(()), torch.ones(())
+        seen.clear()
+        opt.step()
+        opt.__dict__.pop("found_inf", None)
+        opt.__dict__.pop("grad_scale", None)
+        return sorted(seen)
+
+    assert step(a, b) == [(0, 1, [0, 0])]
+    assert step(a, b, c, d) == [(0, 2, [0, 1]), (2, 1, [11, 0])]  # c's state is created now: it joins at 1
+    counter = opt.state[a]["rng"]
+    assert opt.state[c]["rng"] is counter and opt.state[d]["rng"] is not counter and "rng" not in opt.state[b]
+    assert step(a, c, skip=True) == [(0, 2, [0, 2])] and counter.tolist() == [0, 2]  # skipped: no advance
+    assert step(c) == [(1, 1, [0, 2])]  # c alone: the group's count (its own would have been 1)
+    assert counter.tolist() == [0, 3] and opt.state[d]["rng"].tolist() == [11, 1]  # d's group had no grad
+    sd = opt.state_dict()
+    assert [sd["state"][i]["rng"].tolist() for i in (0, 2, 3)] == [[0, 3], [0, 3], [11, 1]]
+    assert all(sd["state"][i]["rng"] is not counter for i in (0, 2))  # a copy per param, as one loads anywhere
+    sd["state"][0]["rng"] = torch.tensor([4, 3])  # a dict of per-param counters (an older fastamp)
+    sd["state"][2]["rng"] = torch.tensor([0, 7])
+    opt.load_state_dict(save_load(sd))
+    counter = opt.state[a]["rng"]
+    assert opt.state[c]["rng"] is counter and counter.tolist() == [4, 7]
+    assert step(a, c) == [(0, 2, [4, 7])]
+    opt.add_param_group({"params": [e], "seed": 5})
+    assert step(a, e) == [(0, 1, [4, 8]), (3, 1, [5, 0])]  # a new group: its own counter, from 0
+    opt.state[c] = {}  # a layer reset: it joins the group's counter again
+    assert step(c) == [(1, 1, [4, 9])] and opt.state[c]["rng"] is counter
+    opt.state.clear()
+    assert step(a, c) == [(0, 2, [0, 0])]  # no state left: a new counter, with the group's seed (the loaded 0)
+
+
+def test_rng_counter_of_dtensor_params_is_a_plain_tensor_and_gives_the_bits_of_plain_params(tmp_path):
+    """FSDP2 params (DTensor, one rank here): the group's counter is one plain tensor on the device, as for plain params."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        g = torch.Generator().manual_seed(0)
+        base = [torch.randn(s, generator=g).bfloat16() for s in ((8, 4), (6,), (5, 3))]
+        plain = [torch.nn.Parameter(t.clone()) for t in base]
+        sharded = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in base]
+        kw = dict(lr=1e-2, master_weights=False, stochastic_rounding=True, seed=3)
+        o1, o2 = AdamW(plain, **kw), AdamW(sharded, **kw)
+        for step in range(4):
+            grads = [torch.randn(t.shape, generator=g).bfloat16() for t in base]
+            grads[0] = None if step % 2 else grads[0]  # the first param misses every other step
+            for p, q, grad in zip(plain, sharded, grads):
+                p.grad = None if grad is None else grad.clone()
+                q.grad = None if grad is None else distribute_tensor(grad.clone(), mesh, [Shard(0)])
+            o1.step()
+            o2.step()
+        for p, q in zip(plain, sharded):
+            assert torch.equal(p.detach(), q.detach().full_tensor())
+        counter = o2.state[sharded[1]]["rng"]
+        assert type(counter) is torch.Tensor and counter.tolist() == [3, 4]
+        assert all(o2.state[q]["rng"] is counter for q in sharded)
+        o2.load_state_dict(o2.state_dict())
+        assert o2.state[sharded[0]]["rng"] is o2.state[sharded[2]]["rng"]
+    finally:
+        dist.destroy_process_group()
+
+
 def _loss_fn(w, x, y):
     return ((x @ w.float() - y) ** 2).mean()
 

@@ -134,23 +134,44 @@ def test_release_matches_the_ordinary_step_bit_for_bit(rule, config, bucket):
     h3.remove()
 
 
-def test_step_bucket_matches_step_with_stochastic_rounding_when_every_param_steps():
-    """The engine entry point keeps each param's SR tensor id and counter: one bucket per param gives step()'s bits."""
-    m1, o1 = _world("adamw", "bf16-remainder")
-    m2, o2 = _world("adamw", "bf16-remainder")
-    for o in (o1, o2):
+def test_step_bucket_inside_bucket_step_matches_step_with_stochastic_rounding():
+    """The engine entry point: the buckets of one step inside ``bucket_step()``, in any order, give step()'s bits.
+
+    Each launch draws from its group's rng counter, which advances once when the block ends; the
+    branch gets no grad on odd steps (its step count lags). Outside the block each call is a step
+    of its own for the counters: one call per param then draws other bits.
+    """
+    worlds = [_world("adamw", "bf16-remainder") for _ in range(3)]
+    for _, o in worlds:
         for g in o.param_groups:
             g["master_weights"], g["stochastic_rounding"], g["seed"] = None, True, 7
-    params2 = list(m2.parameters())
+    (m1, o1), (m2, o2), (m3, o3) = worlds
     for step in range(6):
-        m1(_batch(step), 0).backward()
+        for m in (m1, m2, m3):
+            m(_batch(step), step).backward()
         o1.step()
-        o1.zero_grad(set_to_none=True)
-        m2(_batch(step), 0).backward()
-        for p in reversed(params2):
-            o2.step_bucket([p])
-        o2.zero_grad(set_to_none=True)
-    _assert_same(m1, o1, m2, o2, "stochastic rounding")
+        params = list(m2.parameters())
+        with o2.bucket_step():
+            for p in params[::-2] + params[-2::-2]:  # every other param, backwards, then the rest
+                o2.step_bucket([p])
+        for p in m3.parameters():
+            o3.step_bucket([p])
+        for o in (o1, o2, o3):
+            o.zero_grad(set_to_none=True)
+    _assert_same(m1, o1, m2, o2, "stochastic rounding, buckets inside bucket_step()")
+    counter = o2.state[m2.out.weight]["rng"]
+    assert all(o2.state[p]["rng"] is counter for p in m2.parameters()), "one counter per group"
+    assert counter.tolist() == [7, 6] and float(o2.state[m2.branch.weight]["step"]) == 3
+    # outside the block: one advance per call that launched (every param of the model, minus the branch's on odd steps)
+    assert o3.state[m3.out.weight]["rng"].tolist() == [7, 6 * 9 - 3 * 2]
+    assert not torch.equal(m3.out.weight, m1.out.weight)
+    with o2.bucket_step():
+        with pytest.raises(RuntimeError, match=r"step\(\) inside bucket_step\(\)"):
+            o2.step()
+        with pytest.raises(RuntimeError, match=r"bucket_step\(\) inside bucket_step\(\)"):
+            with o2.bucket_step():
+                pass
+    assert counter.tolist() == [7, 6], "a block without launches advances nothing"
 
 
 def test_step_scalar_rows_do_not_depend_on_the_position_of_a_count():
@@ -235,7 +256,6 @@ def _unchanged(model, opt, snap, what):
         ("param not in optimizer", ValueError, "param 'l2.bias' .* requires grad but is not in the optimizer"),
         ("param not in model", ValueError, r"param 0 of param group 1 .* is not a param of the model"),
         ("ddp", NotImplementedError, "DistributedDataParallel"),
-        ("stochastic rounding", NotImplementedError, "param group 0 uses stochastic rounding"),
         ("twice", RuntimeError, "already under gradient release"),
         ("bucket_bytes", ValueError, "bucket_bytes must be an int >= 0"),
     ],
@@ -257,8 +277,6 @@ def test_release_refuses_before_registering_anything(case, error, match):
         torch.nn.Module.__init__(ddp)
         ddp.module = model
         target_model = ddp
-    elif case == "stochastic rounding":
-        target_opt = fastamp.AdamW(model.parameters(), stochastic_rounding=True)
     elif case == "twice":
         first = fastamp.release(model, opt)
     elif case == "bucket_bytes":
@@ -445,13 +463,42 @@ AMP_CONFIGS = {
     "bf16-master-disabled-scaler": (torch.bfloat16, {"master_weights": True}, "off"),
 }
 CLIPS = {"none": None, "binding": 1e-3, "loose": 1e6}
+# stochastic rounding in each form, on the param (no master; bf16 moments too), the ulp8 correction and the q8
+# codes: every launch of a step draws from its group's rng counter (fastamp.optim._rng)
+_SR = {"master_weights": False, "stochastic_rounding": True}
+SR_CONFIGS = {
+    # AdamW's bf16 forms in one optimizer, a group each (a counter each)
+    "bf16-adamw-forms-scaler": (
+        torch.bfloat16,
+        {
+            "groups": (
+                (("emb", "l1"), {**_SR, "state_dtype": torch.bfloat16, "seed": 3}),
+                (("norm", "l2"), {"master_weights": "remainder", "state_format": "q8"}),
+                (("branch", "out"), {**_SR, "state_format": "q8", "seed": 9}),
+            )
+        },
+        "on",
+    ),
+    "fp16-ulp8-q8-scaler": (torch.float16, {"master_weights": "ulp8", "state_format": "q8", "seed": 5}, "on"),
+    "bf16-sr-scaler": (torch.bfloat16, {**_SR, "seed": 3}, "on"),
+    "bf16-sr": (torch.bfloat16, {**_SR, "seed": 3}, None),
+}
+
+
+def _config(config: str):
+    return AMP_CONFIGS[config] if config in AMP_CONFIGS else SR_CONFIGS[config]
 
 
 def _amp_world(rule: str, config: str, backend: str | None = None):
-    dtype, kw, which = AMP_CONFIGS[config]
+    dtype, kw, which = _config(config)
     torch.manual_seed(0)
     model = AmpNet(dtype)
-    opt = RULES[rule](model.parameters(), **kw)
+    params = model.parameters()
+    if "groups" in kw:  # ((module names, group options), ...)
+        named = list(model.named_parameters())
+        params = [{"params": [p for n, p in named if n.split(".")[0] in names], **opts} for names, opts in kw["groups"]]
+        kw = {}
+    opt = RULES[rule](params, **kw)
     scaler = None
     if which is not None:
         scaler = fastamp.Scaler("cpu", init_scale=2.0**12, growth_interval=4, backend=backend, enabled=which == "on")
@@ -503,13 +550,26 @@ def _assert_same_scaler(s1, s2, what):
     assert_bits_equal(s2.last_step_skipped_tensor, s1.last_step_skipped_tensor, f"{what}: last step skipped")
 
 
-def _amp_run(rule, config, clip, bucket, backend=None, steps=STEPS):
+def _amp_run(rule, config, clip, bucket, backend=None, steps=STEPS, resume_at=None):
+    """Release vs the ordinary loop, compared after every step; ``resume_at``: the released run is saved there
+    (model, optimizer, scaler through torch.save / torch.load) and goes on in new objects loaded from it."""
     max_norm = CLIPS[clip]
     m1, o1, s1 = _amp_world(rule, config, backend)
     m2, o2, s2 = _amp_world(rule, config, backend)
     h = fastamp.release(m2, o2, scaler=s2, max_norm=max_norm, bucket_bytes=BUCKETS[bucket])
     skipped = 0
     for step in range(steps):
+        if step == resume_at:
+            saved = save_load(
+                {"model": m2.state_dict(), "opt": o2.state_dict(), "scaler": None if s2 is None else s2.state_dict()}
+            )
+            h.remove()
+            m2, o2, s2 = _amp_world(rule, config, backend)
+            m2.load_state_dict(saved["model"])
+            o2.load_state_dict(saved["opt"])
+            if s2 is not None:
+                s2.load_state_dict(saved["scaler"])
+            h = fastamp.release(m2, o2, scaler=s2, max_norm=max_norm, bucket_bytes=BUCKETS[bucket])
         norm = _amp_ordinary(m1, o1, s1, max_norm, step)
         h.backward(_amp_loss(m2, step, s1 is not None and s1.is_enabled()))
         assert all(p.grad is None for p in m2.parameters()), "release left a grad"
@@ -523,7 +583,7 @@ def _amp_run(rule, config, clip, bucket, backend=None, steps=STEPS):
     _assert_same(m1, o1, m2, o2, "the last step")
     if s1 is not None and s1.is_enabled():
         # at least the overflows of _INF_STEPS, and of _BIG_STEP in fp16 (bf16 holds 2^24 times the grads)
-        assert skipped == int(s1.skipped_steps) >= (4 if AMP_CONFIGS[config][0] == torch.float16 else 3)
+        assert skipped == int(s1.skipped_steps) >= (4 if _config(config)[0] == torch.float16 else 3)
         assert int(h.mismatches) == 0
     return m1, o1, s1, m2, o2, s2, h
 
@@ -553,6 +613,42 @@ def test_release_with_a_scaler_or_clip_matches_the_ordinary_loop_bit_for_bit(rul
         assert float(h.total_norm) < 1e6
     if rule != "lion":  # the branch's counts lag: it has no grad on odd steps (and skipped steps do not count)
         assert float(o2.state[h.model.branch.weight]["step"]) < float(o2.state[h.model.out.weight]["step"])
+    h.remove()
+
+
+SR_CASES = [  # (rule, config, clip, resume_at)
+    ("adamw", "bf16-adamw-forms-scaler", "binding", None),
+    ("adamw", "fp16-ulp8-q8-scaler", "binding", None),
+    ("sgd", "bf16-sr-scaler", "binding", 10),  # a checkpoint saved under release and resumed
+    ("lion", "bf16-sr", "none", None),  # one backward: no scaler, no clip
+]
+
+
+@pytest.mark.parametrize("rule, config, clip, resume_at", SR_CASES)
+def test_release_with_stochastic_rounding_matches_the_ordinary_loop_bit_for_bit(rule, config, clip, resume_at):
+    """Every bucket of a step draws from its group's counter as the step began; it advances once, when the step ends.
+
+    The branch gets no grad on odd steps (per-param counters would lag); overflows are injected (fp16: also the 2^24
+    step) and the clip binds; one run goes through a checkpoint.
+    """
+    *_, o2, s2, h = _amp_run(rule, config, clip, "middle", resume_at=resume_at)
+    model = h.model
+    assert len(h.buckets) > 2
+    users = {name for name, p in model.named_parameters() if "rng" in o2.state[p]}
+    assert {"branch.weight", "l2.weight"} <= users  # the branch draws bits
+    applied = STEPS - (0 if s2 is None else int(s2.skipped_steps))
+    counters = []
+    for group in o2.param_groups:
+        held = [o2.state[p]["rng"] for p in group["params"] if "rng" in o2.state[p]]
+        assert held and all(t is held[0] for t in held), "one counter per group and device"
+        assert int(held[0][1]) == applied, "one advance per applied step"
+        counters.append(held[0])
+    assert len({id(t) for t in counters}) == len(counters)
+    if rule != "lion":
+        assert float(o2.state[model.branch.weight]["step"]) < float(o2.state[model.out.weight]["step"])
+    if resume_at is not None:
+        saved = o2.state_dict()["state"]
+        assert all(st["rng"] is not o2.state[p]["rng"] for p, st in zip(model.parameters(), saved.values()))
     h.remove()
 
 

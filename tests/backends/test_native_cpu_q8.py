@@ -51,9 +51,35 @@ def _grad(n, gen, dtype, adversarial):
     return x.to(dtype)
 
 
+# ulp8 masters at the edges of reference/ulp8.py: +-0, fp16's 2^-14 and its subnormals (down to
+# below 2^-17, where floor(|M| * 2^40) truncates, and below 2^-25, where p = 0), bf16 subnormals
+# and masters below them (p = 0, the value in c), powers of two and just below, the largest
+# finite 16-bit values and masters that round to inf, inf, NaN
+ULP8_EDGES = [0.0, -0.0, 2.0**-14, -(2.0**-14) * (1 - 2.0**-12), 6e-5, -1e-6, 7.7e-6, 1e-7, -1e-8, 1e-40, -3e-39,
+              1e-42, 1e-45, 1.0, -2.0, 1 - 2.0**-20, -(4 - 2.0**-19), 65504.0, 65519.0, -65520.0, 70000.0,
+              3.3895e38, -3.3896e38, math.inf, -math.inf, math.nan, 0.1, -3.0e-3]  # fmt: skip
+
+
+def _ulp8_state(p32, pdtype, gen):
+    """(param, correction) from masters with ULP8_EDGES at elements 0.. (zero grads there: they
+    stay near the edge) and again at 64.., and every third correction any int8, -128 included
+    (never written by encode, but state to decode)."""
+    n = p32.numel()
+    edges = torch.tensor(ULP8_EDGES)
+    for at in (0, 64):
+        k = max(0, min(len(edges), n - at))
+        p32[at : at + k] = edges[:k]
+    p, c = reference.ulp8_encode(p32, pdtype)
+    c[::3] = torch.randint(-128, 128, (len(c[::3]),), generator=gen, dtype=torch.int8)
+    return p, c
+
+
 def _state(n, shape, pdtype, master, gen):
     p32 = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-8, 8, (n,), generator=gen).float()
-    if master == "remainder":
+    if master == "ulp8":
+        p, c = _ulp8_state(p32, pdtype, gen)
+        masters = [c]
+    elif master == "remainder":
         p, rem = reference.split_master(p32)
         masters = [rem]
     elif master == "fp32":
@@ -151,6 +177,24 @@ def test_grad_dtypes_rounding_and_threads(isa, gdtype, sr_param, sr_codes, threa
     _assert_same(nat, ref, f"{isa} threads={threads}")
 
 
+@pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float16], ids=lambda d: _SHORT[d])
+@pytest.mark.parametrize("sr_param,sr_codes,threads", [(False, False, 1), (True, False, 2), (False, True, 2),
+                                                       (True, True, 1)])  # fmt: skip
+def test_ulp8_masters(isa, pdtype, sr_param, sr_codes, threads):
+    """int8 ulp8 corrections of bf16 / fp16 params: edge masters, any correction byte, the
+    correction rounded stochastically (sr_param) or to nearest, fp32 / 16-bit grads per tensor,
+    whole, partial and multi-chunk blocks."""
+    gen = torch.Generator().manual_seed(12)
+    sizes = (CHUNK * 2 + 37, 65, 1)
+    tensors = [_state(n, (n,), pdtype, "ulp8", gen) for n in sizes]
+    gdtypes = (torch.float32, pdtype, torch.bfloat16)
+    grads = [[_grad(n, gen, gd, True) for n, gd in zip(sizes, gdtypes)] for _ in range(3)]
+    scs = [_scalars(s + 1, rows=3) for s in range(3)]
+    nat, ref = _run_both(_lists(tensors), grads, scs, sr_param=sr_param, sr_codes=sr_codes, threads=threads)
+    _assert_same(nat, ref, f"{isa} threads={threads}")
+    assert any(int(c.abs().max()) > 0 for c in nat[1])
+
+
 def test_thread_count_does_not_change_bytes(isa):
     gen = torch.Generator().manual_seed(9)
     tensors = [_state(n, (n,), torch.bfloat16, "remainder", gen) for n in (5 * CHUNK + 3, 1, 64, 2000)]
@@ -210,9 +254,11 @@ def test_every_code_and_scale_byte_decodes_as_the_reference(isa):
 
 
 @pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
-def test_nonfinite_grad_makes_nan_blocks(isa, bad):
+@pytest.mark.parametrize("master,pdtype", [("remainder", torch.bfloat16), ("ulp8", torch.float16)],
+                         ids=["remainder", "ulp8-f16"])  # fmt: skip
+def test_nonfinite_grad_makes_nan_blocks(isa, bad, master, pdtype):
     gen = torch.Generator().manual_seed(4)
-    tensors = [_state(200, (200,), torch.bfloat16, "remainder", gen)]
+    tensors = [_state(200, (200,), pdtype, master, gen)]
     g = _grad(200, gen, torch.float32, False)
     g[70] = bad
     nat, ref = _run_both(_lists(tensors), [[g], [_grad(200, gen, torch.float32, False)]], [_scalars(1), _scalars(2)])
@@ -295,6 +341,13 @@ def _bad_cases():
         "scales 2-D": (set_("sv", [torch.zeros(3, 1, dtype=torch.uint8)]), "exp_avg_sq_scales[0] must be 1-D with 3"),
         "scales dtype": (set_("sm", [torch.zeros(3, dtype=torch.int32)]), "exp_avg_scales[0] must have dtype Byte"),
         "master dtype": (set_("masters", [torch.zeros(n, dtype=torch.float16)]), "masters must be float32"),
+        "ulp8 param": (
+            lambda a: (
+                a.__setitem__("params", [a["params"][0].float()]),
+                a.__setitem__("masters", [torch.zeros(n, dtype=torch.int8)]),
+            ),
+            r"int8 \(ulp8\) masters need bfloat16 or float16 params",
+        ),
         "remainder param": (
             lambda a: a.__setitem__("params", [a["params"][0].float()]),
             "int16 remainder masters need bfloat16 params",

@@ -12,7 +12,7 @@ import torch
 from helpers import assert_bits_equal
 from tolerances import SR_MEAN_SIGMAS
 
-from fastamp.reference import sr_random16
+from fastamp.reference import q8, sr_random16
 from fastamp.reference.layout import master_streams, moment_streams, state_bytes_per_param
 from fastamp.reference.q8 import q8_decode_m, q8_decode_v, q8_encode_m, q8_encode_v
 from fastamp.reference.ulp8 import ulp8_decode, ulp8_encode
@@ -128,7 +128,7 @@ def test_q8_encode_of_decode_is_idempotent(which, stochastic):
 # ---- q8: rounding -----------------------------------------------------------------------------------
 
 
-def _oracle_nearest(which, x):
+def _oracle_nearest(which, x, block=32):
     """Round-to-nearest-even code magnitudes from fp64 maths: the block scale from frexp of the absmax,
     the nearest of all codes (ties to the even code; one step past the top saturates), the w floor."""
     _, _, mant, ncodes, s_min, _ = CODECS[which]
@@ -139,8 +139,8 @@ def _oracle_nearest(which, x):
     n = t.numel()
     grid = torch.tensor([_code_fraction(q, mant) for q in range(ncodes)] + [1.0], dtype=torch.float64)
     out = []
-    for b in range(0, n, 32):
-        blk = t[b : b + 32]
+    for b in range(0, n, block):
+        blk = t[b : b + block]
         amax = float(blk.max())
         s = max(math.frexp(amax)[1] + 126 if amax > 0 else 0, s_min)
         frac = blk / 2.0 ** (s - 126)
@@ -190,6 +190,57 @@ def test_q8_nearest_is_correctly_rounded(which):
     assert torch.equal(mag, want), (mag != want).nonzero()[:5].flatten().tolist()
     if which == "m":
         assert torch.equal((codes & 0x80) != 0, torch.signbit(x))
+
+
+@pytest.mark.parametrize("which", ["m", "v"])
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_q8_other_block_sizes_for_the_ablation(which, stochastic):
+    """``block=64`` (benchmarks/ablation_q8.py): one scale per 64 elements, the largest of its two
+    32-blocks' scales, and the same codes as block 32 wherever those agree; RNE codes are correctly
+    rounded against the 64-block scale and decode exactly; ``block=32`` is the default, bit for bit."""
+    encode, decode, *_ = CODECS[which]
+    x = _rounding_cases(which, seed=5)
+    x = torch.cat([x, x[:45]])  # a partial last block of each size
+    n = x.numel()
+    rand = _rand(n, 3) if stochastic else None
+    c32, s32 = encode(x, rand)
+    c_def, s_def = encode(x, rand, block=32)
+    assert_bits_equal(c_def, c32, "block=32 codes")
+    assert_bits_equal(s_def, s32, "block=32 scales")
+    c64, s64 = encode(x, rand, block=64)
+    assert s64.shape == (-(-n // 64),) and q8.num_blocks(n, block=64) == s64.numel()
+    pairs = torch.nn.functional.pad(s32, (0, s32.numel() % 2)).view(-1, 2)
+    assert_bits_equal(s64, pairs.amax(dim=1), "block-64 scale = the larger of its two 32-block scales")
+    same = (pairs[:, 0] == pairs[:, 1]).repeat_interleave(64)[:n]
+    assert same.any() and (~same).any()
+    assert torch.equal(c64[same], c32[same])
+    assert not torch.equal(c64[~same], c32[~same])  # the smaller half is coded on the coarser grid
+    y = decode(c64, s64, block=64)
+    per_elem = s64.to(torch.int64).repeat_interleave(64)[:n].tolist()
+    want = torch.cat([_decoded_fp64(which, [c], s) for c, s in zip(c64.tolist(), per_elem)])
+    assert torch.equal(y.double(), want)
+    if not stochastic:
+        mag = c64.to(torch.int64) & (0x7F if which == "m" else 0xFF)
+        assert torch.equal(mag, _oracle_nearest(which, x, block=64))
+    c2, s2 = encode(y, None, block=64)
+    assert_bits_equal(c2, c64, "block-64 encode of decode")
+    assert_bits_equal(s2, s64, "block-64 scales of decode")
+
+
+def test_q8_bad_block_is_refused():
+    x, codes = torch.zeros(100), torch.zeros(100, dtype=torch.uint8)
+    for bad in (0, -32):
+        with pytest.raises(ValueError, match="block must be >= 1"):
+            q8_encode_m(x, block=bad)
+    for bad in (32.0, True, "32"):
+        with pytest.raises(TypeError, match="block must be an int"):
+            q8_encode_v(x, block=bad)
+    with pytest.raises(TypeError, match="block must be an int"):
+        q8.num_blocks(100, block=None)
+    with pytest.raises(ValueError, match="100 codes need 2 scale bytes"):
+        q8_decode_v(codes, torch.zeros(4, dtype=torch.uint8), block=64)  # block-32 scales read as block 64
+    with pytest.raises(ValueError, match="block must be >= 1"):
+        q8_decode_m(codes, torch.zeros(4, dtype=torch.uint8), block=0)
 
 
 @pytest.mark.parametrize("which", ["m", "v"])

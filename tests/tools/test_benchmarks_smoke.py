@@ -12,6 +12,7 @@ BENCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, 
 sys.path.insert(0, BENCH_DIR)
 
 import bench_adamw  # noqa: E402
+import bench_lowbit  # noqa: E402
 import bench_release  # noqa: E402
 import bench_step  # noqa: E402
 import bench_unscale  # noqa: E402
@@ -211,6 +212,9 @@ def _all_traffic():
         for p in mod.make_providers(ns(dtypes=dtypes), torch.device("cpu"))(2, 8, ["torch"]):
             assert p.traffic, p
             out.add(p.traffic)
+    # bench_lowbit's rows (1-byte streams: ulp8 corrections, 4-bit codes)
+    out.update(t for _, t, _ in bench_lowbit.FASTAMP.values())
+    out.update(t for _, t, _ in bench_lowbit.OTHERS.values())
     return sorted(out)
 
 
@@ -342,3 +346,24 @@ def test_bench_release_checks_and_reports_the_peak_of_live_grads(tmp_path):
     assert len(_read_csv(tmp_path / "bench_release-t.csv")) == 6
     md = (tmp_path / "bench_release-t.md").read_text()
     assert "| release-0MiB | ok |" in md and "| release-amp-0MiB | ok |" in md
+
+
+def test_bench_lowbit_times_every_fastamp_8bit_config(tmp_path):
+    """Optimizer-level rows (torch fused fp32, our 10-B config and every q8 config), each checked first."""
+    args = ["--quick", "--configs", "2x4099", "--rounds", "1", "--device", "cpu", "--out", str(tmp_path), "--no-plot"]
+    rows = bench_lowbit.main(args + ["--tag", "t", "--providers", ",".join(["torch", *bench_lowbit.FASTAMP])])
+    by = {r["provider"]: r for r in rows}
+    assert set(by) == {"torch", *bench_lowbit.FASTAMP}
+    for r in rows:
+        assert r["check"] == "ok", r
+        assert r["ms"] > 0 and common.traffic_bytes(r["traffic"]) == r["bytes_per_elem"]
+    assert by["fastamp ulp8+q8"]["bytes_per_elem"] == 12 and by["fastamp SR+q8"]["bytes_per_elem"] == 10
+    md = (tmp_path / "bench_lowbit-t.md").read_text()
+    assert "Time over fastamp 10-B's" in md
+
+
+def test_bench_lowbit_check_fails_when_no_step_happens():
+    """The check every low-bit provider passes before it is timed can fail: an lr-0 'optimizer' moves nothing."""
+    with pytest.raises(AssertionError, match="cosine"):
+        bench_lowbit._check(lambda ps, lr: torch.optim.SGD(ps, lr=0.0))
+    assert "cosine" in bench_lowbit._check(bench_lowbit._fastamp_factory({"state_format": "q8"}, None))

@@ -16,7 +16,9 @@ sys.path.insert(0, BENCH_DIR)
 
 import convergence_q8  # noqa: E402
 
-CONFIGS = ["baseline", "remainder-q8", "sr-q8", "pure-bf16", "fastamp-fp16", "fp16-q8"]
+CONFIGS = ["baseline", "remainder-q8", "sr-q8", "ulp8-q8", "pure-bf16", "fastamp-fp16", "fp16-q8", "fp16-ulp8-q8"]
+FP16_ROWS = ["fastamp-fp16", "fp16-q8", "fp16-ulp8-q8"]
+Q8_ROWS = ["remainder-q8", "sr-q8", "ulp8-q8", "fp16-q8", "fp16-ulp8-q8"]
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +46,21 @@ def test_quick_writes_json_and_markdown_with_the_run_described(quick):
 
 def test_quick_rows_carry_the_criterion_and_the_q8_coverage(quick):
     rows = quick[1]["configs"]
-    for name in ("remainder-q8", "sr-q8", "pure-bf16", "fp16-q8"):
+    for name in ("remainder-q8", "sr-q8", "ulp8-q8", "pure-bf16", "fp16-q8", "fp16-ulp8-q8"):
         r = rows[name]
-        assert r["reference"] == ("fastamp-fp16" if name == "fp16-q8" else "baseline")
+        assert r["reference"] == ("fastamp-fp16" if name in FP16_ROWS else "baseline")
+        assert r["dtype"] == ("float16" if name in FP16_ROWS else "bfloat16")
         assert isinstance(r["pass"], bool) and isinstance(r["pass_mean"], bool) and isinstance(r["pass_seeds"], bool)
         assert r["ratio"] == pytest.approx(r["mean"] / rows[r["reference"]]["mean"])
     assert rows["pure-bf16"]["control"] is True
     for name in ("baseline", "fastamp-fp16"):
         assert "pass" not in rows[name]
-    # q8 state is really there: the weight matrices (>= lowbit_min_numel) hold 8-bit moments
-    for name in ("remainder-q8", "sr-q8", "fp16-q8"):
-        assert rows[name]["q8_fraction"] > 0.9
-    for name in ("baseline", "pure-bf16", "fastamp-fp16"):
-        assert rows[name]["q8_fraction"] == 0.0
+    # the 8-bit state is really there: the weight matrices (>= lowbit_min_numel) hold q8 moments,
+    # and in the ulp8 rows an int8 master correction (no fp32 master)
+    for name in CONFIGS:
+        assert (rows[name]["q8_fraction"] > 0.9) == (name in Q8_ROWS), name
+        assert (rows[name]["ulp8_fraction"] > 0.9) == ("ulp8" in name), name
+    assert rows["ulp8-q8"]["ulp8_fraction"] == rows["ulp8-q8"]["q8_fraction"]
 
 
 def test_quick_losses_are_finite_and_decrease(quick):
@@ -74,7 +78,7 @@ def test_quick_losses_are_finite_and_decrease(quick):
 
 def test_quick_fp16_rows_skip_every_injected_overflow(quick):
     rows = quick[1]["configs"]
-    for name in ("fastamp-fp16", "fp16-q8"):
+    for name in FP16_ROWS:
         r = rows[name]
         assert r["injected_overflow_steps"] and r["all_injected_skipped"] is True
         assert set(r["injected_overflow_steps"]) <= set(r["skipped_steps"][0])
