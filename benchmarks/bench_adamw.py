@@ -26,7 +26,7 @@ Providers (each checked against :mod:`fastamp.reference` before being timed):
                    ``bf16-sr-q8``      ``adamw_q8_`` without master, stochastic rounding: 10 B/elem
                                        + 1/8 B of scales.
 
-The q8 rows run only on the backends that have ``adamw_q8_`` (native CPU, the reference).
+The q8 rows run only on the backends that have ``adamw_q8_`` (native CPU and CUDA, Triton, the reference).
 
 Byte counts are what each kernel reads and writes; write-allocate traffic (a store to a line
 that was not read) is not counted, for any provider. This is the kernel alone; ``bench_step.py``

@@ -10,8 +10,12 @@
 #   fastamp_env  python -m fastamp.env (what was built, what AUTO picks)
 #   cost_model benchmarks/gpu_cost_model.py --measure: device copy bandwidth and each path's floor
 #   sync       benchmarks/sync_check.py: host syncs per fastamp step (set_sync_debug_mode)
+#   pytest_q8  the q8 moments' device tests first, on their own budget: the native CUDA kernel
+#              (tests/backends/test_cuda_q8.py) and the Triton one on the GPU (test_triton_q8.py),
+#              byte for byte against the reference on the device; then the AOT tier's GPU tests
 #   pytest     pytest -m gpu tests: every device test (CUDA kernels, Triton on the GPU, graph capture)
 #   bench_step, bench_unscale, bench_adamw   microbenchmarks at GPU size (native + triton)
+#   bench_adamw_q8   the q8 rows (bf16-q8, bf16-sr-q8) beside the 10-B config, native + triton
 #   compare    python -m fastamp.compare --device cuda (large preset)
 #   pytest_rest  pytest -m 'not gpu and not slow' tests, in the time left
 # Everything is written under $OUT: logs/<stage>.log, results/, stages.tsv, summary.md.
@@ -68,7 +72,9 @@ run_stage fastamp_env 30 "$PY" -m fastamp.env
 run_stage cost_model 30 "$PY" benchmarks/gpu_cost_model.py --measure --out "$OUT/results/gpu_cost_model.md"
 run_stage sync 45 "$PY" benchmarks/sync_check.py --out "$OUT/results"
 # The device tests first and whole (no -x: every CUDA/Triton-on-GPU/capture test reports), the
-# rest of the suite last, in what time is left.
+# rest of the suite last, in what time is left. The q8 ones run again in the second stage (cheap).
+run_stage pytest_q8 60 "$PY" -m pytest -q tests/backends/test_cuda_q8.py tests/backends/test_triton_q8.py \
+    -p no:cacheprovider -rfE --durations=10 --junitxml="$OUT/results/pytest_q8.xml"
 run_stage pytest 150 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations=15 \
     --junitxml="$OUT/results/pytest.xml"
 GPU_CONFIGS=256x4096,256x262144,256x1048576,20000x256
@@ -80,6 +86,8 @@ run_stage bench_unscale 40 "$PY" benchmarks/bench_unscale.py --device cuda --bac
     --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
 run_stage bench_adamw 40 "$PY" benchmarks/bench_adamw.py --device cuda --backends native,triton \
     --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
+run_stage bench_adamw_q8 40 "$PY" benchmarks/bench_adamw.py --device cuda --backends native,triton \
+    --dtypes bf16-10B,bf16-q8,bf16-sr-q8 --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda-q8
 run_stage pytest_rest 120 "$PY" -m pytest -q -m "not gpu and not slow" tests -p no:cacheprovider -rfE \
     --junitxml="$OUT/results/pytest_rest.xml"
 
@@ -95,6 +103,10 @@ run_stage pytest_rest 120 "$PY" -m pytest -q -m "not gpu and not slow" tests -p 
     column -t -s $'\t' "$STAGES" 2>/dev/null || cat "$STAGES"
     echo '```'
     echo
+    echo "## pytest_q8 (tail)"
+    echo '```'
+    tail -n 15 "$OUT/logs/pytest_q8.log" 2>/dev/null
+    echo '```'
     echo "## pytest (tail)"
     echo '```'
     tail -n 25 "$OUT/logs/pytest.log" 2>/dev/null

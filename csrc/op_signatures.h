@@ -57,7 +57,7 @@ using lion_ = void(at::TensorList params, at::TensorList grads, at::TensorList m
                    const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
                    const std::optional<at::Tensor>& rng, int64_t rng_base, double beta1, double beta2, bool maximize);
 
-// AdamW on 8-bit block-scaled moments (fastamp._ops.Q8_OPS: CPU kernels only for now)
+// AdamW on 8-bit block-scaled moments (fastamp._ops.Q8_OPS: CPU and CUDA kernels)
 using adamw_q8_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters,
                        at::TensorList exp_avg_codes, at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_codes,
                        at::TensorList exp_avg_sq_scales, const at::Tensor& step_scalars,

@@ -157,8 +157,11 @@ RELEASE_OPS: dict[str, OpDef] = {
 }
 
 # AdamW on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
-# fastamp.reference.adamw_q8_), defined in the native namespace: its kernel exists for CPU only
-# so far, so it stays out of OPS, whose ops every backend registers.
+# fastamp.reference.adamw_q8_), defined in the native and Triton namespaces (kernels: csrc/cpu and
+# csrc/cuda adamw_q8, kernels/adamw_q8.py) and as an opaque reference op (reference_op). It stays
+# out of OPS, whose ops every backend registers with one kernel per device: a native build may
+# lack its CUDA kernel (native_has_kernel says), and the native kernels do not take every master
+# kind yet (fastamp.functional.adamw_q8_ routes those).
 Q8_OPS: dict[str, OpDef] = {
     "adamw_q8_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
@@ -198,7 +201,12 @@ OPTIM_OPS: dict[str, OpDef] = {
     ),
 }
 
-_TABLES = {NATIVE_NS: {**OPS, **RELEASE_OPS, **Q8_OPS}, TRITON_NS: OPS, OPTIM_NS: OPTIM_OPS, REF_NS: Q8_OPS}
+_TABLES = {
+    NATIVE_NS: {**OPS, **RELEASE_OPS, **Q8_OPS},
+    TRITON_NS: {**OPS, **Q8_OPS},
+    OPTIM_NS: OPTIM_OPS,
+    REF_NS: Q8_OPS,
+}
 
 # How a Python argument is made the schema's type (tensors pass as they are).
 _COERCE = {"List[Tensor]": list, "float": float, "int": int, "bool": bool}

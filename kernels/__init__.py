@@ -3,7 +3,7 @@
 Importing this package never imports Triton; :func:`available` and :func:`get_op` do, lazily.
 The launchers check only what their launch tables rely on (``_guards.py``);
 ``fastamp.functional`` runs the user-facing checks of ``fastamp._validate`` before it calls one.
-Each op module (``amp.py``, ``adamw.py``, ``adamw_bf16.py``, ``sgd.py``: sgd_ and lion_) exposes functions with the same signatures as
+Each op module (``amp.py``, ``adamw.py``, ``adamw_bf16.py``, ``sgd.py``: sgd_ and lion_, ``adamw_q8.py``) exposes functions with the same signatures as
 ``fastamp.reference``.
 """
 
@@ -20,6 +20,7 @@ _OP_MODULES = {
     "sgd_": "sgd",
     "lion_": "sgd",
     "unscale_check_stats_": "amp",
+    "adamw_q8_": "adamw_q8",
 }
 
 

@@ -47,6 +47,9 @@ KIND_BF16 = 2
 KIND_F64 = 3
 # int16 master remainders (bf16 params, see fastamp.reference.split_master); never converted to fp32
 KIND_I16 = 4
+# int8 ulp8 master corrections and uint8 q8 codes / scale bytes (adamw_q8_): raw bytes too
+KIND_I8 = 5
+KIND_U8 = 6
 DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: KIND_BF16, torch.float64: KIND_F64}
 
 # How fp32 square roots and divisions round, the constexpr RN of the kernels that use them:
@@ -71,12 +74,18 @@ LAUNCH_OPTS = {} if interpreted() else {"enable_fp_fusion": False}
 # 1412 compiles (at 56-96 registers: ptxas's allocator, not the cap) and took 170-190
 # registers with stochastic rounding; 4 per thread in CTAs of 8 warps spilled 4-8 bytes in 2
 # (ptxas held them at 64 registers); 4 per thread in CTAs of 4 warps spills in none.
+# adamw_q8 has the same shape: its uint8 code streams then take 4 bytes per thread (one 32-bit
+# access, 128 contiguous bytes a warp). At 8 per thread (BLOCK 1024, 4 warps: 8-byte code accesses)
+# ptxas spilled 8 bytes in 6 of its 288 compiles with Triton 3.9 (and 4-8 bytes in others with
+# `.maxnreg 128`), 12-172 bytes in its CI cover with Triton 3.2; at 4 it spills in none (72-130
+# registers).
 _GPU_CHUNK = 16384
 _GPU_SHAPES = {
     "unscale_check": (512, 4),
     "adamw": (512, 4),
     "adamw_bf16": (512, 4),
     "sgd": (512, 4),
+    "adamw_q8": (512, 4),
 }
 _INTERPRETER_CHUNK, _INTERPRETER_BLOCK = 4096, 1024
 
@@ -241,8 +250,12 @@ def load_ptr(table_ptr, slot, KIND: tl.constexpr, ALIGNED: tl.constexpr):
         ptr = raw.to(tl.pointer_type(tl.uint16))
     elif KIND == 3:
         ptr = raw.to(tl.pointer_type(tl.float64))
-    else:
+    elif KIND == 4:
         ptr = raw.to(tl.pointer_type(tl.int16))
+    elif KIND == 5:
+        ptr = raw.to(tl.pointer_type(tl.int8))
+    else:
+        ptr = raw.to(tl.pointer_type(tl.uint8))
     if ALIGNED:
         ptr = tl.multiple_of(ptr, 16)
     return ptr

@@ -18,19 +18,21 @@ def guard(ok: bool, op: str, what: str) -> None:
 
 
 def guard_lists(op: str, device: torch.device, numels, lists) -> None:
-    """Each ``(name, tensors, dtypes, contiguous)`` of ``lists``: one strided tensor per param on
-    ``device``, of ``dtypes``, with the param's element count (``numels``), contiguous when the
+    """Each ``(name, tensors, dtypes, contiguous)`` or ``(name, tensors, dtypes, contiguous, count)``
+    of ``lists``: one strided tensor per param on ``device``, of ``dtypes``, with the param's element
+    count (``numels``; ``count(numel)`` elements where given: q8 scale bytes), contiguous when the
     kernel reads it through the table as it is."""
-    for name, tensors, dtypes, contiguous in lists:
+    for name, tensors, dtypes, contiguous, *count in lists:
         guard(len(tensors) == len(numels), op, f"{len(tensors)} {name} for {len(numels)} params")
         for i, t in enumerate(tensors):
-            ok = t.device == device and t.layout == torch.strided and t.dtype in dtypes and t.numel() == numels[i]
+            want = count[0](numels[i]) if count else numels[i]
+            ok = t.device == device and t.layout == torch.strided and t.dtype in dtypes and t.numel() == want
             if not ok or (contiguous and not t.is_contiguous()):
                 guard(
                     False,
                     op,
                     f"{name}[{i}] must be a {'contiguous ' if contiguous else ''}strided tensor of {dtypes} with "
-                    f"{numels[i]} elements on {device}, got {t.dtype} {t.layout} {tuple(t.shape)} on {t.device}",
+                    f"{want} elements on {device}, got {t.dtype} {t.layout} {tuple(t.shape)} on {t.device}",
                 )
 
 

@@ -1,5 +1,6 @@
 // CUDA registrations of fastamp's native ops: validation and the current stream here, the
-// kernels behind the torch-free interface of launchers.h (amp.cu, adamw.cu, sgd.cu, lion.cu). Built only
+// kernels behind the torch-free interface of launchers.h (amp.cu, adamw.cu, sgd.cu, lion.cu,
+// adamw_q8.cu). Built only
 // when setup.py finds nvcc and a CUDA-enabled torch. Nothing here reads a device value on
 // the host; temporaries (the launch table included) come from torch's caching allocators
 // on the current stream.
@@ -10,6 +11,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "launchers.h"
@@ -469,6 +471,102 @@ void lion_cuda(at::TensorList params, at::TensorList grads, at::TensorList maste
                     call.scalar_stride, call.found_inf, call.rng, beta1, beta2, maximize, tables, stream));
 }
 
+void adamw_q8_cuda(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avg_codes,
+                   at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_codes, at::TensorList exp_avg_sq_scales,
+                   const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& rng, int64_t rng_base, double beta1, double beta2, double eps,
+                   bool maximize, bool sr_param, bool sr_codes) {
+  constexpr const char* op = "adamw_q8_";
+  const size_t n = params.size();
+  TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
+  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " masters, got ",
+              masters.size());
+  const std::pair<const char*, at::TensorList> state_lists[] = {{"exp_avg_codes", exp_avg_codes},
+                                                                {"exp_avg_scales", exp_avg_scales},
+                                                                {"exp_avg_sq_codes", exp_avg_sq_codes},
+                                                                {"exp_avg_sq_scales", exp_avg_sq_scales}};
+  for (const auto& [name, list] : state_lists) {
+    TORCH_CHECK(list.size() == n, "fastamp::", op, ": expected ", n, " ", name, ", got ", list.size());
+  }
+  if (n == 0) return;
+  TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
+              ": params[0] must be a CUDA tensor, got device ", params[0].device());
+  const at::Device device = params[0].device();
+  const int64_t scalar_stride = check_step_scalars(op, step_scalars, device, n, 4);
+  const float* found_inf_ptr = optional_found_inf(op, found_inf, device);
+  const int64_t* rng_ptr = optional_rng(op, rng, device);
+  TORCH_CHECK(rng_ptr != nullptr || !(sr_param || sr_codes), "fastamp::", op,
+              ": sr_codes / sr_param need rng ([seed, counter], int64), got None");
+  MasterKind kind = MasterKind::kNone;
+  at::ScalarType master_type = at::kFloat;
+  if (!masters.empty()) {
+    TORCH_CHECK(masters[0].defined(), "fastamp::", op, ": masters[0] is undefined");
+    master_type = masters[0].scalar_type();
+    TORCH_CHECK(master_type != at::kChar, "fastamp::", op,
+                ": int8 (ulp8) masters are not supported by the CUDA kernel yet; use backend='triton' or 'torch'");
+    TORCH_CHECK(master_type == at::kFloat || master_type == at::kShort, "fastamp::", op,
+                ": masters must be float32 (fp32 master weights) or int16 (remainders of bfloat16 params), got ",
+                master_type);
+    kind = master_type == at::kFloat ? MasterKind::kFloat32 : MasterKind::kRemainder;
+  }
+
+  std::vector<AdamWQ8TensorRef> refs;
+  refs.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    const auto i = static_cast<int64_t>(k);
+    const at::Tensor& p = params[k];
+    check_list_tensor(op, "params", i, p, device, -1);
+    const DType pdt = kernel_dtype(op, "params", i, p);
+    const int64_t numel = p.numel();
+    check_list_tensor(op, "grads", i, grads[k], device, numel);
+    const DType gdt = kernel_dtype(op, "grads", i, grads[k]);
+    AdamWQ8TensorRef r{};
+    r.param = numel > 0 ? p.data_ptr() : nullptr;
+    r.grad = numel > 0 ? grads[k].data_ptr() : nullptr;
+    if (kind != MasterKind::kNone) {
+      const at::Tensor& m = masters[k];
+      check_list_tensor(op, "masters", i, m, device, numel);
+      TORCH_CHECK(m.scalar_type() == master_type, "fastamp::", op, ": masters[", i, "] must be ", master_type,
+                  " like masters[0], got ", m.scalar_type());
+      TORCH_CHECK(kind != MasterKind::kRemainder || p.scalar_type() == at::kBFloat16, "fastamp::", op,
+                  ": int16 remainder masters need bfloat16 params, but params[", i, "] is ", p.scalar_type());
+      r.master = numel > 0 ? m.data_ptr() : nullptr;
+    }
+    auto codes = [&](const char* what, const at::Tensor& t) -> uint8_t* {
+      check_list_tensor(op, what, i, t, device, numel);
+      TORCH_CHECK(t.scalar_type() == at::kByte, "fastamp::", op, ": ", what, "[", i, "] must be uint8, got ",
+                  t.scalar_type());
+      return numel > 0 ? t.data_ptr<uint8_t>() : nullptr;
+    };
+    const int64_t blocks = (numel + 31) / 32;
+    auto scales = [&](const char* what, const at::Tensor& t) -> uint8_t* {
+      check_list_tensor(op, what, i, t, device, -1);
+      TORCH_CHECK(t.scalar_type() == at::kByte, "fastamp::", op, ": ", what, "[", i, "] must be uint8, got ",
+                  t.scalar_type());
+      TORCH_CHECK(t.dim() == 1 && t.numel() == blocks, "fastamp::", op, ": ", what, "[", i, "] must be 1-D with ",
+                  blocks, " scale bytes (one per block of 32 of the ", numel, " elements of params[", i,
+                  "]), got shape ", t.sizes());
+      return numel > 0 ? t.data_ptr<uint8_t>() : nullptr;
+    };
+    r.exp_avg_codes = codes("exp_avg_codes", exp_avg_codes[k]);
+    r.exp_avg_scales = scales("exp_avg_scales", exp_avg_scales[k]);
+    r.exp_avg_sq_codes = codes("exp_avg_sq_codes", exp_avg_sq_codes[k]);
+    r.exp_avg_sq_scales = scales("exp_avg_sq_scales", exp_avg_sq_scales[k]);
+    r.numel = numel;
+    r.param_dtype = pdt;
+    r.grad_dtype = gdt;
+    r.rng_stream = rng_stream(rng_base, k);
+    refs.push_back(r);
+  }
+
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  TorchTableMemory tables(device);
+  check_launch(
+      op, adamw_q8(refs.data(), static_cast<int64_t>(refs.size()), kind, step_scalars.data_ptr<float>(), scalar_stride,
+                   found_inf_ptr, rng_ptr, beta1, beta2, eps, maximize, sr_param, sr_codes, tables, stream));
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace fastamp
@@ -481,4 +579,5 @@ TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
   FASTAMP_IMPL(m, sgd_, fastamp::cuda::sgd_cuda);
   FASTAMP_IMPL(m, lion_, fastamp::cuda::lion_cuda);
   FASTAMP_IMPL(m, unscale_check_stats_, fastamp::cuda::unscale_check_stats_cuda);
+  FASTAMP_IMPL(m, adamw_q8_, fastamp::cuda::adamw_q8_cuda);
 }

@@ -55,6 +55,9 @@ constexpr int kAdamWBf16Depth = 8;  // param, grad, remainder, exp_avg, exp_avg_
 // sgd_ and lion_ (the one-state family, one_state.cuh): param, grad, master, the state (momentum
 // buffer / exp_avg), rng tag, scalars.
 constexpr int kOneStateDepth = 6;
+// adamw_q8_: param, grad, master, exp_avg codes, exp_avg scales, exp_avg_sq codes, exp_avg_sq
+// scales, rng tag, scalars.
+constexpr int kAdamWQ8Depth = 9;
 
 // Table payload per fill kernel under stream capture: the kernel-argument space minus the
 // fill kernel's other arguments. CUDA 12.1+ accepts 32,764 bytes of kernel arguments on
@@ -277,6 +280,12 @@ inline LaunchPlan plan_adamw(const DType* param, const DType* grad, const int64_
 inline LaunchPlan plan_one_state(const DType* param, const DType* grad, const int64_t* numel, int64_t n, bool capturing,
                                  int64_t sm_count) {
   return plan_param_grad(param, grad, numel, n, sizeof(TableEntry<kOneStateDepth>), capturing, sm_count);
+}
+
+// adamw_q8_: one launch per (param dtype, grad dtype), as adamw_.
+inline LaunchPlan plan_adamw_q8(const DType* param, const DType* grad, const int64_t* numel, int64_t n, bool capturing,
+                                int64_t sm_count) {
+  return plan_param_grad(param, grad, numel, n, sizeof(TableEntry<kAdamWQ8Depth>), capturing, sm_count);
 }
 
 // adamw_bf16_: params are bf16 and the moments share one dtype per call: one launch per

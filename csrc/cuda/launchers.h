@@ -1,4 +1,5 @@
-// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, adamw.cu, sgd.cu, lion.cu).
+// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, adamw.cu, sgd.cu, lion.cu,
+// adamw_q8.cu).
 //
 // Raw device pointers, 64-bit sizes, a dtype enum and a stream: no torch, ATen or c10
 // header, so the kernels compile with bare nvcc (tests/tools/test_cuda_compile.py) and the torch
@@ -145,6 +146,31 @@ cudaError_t sgd(const OneStateTensorRef* tensors, int64_t num_tensors, MasterKin
 cudaError_t lion(const OneStateTensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
                  const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
                  double beta1, double beta2, bool maximize, TableMemory& tables, cudaStream_t stream);
+
+// ---- fastamp::adamw_q8_ (AdamW on 8-bit block-scaled moments, csrc/q8_math.h) ----
+
+struct AdamWQ8TensorRef {
+  void* param;                 // param_dtype, rewritten
+  const void* grad;            // grad_dtype, read only
+  void* master;                // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params) or null
+  uint8_t* exp_avg_codes;      // numel codes (reference/q8.py's layout)
+  uint8_t* exp_avg_scales;     // ceil(numel / 32) scale bytes
+  uint8_t* exp_avg_sq_codes;   // numel codes
+  uint8_t* exp_avg_sq_scales;  // ceil(numel / 32) scale bytes
+  int64_t numel;               // of the param, grad, master and codes
+  DType param_dtype;
+  DType grad_dtype;
+  uint32_t rng_stream;  // low 32 bits of 4 * (rng_base + list index): +0 param, +1 m codes, +2 v codes
+};
+
+// step_scalars, found_inf as adamw. rng: null, or int64 [seed, counter] on device, read when
+// sr_param (bf16 params without a master, rounded stochastically) or sr_codes (the codes,
+// rounded stochastically; else to nearest even). ulp8 masters (int8) are not taken (yet): the
+// binding refuses them. One launch per (param, grad) dtype pair.
+cudaError_t adamw_q8(const AdamWQ8TensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
+                     const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
+                     double beta1, double beta2, double eps, bool maximize, bool sr_param, bool sr_codes,
+                     TableMemory& tables, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fastamp

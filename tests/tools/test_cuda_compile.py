@@ -134,13 +134,13 @@ def compiled(tmp_path_factory):
 
 def test_expected_cuda_sources_exist():
     names = {p.name for p in CU_FILES}
-    assert {"amp.cu", "adamw.cu", "sgd.cu", "lion.cu"} <= names, names
+    assert {"amp.cu", "adamw.cu", "sgd.cu", "lion.cu", "adamw_q8.cu"} <= names, names
     assert (CUDA_DIR / "bindings.cpp").exists()
     assert (CUDA_DIR / "one_state.cuh").exists()
 
 
 @pytest.mark.slow  # the compiled fixture: nvcc on every .cu (~45 s)
-@pytest.mark.parametrize("name", ["amp.cu", "adamw.cu", "sgd.cu", "lion.cu"])
+@pytest.mark.parametrize("name", ["amp.cu", "adamw.cu", "sgd.cu", "lion.cu", "adamw_q8.cu"])
 @requires_nvcc
 def test_cu_compiles_for_sm80_and_sm90(compiled, name):
     rc, out, obj = compiled[name]
@@ -165,6 +165,8 @@ def test_objects_hold_both_archs_and_every_kernel(compiled):
         # and no file carries the other's rule
         ("sgd.cu", rb"one_state_kernelI\w*?8LionRuleE(\w*?)EEv", 0, []),
         ("lion.cu", rb"one_state_kernelI\w*?7SgdRuleE(\w*?)EEv", 0, []),
+        # 3 param x 3 grad dtypes (master kinds and stochastic rounding are run-time branches)
+        ("adamw_q8.cu", rb"adamw_q8_kernelI(\w*?)EEv", 9, []),
     ]
     for name, pattern, count, others in expected:
         rc, out, obj = compiled[name]
@@ -217,7 +219,7 @@ def _release_ops():
 
 
 def _q8_ops():
-    """The ops of ``Q8_OPS`` in fastamp/_ops.py: AdamW on q8 moments, CPU kernels only so far."""
+    """The ops of ``Q8_OPS`` in fastamp/_ops.py: AdamW on q8 moments (CPU and CUDA kernels)."""
     return _table_ops("Q8_OPS")
 
 
@@ -251,7 +253,7 @@ def test_every_kernel_registers_through_the_signature_check():
         assert not re.search(r"\bm\.impl\(", text), f"{path.name}: register kernels with FASTAMP_IMPL, not m.impl"
         for key, body in re.findall(r"TORCH_LIBRARY_IMPL\(fastamp, (\w+), m\) \{(.*?)\n?\}", text, flags=re.S):
             registered[key] |= set(re.findall(r"FASTAMP_IMPL\(m, (\w+),", body))
-    assert registered["CUDA"] == declared - release - q8  # the release and q8 ops have CPU kernels only so far
+    assert registered["CUDA"] == declared - release  # the release ops have CPU kernels only so far
     assert registered["CPU"] == declared
 
 

@@ -38,6 +38,7 @@ OPS = {
     "adamw_bf16": {"depth": 8},
     "sgd": {"depth": 6},
     "lion": {"depth": 6},  # sgd_'s table and plan: plan_one_state (test_lion_runs_the_sgd_plan)
+    "adamw_q8": {"depth": 9},
 }
 SMS = 132
 
@@ -106,6 +107,8 @@ int main() {
       plan = plan_adamw_bf16(grad.data(), numel.data(), n, capturing != 0, sms);
     } else if (op == "sgd" || op == "lion") {
       plan = plan_one_state(param.data(), grad.data(), numel.data(), n, capturing != 0, sms);
+    } else if (op == "adamw_q8") {
+      plan = plan_adamw_q8(param.data(), grad.data(), numel.data(), n, capturing != 0, sms);
     } else {
       std::cerr << "unknown op " << op << '\n';
       return 2;
@@ -121,6 +124,7 @@ int main() {
     if (op == "adamw") replay<kAdamWDepth>(plan, numel);
     if (op == "adamw_bf16") replay<kAdamWBf16Depth>(plan, numel);
     if (op == "sgd" || op == "lion") replay<kOneStateDepth>(plan, numel);
+    if (op == "adamw_q8") replay<kAdamWQ8Depth>(plan, numel);
     std::cout << "end\n";
   }
   return 0;
@@ -298,6 +302,7 @@ def test_every_launcher_runs_the_plan():
         "amp.cu": ["plan_unscale_check"],
         "adamw.cu": ["plan_adamw", "plan_adamw_bf16"],
         "one_state.cuh": ["plan_one_state"],
+        "adamw_q8.cu": ["plan_adamw_q8"],
     }.items():
         text = (CUDA_DIR / name).read_text()
         for planner in planners:

@@ -29,6 +29,7 @@ EXPECTED = {
     # one_state.cuh's kernel with SGD's rule and with Lion's (test_cuda_compile.py tells the rules apart)
     "sgd.cu": {"one_state_kernel": 9, "table_fill_kernel": 1},
     "lion.cu": {"one_state_kernel": 9, "table_fill_kernel": 1},
+    "adamw_q8.cu": {"adamw_q8_kernel": 9, "table_fill_kernel": 1},
 }
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")

@@ -8,11 +8,13 @@ reads what came out. For every specialisation it asserts:
 * it compiles;
 * 0 spill bytes (ptxas ``-v`` of the very ptxas call Triton makes);
 * on the data streams of the streaming kernels (unscale_check, adamw, adamw_bf16, sgd: the
-  one-state kernel of sgd_ and lion_, one constexpr ``RULE`` each),
+  one-state kernel of sgd_ and lion_, one constexpr ``RULE`` each; adamw_q8),
   compiled for aligned tensors (``ALIGNED=True``), every access site has a vectorised
   instance of at least 8 bytes (``ld.global.v2/.v4``, ``st.global.v2/.v4``): the full
-  blocks. The masked tail and the per-program scalars (launch table, step scalars, flags)
-  stay scalar by design;
+  blocks; 4 bytes for the 1-byte streams (q8 codes, ulp8 corrections: 4 elements per thread,
+  :data:`BYTE_STREAM_FUNCS`). The masked tail, the per-program scalars (launch table, step
+  scalars, flags) and the q8 scale bytes (one per 32 elements, :data:`BLOCK_SCALE_FUNCS`) stay
+  scalar by design;
 * the PTX has only correctly rounded or exact floating-point instructions: add/sub/mul/div
   /sqrt with ``.rn``, min/max/abs/neg, comparisons, conversions with ``.rn`` (or exact
   widening ones); no ``fma``/``mad``, no ``.ftz``, no ``.approx``/``.full``, no rcp, rsqrt,
@@ -22,17 +24,18 @@ Which specialisations: the ones the real launchers produce. A worker process (ru
 ``TRITON_INTERPRET``, so ``chunk_config()`` and the launch options are the GPU's) loads
 ``kernels/`` from this tree, replaces every ``*_kernel`` launched with ``kernel[grid](...)``
 by a recording stand-in, and calls the public launchers (``unscale_check_``,
-``unscale_check_stats_``, ``update_scale_``, ``adamw_``, ``adamw_bf16_``, ``sgd_``, ``lion_``) on small
+``unscale_check_stats_``, ``update_scale_``, ``adamw_``, ``adamw_bf16_``, ``sgd_``, ``lion_``, ``adamw_q8_``) on small
 CPU tensors for every dtype combination and flag they accept, with 16-byte aligned tensors
 and with views whose storage offset breaks the alignment. Each recorded launch goes through
 Triton's own binder (the code ``kernel[grid](...)`` runs: signature, constexprs,
 specialisation attributes and options, ``num_warps`` included), and the distinct results are
 compiled. The recorded set is the whole set (``test_launchers_reach_every_dtype``).
 
-Budget (CI runs this on 2 CPU cores, in about 3-4 minutes): the launchers produce 786
+Budget (CI runs this on 2 CPU cores, in about 3-4 minutes): the launchers produce 930
 distinct specialisations per target (counts, chunk counts, scalar addresses and the runtime
-flags never add one: ``test_no_specialisation_churn``), 0.2-1.5 s of compile each. By
-default the tier compiles a cover of 229, for every kernel:
+flags never add one: ``test_no_specialisation_churn``), 0.2-1.5 s of compile each (adamw_q8's
+about 1.7 s). By default the tier compiles a cover of 242, for every kernel but adamw_q8
+(229; its own smaller cover of 13 is :func:`_small_cover`):
 
 * every dtype combination (per update rule of a kernel with several) with its heaviest flags
   (the most streams: masters, amsgrad, remainders, stochastic rounding, momentum,
@@ -80,7 +83,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
-STREAMING = ("_unscale_check_kernel", "_adamw_kernel", "_adamw_bf16_kernel", "_sgd_kernel")
+STREAMING = ("_unscale_check_kernel", "_adamw_kernel", "_adamw_bf16_kernel", "_sgd_kernel", "_adamw_q8_kernel")
 KERNELS = (*STREAMING, "_stats_reduce_kernel", "_update_scale_kernel")
 # Pointers a kernel reads or writes once per program (launch table, device scalars, per-chunk
 # results): scalar accesses by design. Every other global access is a data stream.
@@ -99,9 +102,17 @@ CONTROL_PTRS = {
     "growth_tracker_ptr",
     "hysteresis_tracker_ptr",
 }
+# The helpers of adamw_q8's per-block scale bytes (one byte per 32 elements, a [BLOCK // 32]
+# vector per moment and block, each byte read by the threads of its q8 block): one byte wide by
+# design, 1/32 of the elements, not a data stream. Counted with the control accesses.
+BLOCK_SCALE_FUNCS = {"_load_scales", "_store_scales"}
+# The helpers of the 1-byte-per-element streams (adamw_q8's codes, ulp8 corrections): at 4 elements
+# per thread, as every stream, an access is one 4-byte load or store (128 contiguous bytes a warp),
+# so their sites need 4 bytes, the others 8.
+BYTE_STREAM_FUNCS = {"_load_bytes", "_store_bytes"}
 # constexprs derived from others (or fixed): not flags
 DERIVED = {"CHUNK", "BLOCK", "N_PTR", "N_COL", "HAS_RN", "RN", "RBLOCK"}
-KIND_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "f64", 4: "i16"}
+KIND_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "f64", 4: "i16", 5: "i8", 6: "u8"}
 WORKER_TIMEOUT_S = int(os.environ.get("FASTAMP_AOT_TIMEOUT", "1500"))
 
 
@@ -135,7 +146,7 @@ def _load_kernels(root: Path):
     spec.loader.exec_module(mod)
     return {
         name: importlib.import_module(f"fastamp.kernels.{name}")
-        for name in ("_common", "amp", "adamw", "adamw_bf16", "sgd")
+        for name in ("_common", "amp", "adamw", "adamw_bf16", "sgd", "adamw_q8")
     }
 
 
@@ -162,7 +173,7 @@ def _install_recorders(mods) -> list:
     C = mods["_common"]
     # The launchers refuse CPU tensors outside the interpreter; here nothing is executed.
     C.check_runnable = lambda op, device: None
-    for mod in (mods["amp"], mods["adamw"], mods["adamw_bf16"], mods["sgd"]):
+    for mod in (mods["amp"], mods["adamw"], mods["adamw_bf16"], mods["sgd"], mods["adamw_q8"]):
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
                 setattr(mod, name, _Recorder(name, obj))
@@ -310,6 +321,34 @@ def _record_launches(mods, launched):
             0.99,
             maximize,
         )
+
+    # adamw_q8_: every (param, grad) dtype pair per master kind (remainders: bf16 params; ulp8
+    # corrections: bf16 and fp16 params), stochastic param / codes; codes and scale bytes uint8
+    adamw_q8 = mods["adamw_q8"]
+    f3 = floats[:3]
+    q8_masters = {"fp32": torch.float32, "rem": torch.int16, "ulp8": torch.int8}
+    for master, sr_param, sr_codes, maximize, beta1, has_found in itertools.product(
+        ("none", "fp32", "rem", "ulp8"), (False, True), (False, True), (False, True), (0.9, 0.3), (False, True)
+    ):
+        p_dtypes = {"rem": (torch.bfloat16,), "ulp8": (torch.bfloat16, torch.float16)}.get(master, f3)
+        pairs = [(p, g, al) for p in p_dtypes for g in f3 for al in (True, False)]
+        u8 = [[tensor(k, torch.uint8, al) for *_, al in pairs] for k in (n, 1, n, 1)]  # codes, scales (5 -> 1 block)
+        adamw_q8.adamw_q8_(
+            [tensor(n, p, al) for p, _, al in pairs],
+            [tensor(n, g, al) for _, g, al in pairs],
+            [tensor(n, q8_masters[master], al) for *_, al in pairs] if master != "none" else [],
+            *u8,
+            torch.ones(4),
+            torch.zeros(1) if has_found else None,
+            torch.tensor([1, 2], dtype=torch.int64) if (sr_param or sr_codes) else None,
+            0,
+            beta1,
+            0.999,
+            1e-8,
+            maximize,
+            sr_param,
+            sr_codes,
+        )
     return launched
 
 
@@ -322,7 +361,7 @@ def _record_churn(mods, launched):
     """
     import torch
 
-    amp, adamw, sgd = mods["amp"], mods["adamw"], mods["sgd"]
+    amp, adamw, sgd, adamw_q8 = mods["amp"], mods["adamw"], mods["sgd"], mods["adamw_q8"]
     chunk = mods["_common"].chunk_config()[0]
     for i, count in enumerate((1, 2, 17, 40)):
         sizes = [(j * 7919 + i) % (3 * chunk) + 1 for j in range(count)]
@@ -342,6 +381,11 @@ def _record_churn(mods, launched):
             f32[0], f32[1], [], f32[4], torch.ones(8)[i : i + 3] if i % 2 else torch.ones(count, 3),
             found if i % 2 else None, None, 0, (0.9, 0.0)[i % 2], (0.99, 1.0)[i % 2], bool(i % 2),
         )  # fmt: skip
+        q8 = [[torch.zeros(k, dtype=torch.uint8) for k in ks] for ks in (sizes, [-(-n // 32) for n in sizes])]
+        adamw_q8.adamw_q8_(
+            f32[0], f32[1], [], q8[0], q8[1], [c.clone() for c in q8[0]], [c.clone() for c in q8[1]], scalars,
+            found if i % 2 else None, None, 0, (0.9, 0.3)[i % 2], 0.999, 1e-8, bool(i % 2), False, False,
+        )  # fmt: skip
     return launched
 
 
@@ -349,11 +393,14 @@ def _count_launches_20k(mods, launched) -> dict:
     """Kernel launches per op for 20,000 tensors of mixed sizes, one dtype group each (recorded)."""
     import torch
 
-    amp, adamw, sgd = mods["amp"], mods["adamw"], mods["sgd"]
+    amp, adamw, sgd, adamw_q8 = mods["amp"], mods["adamw"], mods["sgd"], mods["adamw_q8"]
     sizes = [(i * 7919) % 5000 + 1 for i in range(20000)]
     f32 = [[torch.zeros(n) for n in sizes] for _ in range(4)]
     bf16 = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
     found, scalars = torch.zeros(1), torch.ones(4)
+    codes = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    scales = [torch.zeros(-(-n // 32), dtype=torch.uint8) for n in sizes]
+    q8 = (codes, scales, codes, scales)  # recorded, never run: the two moments may share tensors here
     counts = {}
     ops = {
         "unscale_check_": lambda: amp.unscale_check_(f32[0], found, torch.ones(1), True, True),
@@ -362,6 +409,9 @@ def _count_launches_20k(mods, launched) -> dict:
         ),
         "sgd_": lambda: sgd.sgd_(bf16, f32[0], f32[1], f32[2], scalars[:3], found, None, 0, 0.9, 0, 0, False, False),
         "lion_": lambda: sgd.lion_(bf16, f32[0], f32[1], f32[2], scalars[:3], found, None, 0, 0.9, 0.99, False),
+        "adamw_q8_": lambda: adamw_q8.adamw_q8_(
+            bf16, f32[0], [], *q8, scalars, found, torch.tensor([1, 2]), 0, 0.9, 0.999, 1e-8, False, True, True
+        ),
     }
     for name, call in ops.items():
         launched.clear()
@@ -555,7 +605,7 @@ def _analyse_ptx(ptx: str, source_cache: dict) -> dict:
             vec = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
             bits = next((_fbits(p) for p in reversed(parts) if re.fullmatch(r"[bfsu]\d+", p)), 0)
             # the masked and unmasked instances of a helper share its calling line
-            where, control = _classify(loc, inl, files, source_cache)
+            where, control, need = _classify(loc, inl, files, source_cache)
             accesses.append(
                 {
                     "kind": parts[0],
@@ -564,6 +614,7 @@ def _analyse_ptx(ptx: str, source_cache: dict) -> dict:
                     "predicated": bool(m.group(1)),
                     "site": where,
                     "control": control,
+                    "need": need,
                 }
             )
     return {"accesses": accesses, "bad_fp": dict(bad), "n_instr": sum(ops.values())}
@@ -580,17 +631,24 @@ def _classify(loc, inl, files, source_cache):
     (Triton 3.2), an access is data when it lies in one of the element-wise memory helpers,
     and its site is that helper. An access in the kernel body itself is data only when its
     line loads/stores through a data pointer. A misplaced control access can only be counted
-    as data (a false failure, never a pass).
+    as data (a false failure, never a pass). The third value is the access width a data site
+    needs: 4 bytes for the 1-byte streams (:data:`BYTE_STREAM_FUNCS`), 8 for every other.
     """
     if inl is not None:
         text, where, _ = _line(inl, files, source_cache)
         names = set(re.findall(r"[A-Za-z_]\w*", text))
-        return where, bool(names & (CONTROL_PTRS | CONTROL_CALLS))
+        return where, bool(names & (CONTROL_PTRS | CONTROL_CALLS | BLOCK_SCALE_FUNCS)), _need(names)
     text, where, func = _line(loc, files, source_cache)
-    if func in DATA_FUNCS:
-        return func, False
+    if func in BLOCK_SCALE_FUNCS:
+        return func, True, 8
+    if func in DATA_FUNCS | BYTE_STREAM_FUNCS:
+        return func, False, _need({func})
     m = re.search(r"tl\.(?:load|store)\(\s*([A-Za-z_]\w*)", text)
-    return where, not (m and m.group(1) not in CONTROL_PTRS)
+    return where, not (m and m.group(1) not in CONTROL_PTRS), 8
+
+
+def _need(names) -> int:
+    return 4 if names & BYTE_STREAM_FUNCS else 8
 
 
 # helpers that read only the launch table and device scalars
@@ -628,18 +686,20 @@ def _enclosing_function(lines, lineno):
 def _summarise(analysis, ptxas):
     data = [a for a in analysis["accesses"] if not a["control"]]
     sites = defaultdict(list)
+    need = {}
     for a in data:
         sites[(a["kind"], a["site"])].append(a["bytes"])
+        need[f"{a['kind']} {a['site']}"] = a.get("need", 8)
     site_best = {f"{k[0]} {k[1]}": max(v) for k, v in sites.items()}
     vec = [a["bytes"] for a in data if a["vector"]]
     return {
         **ptxas,
         "n_data_sites": len(site_best),
-        "n_vector_sites": sum(1 for b in site_best.values() if b >= 8),
+        "n_vector_sites": sum(1 for k, b in site_best.items() if b >= need[k]),
         "min_site_bytes": min(site_best.values()) if site_best else None,
         "max_vector_bytes": max(vec) if vec else 0,
         "min_vector_bytes": min(vec) if vec else 0,
-        "scalar_sites": sorted(k for k, b in site_best.items() if b < 8),
+        "scalar_sites": sorted(k for k, b in site_best.items() if b < need[k]),
         "bad_fp": analysis["bad_fp"],
     }
 
@@ -664,6 +724,9 @@ def _subset(specs: dict, full: bool) -> list:
             flags = specs[key]["flags"]
             return (sum(bool(v) for k, v in flags.items() if not k.endswith("KIND") and k not in DERIVED), key)
 
+        if specs[keys[0]]["kernel"] in _SMALL_COVER:
+            chosen.update(_small_cover(specs, groups, weight))
+            continue
         for members in groups.values():
             heaviest = max(members, key=weight)
             chosen.update((heaviest, a) for a in ARCHS)
@@ -674,6 +737,42 @@ def _subset(specs: dict, full: bool) -> list:
             rep = max(ds, key=lambda d: (len(groups[d]), str(d)))
             chosen.update((key, 90) for key in groups[rep])
     return sorted(chosen)
+
+
+# Kernels whose compiles cost about twice the others' (adamw_q8: the q8 codec of two moments, four
+# master kinds; 144 specialisations per target, ~1.7 s of CPU each) get a smaller default cover, so
+# that the tier's CI time grows by ~10 s per Triton version rather than ~40: see _small_cover.
+# FASTAMP_AOT_FULL=1 compiles them all (benchmarks/results/triton_aot_q8.md).
+_SMALL_COVER = {"_adamw_q8_kernel"}
+
+
+def _small_cover(specs: dict, groups: dict, weight) -> set:
+    """The default cover of a :data:`_SMALL_COVER` kernel: ``groups`` maps its dtype combinations to their keys.
+
+    * every param dtype with its heaviest flags, for sm_80 and sm_90, each with another grad dtype
+      (grads are loaded by _common's helpers, compiled in every kernel's cover);
+    * for one dtype combination (the one with the most specialisations), for sm_90: every master
+      kind and stochastic param rounding with stochastic codes, and the heaviest specialisation
+      with round-to-nearest codes, aligned; the heaviest unaligned one (the scalar fallback).
+
+    Every master, rounding and alignment path and every dtype's loads, stores and conversions are
+    compiled; the full set (0 spills in all 288 compiles, Triton 3.9 and 3.2) when the kernel changes.
+    """
+    chosen = set()
+    per_param = defaultdict(dict)
+    for members in groups.values():
+        flags = specs[members[0]]["flags"]
+        per_param[flags.get("P_KIND")][flags.get("G_KIND")] = members
+    for i, p in enumerate(sorted(per_param)):
+        by_grad = per_param[p]
+        g = sorted(by_grad)[i % len(by_grad)]
+        chosen.update((max(by_grad[g], key=weight), a) for a in ARCHS)
+    rep = max(groups, key=lambda d: (len(groups[d]), str(d)))
+    aligned = [k for k in groups[rep] if specs[k]["flags"].get("ALIGNED")]
+    chosen.update((k, 90) for k in aligned if specs[k]["flags"].get("SR_C"))
+    chosen.add((max((k for k in aligned if not specs[k]["flags"].get("SR_C")), key=weight), 90))
+    chosen.add((max((k for k in groups[rep] if not specs[k]["flags"].get("ALIGNED")), key=weight), 90))
+    return chosen
 
 
 def worker_main(argv) -> int:
@@ -1153,6 +1252,20 @@ def test_launchers_reach_every_dtype(tier):
         )
     # 4 grad x 2 exp_avg x 2 exp_avg_sq dtypes, and x 2 max_exp_avg_sq dtypes with amsgrad
     assert len(seen["_adamw_bf16_kernel"]) == 16 + 32
+    # adamw_q8_: 3 param x 3 grad dtypes; per (master, param dtype): no master (a bf16 param also
+    # rounded stochastically), fp32 masters, remainders (bf16), ulp8 (bf16, fp16; stochastic or not)
+    # with codes rounded either way, each with every grad dtype
+    q8 = defaultdict(set)
+    for s in specs:
+        if s["kernel"] == "_adamw_q8_kernel":
+            f = s["flags"]
+            q8[(f["MASTER"], KIND_NAMES[f["P_KIND"]], f["SR_P"])].add((f["G_KIND"], f["SR_C"]))
+    assert len(seen["_adamw_q8_kernel"]) == 9
+    want = {(0, "f32", False), (0, "f16", False), (0, "bf16", False), (0, "bf16", True), (1, "f32", False),
+            (1, "f16", False), (1, "bf16", False), (2, "bf16", False), (3, "bf16", False), (3, "bf16", True),
+            (3, "f16", False), (3, "f16", True)}  # fmt: skip
+    assert set(q8) == want, sorted(set(q8) ^ want)
+    assert all(len(v) == 6 for v in q8.values()), q8
     for k in STREAMING:
         assert aligned[k] == {True, False}, f"{k}: the launchers should use both the aligned and the fallback kernel"
 
@@ -1160,14 +1273,15 @@ def test_launchers_reach_every_dtype(tier):
 @pytest.mark.slow
 def test_few_launches_at_20000_tensors(tier):
     """One launch per dtype group, whatever the tensor count (the launch table carries the tensors)."""
-    assert tier["launches_20k"] == {"unscale_check_": 1, "adamw_": 1, "sgd_": 1, "lion_": 1}, tier["launches_20k"]
+    want = {"unscale_check_": 1, "adamw_": 1, "sgd_": 1, "lion_": 1, "adamw_q8_": 1}
+    assert tier["launches_20k"] == want, tier["launches_20k"]
 
 
 @pytest.mark.slow
 def test_no_specialisation_churn(tier):
     """Tensor and chunk counts, unaligned scalars and the runtime flags never compile another variant."""
     churn = tier["churn"]
-    want = {"_unscale_check_kernel", "_adamw_kernel", "_sgd_kernel[RULE=0]", "_sgd_kernel[RULE=1]"}
+    want = {"_unscale_check_kernel", "_adamw_kernel", "_sgd_kernel[RULE=0]", "_sgd_kernel[RULE=1]", "_adamw_q8_kernel"}
     assert set(churn) == want, churn
     assert all(n == 1 for n in churn.values()), f"distinct compiled variants per kernel: {churn}"
 
@@ -1247,6 +1361,13 @@ def test_fp_rules_can_fail():
     ]
     summary = _summarise({"accesses": acc, "bad_fp": {}}, {"regs": 10})
     assert summary["scalar_sites"] == ["ld k.py:3"] and summary["n_vector_sites"] == 1
+    # a 4-byte access is enough in a 1-byte stream's helper, not in another's; scale bytes are control
+    ptx = ('.loc 1 2 0\nld.global.b32 { %r1 }, [ %rd1 + 0 ];\n.loc 1 4 0\nld.global.b32 { %r2 }, [ %rd2 + 0 ];\n'
+           '.loc 1 6 0\nld.global.b8 { %r3 }, [ %rd3 + 0 ];\n.file 1 "/nonexistent/q.py"\n')  # fmt: skip
+    src = ["def _load_bytes(ptr, i):", "    return tl.load(ptr + i)", "def load_raw(ptr, i):",
+           "    return tl.load(ptr + i)", "def _load_scales(ptr, i):", "    return tl.load(ptr + i)"]  # fmt: skip
+    summary = _summarise(_analyse_ptx(ptx, {"/nonexistent/q.py": src}), {"regs": 10})
+    assert summary["scalar_sites"] == ["ld load_raw"] and summary["n_data_sites"] == 2, summary
     assert _parse_ptxas("    704 bytes stack frame, 700 bytes spill stores, 696 bytes spill loads\n"
                         "ptxas info    : Used 255 registers, used 1 barriers") == {
         "regs": 255, "stack": 704, "spill_stores": 700, "spill_loads": 696}  # fmt: skip
