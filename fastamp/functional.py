@@ -342,9 +342,9 @@ def adamw_bf16_(
     _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], args[8], strict=strict))
 
 
-# Device types whose native adamw_q8_ kernel takes int8 (ulp8) masters: none yet (the CPU and
-# CUDA kernels refuse them, naming the reason).
-_NATIVE_ULP8: frozenset = frozenset()
+# Device types whose native adamw_q8_ kernel takes int8 (ulp8) masters (csrc/cpu/adamw_q8.cpp,
+# csrc/cuda/adamw_q8.cu); on any other the native backend is passed over for them.
+_NATIVE_ULP8: frozenset = frozenset({"cpu", "cuda"})
 
 
 def _q8_backend(dev: torch.device, backend: str | None, ulp8: bool) -> str:
@@ -394,8 +394,7 @@ def adamw_q8_(
     (``sr_param``). ``step_scalars`` as in :func:`adamw_`. No host sync.
 
     Backends: native (CPU; CUDA where built), Triton (CUDA; the CPU under ``TRITON_INTERPRET=1``),
-    torch. ulp8 masters run on Triton or the reference: AUTO passes the native kernel over for
-    them, and an explicit ``backend='native'`` is refused with the reason.
+    torch, all with every master kind.
     """
     op = "adamw_q8_"
     if len(params) == 0:

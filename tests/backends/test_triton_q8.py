@@ -332,8 +332,10 @@ def test_reachable_through_functional_and_auto():
 
 
 def test_native_cuda_and_ulp8_refusals_are_named(monkeypatch):
-    """An explicit backend that cannot run adamw_q8_ raises BackendUnavailableError with the reason, and AUTO
-    passes over the native kernel for ulp8 masters (``fastamp.functional._NATIVE_ULP8``)."""
+    """An explicit backend that cannot run adamw_q8_ raises BackendUnavailableError with the reason; on a
+    device whose native kernel does not take ulp8 masters (not in ``fastamp.functional._NATIVE_ULP8``; none
+    today, so the CPU is taken out of it here) AUTO passes that kernel over and ``backend='native'`` is
+    refused, naming the reason, with nothing written."""
     if not _ops.native_has_kernel("adamw_q8_", "cuda"):
         ok, why = backends.available("native", "adamw_q8_", "cuda")
         assert not ok and ("no cuda kernel for adamw_q8_" in why or "not built" in why), why
@@ -344,14 +346,19 @@ def test_native_cuda_and_ulp8_refusals_are_named(monkeypatch):
         state = _lists([_state(40, (40,), torch.bfloat16, "ulp8", gen)], "cpu")
         before = clone_lists(state)
         args = (state[0], [torch.randn(40)], *state[1:], _scalars(1, "cpu"), None)
+        calls = []
+        monkeypatch.setattr(backends, "get_impl", lambda op, b, _f=backends.get_impl: calls.append(b) or _f(op, b))
+        monkeypatch.setattr(functional, "_NATIVE_ULP8", frozenset({"cuda"}))
         with pytest.raises(backends.BackendUnavailableError, match=r"int8 \(ulp8\) masters, which its cpu kernel"):
             functional.adamw_q8_(*args, beta1=0.9, beta2=0.999, eps=1e-8, backend="native")
         _assert_same(state, before, "refused")
-        # AUTO on the CPU: native is passed over, the next one in AUTO's order (the reference) runs
-        calls = []
-        monkeypatch.setattr(backends, "get_impl", lambda op, b, _f=backends.get_impl: calls.append(b) or _f(op, b))
+        # AUTO: native is passed over, the next one in AUTO's order on the CPU (the reference) runs
         functional.adamw_q8_(*args, beta1=0.9, beta2=0.999, eps=1e-8)
         assert calls == ["torch"], calls
+        # the CPU kernel takes them: AUTO runs it
+        monkeypatch.undo()
+        assert "cpu" in functional._NATIVE_ULP8
+        assert functional._q8_backend(torch.device("cpu"), None, True) == "native"
 
 
 def test_launcher_guards_refuse_and_change_nothing():
