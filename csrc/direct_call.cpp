@@ -379,6 +379,44 @@ PyObject* lion_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_END
 }
 
+// adamw_q8_(params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
+// exp_avg_sq_scales, step_scalars, found_inf, rng, rng_base, beta1, beta2, eps, maximize,
+// sr_param, sr_codes).
+PyObject* adamw_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != 17) return declined();
+  Borrowed b;
+  b.reserve(list_size(args[0]) * 7 + 3);
+  std::pair<size_t, size_t> lists[7];
+  for (int k = 0; k < 7; ++k) {
+    if (!b.add_list(args[k], &lists[k])) return declined();
+  }
+  std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
+  int64_t rng_base = 0;
+  double beta1 = 0, beta2 = 0, eps = 0;
+  bool maximize = false, sr_param = false, sr_codes = false;
+  if (!b.add_one(args[7], false, &step_scalars) || !b.add_one(args[8], true, &found_inf) ||
+      !b.add_one(args[9], true, &rng) || !as_int(args[10], &rng_base) || !as_double(args[11], &beta1) ||
+      !as_double(args[12], &beta2) || !as_double(args[13], &eps) || !as_bool(args[14], &maximize) ||
+      !as_bool(args[15], &sr_param) || !as_bool(args[16], &sr_codes)) {
+    return declined();
+  }
+  const c10::DispatchKeySet ks = b.dispatch_keys();
+  static auto op = handle<signature::adamw_q8_>("fastamp::adamw_q8_");
+  Void done;
+  const Ran ran = run_kernel(
+      [&] {
+        op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.list(lists[4]),
+                      b.list(lists[5]), b.list(lists[6]), b.one(step_scalars), b.optional(found_inf), b.optional(rng),
+                      rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes);
+        return Void{};
+      },
+      &done);
+  if (ran != Ran::kYes) return finish(ran, nullptr);
+  Py_RETURN_NONE;
+  FASTAMP_DIRECT_END
+}
+
 // adamw_table(params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad) -> capsule | NotImplemented:
 // a persistent table of adamw_'s tensors (csrc/cpu/adamw_table.h) for an optimizer's launch
 // plan; NotImplemented where the shortcut declines a tensor or the op refuses one.
@@ -462,6 +500,8 @@ PyMethodDef fastamp_direct_methods[] = {
      "torch.ops.fastamp.sgd_ without the dispatcher's per-tensor work, or NotImplemented"},
     {"lion_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::lion_)), METH_FASTCALL,
      "torch.ops.fastamp.lion_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"adamw_q8_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_q8_)), METH_FASTCALL,
+     "torch.ops.fastamp.adamw_q8_ without the dispatcher's per-tensor work, or NotImplemented"},
     {"adamw_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_table)), METH_FASTCALL,
      "a persistent table of adamw_'s params and states for an optimizer's launch plan, or NotImplemented"},
     {"adamw_table_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_table_run)),

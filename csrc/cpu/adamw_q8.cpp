@@ -45,6 +45,8 @@ constexpr int kMasterUlp8 = 3;       // int8 ulp8 corrections of bf16 / fp16 par
 constexpr int64_t kBlock = math::kQ8Block;
 static_assert(kChunkElems % kBlock == 0, "chunks must hold whole q8 blocks");
 static_assert((uint64_t{1} << 32) % static_cast<uint64_t>(kChunkElems) == 0, "chunks must not cross 2^32");
+static_assert((1 << 16) % kChunkElems == 0 && kChunkElems % (1 << 14) == 0,
+              "the vector RNG needs chunks of 2^14..2^16 elements (vq8_random16)");
 
 struct Q8Args {
   math::AdamWStepScalars s;
@@ -139,6 +141,26 @@ void q8_chunk(const Q8Chunk& c, int64_t n, const Q8Args& a) {
 
 }  // namespace scalar
 
+// The vector codec computes with fp32 subnormals and round-to-nearest (as the reference does): a
+// thread set to flush-to-zero / denormals-are-zero or another rounding mode (as
+// torch.set_flush_denormal(True) does) runs its part of the kernel with the default mode, which
+// it gets back afterwards.
+class DefaultFloatMode {
+ public:
+#if FASTAMP_X86_SIMD
+  static constexpr unsigned kControl = 0xE040u;  // MXCSR: flush-to-zero, rounding mode, denormals-are-zero
+  DefaultFloatMode() : saved_(_mm_getcsr() & kControl) {
+    if (saved_ != 0) _mm_setcsr(_mm_getcsr() & ~kControl);
+  }
+  ~DefaultFloatMode() {
+    if (saved_ != 0) _mm_setcsr(_mm_getcsr() | saved_);
+  }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
 #define FASTAMP_ISA_KERNELS "cpu/adamw_q8_kernels.inc"
 #include "cpu/per_isa.inc"  // namespaces avx512 and avx2: the loops of adamw_q8_kernels.inc per ISA
 
@@ -201,6 +223,21 @@ Q8ChunkFn pick_kernel(at::ScalarType param_dtype, at::ScalarType grad_dtype, Isa
   }
 }
 
+constexpr size_t kPrefetchAhead = 8;  // params
+
+inline void prefetch_tensor_impl(const at::Tensor& t) {
+  const char* impl = reinterpret_cast<const char*>(t.unsafeGetTensorImpl());
+  for (int line = 0; line < 4; ++line) prefetch_line(impl + 64 * line);
+}
+
+// Reads the TensorImpl (prefetched earlier); a tensor without storage gives nullptr, which a
+// prefetch ignores.
+inline void prefetch_storage_impl(const at::Tensor& t) {
+  const char* storage = reinterpret_cast<const char*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+  prefetch_line(storage);
+  prefetch_line(storage + 64);
+}
+
 // A scale list's tensor: defined, CPU, dense, uint8, contiguous, 1-D of ceil(numel / 32) bytes.
 void check_scales(const char* list, size_t i, const at::Tensor& t, const at::Tensor& param) {
   constexpr const char* op = "adamw_q8_";
@@ -254,8 +291,38 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
                 master_dtype);
     kind = master_dtype == at::kFloat ? kMasterFp32 : master_dtype == at::kShort ? kMasterRemainder : kMasterUlp8;
   }
+  const float* sc = step_scalars.data_ptr<float>();
+  Q8Args args;
+  args.h = math::AdamWHyper{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
+                            static_cast<float>(1.0 - beta2), static_cast<float>(eps)};
+  args.maximize = maximize;
+  // math::sr_stream_key of stream 4 * (rng_base + i) + k is mix32(stream_base ^ stream)
+  uint32_t stream_base = 0;
+  if (rng) {
+    const int64_t* r = rng->data_ptr<int64_t>();
+    stream_base = math::mix32(math::mix32(static_cast<uint32_t>(r[0]) ^ 0x9E3779B9u) ^ static_cast<uint32_t>(r[1]));
+  }
+  auto stream_key = [&](size_t i, uint32_t k) {
+    return math::mix32(stream_base ^
+                       (static_cast<uint32_t>((static_cast<uint64_t>(rng_base) + static_cast<uint64_t>(i)) * 4u) + k));
+  };
+
+  // One pass over the params checks every tensor and takes its pointers (nothing is written
+  // before it ends). Its host time is mostly cache misses on the tensors' TensorImpl and
+  // StorageImpl objects (7 per param) when there are thousands of small params: they are
+  // prefetched a few params ahead.
+  const Isa isa = active_isa();
   std::vector<int64_t> numels(n);
+  std::vector<Q8Chunk> bases(n);
+  std::vector<Q8ChunkFn> fns(n);
+  std::vector<int8_t> elem_sizes(n * 2);
+  const at::TensorList lists[] = {params,           grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
+                                  exp_avg_sq_scales};
   for (size_t i = 0; i < n; ++i) {
+    for (const at::TensorList& list : lists) {
+      if (i + kPrefetchAhead < list.size()) prefetch_tensor_impl(list[i + kPrefetchAhead]);
+      if (i + kPrefetchAhead / 2 < list.size()) prefetch_storage_impl(list[i + kPrefetchAhead / 2]);
+    }
     const at::Tensor& p = params[i];
     check_list_tensor(op, "params", i, p, p, std::nullopt);
     TORCH_CHECK(is_kernel_float(p.scalar_type()), "fastamp::adamw_q8_: params[", i,
@@ -277,21 +344,6 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
     check_scales("exp_avg_scales", i, exp_avg_scales[i], p);
     check_scales("exp_avg_sq_scales", i, exp_avg_sq_scales[i], p);
     numels[i] = p.numel();
-  }
-  if (skip_step(found_inf)) return;
-
-  const float* sc = step_scalars.data_ptr<float>();
-  Q8Args args;
-  args.h = math::AdamWHyper{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),
-                            static_cast<float>(1.0 - beta2), static_cast<float>(eps)};
-  args.maximize = maximize;
-
-  const Isa isa = active_isa();
-  std::vector<Q8Chunk> bases(n);
-  std::vector<Q8ChunkFn> fns(n);
-  std::vector<int8_t> elem_sizes(n * 2);
-  for (size_t i = 0; i < n; ++i) {
-    const at::Tensor& p = params[i];
     // the param's random bits only where the reference draws them: ulp8 corrections, and bf16
     // params without a master
     const bool srp = sr_param && (kind == kMasterUlp8 || (kind == kMasterNone && p.scalar_type() == at::kBFloat16));
@@ -308,13 +360,16 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
     b.v_codes = static_cast<uint8_t*>(exp_avg_sq_codes[i].data_ptr());
     b.v_scales = static_cast<uint8_t*>(exp_avg_sq_scales[i].data_ptr());
     b.index0 = 0;
-    b.key[0] = srp ? rng_key(*rng, rng_base, i, 0) : 0u;
-    b.key[1] = sr_codes ? rng_key(*rng, rng_base, i, 1) : 0u;
-    b.key[2] = sr_codes ? rng_key(*rng, rng_base, i, 2) : 0u;
+    b.key[0] = srp ? stream_key(i, 0) : 0u;
+    b.key[1] = sr_codes ? stream_key(i, 1) : 0u;
+    b.key[2] = sr_codes ? stream_key(i, 2) : 0u;
   }
+  if (skip_step(found_inf)) return;
+
   const int64_t master_size = kind == kMasterFp32 ? 4 : kind == kMasterRemainder ? 2 : 1;
   const std::vector<Chunk> chunks = split_into_chunks(numels);
   parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
+    const DefaultFloatMode float_mode;
     for (int64_t c = cb; c < ce; ++c) {
       const Chunk& ch = chunks[static_cast<size_t>(c)];
       const size_t t = static_cast<size_t>(ch.tensor);

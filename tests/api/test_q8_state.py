@@ -8,7 +8,7 @@ by ``decode(encode(.))`` after every step with the same random bits, bit for bit
 
 import pytest
 import torch
-from helpers import assert_bits_equal, save_load, set_grads
+from helpers import assert_bits_equal, save_load, set_grads, spy_kernels
 
 import fastamp
 from fastamp import reference
@@ -322,8 +322,7 @@ def test_compiled_step_equals_eager():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_compiled_ulp8_step_equals_eager(dtype):
-    """A compiled step with ulp8 masters runs where eager's does (AUTO passes over a native kernel
-    that does not take them: functional._q8_backend) and writes the same bytes."""
+    """A compiled step with ulp8 masters runs on the backend eager's does and writes the same bytes."""
     ps_e, ps_c = _params(dtype), _params(dtype)
     kw = dict(lr=2e-3, master_weights="ulp8", state_format="q8", lowbit_min_numel=64, seed=5)
     eager, comp = AdamW(ps_e, **kw), AdamW(ps_c, **kw)
@@ -372,12 +371,13 @@ def test_gradient_release_with_q8_equals_the_ordinary_step(rounding):
         assert_bits_equal(p.detach(), q.detach())
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_ulp8_master_equals_fp32_master_rounded_through_ulp8_after_every_step(dtype, rounding):
+def test_ulp8_master_equals_fp32_master_rounded_through_ulp8_after_every_step(backend, dtype, rounding):
     ps_u, ps_f = _params(dtype), _params(dtype)
     kw = dict(lr=3e-3, state_format="q8", lowbit_min_numel=0, state_rounding=rounding, seed=4)
-    opt_u = AdamW(ps_u, master_weights="ulp8", **kw)
+    opt_u = AdamW(ps_u, master_weights="ulp8", backend=backend, **kw)
     opt_f = AdamW(ps_f, master_weights=True, **kw)
     ids = opt_u._rng_ids()
     for step in range(1, 6):
@@ -400,6 +400,26 @@ def test_ulp8_master_equals_fp32_master_rounded_through_ulp8_after_every_step(dt
             sf["master_param"].copy_(reference.ulp8_decode(hi, corr))
             assert "master_param" not in su and "master_remainder" not in su
     assert any(int(opt_u.state[p]["master_ulp8"].abs().max()) > 0 for p in ps_u)
+
+
+@pytest.mark.skipif("native" not in BACKENDS, reason="fastamp._C has no CPU kernel for adamw_q8_")
+def test_ulp8_masters_run_on_the_native_kernel_under_auto(monkeypatch):
+    ran = []
+
+    def spy(op, backend, impl):
+        def kernel(*args, **kwargs):
+            ran.append((op, backend))
+            return impl(*args, **kwargs)
+
+        return kernel
+
+    spy_kernels(monkeypatch, spy)
+    monkeypatch.delenv("FASTAMP_BACKEND", raising=False)
+    ps = _params(torch.float16)
+    opt = AdamW(ps, lr=1e-3, master_weights="ulp8", state_format="q8", lowbit_min_numel=0, seed=1)
+    _run(opt, ps, 1)
+    assert ran == [("adamw_q8_", "native")]
+    assert all(opt.state[p]["master_ulp8"].dtype == torch.int8 for p in ps)
 
 
 def test_ulp8_bytes_small_tensors_conversions_and_export():

@@ -69,6 +69,26 @@ def _lion_args(master=True, rng=False, maximize=False):
     return [params, grads, masters, m, scalars, torch.zeros(1), rng_t, 2, 0.9, 0.99, maximize]
 
 
+def _q8_args(master="remainder", sr=True):
+    from fastamp.reference import q8
+
+    gen = torch.Generator().manual_seed(8)
+    params = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    grads = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    masters = {
+        "remainder": lambda: [torch.randint(-(2**15), 2**15, (k,), generator=gen, dtype=torch.int16) for k in SIZES],
+        "ulp8": lambda: [torch.randint(-128, 128, (k,), generator=gen, dtype=torch.int8) for k in SIZES],
+        "none": lambda: [],
+    }[master]()
+    codes = [[torch.randint(0, 256, (k,), generator=gen, dtype=torch.uint8) for k in SIZES] for _ in range(2)]
+    scales = [[torch.randint(60, 130, (q8.num_blocks(k),), generator=gen, dtype=torch.uint8) for k in SIZES]
+              for _ in range(2)]  # fmt: skip
+    rng_t = torch.tensor([3, 9], dtype=torch.int64) if sr else None
+    scalars = torch.tensor([1e-3, 0.9, 0.99, 0.5])
+    return [params, grads, masters, codes[0], scales[0], codes[1], scales[1], scalars, torch.zeros(1), rng_t, 4,
+            0.9, 0.999, 1e-8, False, sr and master != "remainder", sr]  # fmt: skip
+
+
 def _unscale_args(stats=False):
     gen = torch.Generator().manual_seed(6)
     grads = [torch.randn(k, generator=gen).to(dt) for k, dt in zip(SIZES, (torch.float32, torch.bfloat16) * 3)]
@@ -84,6 +104,7 @@ CASES = {
     "adamw_bf16_": [lambda: _bf16_args(), lambda: _bf16_args(rem=False), lambda: _bf16_args(rng=False)],
     "sgd_": [lambda: _sgd_args(), lambda: _sgd_args(master=False)],
     "lion_": [lambda: _lion_args(), lambda: _lion_args(master=False, rng=True, maximize=True)],
+    "adamw_q8_": [lambda: _q8_args(), lambda: _q8_args("ulp8"), lambda: _q8_args("none", sr=False)],
     "unscale_check_": [lambda: _unscale_args()],
     "unscale_check_stats_": [lambda: _unscale_args(stats=True)],
 }
@@ -194,6 +215,7 @@ def test_declines_grad_mode_with_requires_grad_only():
         ("sgd_", lambda a: a[3].__setitem__(4, torch.zeros(2 * SIZES[4])[::2])),  # non-contiguous buffer
         ("lion_", lambda a: a[3].__setitem__(1, a[3][1].half())),  # exp_avg dtype
         ("lion_", lambda a: a.__setitem__(4, torch.ones(4))),  # step_scalars
+        ("adamw_q8_", lambda a: a[4].__setitem__(2, a[4][2][:-1].clone())),  # scales length
         ("unscale_check_", lambda a: a[0].__setitem__(1, a[0][1].double())),  # fp64 grad
         ("unscale_check_stats_", lambda a: a.__setitem__(5, torch.zeros(2, 3, dtype=torch.int64))),
     ],

@@ -206,6 +206,32 @@ def test_thread_count_does_not_change_bytes(isa):
     _assert_same(two, one, "2 threads vs 1")
 
 
+def test_thread_float_mode_does_not_change_bytes(isa):
+    """The kernel runs with subnormals and round-to-nearest (the reference's fp32), whatever the
+    calling thread's mode: under torch.set_flush_denormal(True) the bytes are the same (the grads
+    hold subnormals), and the thread gets its flush-to-zero back."""
+    gen = torch.Generator().manual_seed(13)
+    tensors = [_state(n, (n,), torch.bfloat16, "remainder", gen) for n in (CHUNK + 70, 40)]
+    grads = [_grad(t[0].numel(), gen, torch.float32, True) for t in tensors]
+    plain, flushed = _lists(tensors), clone_lists(_lists(tensors))
+
+    def step(st):
+        with _threads(1):
+            OPS.adamw_q8_(st[0], grads, st[1], st[2], st[3], st[4], st[5], _scalars(3), None, torch.tensor([5, 2]), 0,
+                          *BETAS, EPS, False, False, True)  # fmt: skip
+
+    step(plain)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        step(flushed)
+        still_flushing = float(torch.tensor([1e-39]) * 1.5) == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert still_flushing
+    _assert_same(flushed, plain, f"{isa} flush-to-zero thread")
+
+
 def test_many_small_tensors(isa):
     gen = torch.Generator().manual_seed(3)
     sizes = [1, 2, 31, 32, 33, 63, 64, 65, 255, 256, 257] * 20
