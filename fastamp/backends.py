@@ -90,12 +90,8 @@ def available(backend: str, op: str, device: Union[str, torch.device]) -> tuple[
     raise ValueError(f"fastamp: unknown backend {backend!r}; expected one of {BACKENDS}")
 
 
-def resolve(op: str, device: Union[str, torch.device], backend: str | None = None, *, skip: tuple = ()) -> str:
-    """The backend that runs ``op`` on ``device``: explicit argument, then forced, then AUTO.
-
-    ``skip``: backends AUTO must pass over (ones that cannot take the call's arguments, e.g. the
-    native ``adamw_q8_`` with ulp8 masters); an explicit or forced backend is not affected.
-    """
+def resolve(op: str, device: Union[str, torch.device], backend: str | None = None) -> str:
+    """The backend that runs ``op`` on ``device``: explicit argument, then forced, then AUTO."""
     requested = _check_name(backend) or get_backend()
     if requested is not None:
         ok, why = available(requested, op, device)
@@ -106,7 +102,7 @@ def resolve(op: str, device: Union[str, torch.device], backend: str | None = Non
             )
         return requested
     for cand in _AUTO_ORDER.get(_device_type(device), ("torch",)):
-        if cand not in skip and available(cand, op, device)[0]:
+        if available(cand, op, device)[0]:
             return cand
     return "torch"
 

@@ -346,28 +346,6 @@ def adamw_bf16_(
     _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], args[8], strict=strict))
 
 
-# Device types whose native adamw_q8_ kernel takes int8 (ulp8) masters: the CPU's (the CUDA
-# kernel refuses them, naming the reason).
-_NATIVE_ULP8: frozenset = frozenset({"cpu"})
-
-
-def _q8_backend(dev: torch.device, backend: str | None, ulp8: bool) -> str:
-    """The resolved backend of an ``adamw_q8_`` call: with ulp8 masters on a device whose native kernel
-    does not take them, AUTO passes it over for the next backend (Triton on a GPU, the reference on the
-    CPU) and an explicit or forced ``'native'`` is refused with the reason. Eager and compiled steps
-    (fastamp.optim) both ask here."""
-    op = "adamw_q8_"
-    chosen = backends.resolve(op, dev, backend)
-    if chosen != "native" or not ulp8 or dev.type in _NATIVE_ULP8:
-        return chosen
-    if (backends._check_name(backend) or backends.get_backend()) == "native":
-        raise backends.BackendUnavailableError(
-            f"fastamp: backend 'native' was requested for {op} with int8 (ulp8) masters, which its "
-            f"{dev.type} kernel does not take yet; use backend='triton' or 'torch' (or leave the backend to AUTO)"
-        )
-    return backends.resolve(op, dev, skip=("native",))
-
-
 def adamw_q8_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -394,21 +372,17 @@ def adamw_q8_(
     ``masters``: fp32 masters, int16 remainders (bf16 params), int8 ulp8 corrections (bf16 /
     fp16 params) or empty. Codes are uint8 shaped like the params (contiguous), scales uint8
     ``[ceil(n / 32)]``. ``rng`` (``[seed, counter]``, int64) drives the stochastic rounding of
-    the codes (``sr_codes``) and of bf16 params without a master or ulp8 corrections
+    the codes (``sr_codes``) and of bf16 params without a master or of ulp8 corrections
     (``sr_param``). ``step_scalars`` as in :func:`adamw_`. No host sync.
 
     Backends: native (CPU; CUDA where built), Triton (CUDA; the CPU under ``TRITON_INTERPRET=1``),
-    torch. ulp8 masters: the native CPU kernel takes them; the native CUDA kernel does not yet, so
-    on CUDA AUTO passes it over (Triton runs them) and an explicit ``backend='native'`` is refused
-    with the reason.
+    torch, all with every master kind.
     """
     op = "adamw_q8_"
     if len(params) == 0:
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
-    if len(masters) and masters[0].dtype == torch.int8:
-        backend = _q8_backend(dev, backend, True)
     tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
                step_scalars, found_inf, rng)  # fmt: skip
     args = _ops.coerce(op, tensors + (rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes))

@@ -10,10 +10,12 @@
 // master), then take the block's absmax of the new m and of w = sqrt(v) (the root the update
 // took) with three xor-shuffles over the 8 lanes, write the two new scale bytes (the block's
 // first lane) and encode the codes over them. The value optimised is an fp32 master (params of
-// any float dtype), the exact master of a bf16 param and an int16 remainder, or the param itself
-// (a bf16 one rounded stochastically when sr_param). sr_codes rounds the codes stochastically.
-// Random bits: streams 4 * (rng_base + i) + 0 (param), + 1 (m codes), + 2 (v codes), element
-// index = flat index in the tensor. Bit-exact with the reference: integer codec, exact decode
+// any float dtype), the exact master of a bf16 param and an int16 remainder, the ulp8 master of
+// a bf16 / fp16 param and an int8 correction (math::ulp8_decode_* / ulp8_encode, the correction
+// rounded stochastically when sr_param), or the param itself (a bf16 one rounded stochastically
+// when sr_param). sr_codes rounds the codes stochastically. Random bits: streams
+// 4 * (rng_base + i) + 0 (param / correction), + 1 (m codes), + 2 (v codes), element index =
+// flat index in the tensor. Bit-exact with the reference: integer codec, exact decode
 // products, IEEE sqrt and division (no fast math, no FMA contraction: --fmad=false).
 #include <cuda_runtime_api.h>
 
@@ -75,12 +77,15 @@ __global__ void __launch_bounds__(kBlockSize, kQ8MinBlocks)
   using PS = typename PE::storage_t;
   using GS = typename GE::storage_t;
   constexpr bool kBf16Param = PE::kDType == DType::kBFloat16;
+  constexpr bool kFp16Param = PE::kDType == DType::kFloat16;
   // The skip decision stays on the device: a non-zero (or NaN) flag means nothing is written.
   if (found_inf != nullptr && *found_inf != 0.0f) return;
   const bool fp32_master = master_kind == MasterKind::kFloat32;
   const bool rem_master = kBf16Param && master_kind == MasterKind::kRemainder;
-  // the param's random bits only where the reference draws them: bf16 params without a master
-  const bool sr_p = kBf16Param && sr_param && master_kind == MasterKind::kNone && rng != nullptr;
+  const bool ulp8_master = (kBf16Param || kFp16Param) && master_kind == MasterKind::kUlp8;
+  // the param's random bits only where the reference draws them: bf16 params without a master,
+  // ulp8 corrections
+  const bool sr_p = sr_param && rng != nullptr && ((kBf16Param && master_kind == MasterKind::kNone) || ulp8_master);
   const bool sr_c = sr_codes && rng != nullptr;
   const uint64_t seed = rng != nullptr ? static_cast<uint64_t>(rng[0]) : 0u;
   const uint64_t counter = rng != nullptr ? static_cast<uint64_t>(rng[1]) : 0u;
@@ -97,6 +102,7 @@ __global__ void __launch_bounds__(kBlockSize, kQ8MinBlocks)
     const GS* grad = static_cast<const GS*>(row[1]);
     float* master = fp32_master ? static_cast<float*>(row[2]) : nullptr;
     int16_t* remainder = rem_master ? static_cast<int16_t*>(row[2]) : nullptr;
+    int8_t* correction = ulp8_master ? static_cast<int8_t*>(row[2]) : nullptr;
     uint8_t* m_codes = static_cast<uint8_t*>(row[3]);
     uint8_t* m_scales = static_cast<uint8_t*>(row[4]);
     uint8_t* v_codes = static_cast<uint8_t*>(row[5]);
@@ -110,6 +116,7 @@ __global__ void __launch_bounds__(kBlockSize, kQ8MinBlocks)
     const bool aligned = detail::is_aligned_for_pack<PS, kVec>(param) && detail::is_aligned_for_pack<GS, kVec>(grad) &&
                          (!fp32_master || detail::is_aligned_for_pack<float, kVec>(master)) &&
                          (!rem_master || detail::is_aligned_for_pack<int16_t, kVec>(remainder)) &&
+                         (!ulp8_master || detail::is_aligned_for_pack<int8_t, kVec>(correction)) &&
                          detail::is_aligned_for_pack<uint8_t, kVec>(m_codes) &&
                          detail::is_aligned_for_pack<uint8_t, kVec>(v_codes);
     // Every thread runs every pass (the shuffles take the whole warp); lanes past the chunk's
@@ -130,10 +137,12 @@ __global__ void __launch_bounds__(kBlockSize, kQ8MinBlocks)
       uint8_t cm[kVec], cv[kVec];
       float w_raw[kVec] = {0.0f, 0.0f, 0.0f, 0.0f};
       int16_t r_raw[kVec] = {0, 0, 0, 0};
+      int8_t c_raw[kVec] = {0, 0, 0, 0};
       if (!fp32_master) detail::load_group(param, e0, count, vec, p_raw);
       detail::load_group(grad, e0, count, vec, g_raw);
       if (fp32_master) detail::load_group(master, e0, count, vec, w_raw);
       if (rem_master) detail::load_group(remainder, e0, count, vec, r_raw);
+      if (ulp8_master) detail::load_group(correction, e0, count, vec, c_raw);
       detail::load_group(m_codes, e0, count, vec, cm);
       detail::load_group(v_codes, e0, count, vec, cv);
       float mnew[kVec] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -146,7 +155,11 @@ __global__ void __launch_bounds__(kBlockSize, kQ8MinBlocks)
           if (fp32_master) {
             p = w_raw[e];
           } else if constexpr (kBf16Param) {
-            p = rem_master ? math::join_master(p_raw[e], r_raw[e]) : PE::load(p_raw[e]);
+            p = rem_master    ? math::join_master(p_raw[e], r_raw[e])
+                : ulp8_master ? math::ulp8_decode_bf16(p_raw[e], c_raw[e])
+                              : PE::load(p_raw[e]);
+          } else if constexpr (kFp16Param) {
+            p = ulp8_master ? math::ulp8_decode_fp16(p_raw[e], c_raw[e]) : PE::load(p_raw[e]);
           } else {
             p = PE::load(p_raw[e]);
           }
@@ -154,14 +167,23 @@ __global__ void __launch_bounds__(kBlockSize, kQ8MinBlocks)
           float v = math::q8_decode_v(cv[e], sv);
           float vmax = 0.0f;
           math::adamw_element(&p, &m, &v, &vmax, GE::load(g_raw[e]), s, hyper, false, maximize);
+          const uint32_t r_p = sr_p ? math::sr_random16(key_p, static_cast<uint64_t>(e0 + e)) : 0u;
           if (fp32_master) {
             w_raw[e] = p;
             p_raw[e] = PE::store(p);
+          } else if (ulp8_master) {
+            if constexpr (kBf16Param || kFp16Param) {
+              if (sr_p) {
+                math::ulp8_encode<kFp16Param, true>(p, r_p, &p_raw[e], &c_raw[e]);
+              } else {
+                math::ulp8_encode<kFp16Param, false>(p, 0u, &p_raw[e], &c_raw[e]);
+              }
+            }
           } else if constexpr (kBf16Param) {
             if (rem_master) {
               math::split_master(p, &p_raw[e], &r_raw[e]);
             } else if (sr_p) {
-              p_raw[e] = math::float_to_bf16_bits_sr(p, math::sr_random16(key_p, static_cast<uint64_t>(e0 + e)));
+              p_raw[e] = math::float_to_bf16_bits_sr(p, r_p);
             } else {
               p_raw[e] = PE::store(p);
             }
@@ -180,6 +202,7 @@ __global__ void __launch_bounds__(kBlockSize, kQ8MinBlocks)
       detail::store_group(param, e0, count, vec, p_raw);
       if (fp32_master) detail::store_group(master, e0, count, vec, w_raw);
       if (rem_master) detail::store_group(remainder, e0, count, vec, r_raw);
+      if (ulp8_master) detail::store_group(correction, e0, count, vec, c_raw);
       const uint32_t s_m = math::q8_scale_byte(q8_block_max(mmax), math::kQ8MScaleMin);
       const uint32_t s_w = math::q8_scale_byte(q8_block_max(wmax), math::kQ8WScaleMin);
       if (count > 0 && (threadIdx.x % kLanesPerQ8Block) == 0) {
@@ -239,7 +262,7 @@ cudaError_t adamw_q8(const AdamWQ8TensorRef* tensors, int64_t num_tensors, Maste
                      double beta1, double beta2, double eps, bool maximize, bool sr_param, bool sr_codes,
                      TableMemory& tables, cudaStream_t stream) {
   if (master_kind != MasterKind::kNone && master_kind != MasterKind::kFloat32 &&
-      master_kind != MasterKind::kRemainder) {
+      master_kind != MasterKind::kRemainder && master_kind != MasterKind::kUlp8) {
     return cudaErrorInvalidValue;
   }
   if ((sr_param || sr_codes) && rng == nullptr) return cudaErrorInvalidValue;

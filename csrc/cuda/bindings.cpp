@@ -502,12 +502,13 @@ void adamw_q8_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
   if (!masters.empty()) {
     TORCH_CHECK(masters[0].defined(), "fastamp::", op, ": masters[0] is undefined");
     master_type = masters[0].scalar_type();
-    TORCH_CHECK(master_type != at::kChar, "fastamp::", op,
-                ": int8 (ulp8) masters are not supported by the CUDA kernel yet; use backend='triton' or 'torch'");
-    TORCH_CHECK(master_type == at::kFloat || master_type == at::kShort, "fastamp::", op,
-                ": masters must be float32 (fp32 master weights) or int16 (remainders of bfloat16 params), got ",
+    TORCH_CHECK(master_type == at::kFloat || master_type == at::kShort || master_type == at::kChar, "fastamp::", op,
+                ": masters must be float32 (fp32 master weights), int16 (remainders of bfloat16 params) or int8 "
+                "(ulp8 corrections of bfloat16 / float16 params), got ",
                 master_type);
-    kind = master_type == at::kFloat ? MasterKind::kFloat32 : MasterKind::kRemainder;
+    kind = master_type == at::kFloat   ? MasterKind::kFloat32
+           : master_type == at::kShort ? MasterKind::kRemainder
+                                       : MasterKind::kUlp8;
   }
 
   std::vector<AdamWQ8TensorRef> refs;
@@ -530,6 +531,9 @@ void adamw_q8_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                   " like masters[0], got ", m.scalar_type());
       TORCH_CHECK(kind != MasterKind::kRemainder || p.scalar_type() == at::kBFloat16, "fastamp::", op,
                   ": int16 remainder masters need bfloat16 params, but params[", i, "] is ", p.scalar_type());
+      TORCH_CHECK(kind != MasterKind::kUlp8 || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
+                  "fastamp::", op, ": int8 ulp8 masters need bfloat16 or float16 params, but params[", i, "] is ",
+                  p.scalar_type());
       r.master = numel > 0 ? m.data_ptr() : nullptr;
     }
     auto codes = [&](const char* what, const at::Tensor& t) -> uint8_t* {

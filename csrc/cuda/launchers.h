@@ -120,7 +120,8 @@ cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, D
 
 // ---- fastamp::sgd_ and fastamp::lion_: the one-state family (one_state.cuh) ----
 
-enum class MasterKind : int32_t { kNone = 0, kFloat32 = 1, kRemainder = 2 };
+// kUlp8 (int8 corrections of bf16 / fp16 params, reference/ulp8.py): adamw_q8 only.
+enum class MasterKind : int32_t { kNone = 0, kFloat32 = 1, kRemainder = 2, kUlp8 = 3 };
 
 struct OneStateTensorRef {
   void* param;       // param_dtype, rewritten
@@ -152,7 +153,8 @@ cudaError_t lion(const OneStateTensorRef* tensors, int64_t num_tensors, MasterKi
 struct AdamWQ8TensorRef {
   void* param;                 // param_dtype, rewritten
   const void* grad;            // grad_dtype, read only
-  void* master;                // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params) or null
+  void* master;                // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params), int8
+                               // correction (kUlp8, bf16 / fp16 params) or null
   uint8_t* exp_avg_codes;      // numel codes (reference/q8.py's layout)
   uint8_t* exp_avg_scales;     // ceil(numel / 32) scale bytes
   uint8_t* exp_avg_sq_codes;   // numel codes
@@ -164,9 +166,9 @@ struct AdamWQ8TensorRef {
 };
 
 // step_scalars, found_inf as adamw. rng: null, or int64 [seed, counter] on device, read when
-// sr_param (bf16 params without a master, rounded stochastically) or sr_codes (the codes,
-// rounded stochastically; else to nearest even). ulp8 masters (int8) are not taken (yet): the
-// binding refuses them. One launch per (param, grad) dtype pair.
+// sr_param (bf16 params without a master, or ulp8 corrections, rounded stochastically) or
+// sr_codes (the codes, rounded stochastically; else to nearest even). One launch per (param,
+// grad) dtype pair.
 cudaError_t adamw_q8(const AdamWQ8TensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
                      const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
                      double beta1, double beta2, double eps, bool maximize, bool sr_param, bool sr_codes,

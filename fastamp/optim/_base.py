@@ -724,15 +724,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         chosen = {(op, dev): backends.resolve(op, dev, self.backend) for op, dev in plan.needed}
         for op, backend in chosen.items():
             backends.get_impl(op[0], backend)  # imports a Triton kernel module (see fastamp.backends.kernel)
-
-        def backend_of(run, dev):
-            # ulp8 masters: the native q8 kernel may not take them (as functional.adamw_q8_ decides)
-            if run.op == "adamw_q8_" and run.kind == "ulp8":
-                backend = functional._q8_backend(dev, self.backend, True)
-                backends.get_impl(run.op, backend)
-                return backend
-            return chosen[(run.op, dev)]
-
         out = []
         for gi, gp in enumerate(plan.groups):
             if not gp.buckets:
@@ -756,7 +747,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                         launches.append(
                             (
                                 run.op,
-                                backend_of(run, b.dev),
+                                chosen[(run.op, b.dev)],
                                 run.kind,
                                 run.keys,
                                 tuple(run.gidx[start:stop]),

@@ -322,8 +322,7 @@ def test_compiled_step_equals_eager():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_compiled_ulp8_step_equals_eager(dtype):
-    """A compiled step with ulp8 masters runs where eager's does (functional._q8_backend: native on
-    the CPU; AUTO passes over a native kernel that does not take them, CUDA's) and writes the same bytes."""
+    """A compiled step with ulp8 masters runs on the backend eager's does and writes the same bytes."""
     ps_e, ps_c = _params(dtype), _params(dtype)
     kw = dict(lr=2e-3, master_weights="ulp8", state_format="q8", lowbit_min_numel=64, seed=5)
     eager, comp = AdamW(ps_e, **kw), AdamW(ps_c, **kw)

@@ -1,10 +1,9 @@
 """Tier 2 on CUDA for ``adamw_q8_`` (8-bit block-scaled moments): the native CUDA kernel (csrc/cuda/adamw_q8.cu).
 
-Every tensor the op writes (params, fp32 masters or int16 remainders, codes and scale bytes) is
-compared with ``fastamp.reference.adamw_q8_`` run on the same device, bit for bit (NaN compared as
-NaN whatever its payload). int8 (ulp8) masters are refused by the CUDA kernel with a named error and
-nothing written; ``fastamp.functional.adamw_q8_`` sends them to Triton (or the reference) instead.
-The Triton kernel on the GPU is tested by test_triton_q8.py (its ``cuda`` cases). Skipped without a
+Every tensor the op writes (params, fp32 masters, int16 remainders or int8 ulp8 corrections, codes
+and scale bytes) is compared with ``fastamp.reference.adamw_q8_`` run on the same device, bit for bit
+(NaN compared as NaN whatever its payload). The Triton kernel on the GPU is tested by
+test_triton_q8.py (its ``cuda`` cases). Skipped without a
 CUDA device; the kernel is compile-checked in tests/tools/test_cuda_compile.py and its registers in
 test_cuda_ptxas.py. Run on a GPU machine after building with CUDA (benchmarks/gpu_check.sh).
 """
@@ -29,6 +28,7 @@ EPS = 1e-8
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 NAMES = ("params", "masters", "exp_avg_codes", "exp_avg_scales", "exp_avg_sq_codes", "exp_avg_sq_scales")
 MODES = [("none", d) for d in DTYPES] + [("fp32", d) for d in DTYPES] + [("remainder", torch.bfloat16)]
+MODES += [("ulp8", torch.bfloat16), ("ulp8", torch.float16)]
 SIZES = [1, 31, 33, 1023, 4100, CHUNK + 37, 200003]
 
 
@@ -47,13 +47,19 @@ def _grad(n, gen, dtype, adversarial=True):
 
 def _state(n, pdtype, master, gen):
     p32 = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-8, 8, (n,), generator=gen).float()
+    if n >= 24:
+        # the ulp8 / remainder edges: +-0, fp16 subnormals and the 2^-14 boundary, tiny values that round
+        # to 0, the 16-bit maxima and what rounds past them, a bf16 tie, inf and NaN
+        p32[:24] = torch.tensor([0.0, -0.0, 2.0**-14, -(2.0**-14) * 0.9999, 2.0**-17, 3e-8, -1e-9, 2.0**-25,
+                                 65504.0, -65519.0, 65520.0, 1e-40, 3.389e38, -3.4e38, 1.0 + 2.0**-8, 1.5,
+                                 math.inf, -math.inf, math.nan, 2.0**-24, -6.1e-5, 6.2e-5, 1e-3, -7.0])  # fmt: skip
     if master == "remainder":
         p, rem = R.split_master(p32)
         masters = [rem]
     elif master == "fp32":
         p, masters = p32.to(pdtype), [p32.clone()]
     elif master == "ulp8":
-        p, corr = R.ulp8_encode(p32, pdtype)
+        p, corr = R.ulp8_encode(p32, pdtype, R.sr_random16(3, torch.tensor(9), 0, n, "cpu"))
         masters = [corr]
     else:
         p, masters = p32.to(pdtype), []
@@ -169,24 +175,20 @@ def test_found_inf_writes_nothing(found):
     _assert_same(state, before, "skipped step")
 
 
-def test_ulp8_masters_are_refused_by_name_and_routed_to_another_backend():
+@pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_ulp8_sr_param_and_codes_separately_through_functional(pdtype):
+    """ulp8 corrections rounded stochastically without the codes and the reverse, AUTO (the native kernel)."""
     gen = torch.Generator().manual_seed(7)
-    state = _lists([_state(300, torch.bfloat16, "ulp8", gen)])
-    before = clone_lists(state)
-    grads = [_grad(300, gen, torch.bfloat16)]
-    with pytest.raises(RuntimeError, match=r"int8 \(ulp8\) masters are not supported by the CUDA kernel"):
-        OPS.adamw_q8_(state[0], grads, *state[1:], _scalars(1), None, None, 0, *BETAS, EPS, False, False, False)
-    with pytest.raises(backends.BackendUnavailableError, match=r"int8 \(ulp8\) masters, which its cuda kernel"):
-        functional.adamw_q8_(state[0], grads, *state[1:], _scalars(1), None, beta1=0.9, beta2=0.999, eps=1e-8,
-                             backend="native")  # fmt: skip
-    _assert_same(state, before, "refused")
-    # AUTO: Triton where it runs, else the reference; both give the reference's bytes
-    ref = clone_lists(state)
-    rng = torch.tensor([1, 2], device=DEV)
-    functional.adamw_q8_(state[0], grads, *state[1:], _scalars(1), None, rng, 0, beta1=0.9, beta2=0.999, eps=1e-8,
-                         sr_param=True, sr_codes=True)  # fmt: skip
-    R.adamw_q8_(ref[0], grads, *ref[1:], _scalars(1), None, rng, 0, *BETAS, EPS, False, True, True)
-    _assert_same(state, ref, "AUTO with ulp8 masters")
+    for sr_param, sr_codes in ((True, False), (False, True)):
+        state = _lists([_state(n, pdtype, "ulp8", gen) for n in (300, CHUNK + 3)])
+        ref = clone_lists(state)
+        grads = [_grad(p.numel(), gen, torch.bfloat16) for p in state[0]]
+        rng = torch.tensor([1, 2], device=DEV)
+        functional.adamw_q8_(state[0], grads, *state[1:], _scalars(1), None, rng, 0, beta1=0.9, beta2=0.999,
+                             eps=1e-8, sr_param=sr_param, sr_codes=sr_codes)  # fmt: skip
+        R.adamw_q8_(ref[0], grads, *ref[1:], _scalars(1), None, rng, 0, *BETAS, EPS, False, sr_param, sr_codes)
+        torch.cuda.synchronize()
+        _assert_same(state, ref, f"ulp8 sr_param={sr_param} sr_codes={sr_codes}")
 
 
 def test_refusals_name_the_problem_and_change_nothing():
@@ -196,6 +198,7 @@ def test_refusals_name_the_problem_and_change_nothing():
         "exp_avg_sq_codes\\[0\\] must be uint8": (4, torch.zeros(70, dtype=torch.int8, device=DEV)),
         "exp_avg_codes\\[0\\] must be contiguous": (2, torch.zeros(140, dtype=torch.uint8, device=DEV)[::2]),
         "sr_codes / sr_param need rng": None,
+        "int16 remainder masters need bfloat16 params": (0, torch.zeros(70, device=DEV)),
     }
     for message, change in cases.items():
         state = _lists([_state(70, torch.bfloat16, "remainder", gen)])
