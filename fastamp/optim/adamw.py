@@ -234,8 +234,9 @@ class AdamW(FusedOptimizer):
             (uint8, the param's shape) and ``exp_avg_scale`` / ``exp_avg_sq_scale`` (uint8,
             ``ceil(n / 32)``). Works with every master kind and param dtype, the scalers, clipping,
             ``torch.compile``; not with ``amsgrad`` or ``state_dtype=torch.bfloat16`` (refused),
-            nor with DTensor params yet (refused at the step). Native CPU kernel where built;
-            elsewhere the torch reference runs it (Triton and CUDA kernels: not yet).
+            nor with DTensor params yet (refused at the step). Kernels: native CPU and CUDA
+            where built, Triton, and the torch reference, byte for byte the same (the CUDA and
+            Triton kernels have not run on a GPU yet: ``benchmarks/gpu_check.sh``).
         lowbit_min_numel (int, optional): params with fewer elements keep fp32 moments under
             ``state_format="q8"`` (default 4096: biases and norms, where 8 bits buy little).
         state_rounding (str, optional): how q8 codes are rounded: ``"stochastic"`` (default;
