@@ -119,7 +119,7 @@ class _FastampState:
         ) else []  # fmt: skip
         self.q8 = mdt == "q8"
         if self.q8:
-            from fastamp.optim import _formats
+            from fastamp.optim.formats import moments as _formats
 
             m = [_formats.Q8.create(p, "exp_avg") for p in params]
             v = [_formats.Q8.create(p, "exp_avg_sq") for p in params]

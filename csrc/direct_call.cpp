@@ -193,7 +193,7 @@ PyObject* finish(Ran ran, PyObject* result) {
 struct Void {};
 
 // Before the GIL is released nothing can throw but the dispatcher's lookup of the op (its
-// schema missing when fastamp._ops could not register it): the torch.ops path says why.
+// schema missing when fastamp.ops.registry could not register it): the torch.ops path says why.
 #define FASTAMP_DIRECT_BEGIN \
   try {                      \
     if (modes_active()) return declined();

@@ -1,4 +1,4 @@
-// The C++ signature of every op's kernel, one type per op of the table in fastamp/_ops.py
+// The C++ signature of every op's kernel, one type per op of the table in fastamp/ops/registry.py
 // (the dispatcher checks the CPU kernels against the table's schemas when fastamp._C loads).
 //
 // The dispatcher refuses two kernels of one op whose C++ signatures differ (a CPU kernel
@@ -26,7 +26,7 @@ using unscale_check_stats_ = at::Tensor(at::TensorList grads, const at::Tensor& 
                                         bool write_back, bool compute_sumsq, const at::Tensor& counts,
                                         const at::Tensor& absmax);
 
-// gradient release's check pass (fastamp._ops.RELEASE_OPS: CPU kernels only for now)
+// gradient release's check pass (fastamp.ops.registry.RELEASE_OPS: CPU kernels only for now)
 using unscale_check_partials_ = void(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
                                      const at::Tensor& partials, at::IntArrayRef offsets);
 
@@ -57,7 +57,7 @@ using lion_ = void(at::TensorList params, at::TensorList grads, at::TensorList m
                    const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
                    const std::optional<at::Tensor>& rng, int64_t rng_base, double beta1, double beta2, bool maximize);
 
-// AdamW on 8-bit block-scaled moments (fastamp._ops.Q8_OPS: CPU and CUDA kernels)
+// AdamW on 8-bit block-scaled moments (fastamp.ops.registry.Q8_OPS: CPU and CUDA kernels)
 using adamw_q8_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters,
                        at::TensorList exp_avg_codes, at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_codes,
                        at::TensorList exp_avg_sq_scales, const at::Tensor& step_scalars,

@@ -1,6 +1,6 @@
 // The Python module fastamp._C and build_info(). Kernels register per device in csrc/cpu/*.cpp
 // and csrc/cuda/*.cpp with TORCH_LIBRARY_IMPL (through FASTAMP_IMPL, op_signatures.h); every
-// op's schema and fake (meta) kernel live in the op table of fastamp/_ops.py. The semantics of
+// op's schema and fake (meta) kernel live in the op table of fastamp/ops/registry.py. The semantics of
 // each op are defined by fastamp/reference/.
 #include <Python.h>
 #include <torch/library.h>
@@ -14,7 +14,7 @@ extern PyMethodDef fastamp_plan_methods[];
 extern "C" {
 // `import fastamp._C` loads this library so the registrations below run; the module's functions
 // are the direct calls of the list ops (fastamp.functional's native fast path) and the
-// optimizers' plan checks (fastamp/optim/_plan.py).
+// optimizers' plan checks (fastamp/optim/engine/plan.py).
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, fastamp_direct_methods};
   PyObject* module = PyModule_Create(&module_def);
@@ -38,7 +38,7 @@ std::string build_info() {
 }
 }  // namespace
 
-// No op schema is defined here: fastamp/_ops.py defines them from its op table right after this
+// No op schema is defined here: fastamp/ops/registry.py defines them from its op table right after this
 // library loads, and the dispatcher then checks every kernel that cpu/ and cuda/ registered
 // against them, raising in Python on a difference (a failed check here, in a static
 // initialiser, would abort the process). C++ defines only build_info() and cpu_isa().

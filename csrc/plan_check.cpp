@@ -1,4 +1,4 @@
-// The steady-state check of the optimizers' cached launch plan (fastamp/optim/_plan.py), as
+// The steady-state check of the optimizers' cached launch plan (fastamp/optim/engine/plan.py), as
 // one C loop per param group instead of one Python-level pass per property.
 //
 // Why: a step that reuses its plan must still look at every param and grad (the grads are

@@ -6,10 +6,11 @@ that keep fp32 master weights for fp16/bf16 params. ``python -m fastamp.env`` sa
 backends are available.
 """
 
-from fastamp import _ops, backends, functional, health, reference, schedule  # noqa: F401  # noqa: E402
+from fastamp import backends, functional, health, reference, schedule  # noqa: F401  # noqa: E402
 from fastamp._release import Release, release
 from fastamp.cast import DEFAULT_KEEP_FP32, cast_model
 from fastamp.health import AmpPitfallWarning, GradStats
+from fastamp.ops import registry  # noqa: F401  (loads the op table and the native library)
 from fastamp.optim import SGD, AdamW, Lion
 from fastamp.scaler import OptState, Scaler
 from fastamp.schedule import DeviceLR, SkipAwareLR

@@ -146,10 +146,10 @@ def machine_info(device: torch.device) -> dict[str, str]:
     except Exception:
         info["triton"] = "not importable"
     try:
-        from fastamp import _ops
+        from fastamp.ops import registry
 
         info["fastamp_build"] = (
-            str(_ops.build_info()) if _ops.NATIVE_LOADED else f"native not loaded: {_ops.NATIVE_ERROR}"
+            str(registry.build_info()) if registry.NATIVE_LOADED else f"native not loaded: {registry.NATIVE_ERROR}"
         )
     except Exception as e:
         info["fastamp_build"] = f"unknown ({e})"

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fastamp import backends, functional
 from fastamp._dtensor import is_dtensor
+from fastamp.ops import backends, functional
 from fastamp.scaler.device_scalars import (
     _clip_coef,
     _fold_found_inf,
@@ -47,7 +47,7 @@ def release(
     Each param of the optimizer gets a ``register_post_accumulate_grad_hook``. The params are
     batched into buckets in reverse registration order (the order backward produces their
     grads), each of about ``bucket_bytes`` bytes of params; a bucket is stepped
-    (:meth:`FusedOptimizer.step_bucket <fastamp.optim._base.FusedOptimizer.step_bucket>`, one
+    (:meth:`FusedOptimizer.step_bucket <fastamp.optim.engine.base.FusedOptimizer.step_bucket>`, one
     fused launch per kind of param, as :meth:`step` groups them) as soon as the last of its
     grads is accumulated, and its grads are set to None. When backward ends, the buckets some
     of whose params got no grad are stepped (a param without a grad is not stepped, as in
@@ -102,9 +102,9 @@ def release(
     complete), the update is elementwise, and each param's step scalars come from its own
     count (see ``step_bucket``). Stochastic rounding (of params, ulp8 corrections and q8
     moments) included: a launch draws its random bits from its param group's counter (one
-    per group and device, :mod:`fastamp.optim._rng`) and each param's own stream, and each
+    per group and device, :mod:`fastamp.optim.engine.rng`) and each param's own stream, and each
     ``h.backward`` is one :meth:`FusedOptimizer.bucket_step
-    <fastamp.optim._base.FusedOptimizer.bucket_step>`: every bucket reads the counters as the
+    <fastamp.optim.engine.base.FusedOptimizer.bucket_step>`: every bucket reads the counters as the
     step began, and they advance once when it ends, as ``opt.step()`` advances them.
     Checkpoints: ``opt.state_dict()`` between two ``h.backward`` calls is the ordinary one.
 
@@ -116,7 +116,7 @@ def release(
     break); compile the model's forward. Under compiled autograd the hooks would be traced,
     and ``step_bucket`` refuses to be traced.
     """
-    from fastamp.optim._base import FusedOptimizer
+    from fastamp.optim.engine.base import FusedOptimizer
 
     scaler, max_norm = _check_amp(scaler, max_norm, norm_type)
     if not isinstance(optimizer, FusedOptimizer):

@@ -159,13 +159,13 @@ def _packages() -> dict[str, str | None]:
 def _backends() -> dict[str, Any]:
     import torch
 
-    from fastamp import _ops, backends
+    from fastamp.ops import backends, registry
 
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     table = {}
     for dev in devices:
         ops = {}
-        for op in _ops.NATIVE_OPS:
+        for op in registry.NATIVE_OPS:
             entry = {"backends": {}}
             for b in backends.BACKENDS:
                 ok, why = backends.available(b, op, dev)
@@ -185,11 +185,17 @@ def collect() -> dict[str, Any]:
     import torch
 
     import fastamp
-    from fastamp import _ops, backends, kernels
+    from fastamp import kernels
+    from fastamp.ops import backends, registry
 
     triton_ok, triton_why = kernels._triton_status()
-    native = {"loaded": _ops.NATIVE_LOADED, "build": _ops.build_info(), "error": _ops.NATIVE_ERROR, "cpu_isa": None}
-    if _ops.NATIVE_LOADED and hasattr(torch.ops.fastamp, "cpu_isa"):
+    native = {
+        "loaded": registry.NATIVE_LOADED,
+        "build": registry.build_info(),
+        "error": registry.NATIVE_ERROR,
+        "cpu_isa": None,
+    }
+    if registry.NATIVE_LOADED and hasattr(torch.ops.fastamp, "cpu_isa"):
         native["cpu_isa"] = torch.ops.fastamp.cpu_isa()
     return {
         "fastamp": {"version": fastamp.__version__, "path": os.path.dirname(fastamp.__file__)},

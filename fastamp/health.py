@@ -338,7 +338,7 @@ class _ScalerStep:
 
 
 def _keeps_fp32_master(optimizer, p: Tensor) -> bool:
-    from fastamp.optim import _masters
+    from fastamp.optim.formats import masters as _masters
 
     if not getattr(type(optimizer), "__module__", "").startswith("fastamp.optim"):
         return False

@@ -2,7 +2,7 @@
 
 Importing this package never imports Triton; :func:`available` and :func:`get_op` do, lazily.
 The launchers check only what their launch tables rely on (``_guards.py``);
-``fastamp.functional`` runs the user-facing checks of ``fastamp._validate`` before it calls one.
+``fastamp.functional`` runs the user-facing checks of ``fastamp.ops.validate`` before it calls one.
 Each op module (``amp.py``, ``adamw.py``, ``adamw_bf16.py``, ``sgd.py``: sgd_ and lion_, ``adamw_q8.py``) exposes functions with the same signatures as
 ``fastamp.reference``.
 """

@@ -1,9 +1,9 @@
 """The Triton launchers' guards: what their launch tables rely on, checked cheaply.
 
-``fastamp._validate`` holds the user-facing checks (``fastamp.functional`` runs them before
+``fastamp.ops.validate`` holds the user-facing checks (``fastamp.functional`` runs them before
 it calls a launcher). A launcher called directly (``torch.ops.fastamp_triton.*``) still must
 not hand its kernels a table of pointers to the wrong memory, so it checks device, dtype,
-element count and contiguity here: terse messages, no second copy of those of ``_validate``.
+element count and contiguity here: terse messages, no second copy of those of ``fastamp.ops.validate``.
 """
 
 import torch

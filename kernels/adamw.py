@@ -1,7 +1,7 @@
 """Triton kernel for the fused AdamW step with optional fp32 master weights: ``adamw_``.
 
 Semantics are :func:`fastamp.reference.adamw_`; registered as ``fastamp_triton::adamw_`` from
-the op table in ``fastamp/_ops.py`` (schema and fake shared with the native op, ``opcheck``
+the op table in ``fastamp/ops/registry.py`` (schema and fake shared with the native op, ``opcheck``
 clean). ``adamw_bf16_`` (bf16 params with int16 remainders and/or stochastic rounding) is in
 ``adamw_bf16.py``; the element maths both share is in ``_common.py``.
 
@@ -33,7 +33,7 @@ from fastamp.kernels import _common as C
 from fastamp.kernels import _guards as G
 from torch import Tensor
 
-from fastamp import _ops
+from fastamp.ops import registry
 
 __all__ = ["adamw_"]
 
@@ -215,9 +215,9 @@ def _adamw_impl(
             )
 
 
-_adamw_op = _ops.register_triton("adamw_", _adamw_impl)
+_adamw_op = registry.register_triton("adamw_", _adamw_impl)
 
 
 def adamw_(*args) -> None:
     """Triton :func:`fastamp.reference.adamw_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
-    C.call_launcher(_adamw_op, _adamw_impl, _ops.coerce("adamw_", args))
+    C.call_launcher(_adamw_op, _adamw_impl, registry.coerce("adamw_", args))

@@ -2,7 +2,7 @@
 rounding: ``adamw_bf16_``.
 
 Semantics are :func:`fastamp.reference.adamw_bf16_`; registered as
-``fastamp_triton::adamw_bf16_`` from the op table in ``fastamp/_ops.py`` (schema and fake
+``fastamp_triton::adamw_bf16_`` from the op table in ``fastamp/ops/registry.py`` (schema and fake
 shared with the native op, ``opcheck`` clean). Launch grouping, skipping on ``found_inf`` and
 the runtime flags are those of ``adamw.py`` (``adamw_``), and so is the element maths
 (``_common.py``).
@@ -23,7 +23,7 @@ from fastamp.kernels import _common as C
 from fastamp.kernels import _guards as G
 from torch import Tensor
 
-from fastamp import _ops
+from fastamp.ops import registry
 
 __all__ = ["adamw_bf16_"]
 
@@ -261,9 +261,9 @@ def _adamw_bf16_impl(
             )
 
 
-_adamw_bf16_op = _ops.register_triton("adamw_bf16_", _adamw_bf16_impl)
+_adamw_bf16_op = registry.register_triton("adamw_bf16_", _adamw_bf16_impl)
 
 
 def adamw_bf16_(*args) -> None:
     """Triton :func:`fastamp.reference.adamw_bf16_` (its arguments, all positional): one launch per (grad, moment dtypes) group, no host sync."""
-    C.call_launcher(_adamw_bf16_op, _adamw_bf16_impl, _ops.coerce("adamw_bf16_", args))
+    C.call_launcher(_adamw_bf16_op, _adamw_bf16_impl, registry.coerce("adamw_bf16_", args))

@@ -2,7 +2,7 @@
 
 Semantics are :func:`fastamp.reference.adamw_q8_` (the q8 codec: :mod:`fastamp.reference.q8`,
 the ulp8 master: :mod:`fastamp.reference.ulp8`); registered as ``fastamp_triton::adamw_q8_``
-from ``_ops.Q8_OPS`` (schema and fake shared with the native op). Launch grouping (one launch
+from ``registry.Q8_OPS`` (schema and fake shared with the native op). Launch grouping (one launch
 per (param dtype, grad dtype) group), the on-device skip on ``found_inf``, per-tensor step
 scalars and the runtime flags are those of ``adamw.py``; the element maths is ``_common.py``'s.
 
@@ -37,7 +37,7 @@ from fastamp.kernels import _common as C
 from fastamp.kernels import _guards as G
 from torch import Tensor
 
-from fastamp import _ops
+from fastamp.ops import registry
 
 __all__ = ["adamw_q8_"]
 
@@ -517,9 +517,9 @@ def _adamw_q8_impl(
             )
 
 
-_adamw_q8_op = _ops.register_triton("adamw_q8_", _adamw_q8_impl)
+_adamw_q8_op = registry.register_triton("adamw_q8_", _adamw_q8_impl)
 
 
 def adamw_q8_(*args) -> None:
     """Triton :func:`fastamp.reference.adamw_q8_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
-    C.call_launcher(_adamw_q8_op, _adamw_q8_impl, _ops.coerce("adamw_q8_", args))
+    C.call_launcher(_adamw_q8_op, _adamw_q8_impl, registry.coerce("adamw_q8_", args))

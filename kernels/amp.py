@@ -3,7 +3,7 @@
 
 Semantics are :func:`fastamp.reference.unscale_check_`,
 :func:`fastamp.reference.unscale_check_stats_` and :func:`fastamp.reference.update_scale_`;
-all are registered as the ``fastamp_triton`` ops of the op table in ``fastamp/_ops.py``
+all are registered as the ``fastamp_triton`` ops of the op table in ``fastamp/ops/registry.py``
 (schema and fake shared with the native ops, ``opcheck`` clean).
 
 Agreement with the reference:
@@ -28,7 +28,7 @@ from fastamp.kernels import _common as C
 from fastamp.kernels import _guards as G
 from torch import Tensor
 
-from fastamp import _ops
+from fastamp.ops import registry
 
 __all__ = ["unscale_check_", "unscale_check_partials_", "unscale_check_stats_", "update_scale_"]
 
@@ -338,8 +338,8 @@ def _unscale_check_stats_impl(grads, found_inf, inv_scale, write_back, compute_s
     )
 
 
-_unscale_check_op = _ops.register_triton("unscale_check_", _unscale_check_impl)
-_unscale_check_stats_op = _ops.register_triton("unscale_check_stats_", _unscale_check_stats_impl)
+_unscale_check_op = registry.register_triton("unscale_check_", _unscale_check_impl)
+_unscale_check_stats_op = registry.register_triton("unscale_check_stats_", _unscale_check_stats_impl)
 
 
 def unscale_check_(grads, found_inf: Tensor, inv_scale: Tensor, write_back: bool = True, compute_sumsq: bool = False):
@@ -349,7 +349,9 @@ def unscale_check_(grads, found_inf: Tensor, inv_scale: Tensor, write_back: bool
     of the unscaled values (0 when ``compute_sumsq`` is False) on ``found_inf``'s device.
     """
     dense = [g._values() if g.is_sparse else g for g in grads]
-    return _unscale_check_op(*_ops.coerce("unscale_check_", (dense, found_inf, inv_scale, write_back, compute_sumsq)))
+    return _unscale_check_op(
+        *registry.coerce("unscale_check_", (dense, found_inf, inv_scale, write_back, compute_sumsq))
+    )
 
 
 def unscale_check_stats_(
@@ -364,7 +366,7 @@ def unscale_check_stats_(
     """
     dense = [g._values() if g.is_sparse else g for g in grads]
     args = (dense, found_inf, inv_scale, write_back, compute_sumsq, counts, absmax)
-    return _unscale_check_stats_op(*_ops.coerce("unscale_check_stats_", args))
+    return _unscale_check_stats_op(*registry.coerce("unscale_check_stats_", args))
 
 
 @C.jit_launched
@@ -443,7 +445,7 @@ def _update_scale_impl(
         )
 
 
-_update_scale_op = _ops.register_triton("update_scale_", _update_scale_impl)
+_update_scale_op = registry.register_triton("update_scale_", _update_scale_impl)
 
 
 def update_scale_(
@@ -471,4 +473,4 @@ def update_scale_(
         min_scale,
         max_scale,
     )
-    _update_scale_op(*_ops.coerce("update_scale_", args))
+    _update_scale_op(*registry.coerce("update_scale_", args))

@@ -12,7 +12,7 @@ launch table, the step scalars (``[3]`` or ``[n, 3]``), the guards and the found
   interpolated momentum); the state is ``exp_avg``; ``step_scalars = [lr, decay, grad_mul]``.
 
 Registered as ``fastamp_triton::sgd_`` and ``fastamp_triton::lion_`` from the op table in
-``fastamp/_ops.py`` (schemas and fakes shared with the native ops, ``opcheck`` clean).
+``fastamp/ops/registry.py`` (schemas and fakes shared with the native ops, ``opcheck`` clean).
 
 One launch per (param dtype, grad dtype) group covers every chunk of every tensor (tensors
 whose data is not 16-byte aligned go to a second launch, compiled without the alignment
@@ -36,7 +36,7 @@ from fastamp.kernels import _common as C
 from fastamp.kernels import _guards as G
 from torch import Tensor
 
-from fastamp import _ops
+from fastamp.ops import registry
 
 __all__ = ["sgd_", "lion_"]
 
@@ -347,15 +347,15 @@ def _lion_impl(
     )  # fmt: skip
 
 
-_sgd_op = _ops.register_triton("sgd_", _sgd_impl)
-_lion_op = _ops.register_triton("lion_", _lion_impl)
+_sgd_op = registry.register_triton("sgd_", _sgd_impl)
+_lion_op = registry.register_triton("lion_", _lion_impl)
 
 
 def sgd_(*args) -> None:
     """Triton :func:`fastamp.reference.sgd_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
-    C.call_launcher(_sgd_op, _sgd_impl, _ops.coerce("sgd_", args))
+    C.call_launcher(_sgd_op, _sgd_impl, registry.coerce("sgd_", args))
 
 
 def lion_(*args) -> None:
     """Triton :func:`fastamp.reference.lion_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
-    C.call_launcher(_lion_op, _lion_impl, _ops.coerce("lion_", args))
+    C.call_launcher(_lion_op, _lion_impl, registry.coerce("lion_", args))

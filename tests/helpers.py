@@ -93,9 +93,9 @@ def save_load(obj):
 
 def native_cpu_isas() -> list:
     """The C++ CPU kernels' instruction-set paths this machine runs, best first ([] if not built)."""
-    from fastamp import _ops
+    from fastamp.ops import registry
 
-    if not _ops.native_has_kernel("unscale_check_", "cpu"):
+    if not registry.native_has_kernel("unscale_check_", "cpu"):
         return []
     order = ("scalar", "avx2", "avx512")
     best = torch.ops.fastamp.cpu_isa()

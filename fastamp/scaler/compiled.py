@@ -43,8 +43,9 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
-from fastamp import _compile_errors, backends
-from fastamp.optim._checks import cycles_momentum
+from fastamp import _compile_errors
+from fastamp.ops import backends
+from fastamp.optim.engine.checks import cycles_momentum
 from fastamp.scaler.device_scalars import (
     _any_found,
     _clip_coef,

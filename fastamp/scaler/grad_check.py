@@ -23,8 +23,9 @@ from itertools import chain, compress, repeat
 import torch
 from torch import Tensor
 
-from fastamp import backends, functional, health
+from fastamp import health
 from fastamp._dtensor import local_of
+from fastamp.ops import backends, functional
 from fastamp.scaler.device_scalars import _PerDevice
 
 _DTYPE_OF = operator.attrgetter("dtype")

@@ -28,7 +28,8 @@ from torch import Tensor
 # (Lightning, Accelerate, torch's optimizers) compares against the object it imports.
 from torch.amp.grad_scaler import OptState
 
-from fastamp import _compile_errors, backends, functional, health
+from fastamp import _compile_errors, health
+from fastamp.ops import backends, functional
 from fastamp.scaler.checks import (
     _backoff_factor,
     _check_new_scale,

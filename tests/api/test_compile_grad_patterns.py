@@ -1,6 +1,6 @@
 """Compiled optimizer steps whose params have no grad on some steps, and outside writes to their state.
 
-A compiled step (fastamp/optim/_traced.py) reads every param's ``step`` count at every run
+A compiled step (fastamp/optim/engine/traced.py) reads every param's ``step`` count at every run
 and computes one row of step scalars (bias corrections) per param from its own count, over
 the same count vector as the eager step. dynamo traces one graph per grad pattern; the
 counts may differ within a launch, so a graph replayed after other patterns moved the

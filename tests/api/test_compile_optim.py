@@ -1,4 +1,4 @@
-"""fastamp's optimizers' ``step`` under ``torch.compile(fullgraph=True)`` (fastamp/optim/_traced.py).
+"""fastamp's optimizers' ``step`` under ``torch.compile(fullgraph=True)`` (fastamp/optim/engine/traced.py).
 
 Each test runs a compiled optimizer and an eager twin over the same grads for 20+ steps
 and asserts bit-identical params and state, the number of compiles (torch's
@@ -307,7 +307,7 @@ def test_forced_backend_is_kept(opt_name, backend, compiler):
 
 
 def test_step_scalar_ops_opcheck():
-    from fastamp.optim import _traced
+    from fastamp.optim.engine import traced as _traced
 
     step = torch.tensor(4.0)
     for found_inf, grad_scale in ((None, None), (torch.tensor(0.0), torch.tensor(3.0))):

@@ -91,9 +91,9 @@ def test_json_holds_what_decides_speed_and_path():
 def test_text_report_keeps_the_line_the_build_checks_rely_on_and_says_why_triton_is_off():
     out = _run()
     # tests/tools/cuda_build_tier.sh greps "fastamp._C: loaded (cpu+cuda)"; a CPU build says (cpu)
-    from fastamp import _ops
+    from fastamp.ops import registry
 
-    if _ops.NATIVE_LOADED:
+    if registry.NATIVE_LOADED:
         assert re.search(r"^fastamp\._C: loaded \(cpu(\+cuda)?\); CPU kernels use \S+", out, re.M), out
     for heading in ("cpu: ", "  flags: ", "threads: torch intra-op ", "torch ", "packages: ", "device cpu:"):
         assert re.search("^" + re.escape(heading), out, re.M), (heading, out)

@@ -390,7 +390,7 @@ def test_sr_ids_are_bf16_indices_and_fp32_params_do_not_split_launches(monkeypat
 
 
 def test_rng_counter_is_one_per_group_and_device_and_advances_once_per_applied_step(monkeypatch):
-    """The rule of fastamp.optim._rng: every launch of a step reads its group's counter as the step began.
+    """The rule of fastamp.optim.engine.rng: every launch of a step reads its group's counter as the step began.
 
     A param whose state is created late joins the counter; a param without a grad draws, when it steps again,
     from the group's count (where a per-param counter would lag); a skipped step and a group without grads do not

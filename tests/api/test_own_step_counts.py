@@ -1,7 +1,7 @@
 """Each param's own ``step`` count in one launch, eager and compiled, with outside writes to the counts.
 
 A fused launch takes one row of step scalars per param (``[n, k]``), computed on the device
-from the params' own counts (fastamp/optim/_base.py ``_execute``, _traced.py): the counts of
+from the params' own counts (fastamp/optim/engine/base.py ``_execute``, _traced.py): the counts of
 one launch may differ (params skipped by some steps, a count written in place or replaced),
 and neither the eager step nor the compiled one reads them on the host to step.
 

@@ -352,7 +352,7 @@ class _Net(torch.nn.Module):
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_gradient_release_with_q8_equals_the_ordinary_step(rounding):
-    """Stochastic q8 rounding too: every bucket of a step reads the group's rng counter (fastamp.optim._rng)."""
+    """Stochastic q8 rounding too: every bucket of a step reads the group's rng counter (fastamp.optim.engine.rng)."""
     nets = [_Net(), _Net()]
     opts = [_make(list(n.parameters()), state_rounding=rounding) for n in nets]
     h = fastamp.release(nets[1], opts[1], max_norm=0.05, bucket_bytes=8000)

@@ -18,7 +18,7 @@ from helpers import assert_bits_equal, save_load
 
 import fastamp
 from fastamp import reference
-from fastamp.optim import _base
+from fastamp.optim.engine import base as _base
 
 STEPS = 22  # part 2 and the remove/resume tests: fp16's first scale growth (growth_interval 4) is at step 16
 # part 1 (no scaler): both grad patterns (the branch on even steps only) four times each; nothing in it needs a
@@ -464,7 +464,7 @@ AMP_CONFIGS = {
 }
 CLIPS = {"none": None, "binding": 1e-3, "loose": 1e6}
 # stochastic rounding in each form, on the param (no master; bf16 moments too), the ulp8 correction and the q8
-# codes: every launch of a step draws from its group's rng counter (fastamp.optim._rng)
+# codes: every launch of a step draws from its group's rng counter (fastamp.optim.engine.rng)
 _SR = {"master_weights": False, "stochastic_rounding": True}
 SR_CONFIGS = {
     # AdamW's bf16 forms in one optimizer, a group each (a counter each)
@@ -725,9 +725,9 @@ def test_partials_fold_to_the_check_pass_sum_on_every_backend():
 
 
 def test_native_partials_ops_check_their_slots_first_and_pass_opcheck():
-    from fastamp import _ops
+    from fastamp.ops import registry
 
-    if not _ops.native_has_kernel("unscale_check_partials_", "cpu"):
+    if not registry.native_has_kernel("unscale_check_partials_", "cpu"):
         pytest.skip("fastamp._C without the release ops")
     grads = [torch.randn(20000), torch.randn(3).half()]
     found, inv = torch.zeros(()), torch.ones(())

@@ -14,7 +14,8 @@ import test_step_plan
 import torch
 
 import fastamp
-from fastamp.optim import SGD, AdamW, _plan
+from fastamp.optim import SGD, AdamW
+from fastamp.optim.engine import plan as _plan
 
 NATIVE = fastamp.backends.available("native", "adamw_", "cpu")[0]
 PATHS = ["python"] + (["native"] if _plan._plan_grads is not None else [])

@@ -22,7 +22,8 @@ import torch
 from helpers import assert_bits_equal, native_cpu_isas
 from tolerances import ADAMW_GPU_RTOL
 
-from fastamp import _ops, backends, functional, reference
+from fastamp import backends, functional, reference
+from fastamp.ops import registry
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPES = (F32, F16, BF16)
@@ -84,7 +85,7 @@ class Backend:
 
 def _native_cpu(isa: str) -> Backend:
     why = None
-    if not all(_ops.native_has_kernel(op, "cpu") for op in ("adamw_", "adamw_bf16_", "sgd_")):
+    if not all(registry.native_has_kernel(op, "cpu") for op in ("adamw_", "adamw_bf16_", "sgd_")):
         why = "fastamp._C has no CPU kernels (not built)"
     elif isa not in native_cpu_isas():
         why = f"this CPU runs the {native_cpu_isas()} paths, not {isa}"
@@ -112,8 +113,8 @@ def _triton(device: str) -> Backend:
 
 def _native_cuda() -> Backend:
     why = None
-    if torch.cuda.is_available() and not all(_ops.native_has_kernel(op, "cuda") for op in ("adamw_", "sgd_")):
-        why = f"fastamp._C has no CUDA kernels (built: {_ops.build_info()})"
+    if torch.cuda.is_available() and not all(registry.native_has_kernel(op, "cuda") for op in ("adamw_", "sgd_")):
+        why = f"fastamp._C has no CUDA kernels (built: {registry.build_info()})"
     return Backend("native-cuda", "native", "cuda", CUDA_CHUNK, CUDA_VECTOR, True, why_not=why, gpu=True)
 
 

@@ -13,7 +13,8 @@ import torch
 from helpers import assert_bits_equal, misaligned
 from tolerances import SUMSQ_RTOL
 
-from fastamp import _ops, reference
+from fastamp import reference
+from fastamp.ops import registry
 
 pytestmark = pytest.mark.gpu(reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)")
 
@@ -89,10 +90,10 @@ def check_unscale(grads, inv, write_back=True, compute_sumsq=True, found=0.0):
 
 
 def test_native_cuda_kernels_are_built():
-    assert _ops.NATIVE_LOADED, f"fastamp._C failed to load: {_ops.NATIVE_ERROR}"
-    missing = [op for op in _ops.NATIVE_OPS if not _ops.native_has_kernel(op, "cuda")]
+    assert registry.NATIVE_LOADED, f"fastamp._C failed to load: {registry.NATIVE_ERROR}"
+    missing = [op for op in registry.NATIVE_OPS if not registry.native_has_kernel(op, "cuda")]
     assert not missing, (
-        f"no CUDA kernel for {missing}; build info {_ops.build_info()!r}: rebuild with a CUDA-enabled torch and nvcc"
+        f"no CUDA kernel for {missing}; build info {registry.build_info()!r}: rebuild with a CUDA-enabled torch and nvcc"
     )
 
 

@@ -15,7 +15,8 @@ import torch
 from helpers import assert_bits_equal, misaligned
 from tolerances import SUMSQ_RTOL
 
-from fastamp import _ops, reference
+from fastamp import reference
+from fastamp.ops import registry
 
 pytestmark = pytest.mark.gpu(reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)")
 
@@ -64,9 +65,11 @@ def _compare(ours, ref, keys, what):
 
 
 def test_new_ops_have_cuda_kernels():
-    assert _ops.NATIVE_LOADED, f"fastamp._C failed to load: {_ops.NATIVE_ERROR}"
+    assert registry.NATIVE_LOADED, f"fastamp._C failed to load: {registry.NATIVE_ERROR}"
     for op in ("adamw_bf16_", "sgd_", "lion_", "unscale_check_stats_"):
-        assert _ops.native_has_kernel(op, "cuda"), f"no CUDA kernel for fastamp::{op}; build info {_ops.build_info()!r}"
+        assert registry.native_has_kernel(op, "cuda"), (
+            f"no CUDA kernel for fastamp::{op}; build info {registry.build_info()!r}"
+        )
 
 
 # ---------------------------------------------------------------- adamw_bf16_

@@ -14,8 +14,9 @@ import pytest
 import torch
 from helpers import assert_bits_equal, clone_lists, misaligned
 
-from fastamp import _ops, backends, functional
+from fastamp import backends, functional
 from fastamp import reference as R
+from fastamp.ops import registry
 from fastamp.reference import q8
 
 pytestmark = pytest.mark.gpu(reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)")
@@ -107,8 +108,10 @@ def _assert_same(got, exp, what=""):
 
 
 def test_adamw_q8_has_a_cuda_kernel():
-    assert _ops.NATIVE_LOADED, f"fastamp._C failed to load: {_ops.NATIVE_ERROR}"
-    assert _ops.native_has_kernel("adamw_q8_", "cuda"), f"no CUDA kernel for adamw_q8_; build {_ops.build_info()!r}"
+    assert registry.NATIVE_LOADED, f"fastamp._C failed to load: {registry.NATIVE_ERROR}"
+    assert registry.native_has_kernel("adamw_q8_", "cuda"), (
+        f"no CUDA kernel for adamw_q8_; build {registry.build_info()!r}"
+    )
     assert backends.resolve("adamw_q8_", DEV) == "native"
 
 

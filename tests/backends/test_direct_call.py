@@ -15,9 +15,10 @@ import torch
 from helpers import assert_bits_equal
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fastamp import _ops, functional
+from fastamp import functional
+from fastamp.ops import registry
 
-if not _ops.NATIVE_LOADED:
+if not registry.NATIVE_LOADED:
     pytest.skip("fastamp._C is not built", allow_module_level=True)
 
 from fastamp import _C  # noqa: E402

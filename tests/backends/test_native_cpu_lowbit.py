@@ -18,9 +18,10 @@ import tolerances
 import torch
 from helpers import assert_bits_equal, bits, clone_lists, native_cpu_isas
 
-from fastamp import _ops, functional, reference
+from fastamp import functional, reference
+from fastamp.ops import registry
 
-if not all(_ops.native_has_kernel(op, "cpu") for op in ("adamw_bf16_", "sgd_", "unscale_check_stats_")):
+if not all(registry.native_has_kernel(op, "cpu") for op in ("adamw_bf16_", "sgd_", "unscale_check_stats_")):
     pytest.skip("fastamp._C has no CPU kernels for the low-bit ops (not built)", allow_module_level=True)
 
 OPS = torch.ops.fastamp

@@ -12,10 +12,11 @@ import pytest
 import torch
 from helpers import assert_bits_equal, clone_lists
 
-from fastamp import _ops, reference
+from fastamp import reference
+from fastamp.ops import registry
 from fastamp.reference import q8
 
-if not _ops.native_has_kernel("adamw_q8_", "cpu"):
+if not registry.native_has_kernel("adamw_q8_", "cpu"):
     pytest.skip("fastamp._C has no CPU kernel for adamw_q8_ (not built)", allow_module_level=True)
 
 OPS = torch.ops.fastamp

@@ -1,4 +1,4 @@
-"""The op table of ``fastamp/_ops.py``: one schema and fake per op, registered in both namespaces.
+"""The op table of ``fastamp/ops/registry.py``: one schema and fake per op, registered in both namespaces.
 
 Every check that loads ``fastamp._C`` or changes what can be imported runs in a subprocess:
 a registration the dispatcher refuses inside ``_C``'s static initialisers aborts the process,
@@ -39,23 +39,23 @@ def test_native_ops_have_the_table_schema_and_a_cpu_kernel(table):
     got = _run(
         f"""
         import json, torch
-        from fastamp import _ops
-        res = {{"loaded": _ops.NATIVE_LOADED, "error": _ops.NATIVE_ERROR, "ops": {{}}}}
-        for op in _ops.{table}:
-            if _ops.NATIVE_LOADED:
+        from fastamp.ops import registry
+        res = {{"loaded": registry.NATIVE_LOADED, "error": registry.NATIVE_ERROR, "ops": {{}}}}
+        for op in registry.{table}:
+            if registry.NATIVE_LOADED:
                 have = str(getattr(torch.ops.fastamp, op).default._schema)
-                res["ops"][op] = [have, str(_ops.schema("fastamp", op)), _ops.native_has_kernel(op, "cpu")]
+                res["ops"][op] = [have, str(registry.schema("fastamp", op)), registry.native_has_kernel(op, "cpu")]
         print(json.dumps(res))
         """
     )
     if not got["loaded"] and "No module named 'fastamp._C'" in (got["error"] or ""):
         pytest.skip("fastamp._C is not built")
     assert got["loaded"], got["error"]
-    from fastamp import _ops
+    from fastamp.ops import registry
 
-    assert set(got["ops"]) == set(getattr(_ops, table))
-    assert not set(_ops.RELEASE_OPS) & set(_ops.OPS)
-    assert not set(_ops.Q8_OPS) & (set(_ops.OPS) | set(_ops.RELEASE_OPS))
+    assert set(got["ops"]) == set(getattr(registry, table))
+    assert not set(registry.RELEASE_OPS) & set(registry.OPS)
+    assert not set(registry.Q8_OPS) & (set(registry.OPS) | set(registry.RELEASE_OPS))
     for op, (have, want, has_cpu) in got["ops"].items():
         assert have == want, op
         assert has_cpu, f"fastamp::{op} has no CPU kernel"
@@ -94,12 +94,13 @@ def test_import_without_the_extension():
         import json, sys
         sys.modules["fastamp._C"] = None  # import fails as it does where _C was never built
         import torch, fastamp
-        from fastamp import _ops, backends, functional
+        from fastamp import backends, functional
+        from fastamp.ops import registry
         g, f = [torch.full((3,), 2.0)], torch.zeros(1)
         functional.unscale_check_(g, f, torch.tensor([0.5]))
         print(json.dumps({
-            "loaded": _ops.NATIVE_LOADED,
-            "error": _ops.NATIVE_ERROR,
+            "loaded": registry.NATIVE_LOADED,
+            "error": registry.NATIVE_ERROR,
             "defined": hasattr(torch.ops.fastamp, "adamw_"),
             "cpu": backends.resolve("adamw_", "cpu"),
             "grad": g[0].tolist(),
@@ -135,16 +136,17 @@ def test_triton_ops_have_the_table_schema():
     got = _run(
         """
         import json, torch
-        from fastamp import _ops, kernels
+        from fastamp import kernels
+        from fastamp.ops import registry
         res = {}
-        for op in (*_ops.OPS, *_ops.Q8_OPS):
+        for op in (*registry.OPS, *registry.Q8_OPS):
             kernels.get_op(op)
-            res[op] = [str(getattr(torch.ops.fastamp_triton, op).default._schema), str(_ops.schema("fastamp_triton", op))]
+            res[op] = [str(getattr(torch.ops.fastamp_triton, op).default._schema), str(registry.schema("fastamp_triton", op))]
         print(json.dumps(res))
         """,
         env={"TRITON_INTERPRET": "1"},
     )
-    from fastamp._ops import OPS, Q8_OPS
+    from fastamp.ops.registry import OPS, Q8_OPS
 
     assert set(got) == set(OPS) | set(Q8_OPS)
     for op, (have, want) in got.items():
@@ -152,11 +154,11 @@ def test_triton_ops_have_the_table_schema():
 
 
 def test_coerce_follows_the_schema():
-    from fastamp import _ops
+    from fastamp.ops import registry
 
-    args = _ops.coerce("update_scale_", (1, 2, 3, 4, 2, 1, 10.0, True, 0, 5))
+    args = registry.coerce("update_scale_", (1, 2, 3, 4, 2, 1, 10.0, True, 0, 5))
     assert args[:4] == (1, 2, 3, 4)
     assert [type(a) for a in args[4:]] == [float, float, int, int, float, float]
-    assert isinstance(_ops.coerce("sgd_", ((), (), (), (), 0, None, None, 0, 0, 0, 0, 0, 0))[0], list)
+    assert isinstance(registry.coerce("sgd_", ((), (), (), (), 0, None, None, 0, 0, 0, 0, 0, 0))[0], list)
     with pytest.raises(TypeError, match="expected 10 arguments, got 2"):
-        _ops.coerce("update_scale_", (1, 2))
+        registry.coerce("update_scale_", (1, 2))

@@ -18,8 +18,9 @@ import pytest
 import torch
 from helpers import assert_bits_equal, clone_lists, misaligned, native_cpu_isas
 
-from fastamp import _ops, backends, functional
+from fastamp import backends, functional
 from fastamp import reference as R
+from fastamp.ops import registry
 
 CPU_CHUNK = 16384  # csrc/cpu/multi_tensor.h kChunkElems (Triton's interpreter chunk is 4096)
 # empty, 1, primes, one past the CPU chunk, and one spanning three CPU chunks
@@ -31,7 +32,7 @@ MISALIGNED = 5  # index of the tensor passed as a view one element past an align
 def _backends():
     """``(backend, device, isa)`` of every backend that can run here (isa: the CPU kernels' path)."""
     out = []
-    if _ops.native_has_kernel("adamw_", "cpu"):
+    if registry.native_has_kernel("adamw_", "cpu"):
         out += [pytest.param(("native", "cpu", isa), id=f"native-cpu-{isa}") for isa in native_cpu_isas()]
     try:
         from fastamp import kernels as fk

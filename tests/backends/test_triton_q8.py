@@ -19,9 +19,10 @@ pytest.importorskip("triton")
 
 from helpers import assert_bits_equal, clone_lists, misaligned  # noqa: E402
 
-from fastamp import _ops, backends, functional  # noqa: E402
+from fastamp import backends, functional  # noqa: E402
 from fastamp import kernels as fk  # noqa: E402
 from fastamp import reference as R  # noqa: E402
+from fastamp.ops import registry
 from fastamp.reference import q8  # noqa: E402
 
 DEVICES = [d for d in ("cpu", "cuda") if fk.available(d)[0]]
@@ -317,7 +318,7 @@ def test_reachable_through_functional_and_auto():
     CUDA kernel)."""
     dev = DEVICES[0]
     assert backends.get_impl("adamw_q8_", "triton") is tq8.adamw_q8_
-    assert _ops.schema(_ops.TRITON_NS, "adamw_q8_").arguments[-1].name == "sr_codes"
+    assert registry.schema(registry.TRITON_NS, "adamw_q8_").arguments[-1].name == "sr_codes"
     gen = torch.Generator().manual_seed(9)
     state = _lists([_state(90, (9, 10), torch.bfloat16, "ulp8", gen)], dev)
     grads = [_grad(90, gen, torch.bfloat16, True).reshape(9, 10).to(dev)]
@@ -327,13 +328,13 @@ def test_reachable_through_functional_and_auto():
         functional.adamw_q8_(*st[:1], grads, *st[1:], _scalars(1, dev), None, rng, 0, beta1=0.9, beta2=0.999,
                              eps=1e-8, sr_param=True, sr_codes=True, backend=backend)  # fmt: skip
     _assert_same(tri, ref)
-    if torch.cuda.is_available() and not _ops.native_has_kernel("adamw_q8_", "cuda"):
+    if torch.cuda.is_available() and not registry.native_has_kernel("adamw_q8_", "cuda"):
         assert backends.resolve("adamw_q8_", "cuda") == "triton"
 
 
 def test_native_cuda_refusal_is_named():
     """An explicit backend that cannot run adamw_q8_ raises BackendUnavailableError with the reason."""
-    if _ops.native_has_kernel("adamw_q8_", "cuda"):
+    if registry.native_has_kernel("adamw_q8_", "cuda"):
         pytest.skip("this build has the CUDA kernel of adamw_q8_")
     ok, why = backends.available("native", "adamw_q8_", "cuda")
     assert not ok and ("no cuda kernel for adamw_q8_" in why or "not built" in why), why

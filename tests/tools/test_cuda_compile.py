@@ -197,29 +197,29 @@ def test_bindings_compile_against_torch_headers(compiled):
 
 
 def _schema_ops():
-    """The ops of the kernel op table ``OPS`` in fastamp/_ops.py (its ``    "name": OpDef(`` entries).
+    """The ops of the kernel op table ``OPS`` in fastamp/ops/registry.py (its ``    "name": OpDef(`` entries).
 
     ``OPTIM_OPS`` there holds the optimizers' step-scalar ops, whose kernels are Python: no C++.
     """
-    text = (ROOT / "fastamp" / "_ops.py").read_text()
+    text = (ROOT / "fastamp" / "ops" / "registry.py").read_text()
     table = text.split("\nOPS: dict[str, OpDef] = {\n", 1)[1].split("\n}\n", 1)[0]
     return set(re.findall(r'^    "(\w+)": OpDef\(', table, flags=re.M))
 
 
 def _table_ops(name):
-    """The ops of the table ``name`` in fastamp/_ops.py (its ``    "name": OpDef(`` entries)."""
-    text = (ROOT / "fastamp" / "_ops.py").read_text()
+    """The ops of the table ``name`` in fastamp/ops/registry.py (its ``    "name": OpDef(`` entries)."""
+    text = (ROOT / "fastamp" / "ops" / "registry.py").read_text()
     table = text.split(f"\n{name}: dict[str, OpDef] = {{\n", 1)[1].split("\n}\n", 1)[0]
     return set(re.findall(r'^    "(\w+)": OpDef\(', table, flags=re.M))
 
 
 def _release_ops():
-    """The ops of ``RELEASE_OPS`` in fastamp/_ops.py: gradient release's check pass, CPU kernels only so far."""
+    """The ops of ``RELEASE_OPS`` in fastamp/ops/registry.py: gradient release's check pass, CPU kernels only so far."""
     return _table_ops("RELEASE_OPS")
 
 
 def _q8_ops():
-    """The ops of ``Q8_OPS`` in fastamp/_ops.py: AdamW on q8 moments (CPU and CUDA kernels)."""
+    """The ops of ``Q8_OPS`` in fastamp/ops/registry.py: AdamW on q8 moments (CPU and CUDA kernels)."""
     return _table_ops("Q8_OPS")
 
 
@@ -245,7 +245,7 @@ def test_every_kernel_registers_through_the_signature_check():
     q8 = _q8_ops()
     assert q8 == {"adamw_q8_"}
     assert declared == _schema_ops() | release | q8, (
-        "op_signatures.h must declare exactly the ops of the op tables (OPS, RELEASE_OPS and Q8_OPS in fastamp/_ops.py)"
+        "op_signatures.h must declare exactly the ops of the op tables (OPS, RELEASE_OPS and Q8_OPS in fastamp/ops/registry.py)"
     )
     registered = {"CPU": set(), "CUDA": set()}
     for path in [*(ROOT / "csrc").rglob("*.cpp"), *(ROOT / "csrc").rglob("*.cu")]:

@@ -125,7 +125,7 @@ def _load_kernels(root: Path):
     """Import ``root/kernels`` as ``fastamp.kernels`` without importing the rest of fastamp.
 
     The kernels need only torch, triton, their own package and the op table
-    (``fastamp/_ops.py``, torch only), so any Python with those (another torch/triton pair
+    (``fastamp/ops/registry.py``, torch only), so any Python with those (another torch/triton pair
     included) can compile this tree's kernels. The native extension is kept out: it may be
     built for another torch, and nothing here needs it.
     """

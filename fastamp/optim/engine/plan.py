@@ -67,7 +67,7 @@ class AmpInputs:
 
         ``step_increment = (found_inf == 0)``: a skipped step (any non-zero flag, NaN
         included) does not count. ``1/grad_scale`` is the step-scalar op's (see
-        :meth:`FusedOptimizer._step_scalars <fastamp.optim._base.FusedOptimizer._step_scalars>`).
+        :meth:`FusedOptimizer._step_scalars <fastamp.optim.engine.base.FusedOptimizer._step_scalars>`).
         """
         cached = self._per_device.get(device)
         if cached is not None:
@@ -343,7 +343,9 @@ class _Bucket:
         self.step_idx: Tensor | None = None  # where the bucket's counts sit in step_buf (None: all of it, in order)
         self.ones: Tensor | None = None
         self.states: list[dict[str, Any]] = []
-        self.rngs: list[Tensor] = []  # the group's rng counter on this device, if used (one: see fastamp.optim._rng)
+        self.rngs: list[
+            Tensor
+        ] = []  # the group's rng counter on this device, if used (one: see fastamp.optim.engine.rng)
         self.known: list[Any] = [None, 0]  # the optimizer's record of step_buf: [weakref, expected version]
 
     def share_steps(

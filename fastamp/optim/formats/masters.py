@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp.optim._checks import LOW_PRECISION_DTYPES
+from fastamp.optim.engine.checks import LOW_PRECISION_DTYPES
 
 _MASTER_KEYS = ("master_param", "master_remainder", "master_ulp8")
 _MASTER_KEY_OF = {"fp32": "master_param", "remainder": "master_remainder", "ulp8": "master_ulp8"}
@@ -76,7 +76,7 @@ def fp32_copy_of(p: Tensor) -> Tensor:
 
 
 class _MasterWeights:
-    """The master-weight bookkeeping of :class:`~fastamp.optim._base.FusedOptimizer` (see its doc)."""
+    """The master-weight bookkeeping of :class:`~fastamp.optim.engine.base.FusedOptimizer` (see its doc)."""
 
     def _kind(self, group: dict[str, Any], p: Tensor) -> str:
         return master_kind(group["master_weights"], p.dtype, group["stochastic_rounding"])

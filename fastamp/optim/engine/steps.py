@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp.optim._state_dict import params_with_state
+from fastamp.optim.engine.state_dict import params_with_state
 
 
 class _StepRecords:
-    """The step-count bookkeeping of :class:`~fastamp.optim._base.FusedOptimizer` (see its doc: Step counts)."""
+    """The step-count bookkeeping of :class:`~fastamp.optim.engine.base.FusedOptimizer` (see its doc: Step counts)."""
 
     def _remember_steps(self, t: Tensor) -> list[Any]:
         """Vouch for the step count(s) in ``t`` as they are now: ``[weakref, version]``, updated by each increment."""

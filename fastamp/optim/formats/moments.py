@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp.optim._checks import where_of
+from fastamp.optim.engine.checks import where_of
 
 CODES = "_q"
 SCALE = "_scale"
@@ -58,7 +58,7 @@ class Dense(MomentFormat):
         self.name = str(dtype).replace("torch.", "")
 
     def create(self, p: Tensor, key: str) -> dict[str, Tensor]:
-        from fastamp.optim._masters import state_zeros
+        from fastamp.optim.formats.masters import state_zeros
 
         return {key: state_zeros(p, self.dtype)}
 
@@ -66,7 +66,7 @@ class Dense(MomentFormat):
         return st[key].float()
 
     def encode(self, p: Tensor, key: str, value: Tensor) -> dict[str, Tensor]:
-        from fastamp.optim._masters import state_copy
+        from fastamp.optim.formats.masters import state_copy
 
         return {key: state_copy(p, value, self.dtype)}
 

@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from fastamp._dtensor import is_dtensor
-from fastamp.optim import _rng
-from fastamp.optim._checks import _fmt_shape
-from fastamp.optim._masters import fp32_copy_of, state_copy
+from fastamp.optim.engine import rng as _rng
+from fastamp.optim.engine.checks import _fmt_shape
+from fastamp.optim.formats.masters import fp32_copy_of, state_copy
 
 _INT_STATE: dict[str, tuple[torch.dtype, Callable[[Tensor], tuple[int, ...]]]] = {
     "master_remainder": (torch.int16, lambda p: tuple(p.shape)),
@@ -33,7 +33,7 @@ _CODES, _SCALE = "_q", "_scale"
 
 
 def _q8_entry(opt_name: str, where: str, p: Tensor, key: str, value: Any, saved: dict[str, Any]) -> Tensor:
-    """A moment saved as q8 (``fastamp.optim._formats``): ``<moment>_q`` uint8 shaped like the param, ``<moment>_scale``
+    """A moment saved as q8 (``fastamp.optim.formats.moments``): ``<moment>_q`` uint8 shaped like the param, ``<moment>_scale``
     uint8 ``[ceil(n / 32)]``, both present; a plain tensor copied to the param's device."""
     from fastamp.reference.q8 import num_blocks
 
@@ -221,7 +221,7 @@ def params_with_state(opt: torch.optim.Optimizer) -> list[Tensor]:
 
 
 class _StateDictExport:
-    """``state_dict`` of :class:`~fastamp.optim._base.FusedOptimizer` (remainder masters exported as is or as fp32)."""
+    """``state_dict`` of :class:`~fastamp.optim.engine.base.FusedOptimizer` (remainder masters exported as is or as fp32)."""
 
     def state_dict(
         self, master_format: str = "native", moment_format: str = "native", format: str | None = None
@@ -255,11 +255,11 @@ class _StateDictExport:
         sd = super().state_dict()
         for idx, st in list(sd["state"].items()):
             if isinstance(st, dict) and isinstance(st.get("rng"), Tensor):
-                # the group's counter, one tensor shared by its params (see fastamp.optim._rng): each
+                # the group's counter, one tensor shared by its params (see fastamp.optim.engine.rng): each
                 # param gets its own [seed, counter], as one loads into any optimizer
                 sd["state"][idx] = {**st, "rng": st["rng"].clone()}
         if moment_format == "fp32":
-            from fastamp.optim import _formats
+            from fastamp.optim.formats import moments as _formats
 
             for idx, st in list(sd["state"].items()):
                 if isinstance(st, dict):

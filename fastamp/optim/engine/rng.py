@@ -3,10 +3,10 @@
 The kernels draw the random bits of a launch from one ``rng`` tensor, ``[seed, counter]``
 (int64, on the device), with stream ``4 * (rng_base + i) + k`` for its tensor ``i`` (the
 param's stochastic-rounding id, :meth:`_MasterWeights._rng_ids
-<fastamp.optim._masters._MasterWeights._rng_ids>`). So that every launch of a step reads the
+<fastamp.optim.formats.masters._MasterWeights._rng_ids>`). So that every launch of a step reads the
 same counter, whichever params got a grad and however the step is cut into launches (one
-``step()``, or :meth:`step_bucket <fastamp.optim._base.FusedOptimizer.step_bucket>` calls inside
-one :meth:`bucket_step <fastamp.optim._base.FusedOptimizer.bucket_step>`, buckets in any order),
+``step()``, or :meth:`step_bucket <fastamp.optim.engine.base.FusedOptimizer.step_bucket>` calls inside
+one :meth:`bucket_step <fastamp.optim.engine.base.FusedOptimizer.bucket_step>`, buckets in any order),
 the params of a group on one device share one counter: their states hold the same tensor as
 ``state[p]["rng"]`` (a write in place writes the group's). It advances by one per applied step
 (``found_inf == 0``) that stepped at least one of those params, once, after the step's launches.

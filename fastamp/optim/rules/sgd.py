@@ -8,8 +8,11 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from fastamp.optim import _checks, _masters, _state_dict, _traced
-from fastamp.optim._base import FusedOptimizer
+from fastamp.optim.engine import checks as _checks
+from fastamp.optim.engine import state_dict as _state_dict
+from fastamp.optim.engine import traced as _traced
+from fastamp.optim.engine.base import FusedOptimizer
+from fastamp.optim.formats import masters as _masters
 
 __all__ = ["SGD"]
 
@@ -175,7 +178,7 @@ class SGD(FusedOptimizer):
             st["momentum_buffer"] = _masters.state_copy(p, buf, torch.float32)
         return created
 
-    # ---- torch.compile (see fastamp.optim._traced) -----------------------------------------
+    # ---- torch.compile (see fastamp.optim.engine.traced) -----------------------------------------
     def _step_scalars(
         self, group: dict[str, Any], counts: Tensor | None, found_inf: Tensor | None, grad_scale: Tensor | None, dev
     ) -> Tensor:

@@ -17,7 +17,7 @@ fake:
   calls :func:`register_triton` when it is imported (Triton is never imported here).
 
 :data:`OPTIM_OPS`, in the same form, holds the optimizers' step-scalar ops for torch.compile
-(``fastamp_optim::<op>``, see :mod:`fastamp.optim._traced`): their kernels are the eager
+(``fastamp_optim::<op>``, see :mod:`fastamp.optim.engine.traced`): their kernels are the eager
 Python code, registered for every device by :func:`register_optim` when that module is
 imported.
 
@@ -177,7 +177,7 @@ Q8_OPS: dict[str, OpDef] = {
 }
 
 # The step scalars of a compiled optimizer step: opaque ops, so that inductor does not
-# re-derive eager's fp64 maths with another rounding. Kernels: fastamp/optim/_traced.py.
+# re-derive eager's fp64 maths with another rounding. Kernels: fastamp/optim/engine/traced.py.
 OPTIM_OPS: dict[str, OpDef] = {
     "adamw_step_scalars": OpDef(
         "(Tensor step, Tensor? found_inf, Tensor? grad_scale, Tensor lr, float beta1, float beta2, "
@@ -290,7 +290,7 @@ def _load_native() -> None:
         for op in (*OPS, *RELEASE_OPS, *Q8_OPS):
             _define(lib, NATIVE_NS, op)
     except RuntimeError as e:  # a C++ kernel whose signature differs from the table's schema
-        NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/_ops.py: {e}"
+        NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/ops/registry.py: {e}"
         return
     NATIVE_LOADED = True
 

@@ -1,6 +1,6 @@
 """The step of fastamp's fused optimizers as torch.compile traces it (``fullgraph=True``).
 
-The eager step (:meth:`FusedOptimizer.step <fastamp.optim._base.FusedOptimizer.step>`)
+The eager step (:meth:`FusedOptimizer.step <fastamp.optim.engine.base.FusedOptimizer.step>`)
 keeps host time low with a cached launch plan checked by identity, storage addresses and
 version counters, which dynamo cannot trace (``data_ptr`` comparisons) and should not
 guard on. Under ``torch.compiler.is_compiling()`` the step takes this path instead:
@@ -18,12 +18,12 @@ guard on. Under ``torch.compiler.is_compiling()`` the step takes this path inste
   ``param_groups`` and ``state`` at every call, so dynamo guards them), the same kernel op
   eager calls (``torch.ops.fastamp.adamw_`` ...) with the launch's rows (``[n, k]``), the
   step counts advanced with tensor ops by ``found_inf == 0``, and the group's ``rng`` counter
-  (one tensor that every state of the group on the device holds, see :mod:`fastamp.optim._rng`)
+  (one tensor that every state of the group on the device holds, see :mod:`fastamp.optim.engine.rng`)
   once, after the group's launches on the device, as eager advances it.
 
 Bit-identity with eager: the kernels are the same ops, and the step scalars are computed by
 ``fastamp_optim::adamw_step_scalars`` / ``sgd_step_scalars`` / ``lion_step_scalars``, ops of the op table
-(:data:`fastamp._ops.OPTIM_OPS`) whose kernels are the eager code
+(:data:`fastamp.ops.registry.OPTIM_OPS`) whose kernels are the eager code
 (:func:`fastamp.reference.adamw_step_scalars`, with the grad scaler's ``1/grad_scale``
 reciprocal in fp64 and the increment ``step + (found_inf == 0)``), so inductor cannot
 re-derive the fp64 ``pow`` with another rounding. The op gets the same count vector as
@@ -80,8 +80,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from fastamp import _ops, backends, reference
-from fastamp.optim._plan import AmpInputs
+from fastamp import reference
+from fastamp.ops import backends, registry
+from fastamp.optim.engine.plan import AmpInputs
 
 
 def _amp_found_inf(found_inf: Tensor, device: torch.device) -> Tensor:
@@ -156,10 +157,10 @@ def _lion_step_scalars(anchor: Tensor, grad_scale: Tensor | None, lr: Tensor, we
     return reference.lion_step_scalars(lr, weight_decay, grad_mul, dev)
 
 
-# schemas and fakes: the op table (fastamp/_ops.py, OPTIM_OPS)
-adamw_step_scalars = _ops.register_optim("adamw_step_scalars", _adamw_step_scalars)
-sgd_step_scalars = _ops.register_optim("sgd_step_scalars", _sgd_step_scalars)
-lion_step_scalars = _ops.register_optim("lion_step_scalars", _lion_step_scalars)
+# schemas and fakes: the op table (fastamp/ops/registry.py, OPTIM_OPS)
+adamw_step_scalars = registry.register_optim("adamw_step_scalars", _adamw_step_scalars)
+sgd_step_scalars = registry.register_optim("sgd_step_scalars", _sgd_step_scalars)
+lion_step_scalars = registry.register_optim("lion_step_scalars", _lion_step_scalars)
 
 
 def rng_parts(ids: list[int], n: int) -> list[tuple[int, int, int]]:

@@ -8,8 +8,11 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from fastamp.optim import _checks, _masters, _state_dict, _traced
-from fastamp.optim._base import FusedOptimizer
+from fastamp.optim.engine import checks as _checks
+from fastamp.optim.engine import state_dict as _state_dict
+from fastamp.optim.engine import traced as _traced
+from fastamp.optim.engine.base import FusedOptimizer
+from fastamp.optim.formats import masters as _masters
 
 __all__ = ["Lion"]
 
@@ -38,7 +41,7 @@ def _validate_group(
     """The checks of every group (torch has no Lion; the wording follows torch.optim.AdamW's).
 
     ``lr`` and ``weight_decay`` real, finite, >= 0, within fp32 (a tensor lr read where it
-    enters, see :class:`~fastamp.optim._checks.TensorLRChecks`), and ``1 - lr * weight_decay``
+    enters, see :class:`~fastamp.optim.engine.checks.TensorLRChecks`), and ``1 - lr * weight_decay``
     finite in fp32; betas floats in [0, 1].
     """
     lr = _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)

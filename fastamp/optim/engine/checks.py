@@ -235,7 +235,7 @@ def cycles_momentum(group: dict[str, Any]) -> bool:
 
 
 def check_backend_arg(opt_name: str, backend: Any) -> Any:
-    from fastamp import backends
+    from fastamp.ops import backends
 
     if backend is not None and backend != "auto" and backend not in backends.BACKENDS:
         raise ValueError(
@@ -349,7 +349,7 @@ _NBYTES = operator.attrgetter("nbytes")
 
 
 class _StateValidation:
-    """The checks of the state a step's launches read (see :class:`~fastamp.optim._base.FusedOptimizer`)."""
+    """The checks of the state a step's launches read (see :class:`~fastamp.optim.engine.base.FusedOptimizer`)."""
 
     def _check_state_tensor(
         self,
@@ -453,7 +453,7 @@ class _StateValidation:
                 t is not None
                 and not (type(t) is Tensor and t.shape == shape and t.device == device and t.is_floating_point())
             ) or (key + "_q" in st or key + "_scale" in st):
-                from fastamp.optim import _formats
+                from fastamp.optim.formats import moments as _formats
 
                 _formats.check_held(self, gi, i, p, st, key)  # q8 codes (other keys), or a clear error
         if kind == "fp32" or kind == "remainder" or kind == "ulp8":

@@ -1,7 +1,7 @@
 """The step loop shared by fastamp's fused optimizers (AdamW, SGD): :class:`FusedOptimizer`.
 
 It validates a whole step before changing anything, groups the params with a grad into
-kernel launches (:mod:`fastamp.optim._plan`), keeps that plan while it fits, and keeps the
+kernel launches (:mod:`fastamp.optim.engine.plan`), keeps that plan while it fits, and keeps the
 step counts of one launch as views of one buffer. Validation, masters, state dicts and the
 records of the step counts live in :mod:`._checks`, :mod:`._masters`, :mod:`._state_dict`
 and :mod:`._steps`.
@@ -17,10 +17,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from fastamp import _compile_errors, _ops, functional
+from fastamp import _compile_errors
 from fastamp._dtensor import is_dtensor
-from fastamp.optim import _rng, _traced
-from fastamp.optim._checks import (
+from fastamp.ops import functional, registry
+from fastamp.optim.engine import rng as _rng
+from fastamp.optim.engine import traced as _traced
+from fastamp.optim.engine.checks import (
     GRAD_DTYPES,
     PARAM_DTYPES,
     TensorLRChecks,
@@ -32,8 +34,7 @@ from fastamp.optim._checks import (
     cycles_momentum,
     where_of,
 )
-from fastamp.optim._masters import _MasterWeights
-from fastamp.optim._plan import (
+from fastamp.optim.engine.plan import (
     AmpInputs,
     StateTable,
     _Bucket,
@@ -42,8 +43,9 @@ from fastamp.optim._plan import (
     _Run,
     _version_of,
 )
-from fastamp.optim._state_dict import _StateDictExport
-from fastamp.optim._steps import _StepRecords
+from fastamp.optim.engine.state_dict import _StateDictExport
+from fastamp.optim.engine.steps import _StepRecords
+from fastamp.optim.formats.masters import _MasterWeights
 
 
 @functools.cache
@@ -53,7 +55,7 @@ def _keyword_args(op: str) -> tuple[int, tuple[str, ...]]:
     The wrappers take the tensors (and ``rng``, ``rng_base``) by position and the
     hyperparameters (the op table's float and bool arguments) by keyword, with the schema's names.
     """
-    args = _ops.schema(_ops.NATIVE_NS, op).arguments
+    args = registry.schema(registry.NATIVE_NS, op).arguments
     n = next(i for i, a in enumerate(args) if str(a.type) in ("float", "bool"))
     return n, tuple(a.name for a in args[n:])
 
@@ -120,11 +122,11 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     Random bits (stochastic rounding): one ``rng`` counter per param group and device, the
     same tensor in each param's state, advanced once per applied step that stepped a param of
     the group there, after the step's launches, so every launch of a step reads the same
-    count whichever params have a grad (:mod:`fastamp.optim._rng`; :meth:`bucket_step` for
+    count whichever params have a grad (:mod:`fastamp.optim.engine.rng`; :meth:`bucket_step` for
     steps made of :meth:`step_bucket` calls).
 
     torch.compile: under ``torch.compiler.is_compiling()`` the step takes the path of
-    :mod:`fastamp.optim._traced` (``fullgraph=True``, one compile, eager's bits): the checks
+    :mod:`fastamp.optim.engine.traced` (``fullgraph=True``, one compile, eager's bits): the checks
     and the plan run once at trace time (``_init_group``), the graph holds the kernel ops. A
     check that fails there raises eager's error (class and message, see
     :mod:`fastamp._compile_errors`). torch's LR schedulers leave ``step`` as it is (see
@@ -183,7 +185,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         ``counts``: each param's count *before* this step (None for params without a
         ``step``: SGD without momentum does not use it); ``found_inf`` / ``grad_scale``: the
         grad scaler's, as handed over (None without one). Eager and compiled steps both call
-        this, and it calls one op of :data:`fastamp._ops.OPTIM_OPS` (its kernel is eager code
+        this, and it calls one op of :data:`fastamp.ops.registry.OPTIM_OPS` (its kernel is eager code
         that inductor cannot re-derive), so the two paths compute the same bits.
         """
         raise NotImplementedError
@@ -289,7 +291,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     def _launch_keys(self, group: dict[str, Any], kind: str, use_rng: bool, op: str = "") -> tuple[str, ...]:
         keys = self._moment_keys(group)
-        if op == "adamw_q8_":  # codes and block scales of each moment (see fastamp.optim._formats)
+        if op == "adamw_q8_":  # codes and block scales of each moment (see fastamp.optim.formats.moments)
             keys = tuple(k for key in keys for k in (key + "_q", key + "_scale"))
         if kind == "fp32":
             keys += ("master_param",)
@@ -312,7 +314,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         ``subsets``: per group, the indices of the params to consider (a bucket, see
         :meth:`step_bucket`); a position is then one in that list; None: every param.
         """
-        from fastamp import backends
+        from fastamp.ops import backends
 
         work = []
         needed: set[tuple[str, torch.device]] = set()
@@ -494,7 +496,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             closure (Callable, optional): a closure that reevaluates the model and returns
                 the loss (not allowed when a grad scaler drives the step, as in torch).
         """
-        from fastamp import backends
+        from fastamp.ops import backends
 
         if torch.compiler.is_compiling():
             return _traced.traced_step(self, closure)
@@ -544,7 +546,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         """One optimizer step made of :meth:`step_bucket` calls (what :func:`fastamp.release` runs each step).
 
         Stochastic rounding draws each launch's random bits from the ``rng`` counter of its
-        param group (one per group and device, see :mod:`fastamp.optim._rng`), which a step
+        param group (one per group and device, see :mod:`fastamp.optim.engine.rng`), which a step
         advances once, after its launches. Inside this block every ``step_bucket`` call reads
         the counters as they were when the block began, and they advance once when it ends
         (by 1 where any launch of the group was applied: ``found_inf == 0``, or no scaler), also
@@ -591,7 +593,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         :func:`fastamp.reference.adamw_step_scalars`, so their bits do not depend on where a
         count sits in the vector), and each param keeps its stochastic-rounding tensor id.
         Stochastic rounding draws a launch's bits from its group's ``rng`` counter (one per
-        group and device, :mod:`fastamp.optim._rng`), which a step advances once: the calls of
+        group and device, :mod:`fastamp.optim.engine.rng`), which a step advances once: the calls of
         one step go inside :meth:`bucket_step`, which advances the counters when it ends, and
         then give :meth:`step`'s bits, buckets in any order. A call outside it is a step of its
         own for the counters (they advance when it returns): two calls on disjoint buckets then
@@ -600,7 +602,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         Args:
             params: params of this optimizer, each at most once (any groups).
         """
-        from fastamp import backends
+        from fastamp.ops import backends
 
         if torch.compiler.is_compiling():
             raise NotImplementedError(
@@ -699,15 +701,15 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         it finds afterwards (the hook torch's optimizers create their state in). This is the
         eager step's validation and planning (``_collect``, ``_build_plan``: missing state
         and masters created, launches grouped as eager groups them), returned as constants for
-        :func:`fastamp.optim._traced.traced_step`:
+        :func:`fastamp.optim.engine.traced.traced_step`:
         ``((group index, ((count positions, (launch, ...)), ...)), ...)`` per group with work,
         per device: the group positions of the params whose counts make the bucket's count
         vector, in the order of eager's buffer, and each launch ``(op, backend, kind, state
         keys, param positions, rng_base, positions of strided params, row0)``, its step
         scalars being rows ``row0 ..`` of the vector's (``row0 < 0``: one shared set). See
-        :mod:`fastamp.optim._traced` for what a compiled step does not re-check.
+        :mod:`fastamp.optim.engine.traced` for what a compiled step does not re-check.
         """
-        from fastamp import backends
+        from fastamp.ops import backends
 
         if type(self.state) is not StateTable:
             self._track_state()
@@ -844,7 +846,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         Runs whose params are copied contiguous each step (strided params) or are DTensor
         shards take the lists each time.
         """
-        from fastamp import backends
+        from fastamp.ops import backends
 
         table = run.table
         if table is None:

@@ -9,8 +9,12 @@ import torch
 from torch import Tensor
 
 from fastamp._dtensor import is_dtensor
-from fastamp.optim import _checks, _formats, _masters, _state_dict, _traced
-from fastamp.optim._base import FusedOptimizer
+from fastamp.optim.engine import checks as _checks
+from fastamp.optim.engine import state_dict as _state_dict
+from fastamp.optim.engine import traced as _traced
+from fastamp.optim.engine.base import FusedOptimizer
+from fastamp.optim.formats import masters as _masters
+from fastamp.optim.formats import moments as _formats
 
 __all__ = ["AdamW"]
 
@@ -25,9 +29,9 @@ def _validate_group(
 
     Stricter than torch where torch lets a value through that would silently wreck the
     run: inf ``lr``/``eps``/``weight_decay`` (and values beyond fp32's range), and an lr whose
-    step scalars overflow fp32 (:func:`~fastamp.optim._checks.check_adamw_step_scalars`; a
+    step scalars overflow fp32 (:func:`~fastamp.optim.engine.checks.check_adamw_step_scalars`; a
     tensor lr is read where it enters and not at every step, see
-    :class:`~fastamp.optim._checks.TensorLRChecks`). Tensor betas are read here (a host read,
+    :class:`~fastamp.optim.engine.checks.TensorLRChecks`). Tensor betas are read here (a host read,
     a sync for device tensors), as at every step.
     """
     lr = _checks.validate_lr(_NAME, group["lr"], check_tensor_lr, where)
@@ -212,7 +216,7 @@ class AdamW(FusedOptimizer):
             on that device, and advances once per step, after its launches, so every launch of
             a step reads the same count whichever params got a grad (which :func:`fastamp.release`
             needs). It is created at the group's first such step with the ``seed`` of then; a
-            param whose state is created later joins it. See :mod:`fastamp.optim._rng` for
+            param whose state is created later joins it. See :mod:`fastamp.optim.engine.rng` for
             loads of per-param counters (made one: the largest) and ``state_dict()`` (a copy
             per param).
         state_dtype (torch.dtype, optional): ``torch.float32`` (default) or
@@ -282,7 +286,7 @@ class AdamW(FusedOptimizer):
         ``.fill_()``, ``+=``), ``state[p]`` replaced, cleared or deleted, a partial state dict
         loaded, a param group added. Under ``torch.compile`` the compiled step reads every
         count at run time: a count replaced or written in place between compiled steps is
-        honoured without a retrace (see :mod:`fastamp.optim._traced`).
+        honoured without a retrace (see :mod:`fastamp.optim.engine.traced`).
 
     .. note::
         Two Parameters over one storage (a weight and its transposed view as separate
@@ -488,7 +492,7 @@ class AdamW(FusedOptimizer):
         masters = st["master_param"] if launch.kind == "fp32" else []
         return (*head, masters, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, *hyper)
 
-    # ---- torch.compile (see fastamp.optim._traced) -----------------------------------------
+    # ---- torch.compile (see fastamp.optim.engine.traced) -----------------------------------------
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:
         super()._check_traceable(group, where)
         if isinstance(group["betas"][0], Tensor):
