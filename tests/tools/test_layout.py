@@ -53,7 +53,9 @@ def _imports(path, module):
                 for a in child.names:
                     if a.name.startswith("fastamp."):
                         yield a.name, here
-            yield from walk(child, here and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+            yield from walk(
+                child, here and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            )
 
     yield from walk(tree, True)
 
