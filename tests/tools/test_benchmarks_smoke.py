@@ -282,6 +282,10 @@ def test_gpu_cost_model_bytes_match_the_benchmarks(tmp_path):
     assert by_name["fastamp step, bf16"] == 30
     assert by_name["fastamp AdamW alone, bf16-10B"] == 18
     assert by_name["fastamp AdamW alone, bf16-q8"] == 14  # + 1/8 B of block scales, not counted
+    assert by_name["fastamp AdamW alone, bf16-ulp8-q8"] == 12 and by_name["fastamp step, bf16-ulp8-q8"] == 14
+    for kind, (*_, nbytes) in bench_adamw.KINDS.items():  # every kind bench_adamw has, with its bytes
+        assert by_name[f"fastamp AdamW alone, {kind}"] == nbytes
+        assert by_name[f"fastamp step, {kind}"] == nbytes + bench_adamw.DTYPES[kind].itemsize
     out = tmp_path / "model.md"
     text = gpu_cost_model.main(["--bandwidth-gbs", "1000", "--sizes", "1e9", "--out", str(out)])
     # 1e9 params x 30 B at 1,000 GB/s = 30 ms
