@@ -25,6 +25,10 @@ Providers (each checked against :mod:`fastamp.reference` before being timed):
                                        each), reads g: 14 B/elem + 1/8 B of scales (not in the ceiling).
                    ``bf16-sr-q8``      ``adamw_q8_`` without master, stochastic rounding: 10 B/elem
                                        + 1/8 B of scales.
+                   ``bf16-ulp8-q8``    ``adamw_q8_`` with int8 ulp8 master corrections (issue 22),
+                                       rounded stochastically: reads and writes p (2 B), the correction
+                                       (1 B), the m, v codes (1 B each), reads g: 12 B/elem + 1/8 B of
+                                       scales.
 
 The q8 rows run only on the backends that have ``adamw_q8_`` (native CPU and CUDA, Triton, the reference).
 
@@ -58,6 +62,7 @@ DTYPES = {
     "bf16-10B": torch.bfloat16,
     "bf16-q8": torch.bfloat16,
     "bf16-sr-q8": torch.bfloat16,
+    "bf16-ulp8-q8": torch.bfloat16,
 }
 # dtype entry -> (master kind, moment dtype, stochastic rounding, bytes per element)
 KINDS = {
@@ -69,8 +74,9 @@ KINDS = {
     "bf16-10B": ("remainder", torch.bfloat16, True, 18),
     "bf16-q8": ("remainder", "q8", True, 14),
     "bf16-sr-q8": ("none", "q8", True, 10),
+    "bf16-ulp8-q8": ("ulp8", "q8", True, 12),
 }
-Q8_KINDS = ("bf16-q8", "bf16-sr-q8")
+Q8_KINDS = ("bf16-q8", "bf16-sr-q8", "bf16-ulp8-q8")
 # dtype entry -> the same bytes stream by stream (common.parse_traffic): the ceiling of the row.
 TRAFFIC = {
     "fp32": "p:rw4 g:r4 m:rw4 v:rw4",
@@ -82,6 +88,7 @@ TRAFFIC = {
     # the two 1-byte code streams as one 2-byte stream (the ceiling's buffers are 2, 4 or 8 B wide)
     "bf16-q8": "g:r2 p:rw2 rem:rw2 q:rw2",
     "bf16-sr-q8": "g:r2 p:rw2 q:rw2",
+    "bf16-ulp8-q8": "g:r2 p:rw2 e:rw1 q:rw2",  # e: the 1-byte ulp8 correction
 }
 NOTES = {
     "fp32": "fp32 params, adamw_: reads p, g, m, v, writes p, m, v (28 B)",
@@ -97,6 +104,8 @@ NOTES = {
     "codes (1 B) and scales (1/32 B each); writes p, rem, codes, scales: 14 B + 1/8",
     "bf16-sr-q8": "bf16 params, no master, stochastic rounding, q8 moments, adamw_q8_: reads g, p, codes, scales; "
     "writes p, codes, scales: 10 B + 1/8",
+    "bf16-ulp8-q8": "bf16 params + int8 ulp8 correction (rounded stochastically) + q8 moments, adamw_q8_: reads g, "
+    "p (2 B), correction, codes (1 B) and scales; writes p, correction, codes, scales: 12 B + 1/8",
 }
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.999), 1e-8, 1e-2
 CHECK_SIZES = [1, 7, 4099, 65537, 256, 3, 131]
@@ -105,8 +114,8 @@ CHECK_SIZES = [1, 7, 4099, 65537, 256, 3, 131]
 class _FastampState:
     """The tensors fastamp's AdamW keeps for a list of params, and one call of the fused op.
 
-    ``kind`` is a :data:`KINDS` key. Remainder masters start from the params (remainder 0,
-    as the optimizer's first step does); the stochastic-rounding counter advances on every
+    ``kind`` is a :data:`KINDS` key. Remainder and ulp8 masters start from the params
+    (remainder or correction 0, as the optimizer's first step does); the stochastic-rounding counter advances on every
     call, as the optimizer's does on every applied step.
     """
 
@@ -117,6 +126,12 @@ class _FastampState:
         self.remainders = [torch.zeros(p.shape, dtype=torch.int16, device=p.device) for p in params] if (
             master == "remainder"
         ) else []  # fmt: skip
+        self.corrections = [torch.zeros(p.shape, dtype=torch.int8, device=p.device) for p in params] if (
+            master == "ulp8"
+        ) else []  # fmt: skip
+        # what adamw_q8_ takes as masters, and whether it rounds the param (or the correction) stochastically
+        self.q8_masters = self.remainders or self.corrections
+        self.sr_param = master in ("none", "ulp8")
         self.q8 = mdt == "q8"
         if self.q8:
             from fastamp.optim.formats import moments as _formats
@@ -139,8 +154,8 @@ class _FastampState:
         scalars = reference.adamw_step_scalars(LR, self.step_t, BETAS[0], BETAS[1], WD)
         if self.q8:
             F.adamw_q8_(
-                self.params, self.grads, self.remainders, self.m, self.ms, self.v, self.vs, scalars, None, self.rng, 0,
-                beta1=BETAS[0], beta2=BETAS[1], eps=EPS, sr_param=not self.remainders, sr_codes=True,
+                self.params, self.grads, self.q8_masters, self.m, self.ms, self.v, self.vs, scalars, None, self.rng, 0,
+                beta1=BETAS[0], beta2=BETAS[1], eps=EPS, sr_param=self.sr_param, sr_codes=True,
                 backend=self.backend,
             )  # fmt: skip
             self.rng[1] += 1
@@ -158,11 +173,13 @@ class _FastampState:
             )  # fmt: skip
 
     def values(self):
-        """The values being optimised: fp32 masters (joined from remainders), else the params."""
+        """The values being optimised: fp32 masters (joined from remainders, decoded from ulp8), else the params."""
         if self.masters:
             return self.masters
         if self.remainders:
             return [reference.join_master(p, r) for p, r in zip(self.params, self.remainders)]
+        if self.corrections:
+            return [reference.ulp8_decode(p, c) for p, c in zip(self.params, self.corrections)]
         return self.params
 
 
@@ -217,11 +234,12 @@ def make_fastamp_check(kind, backend, device):
         err = max(common.assert_close(f"value[{i}]", a, b) for i, (a, b) in enumerate(zip(st.values(), ref.values())))
         msg = f"vs reference after 3 steps: max abs error {err:.2g}"
         if kind in Q8_KINDS:
-            for name in ("m", "ms", "v", "vs"):
+            for name in ("m", "ms", "v", "vs", "corrections"):
                 for i, (a, b) in enumerate(zip(getattr(st, name), getattr(ref, name))):
                     if not torch.equal(a, b):
                         raise AssertionError(f"q8 {name}[{i}] differs from the reference's bytes")
-            msg += "; q8 codes and scales bit-identical to the reference"
+            msg += "; q8 codes and scales" + (" and ulp8 corrections" if master == "ulp8" else "")
+            msg += " bit-identical to the reference"
         if master == "remainder" and not KINDS[kind][2]:
             # the remainder master must follow the fp32-master trajectory bit for bit (issue #7)
             fp32_master = _reference_run(params, grads, "bf16").masters

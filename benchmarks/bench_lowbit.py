@@ -3,10 +3,12 @@
 ``bench_adamw.py`` times fastamp's kernels; this times what a user calls, ``opt.step()``, for
 every optimizer with low-bit state that runs on this machine, at the same sizes in the same
 interleaved rounds (issue 22: "ahead of torchao/bitsandbytes on CPU"). bf16 params and grads
-throughout except torch's fp32 baseline, each library at its defaults for small tensors
-(fastamp ``lowbit_min_numel=4096``, torchao ``min_quant_size`` and bitsandbytes
-``min_8bit_size`` 4096: tensors below that keep 32-bit moments in all three, so at 20,000 x 256
-the rows time each library's dense path and its per-tensor overhead, not its 8-bit codec).
+throughout except torch's fp32 baseline, each library at its defaults for small tensors: params
+below 4096 elements (fastamp ``lowbit_min_numel``, bitsandbytes ``min_8bit_size``, torchao's
+fixed threshold, which also wants a multiple of its block) keep dense moments: fp32 in fastamp
+(whose ulp8 master then becomes the exact remainder one) and bitsandbytes, the param's dtype
+(bf16 here) in torchao. So at 20,000 x 256 the rows time each library's dense path and its
+per-tensor overhead, not its 8-bit codec, and their bytes are the dense ones (``DENSE``).
 
 Providers (``--providers``; the ones whose package is missing are listed as not timed):
 
@@ -24,8 +26,9 @@ Providers (``--providers``; the ones whose package is missing are listed as not 
                        updated in place, no stochastic rounding; 10 B/elem + scales).
 
 B/elem counts the params, grads and state bytes the update reads and writes (the scale bytes
-are not counted, for anyone); the ceiling of a row is torch in-place ops moving exactly those
-bytes (``common.ceiling``), timed in the same rounds.
+are not counted, for anyone): what :func:`streamed_bytes_per_elem` counts from the tensors each
+optimizer holds (the smoke tests check every row against it); the ceiling of a row is torch
+in-place ops moving exactly those bytes (``common.ceiling``), timed in the same rounds.
 
 Check before timing (the same for every provider, since the 8-bit formats differ): one step
 with lr 0.1 from the same params and grads must move the params like fp32 AdamW does, cosine
@@ -57,7 +60,11 @@ CHECK_SHAPES = [(4099,), (64, 257), (3,)]
 MIN_COSINE = 0.9
 DEFAULT_CONFIGS = "256x262144,20000x256"
 
-# name -> (keyword arguments of fastamp.optim.AdamW, traffic spec (common.parse_traffic), note)
+# Params with fewer elements keep dense moments in all three libraries (their defaults).
+LOWBIT_MIN_NUMEL = 4096
+
+# name -> (keyword arguments of fastamp.optim.AdamW, traffic spec (common.parse_traffic) of a param
+# of LOWBIT_MIN_NUMEL elements or more, note); DENSE: the traffic below that, where it differs.
 FASTAMP = {
     "fastamp 10-B": (
         {"master_weights": "remainder", "state_dtype": torch.bfloat16, "stochastic_rounding": True},
@@ -105,6 +112,55 @@ OTHERS = {
     "torchao AdamW4bit": (lambda: _torchao("AdamW4bit"), "g:r2 p:rw2 q:rw1", "block 128, fp32 scales, bf16 SR"),
     "bnb AdamW8bit": (lambda: _bnb(), "g:r2 p:rw2 q:rw2", "blockwise dynamic 8-bit, bf16 params rounded to nearest"),
 }
+# torchao quantizes a param only when its size is also a multiple of the block
+BLOCK = {"torchao AdamW8bit": 256, "torchao AdamW4bit": 128}
+# The traffic of a param below LOWBIT_MIN_NUMEL: dense moments (fp32, or bf16 in torchao), and
+# fastamp's ulp8 master replaced by the remainder one. The 10-B config has bf16 moments at any size.
+DENSE = {
+    "fastamp remainder+q8": "g:r2 p:rw2 rem:rw2 m:rw4 v:rw4",
+    "fastamp ulp8+q8": "g:r2 p:rw2 rem:rw2 m:rw4 v:rw4",
+    "fastamp SR+q8": "g:r2 p:rw2 m:rw4 v:rw4",
+    "torchao AdamW8bit": "g:r2 p:rw2 m:rw2 v:rw2",
+    "torchao AdamW4bit": "g:r2 p:rw2 m:rw2 v:rw2",
+    "bnb AdamW8bit": "g:r2 p:rw2 m:rw4 v:rw4",
+}
+
+
+def traffic_at(name: str, traffic: str, per: int) -> str:
+    """The traffic of provider ``name`` (``traffic`` when its state is low-bit) for params of ``per`` elements."""
+    lowbit = per >= LOWBIT_MIN_NUMEL and per % BLOCK.get(name, 1) == 0
+    return traffic if lowbit else DENSE.get(name, traffic)
+
+
+def _state_tensors(value) -> list[torch.Tensor]:
+    """The plain tensors of a state entry: itself, or the inner tensors of a subclass (torchao's codes, scales)."""
+    if not isinstance(value, torch.Tensor):
+        return []
+    if hasattr(value, "__tensor_flatten__"):
+        names, _ = value.__tensor_flatten__()
+        return [t for n in names for t in _state_tensors(getattr(value, n))]
+    return [value]
+
+
+def streamed_bytes_per_elem(opt: torch.optim.Optimizer) -> float:
+    """Bytes per element one ``opt.step()`` streams, counted from the tensors it holds.
+
+    Per param: its grad read, the param read and written, and every state tensor with one
+    entry per element (``numel`` equal to the param's) or two 4-bit codes per byte (half of
+    it), read and written. Block scales, code books, step counts and random-number counters
+    are left out, for every library (as B/elem leaves them out). Pick param sizes for which
+    no such small tensor has one of those two sizes.
+    """
+    total = numel = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            n = p.numel()
+            nbytes = n * (p.grad.element_size() + 2 * p.element_size())
+            for t in (t for v in opt.state[p].values() for t in _state_tensors(v)):
+                if t.dim() > 0 and t.numel() in (n, n // 2):
+                    nbytes += 2 * t.numel() * t.element_size()
+            total, numel = total + nbytes, numel + n
+    return total / numel
 
 
 def _fastamp_factory(kw: dict, backend: str | None):
@@ -186,6 +242,7 @@ def make_providers(args, device):
                 if not want(name):
                     continue
                 make = _fastamp_factory(kw, b)
+                traffic = traffic_at(name, traffic, per)
                 out.append(
                     Provider(
                         name if len(fa) == 1 else f"{name} [{b}]",
@@ -209,6 +266,7 @@ def make_providers(args, device):
                     skipped.append(msg)
                     common.log(f"[bench_lowbit] not timed: {msg}")
                 continue
+            traffic = traffic_at(name, traffic, per)
             out.append(
                 Provider(
                     name,

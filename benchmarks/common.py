@@ -31,6 +31,7 @@ from fastamp._harness import (  # noqa: F401 (re-exported for the bench scripts)
     markdown_table,
     resolve_device,
     time_interleaved,
+    time_once,
     write_csv,
 )
 
@@ -51,6 +52,16 @@ SIZE_SWEEP = [(256, 4096), (256, 16384), (256, 65536), (256, 262144)]
 COUNT_SWEEP = [(256, 256), (2000, 256), (20000, 256)]
 GPU_EXTRA = [(256, 1048576)]
 QUICK_CONFIGS = [(8, 4099), (300, 256)]
+
+# The fewest timed runs of each CPU ceiling at a config. A round holds one call of every
+# provider; where a provider takes seconds (bench_lowbit: torchao and bitsandbytes steps of 1.5
+# to 5 s) a run has 3 rounds, and a median of 3 single ceiling calls, each after seconds of other
+# work on a shared machine, was a disturbed one often enough to put compute-bound providers at 2x
+# to 3x "of ceiling" (1-thread fused AdamW at 3.1x). At the adaptive rounds of fast providers (15
+# to 30) each round runs a ceiling once, as before; at 3 rounds, 5 times back to back.
+CEILING_MIN_SAMPLES = 15
+# What the adaptive round count is made of (the defaults of fastamp._harness.time_interleaved).
+_MIN_ROUNDS, _MAX_ROUNDS = 3, 30
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -383,7 +394,10 @@ def header_lines(info: dict[str, str], ceilings: dict[str, str] | None = None) -
     """The machine lines of a result file, and what each ceiling ran (``traffic -> description``)."""
     lines = [f"- {k}: {v}" for k, v in info.items()]
     if ceilings:
-        lines.append("- ceilings (measured in the same interleaved rounds as the providers, at each config):")
+        lines.append(
+            "- ceilings (measured in the same interleaved rounds as the providers, at each config; on CPU at least "
+            f"{CEILING_MIN_SAMPLES} timed runs each, back to back within a round when the rounds are fewer):"
+        )
         lines += [f"  - `{spec}` ({traffic_bytes(spec)} B/elem): {what}" for spec, what in ceilings.items()]
     return lines
 
@@ -498,6 +512,51 @@ def _line_axes_t(ax_t, sc: str) -> None:
 # The driver shared by the op benchmarks
 
 
+class _CeilingSamples:
+    """A CPU ceiling timed run by run: each call runs it ``repeats`` times back to back, timing each.
+
+    The first ``skip`` calls (the estimate :func:`time_interleaved` makes before its rounds) are
+    run and not kept; ``samples`` holds the seconds of every later run.
+    """
+
+    def __init__(self, run: Callable[[], None], device: torch.device, repeats: int, skip: int = 1):
+        self.run, self.device, self.repeats, self.skip = run, device, repeats, skip
+        self.samples: list[float] = []
+
+    def __call__(self) -> None:
+        if self.skip:
+            self.skip -= 1
+            self.run()
+            return
+        for _ in range(self.repeats):
+            self.samples.append(time_once(self.run, self.device))
+
+    def stats(self) -> dict[str, float]:
+        s = sorted(self.samples)
+        return {"median_s": s[len(s) // 2], "min_s": s[0], "rounds": len(s)}
+
+
+def _rounds(args, est: dict[str, float], budget_s: float) -> int:
+    """Timed rounds at a config: ``--rounds``, 3 for ``--quick``, else as many as ``budget_s`` allows the slowest."""
+    if args.rounds:
+        return args.rounds
+    if args.quick:
+        return 3
+    slowest = max(est.values()) if est else 0.0
+    return int(min(_MAX_ROUNDS, max(_MIN_ROUNDS, budget_s / max(slowest, 1e-6))))
+
+
+def ceiling_repeats(rounds: int, device: torch.device) -> int:
+    """Runs of a ceiling per round so that it gets :data:`CEILING_MIN_SAMPLES` (CPU; 1 on CUDA).
+
+    On CUDA the ceiling is a device copy timed in batches by :func:`time_interleaved`, as the
+    providers are; it is not the fragile one.
+    """
+    if device.type == "cuda":
+        return 1
+    return -(-CEILING_MIN_SAMPLES // max(rounds, 1))
+
+
 def run_benchmark(
     args,
     name: str,
@@ -515,7 +574,11 @@ def run_benchmark(
     At each config, every distinct provider traffic gets its :func:`ceiling` at that
     config's element count, timed in the same interleaved rounds as the providers (so the
     load of other processes and the cache residency of small sizes hit both alike);
-    ``of ceiling`` is the provider's median GB/s over its ceiling's median GB/s.
+    ``of ceiling`` is the provider's median GB/s over its ceiling's median GB/s. On CPU a
+    ceiling gets at least :data:`CEILING_MIN_SAMPLES` timed runs: where the rounds are fewer
+    it runs several times back to back in its slot of each round (:func:`ceiling_repeats`).
+    Back-to-back runs find in the cache what the last one left there; only a traffic that
+    fits in the last-level cache (the ``--quick`` sizes) gets a faster ceiling from that.
     ``summarise(rows)`` may return Markdown lines (a comparison the benchmark exists for),
     printed after the table.
     """
@@ -548,8 +611,19 @@ def run_benchmark(
         for spec in dict.fromkeys(p.traffic for p in runnable if p.traffic):
             fns[f"ceiling/{spec}"], ceilings[spec] = ceiling(spec, numel, device, pool)
         budget = 0.3 if args.quick else 2.0
-        times = time_interleaved(fns, device, rounds=args.rounds or (3 if args.quick else None), budget_s=budget)
-        del fns, pool
+        # One warm-up call of everything and one timed (the round count is made from it); then
+        # time_interleaved's own estimate call is the second warm-up: as many calls as before.
+        for fn in fns.values():
+            fn()
+        rounds = _rounds(args, {k: time_once(fn, device) for k, fn in fns.items()}, budget)
+        repeats = ceiling_repeats(rounds, device)
+        sampled = {}
+        if repeats > 1:
+            for k in [k for k in fns if k.startswith("ceiling/")]:
+                fns[k] = sampled[k] = _CeilingSamples(fns[k], device, repeats)
+        times = time_interleaved(fns, device, rounds=rounds, budget_s=budget, warmup=0)
+        times.update({k: c.stats() for k, c in sampled.items()})
+        del fns, pool, sampled
         for p in provs:
             key = f"{p.scenario}/{p.name}/{p.dtype}"
             ok, msg = checked[key]
@@ -576,6 +650,8 @@ def run_benchmark(
                 if p.traffic:
                     c = times[f"ceiling/{p.traffic}"]
                     row["ceiling_ms"] = c["median_s"] * 1e3
+                    row["ceiling_ms_min"] = c["min_s"] * 1e3
+                    row["ceiling_samples"] = c["rounds"]
                     row["ceiling_gbps"] = p.bytes_per_elem * numel / c["median_s"] / 1e9
                     row["ceiling_gbps_best"] = p.bytes_per_elem * numel / c["min_s"] / 1e9
                     row["of_ceiling"] = row["gbps"] / row["ceiling_gbps"]

@@ -23,20 +23,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_adamw import KINDS, NOTES  # noqa: E402
+from bench_adamw import DTYPES, KINDS, NOTES  # noqa: E402
 
 # The whole step of bench_step.py: check+norm pass (reads the grad once) + AdamW + update.
 TORCH_STEP_BYTES = 48  # GradScaler.unscale_ 8 + clip_grad_norm_(foreach) 12 + AdamW(fused) 28, fp32
-GRAD_BYTES = {
-    "fp32": 4,
-    "bf16": 2,
-    "fp16": 2,
-    "bf16-remainder": 2,
-    "bf16-sr": 2,
-    "bf16-10B": 2,
-    "bf16-q8": 2,
-    "bf16-sr-q8": 2,
-}
+# The grad is the param's dtype in every bench_adamw kind: made from its table, so that a new kind
+# there cannot miss here (a hand-kept table once lacked one: a KeyError in CI).
+GRAD_BYTES = {kind: DTYPES[kind].itemsize for kind in KINDS}
 
 
 def rows() -> list[tuple[str, int, str]]:

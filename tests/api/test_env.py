@@ -75,6 +75,10 @@ def test_json_holds_what_decides_speed_and_path():
         assert version == want, name
     ops = info["devices"]["cpu"]
     assert set(ops) >= {"adamw_", "unscale_check_", "update_scale_"}
+    # every public op is listed with the backend that runs it (adamw_q8_ once was not: it is not in registry.OPS)
+    from fastamp import functional
+
+    assert set(functional.__all__) <= set(ops), set(functional.__all__) - set(ops)
     for op, entry in ops.items():
         assert entry["runs"] in ("native", "triton", "torch"), (op, entry)
         assert entry["backends"][entry["runs"]]["available"], (op, entry)

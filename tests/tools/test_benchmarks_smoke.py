@@ -1,5 +1,6 @@
 """Smoke tests of the microbenchmark suite: tiny sizes, one round; no timing assertions."""
 
+import argparse
 import csv
 import os
 import sys
@@ -282,6 +283,10 @@ def test_gpu_cost_model_bytes_match_the_benchmarks(tmp_path):
     assert by_name["fastamp step, bf16"] == 30
     assert by_name["fastamp AdamW alone, bf16-10B"] == 18
     assert by_name["fastamp AdamW alone, bf16-q8"] == 14  # + 1/8 B of block scales, not counted
+    assert by_name["fastamp AdamW alone, bf16-ulp8-q8"] == 12 and by_name["fastamp step, bf16-ulp8-q8"] == 14
+    for kind, (*_, nbytes) in bench_adamw.KINDS.items():  # every kind bench_adamw has, with its bytes
+        assert by_name[f"fastamp AdamW alone, {kind}"] == nbytes
+        assert by_name[f"fastamp step, {kind}"] == nbytes + bench_adamw.DTYPES[kind].itemsize
     out = tmp_path / "model.md"
     text = gpu_cost_model.main(["--bandwidth-gbs", "1000", "--sizes", "1e9", "--out", str(out)])
     # 1e9 params x 30 B at 1,000 GB/s = 30 ms
@@ -357,6 +362,9 @@ def test_bench_lowbit_times_every_fastamp_8bit_config(tmp_path):
     for r in rows:
         assert r["check"] == "ok", r
         assert r["ms"] > 0 and common.traffic_bytes(r["traffic"]) == r["bytes_per_elem"]
+        # one round, yet every ceiling timed CEILING_MIN_SAMPLES times (a median of 3 once read 3x "of ceiling")
+        assert r["ceiling_samples"] >= common.CEILING_MIN_SAMPLES, r
+        assert 0 < r["ceiling_ms_min"] <= r["ceiling_ms"], r
     assert by["fastamp ulp8+q8"]["bytes_per_elem"] == 12 and by["fastamp SR+q8"]["bytes_per_elem"] == 10
     md = (tmp_path / "bench_lowbit-t.md").read_text()
     assert "Time over fastamp 10-B's" in md
@@ -367,3 +375,35 @@ def test_bench_lowbit_check_fails_when_no_step_happens():
     with pytest.raises(AssertionError, match="cosine"):
         bench_lowbit._check(lambda ps, lr: torch.optim.SGD(ps, lr=0.0))
     assert "cosine" in bench_lowbit._check(bench_lowbit._fastamp_factory({"state_format": "q8"}, None))
+
+
+@pytest.mark.parametrize("per", [8192, 300], ids=["8-bit-state", "below-lowbit_min_numel"])
+def test_bench_lowbit_rows_claim_the_bytes_their_optimizers_stream(per):
+    """Each row's B/elem (and so its ceiling's traffic) is what its optimizer's tensors stream, at its size.
+
+    At 20,000 x 256 the 8-bit optimizers keep dense moments (params below 4096 elements): rows that
+    claimed their 8-bit bytes there (10 B for 22) were caught by this. 8192 and 300 elements: no
+    block-scale or code-book tensor has a param's size or half of it. torchao and bitsandbytes
+    rows are counted where they import (setup compiles torchao's step: slow).
+    """
+    args = argparse.Namespace(providers=None, backends=None)
+    build, _ = bench_lowbit.make_providers(args, torch.device("cpu"))
+    provs = build(2, per, ["native"])
+    assert {"torch", *bench_lowbit.FASTAMP} <= {p.name for p in provs}
+    for p in provs:
+        opt = p.setup().__self__  # setup returns the bound opt.step, after one step made the state
+        assert bench_lowbit.streamed_bytes_per_elem(opt) == p.bytes_per_elem == common.traffic_bytes(p.traffic), p.name
+
+
+def test_ceilings_get_their_samples_however_few_the_rounds():
+    """A CPU ceiling runs back to back within a round until it has CEILING_MIN_SAMPLES timed runs; CUDA's copy never."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for rounds in (1, 2, 3, 7, 15, 30):
+        assert rounds * common.ceiling_repeats(rounds, cpu) >= common.CEILING_MIN_SAMPLES
+        assert rounds * (common.ceiling_repeats(rounds, cpu) - 1) < common.CEILING_MIN_SAMPLES  # one fewer is too few
+        assert common.ceiling_repeats(rounds, cuda) == 1
+    runs = []
+    sampler = common._CeilingSamples(lambda: runs.append(1), cpu, repeats=5)
+    for _ in range(4):  # time_interleaved's estimate (not kept), then 3 rounds
+        sampler()
+    assert len(runs) == 16 and sampler.stats()["rounds"] == 15
