@@ -15,7 +15,7 @@
 #              byte for byte against the reference on the device; then the AOT tier's GPU tests
 #   pytest     pytest -m gpu tests: every device test (CUDA kernels, Triton on the GPU, graph capture)
 #   bench_step, bench_unscale, bench_adamw   microbenchmarks at GPU size (native + triton)
-#   bench_adamw_q8   the q8 rows (bf16-q8, bf16-sr-q8) beside the 10-B config, native + triton
+#   bench_adamw_q8   the q8 rows (bf16-q8, bf16-sr-q8, bf16-ulp8-q8) beside the 10-B config, native + triton
 #   compare    python -m fastamp.compare --device cuda (large preset)
 #   pytest_rest  pytest -m 'not gpu and not slow' tests, in the time left
 # Everything is written under $OUT: logs/<stage>.log, results/, stages.tsv, summary.md.
@@ -87,7 +87,7 @@ run_stage bench_unscale 40 "$PY" benchmarks/bench_unscale.py --device cuda --bac
 run_stage bench_adamw 40 "$PY" benchmarks/bench_adamw.py --device cuda --backends native,triton \
     --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda
 run_stage bench_adamw_q8 40 "$PY" benchmarks/bench_adamw.py --device cuda --backends native,triton \
-    --dtypes bf16-10B,bf16-q8,bf16-sr-q8 --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda-q8
+    --dtypes bf16-10B,bf16-q8,bf16-sr-q8,bf16-ulp8-q8 --configs "$GPU_CONFIGS" --out "$OUT/results" --tag cuda-q8
 run_stage pytest_rest 120 "$PY" -m pytest -q -m "not gpu and not slow" tests -p no:cacheprovider -rfE \
     --junitxml="$OUT/results/pytest_rest.xml"
 
