@@ -41,6 +41,9 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_release  # noqa: E402
 
 import fastamp  # noqa: E402
 from fastamp._harness import machine_info, markdown_table, write_csv  # noqa: E402
@@ -49,6 +52,11 @@ from fastamp.reference import layout  # noqa: E402
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TOLERANCE = 0.01  # B/param between a measured fastamp row and layout.py (issue 22: "must match ±0.01")
 PROJECTION_PARAMS = 7e9
+# issue 23: params + optimizer state + peak live grads under gradient release, B/param
+RELEASE_GOALS = {"ulp8 + q8": 5.1, "SR + q8": 4.1}
+MiB = 1 << 20
+SCALE = 2.0**12  # init_scale of the fp16 + Scaler rows (the release model's loss does not overflow at it)
+PEAK_MARGIN = MiB  # bench_release's goal: peak live grads <= the largest bucket + 1 MiB
 
 # FlashOptim 0.1.4's per-tensor allocation (computed): the codes are int8 [numel] per moment and
 # the scales fp16 [ceil(numel / 32)] per moment (`quantize`, group_size=32); `error_bits` is int8
@@ -86,9 +94,15 @@ def _storages(t: torch.Tensor, seen: dict) -> None:
         seen[(s.device.type, s.data_ptr())] = s.nbytes()
 
 
-def measured_bytes(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> tuple[int, int]:
-    """Bytes of the distinct storages of ``params``, their grads and the optimizer's tensors; and the param elements."""
+def measured_bytes(params: list[torch.Tensor], opt: torch.optim.Optimizer, others: list[Any] = ()) -> tuple[int, int]:
+    """Bytes of the distinct storages of ``params``, their grads and the optimizer's tensors; and the param elements.
+
+    ``others``: objects (a scaler, a release handle) whose attributes' tensors count too.
+    """
     tensors: list[torch.Tensor] = []
+    for obj in others:
+        if obj is not None:
+            _tensors_in(dict(vars(obj)), tensors)
     for p in params:
         tensors.append(p)
         if p.grad is not None:
@@ -133,8 +147,11 @@ def _bnb() -> Factory | None:
 def _expected(master: str, moments: str, n_moments: int) -> Callable[[list[int]], float]:
     """layout.py's bytes for tensors of these element counts (bf16 params and grads), per param."""
 
-    def f(numels: list[int]) -> float:
-        total = sum(layout.state_bytes_per_param(master, moments, n_moments=n_moments, numel=n) * n for n in numels)
+    def f(numels: list[int], grad_bytes: int = 2) -> float:
+        total = sum(
+            layout.state_bytes_per_param(master, moments, n_moments=n_moments, numel=n, grad_bytes=grad_bytes) * n
+            for n in numels
+        )
         return total / sum(numels)
 
     return f
@@ -143,15 +160,18 @@ def _expected(master: str, moments: str, n_moments: int) -> Callable[[list[int]]
 def _expected_bf16_moments(master: str, n_moments: int) -> Callable[[list[int]], float]:
     # bf16 moments are not one of layout.py's formats (it describes fp32 and q8): 2 B per moment.
     base = _expected(master, "fp32", 0)
-    return lambda numels: base(numels) + 2.0 * n_moments
+    return lambda numels, grad_bytes=2: base(numels, grad_bytes) + 2.0 * n_moments
 
 
 def _expected_q8(master: str, min_numel: int = 4096) -> Callable[[list[int]], float]:
     """layout.py's bytes with AdamW's lowbit rule: tensors below ``min_numel`` keep fp32 moments."""
 
-    def f(numels: list[int]) -> float:
+    def f(numels: list[int], grad_bytes: int = 2) -> float:
         total = sum(
-            layout.state_bytes_per_param(master, "q8" if n >= min_numel else "fp32", n_moments=2, numel=n) * n
+            layout.state_bytes_per_param(
+                master, "q8" if n >= min_numel else "fp32", n_moments=2, numel=n, grad_bytes=grad_bytes
+            )
+            * n
             for n in numels
         )
         return total / sum(numels)
@@ -162,12 +182,12 @@ def _expected_q8(master: str, min_numel: int = 4096) -> Callable[[list[int]], fl
 def _expected_q8_ulp8(min_numel: int = 4096) -> Callable[[list[int]], float]:
     """ulp8 + q8 with AdamW's rule: tensors below ``min_numel`` keep fp32 moments and a remainder master."""
 
-    def f(numels: list[int]) -> float:
+    def f(numels: list[int], grad_bytes: int = 2) -> float:
         total = sum(
             (
-                layout.state_bytes_per_param("ulp8", "q8", n_moments=2, numel=n)
+                layout.state_bytes_per_param("ulp8", "q8", n_moments=2, numel=n, grad_bytes=grad_bytes)
                 if n >= min_numel
-                else layout.state_bytes_per_param("remainder", "fp32", n_moments=2, numel=n)
+                else layout.state_bytes_per_param("remainder", "fp32", n_moments=2, numel=n, grad_bytes=grad_bytes)
             )
             * n
             for n in numels
@@ -220,12 +240,22 @@ def configs() -> list[dict[str, Any]]:
             dtype=bf16,
             make=_fastamp(A, master_weights="ulp8", state_format="q8", seed=0),
             expect=_expected_q8_ulp8(),
+            release_goal=RELEASE_GOALS["ulp8 + q8"],
+        ),
+        dict(
+            name="fastamp AdamW ulp8 + q8, fp16 params + Scaler",
+            dtype=torch.float16,
+            make=_fastamp(A, master_weights="ulp8", state_format="q8", seed=0),
+            expect=_expected_q8_ulp8(),
+            scaler=True,
+            release_goal=RELEASE_GOALS["ulp8 + q8"],
         ),
         dict(
             name="fastamp AdamW SR + q8",
             dtype=bf16,
             make=_fastamp(A, stochastic_rounding=True, state_format="q8", seed=0),
             expect=_expected_q8("none"),
+            release_goal=RELEASE_GOALS["SR + q8"],
         ),
         dict(
             name="fastamp Lion remainder",
@@ -283,23 +313,154 @@ def measure_shape(n_tensors: int, numel: int, steps: int) -> list[dict[str, Any]
         params = [
             torch.nn.Parameter((torch.randn(numel, generator=gen) * 0.02).to(cfg["dtype"])) for _ in range(n_tensors)
         ]
+        scaler = fastamp.Scaler("cpu", init_scale=SCALE) if cfg.get("scaler") else None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 opt = cfg["make"](params)
                 for _ in range(steps):
                     _grads(params, gen)
-                    opt.step()
+                    if scaler is None:
+                        opt.step()
+                    else:
+                        scaler.scale(torch.ones(()))  # the scale the synthetic grads are read as scaled by
+                        scaler.step(opt)
+                        scaler.update()
         except Exception as e:  # noqa: BLE001 (a third-party optimizer that fails on CPU is reported, not fatal)
             row.update(source=f"failed on this machine: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             out.append(row)
             continue
-        nbytes, nparams = measured_bytes(params, opt)
+        nbytes, nparams = measured_bytes(params, opt, [scaler])
         row.update(source="measured", bpp=nbytes / nparams, gib=nbytes / 2**30)
         if "expect" in cfg:
             row["expected"] = cfg["expect"]([p.numel() for p in params])
         out.append(row)
         del opt, params
+    return out
+
+
+class _Block(torch.nn.Module):
+    """``x + tanh(x W^T)``: one param of ``d * d`` elements; maths in fp32 (the grad is in the param's dtype)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(torch.nn.functional.linear(x, self.weight.float()))
+
+
+def _release_model(n_tensors: int, d: int, dtype: torch.dtype) -> torch.nn.Module:
+    gen = torch.Generator().manual_seed(0)
+    model = torch.nn.Sequential(*(_Block(d) for _ in range(n_tensors)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.to(dtype)
+
+
+class _TrainRun:
+    """One config trained on the release model, ordinary (``bucket_bytes`` None) or under release, peak grads kept."""
+
+    def __init__(self, cfg: dict[str, Any], n_tensors: int, d: int, bucket_bytes: int | None) -> None:
+        self.model = _release_model(n_tensors, d, cfg["dtype"])
+        self.params = list(self.model.parameters())
+        self.opt = cfg["make"](self.params)
+        self.scaler = fastamp.Scaler("cpu", init_scale=SCALE) if cfg.get("scaler") else None
+        self.peak = 0
+        # before release's hooks: each sample sees the new grad before its bucket's step frees any (the peaks)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._sample)
+        self.h = None
+        if bucket_bytes is not None:
+            self.h = fastamp.release(self.model, self.opt, scaler=self.scaler, bucket_bytes=bucket_bytes)
+
+    def _sample(self, _p: torch.Tensor) -> None:
+        self.peak = max(self.peak, bench_release._live_grad_bytes(self.params))
+
+    def step(self, i: int, d: int) -> None:
+        x = torch.randn(8, d, generator=torch.Generator().manual_seed(i))
+        loss = self.model(x).square().mean()
+        if self.h is not None:
+            self.h.backward(loss)
+        elif self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            self._sample(self.params[0])
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            loss.backward()
+            self._sample(self.params[0])
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        self._sample(self.params[0])
+
+    def largest_bucket(self) -> int:
+        buckets = [self.params] if self.h is None else self.h.buckets
+        return max(sum(p.numel() * p.element_size() for p in b) for b in buckets)
+
+    def state_bytes(self) -> int:
+        """Params + optimizer state (+ scaler, + the release handle's buffers) from storages; grads are all freed."""
+        others = [self.scaler]
+        if self.h is not None:
+            others += [self.h, self.h._two]
+        nbytes, _ = measured_bytes(self.params, self.opt, others)
+        return nbytes
+
+
+def measure_release(n_tensors: int, numel: int, steps: int, buckets_mib: list[float]) -> list[dict[str, Any]]:
+    """Per fastamp config: params + optimizer state + peak live grads per param, ordinary and under release."""
+    d = math.isqrt(numel)
+    if d * d != numel:
+        raise ValueError(f"bench_memory --release: M of NxM must be a square (d x d weights), got {numel}")
+    out = []
+    for cfg in configs():
+        if not cfg["name"].startswith("fastamp"):
+            continue
+        row: dict[str, Any] = dict(config=cfg["name"], shape=f"{n_tensors}x{numel}")
+        ordinary = _TrainRun(cfg, n_tensors, d, None)
+        for i in range(steps):
+            ordinary.step(i, d)
+        n = sum(p.numel() for p in ordinary.params)
+        numels = [p.numel() for p in ordinary.params]
+        row["ordinary_bpp"] = (ordinary.state_bytes() + ordinary.peak) / n
+        row["ordinary_layout"] = cfg["expect"](numels)
+        ok = abs(row["ordinary_bpp"] - row["ordinary_layout"]) <= TOLERANCE
+        for mib in buckets_mib:
+            key = f"{mib:g}MiB"
+            try:
+                run = _TrainRun(cfg, n_tensors, d, int(mib * MiB))
+                for i in range(steps):
+                    run.step(i, d)
+            except Exception as e:  # noqa: BLE001 (a refusal is reported with its message)
+                row[f"release_{key}"] = f"refused: {type(e).__name__}: {str(e).splitlines()[0]}"
+                ok = False
+                continue
+            largest = run.largest_bucket()
+            state = run.state_bytes()
+            bpp = (state + run.peak) / n
+            expected = cfg["expect"](numels, grad_bytes=0) + largest / n
+            same = bench_release.same_run(
+                ordinary.params, ordinary.opt, run.params, run.opt, ordinary.scaler, run.scaler
+            )
+            row.update(
+                {
+                    f"release_{key}": bpp,
+                    f"peak_grads_{key}": run.peak / n,
+                    f"largest_bucket_{key}": largest / n,
+                    f"layout_{key}": expected,
+                    f"bits_{key}": "ok" if same else "DIFFERS",
+                }
+            )
+            ok = ok and same and run.peak <= largest + PEAK_MARGIN and abs(bpp - expected) <= TOLERANCE
+            if "release_goal" in cfg:
+                row[f"goal_met_{key}"] = bpp <= cfg["release_goal"]
+            del run
+        row["goal"] = cfg.get("release_goal", "")
+        row["checks"] = "ok" if ok else "FAILED"
+        out.append(row)
+        del ordinary
     return out
 
 
@@ -315,27 +476,34 @@ def measure_gpt(steps: int) -> list[dict[str, Any]]:
             continue
         torch.manual_seed(0)
         model = TinyGPT(vocab=96, seq_len=64, n_layer=3, d_model=96, n_head=4)
-        if cfg["dtype"] is torch.bfloat16:
-            fastamp.cast_model(model, torch.bfloat16)
+        half = cfg["dtype"] in (torch.bfloat16, torch.float16)
+        if half:
+            fastamp.cast_model(model, cfg["dtype"])
         params = [p for p in model.parameters() if p.requires_grad]
         gen = torch.Generator().manual_seed(0)
+        scaler = fastamp.Scaler("cpu", init_scale=SCALE) if cfg.get("scaler") else None
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 opt = cfg["make"](params)
                 for _ in range(steps):
                     x = torch.randint(0, 96, (4, 64), generator=gen)
-                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg["dtype"] is torch.bfloat16):
+                    with torch.autocast("cpu", dtype=cfg["dtype"], enabled=half):
                         loss = TinyGPT.loss(model(x), x)
-                    loss.backward()
-                    opt.step()
+                    if scaler is None:
+                        loss.backward()
+                        opt.step()
+                    else:
+                        scaler.scale(loss).backward()
+                        scaler.step(opt)
+                        scaler.update()
         except Exception as e:  # noqa: BLE001
             row.update(source=f"failed on this machine: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             out.append(row)
             continue
-        nbytes, nparams = measured_bytes(params, opt)
+        nbytes, nparams = measured_bytes(params, opt, [scaler])
         row.update(source="measured", bpp=nbytes / nparams, gib=nbytes / 2**30, params=nparams)
-        if "expect" in cfg and all(p.dtype is torch.bfloat16 for p in params):
+        if "expect" in cfg and all(p.dtype is cfg["dtype"] for p in params):
             row["expected"] = cfg["expect"]([p.numel() for p in params])
         out.append(row)
     return out
@@ -357,8 +525,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke test: the given shape, no GPT, nothing written")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--tag", default="cpu")
+    ap.add_argument(
+        "--release",
+        action="store_true",
+        help="only the gradient-release table: N blocks x + tanh(x W^T) with W of M = d*d elements, "
+        "ordinary vs release (writes bench_memory-release-<tag>.{md,csv})",
+    )
+    ap.add_argument("--release-steps", type=int, default=3, help="training steps of each release-table run")
+    ap.add_argument("--release-buckets-mib", default="0,32", help="release bucket sizes (0: a bucket per param)")
     args = ap.parse_args(argv)
     n_tensors, numel = (int(x) for x in args.shape.lower().split("x"))
+    if args.release:
+        return release_main(args, n_tensors, numel)
 
     rows = measure_shape(n_tensors, numel, args.steps)
     bad = [
@@ -440,6 +618,65 @@ def main(argv: list[str] | None = None) -> int:
         with open(stem + ".md", "w") as f:
             f.write("\n".join(text))
         write_csv(stem + ".csv", rows + gpt_rows + computed)
+    return 1 if bad else 0
+
+
+def release_main(args: argparse.Namespace, n_tensors: int, numel: int) -> int:
+    buckets = [float(b) for b in args.release_buckets_mib.split(",")]
+    info = machine_info(torch.device("cpu"))
+    rows = measure_release(n_tensors, numel, args.release_steps, buckets)
+    n = n_tensors * numel
+    d = math.isqrt(numel)
+    text = [
+        "# Training-state bytes per parameter under gradient release (params + optimizer state + peak live grads)",
+        "",
+        *(f"- {k}: {v}" for k, v in info.items()),
+        "",
+        f"Model: {n_tensors} blocks `x + tanh(x W^T)`, W {d}x{d} (the {n_tensors}x{numel} params of the main table, "
+        f"{n:,} in all), batch 8, the maths in fp32 and params and grads in the config's dtype; "
+        f"{args.release_steps} training steps per run, each config run ordinary "
+        "(`loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)`, with the Scaler: `scaler.scale(loss)"
+        ".backward(); scaler.step(opt); scaler.update()`) and under `fastamp.release(model, opt, scaler=..., "
+        "bucket_bytes=B)`.",
+        "",
+        "B/param = (bytes of the distinct storages of the params, the optimizer's tensors, the scaler's and the "
+        "release handle's, after the steps, when every grad is freed) + (the peak bytes of live `.grad` storages, "
+        "sampled as each grad is accumulated, before release's hook steps its bucket, and after backward: "
+        "`bench_release._live_grad_bytes`), divided by the params. Not counted: activations, autograd's grads "
+        "in flight, the kernels' temporaries, the allocator.",
+        "",
+        "`layout.py`: ordinary: `fastamp/reference/layout.py` with bf16/fp16 grads (2 B/param); release: "
+        "layout.py with `grad_bytes=0` + the largest bucket's grad bytes / params (the peak a release should "
+        f"hold). Checks: every measured value within {TOLERANCE} of layout.py, peak grads <= largest bucket + "
+        f"{PEAK_MARGIN // MiB} MiB, and each release run's params, `opt.state_dict()` and scaler state equal the "
+        "ordinary run's bit for bit after the steps (`bench_release.same_run`). Goals (issue 23, release): "
+        + ", ".join(f"{k} <= {v}" for k, v in RELEASE_GOALS.items())
+        + " B/param.",
+        "",
+    ]
+    cols = [("config", "config"), ("ordinary_bpp", "ordinary B/param"), ("ordinary_layout", "layout.py")]
+    for b in buckets:
+        k = f"{b:g}MiB"
+        label = "bucket per param" if b == 0 else f"{k} buckets"
+        cols += [
+            (f"release_{k}", f"release, {label}"),
+            (f"layout_{k}", "layout.py"),
+            (f"peak_grads_{k}", "of which peak grads"),
+            (f"bits_{k}", "bits"),
+            (f"goal_met_{k}", "goal met"),
+        ]
+    cols += [("goal", "goal"), ("checks", "checks")]
+    text += [f"## {n_tensors}x{numel} ({n:,} params)", "", markdown_table(rows, cols, _cell), ""]
+    bad = [r for r in rows if r["checks"] != "ok"]
+    if bad:
+        text += ["**CHECK FAILED**: " + ", ".join(r["config"] for r in bad), ""]
+    print("\n".join(text))
+    if not args.quick:
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, f"bench_memory-release-{args.tag}")
+        with open(stem + ".md", "w") as f:
+            f.write("\n".join(text))
+        write_csv(stem + ".csv", rows)
     return 1 if bad else 0
 
 

@@ -23,8 +23,8 @@ It counts ``.grad`` tensors only, not autograd's buffers of grads still in fligh
 both paths). The goal of the issue: peak live grads <= the largest bucket (its params' bytes:
 a grad is as large as its param here) + 1 MiB.
 
-Before timing, every release provider is checked against ``ordinary`` bit for bit (params and
-optimizer state) over ``--check-steps`` steps. Step time: forward + backward + step, median over
+Before timing, every release provider is checked against ``ordinary`` bit for bit (params, the
+optimizer's ``state_dict()`` and the scaler's) over ``--check-steps`` steps. Step time: forward + backward + step, median over
 ``--steps`` interleaved steps (min and max with it). Writes ``results/bench_release-<device>.{csv,md}``.
 """
 
@@ -127,6 +127,38 @@ def _base_of(runs: list[Run], r: Run) -> Run:
     return next(b for b in runs if b.h is None and b.amp == r.amp)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of the same size (NaNs and -0.0 compare by their bits)."""
+    if t.dtype.is_floating_point and t.element_size() in common._INT_OF_SIZE:
+        return t.view(common._INT_OF_SIZE[t.element_size()])
+    return t
+
+
+def same_bits(a: object, b: object) -> bool:
+    """Whether two params, state dicts (nested dicts / lists / tensors / numbers) hold the same bits."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(_bits(a), _bits(b))
+        )
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_bits(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_bits(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def same_run(params_a: list, opt_a, params_b: list, opt_b, scaler_a=None, scaler_b=None) -> bool:
+    """Params, the optimizer's whole state_dict and the scaler's state, bit for bit."""
+    ok = same_bits(list(params_a), list(params_b)) and same_bits(opt_a.state_dict(), opt_b.state_dict())
+    if scaler_a is not None or scaler_b is not None:
+        ok = ok and scaler_a is not None and scaler_b is not None and scaler_a.state_dict() == scaler_b.state_dict()
+    return ok
+
+
 def _check(runs: list[Run], steps: int, dim: int) -> dict[str, str]:
     out = {}
     for i in range(steps):
@@ -138,12 +170,7 @@ def _check(runs: list[Run], steps: int, dim: int) -> dict[str, str]:
         if base is r:
             out[r.name] = "reference"
             continue
-        ok = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(base.params, r.params))
-        for a, b in zip(base.params, r.params):
-            sa, sb = base.opt.state[a], r.opt.state[b]
-            ok = ok and sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-        if r.amp:
-            ok = ok and r.scaler.state_dict() == base.scaler.state_dict()
+        ok = same_run(base.params, base.opt, r.params, r.opt, base.scaler, r.scaler)
         out[r.name] = "ok" if ok else "DIFFERS"
     return out
 
