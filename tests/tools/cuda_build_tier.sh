@@ -81,7 +81,7 @@ fi
 import fastamp, torch
 assert "site-packages" in fastamp.__file__, fastamp.__file__
 for op in ("unscale_check_", "unscale_check_stats_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_", "lion_",
-           "adamw_q8_"):
+           "adamw_q8_", "unscale_check_partials_", "sumsq_fold"):
     handle = torch._C._dispatch_find_schema_or_throw("fastamp::" + op, "")
     for key in ("CPU", "CUDA"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key("fastamp::" + op, key), (op, key)
