@@ -84,14 +84,15 @@ def release(
     and frees them; the skip decision and the clip coefficient are then computed on the
     device, folding the partials in the order the ordinary check pass folds them (so the
     norm has its bits); the second backward steps each bucket with them. Cost: one more
-    backward, and the activations live until the second one ends. CPU only for now (native,
-    Triton and torch backends); CUDA params are refused.
+    backward, and the activations live until the second one ends. On one device: CPU or one
+    CUDA device (native, Triton and torch backends); params spread over several devices are
+    refused.
 
     Refused before anything is registered, with an error that says what to do instead: a
     scaler that is not a ``fastamp.Scaler``, or one with ``track_stats`` or a
     ``process_group``; a ``max_norm`` that is not a number >= 0, or ``norm_type`` other than
-    2; with a scaler or ``max_norm``, params not all on one CPU device or of a dtype other
-    than fp32/fp16/bf16; an optimizer that is not a fastamp fused optimizer; a model
+    2; with a scaler or ``max_norm``, params not all on one CPU or CUDA device or of a dtype
+    other than fp32/fp16/bf16; an optimizer that is not a fastamp fused optimizer; a model
     param with ``requires_grad`` missing from the optimizer, or an optimizer param not in
     the model; a DDP-wrapped model; DTensor (FSDP2) params; an optimizer already under
     release. :meth:`Release.backward` refuses a step that finds a grad already there
@@ -169,13 +170,20 @@ def release(
             )
     if scaler is not None or max_norm is not None:
         for p in order:
-            if p.device.type != "cpu" or p.device != order[0].device:
+            if p.device.type not in ("cpu", "cuda"):
                 raise NotImplementedError(
                     f"fastamp.release: the model's param {names[id(p)]!r} is on {p.device}; gradient release with a "
-                    "loss scaler or max_norm runs on one CPU device only for now (the native CUDA check kernel has "
-                    "no variant that keeps its partial sums yet): use the ordinary path "
+                    "loss scaler or max_norm runs on one CPU or CUDA device: use the ordinary path "
                     "(scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, max_norm); scaler.step(opt); "
                     "scaler.update()), or release without scaler and max_norm"
+                )
+            if p.device != order[0].device:
+                raise NotImplementedError(
+                    f"fastamp.release: the model's param {names[id(p)]!r} is on {p.device} but "
+                    f"{names[id(order[0])]!r} is on {order[0].device}; gradient release with a loss scaler or "
+                    "max_norm runs on one device (its skip decision and clip coefficient are folded on that "
+                    "device): use the ordinary path (scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, "
+                    "max_norm); scaler.step(opt); scaler.update()), or release without scaler and max_norm"
                 )
             if p.dtype not in _CHECK_DTYPES:
                 raise NotImplementedError(
@@ -384,8 +392,10 @@ class _TwoPass:
 
     The global sum of squares keeps the ordinary check pass's bits: that pass folds, in
     fp64, partials that each depend on one grad only (the native CPU kernel: one per chunk
-    of 16384 elements, in chunk order; Triton: one per chunk, launch group after launch
-    group; the torch reference: one per grad), in the optimizer's param order. So the first
+    of 16384 elements, in chunk order; the native CUDA kernel: one per chunk of 65536, dtype
+    group after dtype group (fp32, fp16, bf16), folded by one block's strided sums; Triton:
+    one per chunk, launch group after launch group; the torch reference: one per grad), in
+    the optimizer's param order. So the first
     backward writes each grad's partials into its own slots of a device buffer (the op
     ``unscale_check_partials_`` of its backend), and once every bucket is checked the
     backend's own fold (``sumsq_fold``) sums the slots of the params that got a grad in the
@@ -552,7 +562,7 @@ class _TwoPass:
     def _layout(self, backend: str) -> _SumsqBackend:
         entry = self.layouts.get(backend)
         if entry is None:
-            impl = _SumsqBackend(backend)
+            impl = _SumsqBackend(backend, self.device)
             offsets, total = [], 0
             for p in self.flat:
                 offsets.append(total)
@@ -573,11 +583,13 @@ class _TwoPass:
                 if key is not None:
                     groups.setdefault(impl.group(key), []).append(j)
             index: list[int] = []
-            for members in groups.values():
+            ordered = sorted(groups.items()) if impl.sorted_groups else groups.items()
+            for _, members in ordered:
                 for j in members:
                     start = self.offsets[j]
                     index.extend(range(start, start + impl.count(self.flat[j].numel())))
-            entry = self.folds[pattern] = (torch.tensor(index, dtype=torch.int64), index)
+            # on the slots' device: the native CUDA fold reads it there
+            entry = self.folds[pattern] = (torch.tensor(index, dtype=torch.int64, device=self.device), index)
         return impl.fold(self.slots, *entry)
 
     def _torch_clip_coef(self, present: list[int]) -> Tensor:
@@ -601,18 +613,32 @@ class _TwoPass:
 class _SumsqBackend:
     """One backend's partials op and fold, and how many partials each grad has (see :class:`_TwoPass`)."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, device: torch.device | None = None) -> None:
         self.name = backend
+        device = torch.device("cpu") if device is None else device
+        self.cuda = device.type == "cuda"
+        # whether the groups fold in the order of their keys (the native CUDA plan: dtype index order) rather than
+        # in the order they are first seen
+        self.sorted_groups = False
         if backend == "native":
-            if not hasattr(torch.ops.fastamp, "unscale_check_partials_"):
+            from fastamp.ops import registry
+
+            if not hasattr(torch.ops.fastamp, "unscale_check_partials_") or not all(
+                registry.native_has_kernel(op, device.type) for op in ("unscale_check_partials_", "sumsq_fold")
+            ):
                 raise RuntimeError(
-                    "fastamp.release: fastamp._C has no unscale_check_partials_ (an older build): rebuild the "
-                    "extension, or force another backend (FASTAMP_BACKEND=torch)"
+                    f"fastamp.release: fastamp._C has no {device.type.upper()} kernel of unscale_check_partials_ "
+                    "(an older build): rebuild the extension, or force another backend (FASTAMP_BACKEND=torch)"
                 )
             self.partials_ = torch.ops.fastamp.unscale_check_partials_
-            self.count = _native_partial_count
-            self.group = _one_group
             self.fold = _native_fold
+            if self.cuda:
+                self.count = _native_cuda_partial_count
+                self.group = _as_is
+                self.sorted_groups = True
+            else:
+                self.count = _native_partial_count
+                self.group = _one_group
         elif backend == "triton":
             from fastamp.kernels import amp
 
@@ -633,6 +659,8 @@ class _SumsqBackend:
             from fastamp.kernels import amp
 
             return amp.sumsq_key(grad)
+        if self.name == "native" and self.cuda:
+            return _NATIVE_CUDA_DTYPE_RANK[grad.dtype]
         return True
 
 
@@ -642,6 +670,16 @@ _NATIVE_CHUNK = 16384
 
 def _native_partial_count(numel: int) -> int:
     return -(-numel // _NATIVE_CHUNK)
+
+
+# the chunk of csrc/cuda/launch_plan.h (kChunkSize), and the order of its dtype groups (DType): grad chunks are
+# numbered dtype group by dtype group, list order within one, and unscale_check_ folds them in that order
+_NATIVE_CUDA_CHUNK = 65536
+_NATIVE_CUDA_DTYPE_RANK = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _native_cuda_partial_count(numel: int) -> int:
+    return -(-numel // _NATIVE_CUDA_CHUNK)
 
 
 def _native_fold(slots: Tensor, index: Tensor, _: list[int]) -> Tensor:

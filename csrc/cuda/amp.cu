@@ -1,4 +1,5 @@
-// CUDA kernels of fastamp::unscale_check_, unscale_check_stats_ and update_scale_ (semantics:
+// CUDA kernels of fastamp::unscale_check_, unscale_check_stats_, unscale_check_partials_,
+// sumsq_fold and update_scale_ (semantics:
 // fastamp/reference/; per-element maths: csrc/fastamp_math.h). No torch header: the
 // binding is csrc/cuda/bindings.cpp.
 #include <cuda_runtime_api.h>
@@ -27,7 +28,10 @@ constexpr int kUnscaleIlp = 4;  // vectors in flight per thread
 // whatever the tensor's alignment (and whichever block runs the chunk).
 // STATS: table rows 1 and 2 point at the tensor's counts row (int64 x 3) and absmax (fp32);
 // each block adds its chunk's totals there with integer atomics (exact in any order).
-template <typename E, bool STATS, typename Table>
+// SLOTS (unscale_check_partials_): table row 1 points at the tensor's own fp64 slots; chunk k
+// of the tensor writes its partial (the value unscale_check_ writes at its launch-order
+// ordinal) to slot k, and `partials` is unused.
+template <typename E, bool STATS, bool SLOTS, typename Table>
 __global__ void __launch_bounds__(kBlockSize)
     unscale_check_kernel(const Table table, float* __restrict__ found_inf, const float* __restrict__ inv_scale_ptr,
                          double* __restrict__ partials, int64_t first_chunk, bool write_back, bool compute_sumsq) {
@@ -121,7 +125,13 @@ __global__ void __launch_bounds__(kBlockSize)
     if (__syncthreads_or(bad) && threadIdx.x == 0) *found_inf = 1.0f;
     if (compute_sumsq) {
       const double chunk_sum = detail::block_sum_fixed_order(static_cast<double>(acc), smem);
-      if (threadIdx.x == 0) partials[first_chunk + chunk] = chunk_sum;
+      if (threadIdx.x == 0) {
+        if constexpr (SLOTS) {
+          static_cast<double*>(row[1])[loc.offset / kChunkSize] = chunk_sum;
+        } else {
+          partials[first_chunk + chunk] = chunk_sum;
+        }
+      }
     }
     if constexpr (STATS) {
       const detail::HealthCounts total = detail::block_reduce_health(stats, stats_smem);
@@ -138,14 +148,48 @@ __global__ void __launch_bounds__(kBlockSize)
   }
 }
 
+// The fold of `count` partials, partial(i) for i in [0, count): thread t adds partial(t),
+// partial(t + kBlockSize), ... in fp64 from 0, then the block sums the threads' totals in a
+// fixed order. sumsq_finalize_kernel and sumsq_fold_kernel both fold with it, so folding
+// the same values in the same order gives the same bits. Every thread must call it; the
+// result is valid in thread 0.
+template <typename Partial>
+__device__ __forceinline__ double fold_partials(int64_t count, Partial partial, double* smem /* kBlockSize / 32 */) {
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < count; i += kBlockSize) acc += partial(i);
+  return detail::block_sum_fixed_order(acc, smem);
+}
+
 // Second pass: one block sums the per-chunk partials in a fixed order.
 __global__ void __launch_bounds__(kBlockSize)
     sumsq_finalize_kernel(const double* __restrict__ partials, int64_t count, float* __restrict__ out) {
   __shared__ double smem[kBlockSize / 32];
-  double acc = 0.0;
-  for (int64_t i = threadIdx.x; i < count; i += kBlockSize) acc += partials[i];
-  const double total = detail::block_sum_fixed_order(acc, smem);
+  const double total = fold_partials(count, [&](int64_t i) { return partials[i]; }, smem);
   if (threadIdx.x == 0) *out = static_cast<float>(total);
+}
+
+// sumsq_fold: sumsq_finalize_kernel's fold of partials[index[0]], partials[index[1]], ...
+// An index outside [0, num_partials) reads nothing and makes the result NaN (the binding
+// cannot check device values without a host sync).
+__global__ void __launch_bounds__(kBlockSize)
+    sumsq_fold_kernel(const double* __restrict__ partials, int64_t num_partials, const int64_t* __restrict__ index,
+                      int64_t count, float* __restrict__ out) {
+  __shared__ double smem[kBlockSize / 32];
+  bool bad = false;
+  const double total = fold_partials(
+      count,
+      [&](int64_t i) {
+        const int64_t at = index[i];
+        const bool inside = at >= 0 && at < num_partials;
+        bad = bad || !inside;
+        return inside ? partials[at] : 0.0;
+      },
+      smem);
+  if (__syncthreads_or(bad) != 0) {
+    if (threadIdx.x == 0) *out = __int_as_float(0x7fc00000);
+  } else if (threadIdx.x == 0) {
+    *out = static_cast<float>(total);
+  }
 }
 
 __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
@@ -155,21 +199,25 @@ __global__ void update_scale_kernel(float* scale, int32_t* growth_tracker, int32
                      growth_interval, hysteresis, min_scale, max_scale);
 }
 
-template <typename E, bool STATS, int DEPTH>
+template <typename E, bool STATS, bool SLOTS, int DEPTH>
 cudaError_t launch_unscale_check(const PlannedLaunch& l, const TableView<DEPTH>& view, float* found_inf,
                                  const float* inv_scale, bool write_back, bool compute_sumsq, double* partials,
                                  cudaStream_t stream) {
-  unscale_check_kernel<E, STATS, TableView<DEPTH>><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(
+  unscale_check_kernel<E, STATS, SLOTS, TableView<DEPTH>><<<static_cast<int>(l.grid), kBlockSize, 0, stream>>>(
       view, found_inf, inv_scale, partials, l.first_chunk, write_back, compute_sumsq);
   return cudaGetLastError();
 }
 
 // STATS false: plain unscale_check (table depth 1); true: rows for counts and absmax too.
-template <bool STATS>
+// SLOTS (unscale_check_partials, never with STATS): a row for the grad's slots
+// (partials + slot_offsets[i]); write_back is false and compute_sumsq true; no finalize.
+template <bool STATS, bool SLOTS = false>
 cudaError_t unscale_check_all(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
                               bool write_back, bool compute_sumsq, double* partials, float* sumsq_out, int64_t* counts,
-                              float* absmax, TableMemory& tables, cudaStream_t stream) {
-  constexpr int kDepth = STATS ? kUnscaleStatsDepth : kUnscaleDepth;
+                              float* absmax, TableMemory& tables, cudaStream_t stream,
+                              const int64_t* slot_offsets = nullptr) {
+  static_assert(!(STATS && SLOTS), "unscale_check_partials keeps no statistics");
+  constexpr int kDepth = STATS ? kUnscaleStatsDepth : (SLOTS ? kUnscaleSlotsDepth : kUnscaleDepth);
   bool capturing = false;
   cudaError_t err = detail::stream_is_capturing(stream, &capturing);
   if (err != cudaSuccess) return err;
@@ -182,30 +230,32 @@ cudaError_t unscale_check_all(const GradRef* grads, int64_t num_grads, float* fo
   // Chunk ordinals (and so the partials' order) follow dtype, then list order: fixed for a
   // given list.
   const LaunchPlan plan =
-      plan_unscale_check(dtype.data(), numel.data(), num_grads, STATS, capturing, detail::current_sm_count());
+      SLOTS ? plan_unscale_check_partials(dtype.data(), numel.data(), num_grads, capturing, detail::current_sm_count())
+            : plan_unscale_check(dtype.data(), numel.data(), num_grads, STATS, capturing, detail::current_sm_count());
   auto ptrs_of = [&](int64_t i, void** row) {
     row[0] = grads[i].data;
     if constexpr (STATS) {
       row[1] = counts + 3 * i;
       row[2] = absmax + i;
     }
+    if constexpr (SLOTS) row[1] = partials + slot_offsets[i];
   };
   auto launch = [&](const PlannedLaunch& l, const TableView<kDepth>& view) -> cudaError_t {
     switch (static_cast<DType>(l.group)) {
       case DType::kFloat32:
-        return launch_unscale_check<detail::F32, STATS>(l, view, found_inf, inv_scale, write_back, compute_sumsq,
-                                                        partials, stream);
+        return launch_unscale_check<detail::F32, STATS, SLOTS>(l, view, found_inf, inv_scale, write_back,
+                                                               compute_sumsq, partials, stream);
       case DType::kFloat16:
-        return launch_unscale_check<detail::F16, STATS>(l, view, found_inf, inv_scale, write_back, compute_sumsq,
-                                                        partials, stream);
+        return launch_unscale_check<detail::F16, STATS, SLOTS>(l, view, found_inf, inv_scale, write_back,
+                                                               compute_sumsq, partials, stream);
       case DType::kBFloat16:
-        return launch_unscale_check<detail::BF16, STATS>(l, view, found_inf, inv_scale, write_back, compute_sumsq,
-                                                         partials, stream);
+        return launch_unscale_check<detail::BF16, STATS, SLOTS>(l, view, found_inf, inv_scale, write_back,
+                                                                compute_sumsq, partials, stream);
     }
     return cudaErrorInvalidValue;
   };
   err = detail::run_plan<kDepth>(plan, numel.data(), ptrs_of, capturing, tables, stream, launch);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess || SLOTS) return err;
   if (compute_sumsq) {
     sumsq_finalize_kernel<<<1, kBlockSize, 0, stream>>>(partials, plan.total_chunks, sumsq_out);
     return cudaGetLastError();
@@ -241,6 +291,18 @@ cudaError_t unscale_check_stats(const GradRef* grads, int64_t num_grads, float* 
   }
   return unscale_check_all<true>(grads, num_grads, found_inf, inv_scale, write_back, compute_sumsq, partials, sumsq_out,
                                  counts, absmax, tables, stream);
+}
+
+cudaError_t unscale_check_partials(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
+                                   double* partials, const int64_t* offsets, TableMemory& tables, cudaStream_t stream) {
+  return unscale_check_all<false, true>(grads, num_grads, found_inf, inv_scale, false, true, partials, nullptr, nullptr,
+                                        nullptr, tables, stream, offsets);
+}
+
+cudaError_t sumsq_fold(const double* partials, int64_t num_partials, const int64_t* index, int64_t count, float* out,
+                       cudaStream_t stream) {
+  sumsq_fold_kernel<<<1, kBlockSize, 0, stream>>>(partials, num_partials, index, count, out);
+  return cudaGetLastError();
 }
 
 cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, const float* found_inf,

@@ -168,6 +168,69 @@ at::Tensor unscale_check_stats_cuda(at::TensorList grads, const at::Tensor& foun
                             &absmax);
 }
 
+// Gradient release's check pass: grad i's chunk partials (unscale_check_'s values) into
+// partials[offsets[i] ..], num_chunks(numel) of them; nothing folded, grads not written.
+void unscale_check_partials_cuda(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                                 const at::Tensor& partials, at::IntArrayRef offsets) {
+  constexpr const char* op = "unscale_check_partials_";
+  TORCH_CHECK(found_inf.is_cuda(), "fastamp::", op, ": found_inf must be a CUDA tensor, got device ",
+              found_inf.device());
+  const at::Device device = found_inf.device();
+  check_cuda_scalar(op, "found_inf", found_inf, at::kFloat, device);
+  check_cuda_scalar(op, "inv_scale", inv_scale, at::kFloat, device);
+  TORCH_CHECK(partials.is_cuda(), "fastamp::", op, ": partials must be a CUDA tensor, got device ", partials.device());
+  TORCH_CHECK(partials.device() == device, "fastamp::", op, ": partials is on ", partials.device(), " but expected ",
+              device);
+  TORCH_CHECK(partials.scalar_type() == at::kDouble, "fastamp::", op, ": partials must have dtype Double, got ",
+              partials.scalar_type());
+  TORCH_CHECK(partials.dim() == 1 && partials.is_contiguous(), "fastamp::", op,
+              ": partials must be a contiguous 1-D tensor, got shape ", partials.sizes());
+  TORCH_CHECK(offsets.size() == grads.size(), "fastamp::", op, ": offsets must have one entry per grad (", grads.size(),
+              "), got ", offsets.size());
+  std::vector<GradRef> refs;
+  refs.reserve(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    check_list_tensor(op, "grads", static_cast<int64_t>(i), g, device, -1);
+    const DType dt = kernel_dtype(op, "grads", static_cast<int64_t>(i), g);
+    const int64_t k = g.numel() > 0 ? num_chunks(g.numel()) : 0;
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] <= partials.numel() - k, "fastamp::", op, ": offsets[", i, "] = ",
+                offsets[i], " leaves no room for the ", k, " partials of grads[", i, "] in ", partials.numel(),
+                " slots");
+    refs.push_back(GradRef{g.numel() > 0 ? g.data_ptr() : nullptr, g.numel(), dt});
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  TorchTableMemory tables(device);
+  check_launch(op, unscale_check_partials(refs.data(), static_cast<int64_t>(refs.size()), found_inf.data_ptr<float>(),
+                                          inv_scale.data_ptr<float>(), partials.data_ptr<double>(), offsets.data(),
+                                          tables, stream));
+}
+
+// unscale_check_'s fold of partials[index] in index order (index on the device; an index out
+// of range makes the result NaN: checking it here would read device memory on the host).
+at::Tensor sumsq_fold_cuda(const at::Tensor& partials, const at::Tensor& index) {
+  constexpr const char* op = "sumsq_fold";
+  TORCH_CHECK(partials.is_cuda(), "fastamp::", op, ": partials must be a CUDA tensor, got device ", partials.device());
+  const at::Device device = partials.device();
+  TORCH_CHECK(partials.scalar_type() == at::kDouble, "fastamp::", op, ": partials must have dtype Double, got ",
+              partials.scalar_type());
+  TORCH_CHECK(partials.dim() == 1 && partials.is_contiguous(), "fastamp::", op,
+              ": partials must be a contiguous 1-D tensor, got shape ", partials.sizes());
+  TORCH_CHECK(index.device() == device, "fastamp::", op, ": index is on ", index.device(), " but partials on ", device,
+              " (keep the index on the device: it is read there)");
+  TORCH_CHECK(index.scalar_type() == at::kLong, "fastamp::", op, ": index must have dtype Long, got ",
+              index.scalar_type());
+  TORCH_CHECK(index.dim() == 1 && index.is_contiguous(), "fastamp::", op,
+              ": index must be a contiguous 1-D tensor, got shape ", index.sizes());
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  at::Tensor out = at::empty({}, partials.options().dtype(at::kFloat));
+  check_launch(op, sumsq_fold(partials.data_ptr<double>(), partials.numel(), index.data_ptr<int64_t>(), index.numel(),
+                              out.data_ptr<float>(), stream));
+  return out;
+}
+
 void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker, const at::Tensor& hysteresis_tracker,
                        const at::Tensor& found_inf, double growth_factor, double backoff_factor,
                        int64_t growth_interval, int64_t hysteresis, double min_scale, double max_scale) {
@@ -584,4 +647,6 @@ TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
   FASTAMP_IMPL(m, lion_, fastamp::cuda::lion_cuda);
   FASTAMP_IMPL(m, unscale_check_stats_, fastamp::cuda::unscale_check_stats_cuda);
   FASTAMP_IMPL(m, adamw_q8_, fastamp::cuda::adamw_q8_cuda);
+  FASTAMP_IMPL(m, unscale_check_partials_, fastamp::cuda::unscale_check_partials_cuda);
+  FASTAMP_IMPL(m, sumsq_fold, fastamp::cuda::sumsq_fold_cuda);
 }

@@ -48,6 +48,7 @@ FASTAMP_PLAN_HD int64_t num_chunks(int64_t numel) { return (numel + kChunkSize -
 // Table rows (pointers per tensor) of each op's kernels.
 constexpr int kUnscaleDepth = 1;       // grad
 constexpr int kUnscaleStatsDepth = 3;  // grad, counts row, absmax
+constexpr int kUnscaleSlotsDepth = 2;  // grad, the grad's own partial slots (unscale_check_partials_)
 // The optimizer tables end with each tensor's step scalars (its row of an [n, k] step_scalars,
 // or the shared [k]), so one launch serves tensors with different scalars.
 constexpr int kAdamWDepth = 7;      // param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars
@@ -261,6 +262,15 @@ inline LaunchPlan plan_unscale_check(const DType* grad, const int64_t* numel, in
   LaunchPlan plan = plan_launches(group.data(), numel, n, 3, entry, capturing, sm_count);
   plan.other_launches = 1 + (stats && n > 0 ? 2 : 0);
   return plan;
+}
+
+// unscale_check_partials_: the launches of unscale_check_ (one per grad dtype, the same chunks),
+// with each grad's chunk partials written to its own slots; no finalize, no memset.
+inline LaunchPlan plan_unscale_check_partials(const DType* grad, const int64_t* numel, int64_t n, bool capturing,
+                                              int64_t sm_count) {
+  std::vector<int32_t> group(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) group[static_cast<size_t>(i)] = dtype_index(grad[i]);
+  return plan_launches(group.data(), numel, n, 3, sizeof(TableEntry<kUnscaleSlotsDepth>), capturing, sm_count);
 }
 
 // adamw_, sgd_ and lion_: one launch per (param dtype, grad dtype), group 3 * param + grad.

@@ -67,6 +67,25 @@ cudaError_t unscale_check_stats(const GradRef* grads, int64_t num_grads, float* 
                                 bool write_back, bool compute_sumsq, double* partials, float* sumsq_out,
                                 int64_t* counts, float* absmax, TableMemory& tables, cudaStream_t stream);
 
+// ---- fastamp::unscale_check_partials_ and fastamp::sumsq_fold (gradient release) ----
+
+// unscale_check without write_back, with compute_sumsq, keeping the per-chunk partials:
+// chunk k of grad i (num_chunks(numel) of them; none for an empty grad) writes its fp64
+// partial, the value unscale_check writes at that chunk's launch-order ordinal, to
+// partials[offsets[i] + k]. Nothing is folded and no other slot is written. found_inf and
+// inv_scale as unscale_check. offsets: host array, one per grad; the caller checks that
+// every grad's slots lie inside `partials`.
+cudaError_t unscale_check_partials(const GradRef* grads, int64_t num_grads, float* found_inf, const float* inv_scale,
+                                   double* partials, const int64_t* offsets, TableMemory& tables, cudaStream_t stream);
+
+// out (1 fp32) = the fold unscale_check makes of its partials (per-thread fp64 strided sums,
+// then a fixed-order block sum, rounded once to fp32), applied to partials[index[0]],
+// partials[index[1]], ..., partials[index[count - 1]]: index (device, int64) listing
+// unscale_check's partials in its order gives its sum of squares bit for bit. An index
+// outside [0, num_partials) makes out NaN. One single-block launch.
+cudaError_t sumsq_fold(const double* partials, int64_t num_partials, const int64_t* index, int64_t count, float* out,
+                       cudaStream_t stream);
+
 // ---- fastamp::update_scale_ ----
 
 cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker, const float* found_inf,

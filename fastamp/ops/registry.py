@@ -135,9 +135,10 @@ OPS: dict[str, OpDef] = {
 
 NATIVE_OPS = tuple(OPS)
 
-# Gradient release's check pass (fastamp/_release.py), defined in the native namespace: the
-# kernels exist for CPU only so far (the reference and Triton have them as plain functions,
-# fastamp.reference.amp / fastamp.kernels.amp), so they stay out of OPS, whose ops every backend
+# Gradient release's check pass (fastamp/_release.py), defined in the native namespace, with
+# CPU and CUDA kernels (csrc/cpu/amp.cpp, csrc/cuda/amp.cu; a native build may lack the CUDA ones,
+# native_has_kernel says); the reference and Triton have them as plain functions
+# (fastamp.reference.amp / fastamp.kernels.amp), so they stay out of OPS, whose ops every backend
 # registers. unscale_check_partials_ keeps the per-chunk fp64 partials unscale_check_ folds;
 # sumsq_fold folds them, in a given order, as unscale_check_ does.
 RELEASE_OPS: dict[str, OpDef] = {

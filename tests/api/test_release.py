@@ -485,14 +485,28 @@ SR_CONFIGS = {
 }
 
 
+# the CUDA runs only: fp16 params with an fp32 LayerNorm in the middle of the list, so that the native CUDA check
+# pass's dtype groups (fp32 first) order the partials unlike the list
+MIXED_CONFIGS = {
+    "fp16-fp32-norm-master-scaler": (torch.float16, {"master_weights": True, "fp32_modules": ("norm",)}, "on"),
+}
+
+
 def _config(config: str):
-    return AMP_CONFIGS[config] if config in AMP_CONFIGS else SR_CONFIGS[config]
+    for table in (AMP_CONFIGS, SR_CONFIGS):
+        if config in table:
+            return table[config]
+    return MIXED_CONFIGS[config]
 
 
-def _amp_world(rule: str, config: str, backend: str | None = None):
+def _amp_world(rule: str, config: str, backend: str | None = None, device: str = "cpu"):
     dtype, kw, which = _config(config)
     torch.manual_seed(0)
     model = AmpNet(dtype)
+    kw = dict(kw)
+    for name in kw.pop("fp32_modules", ()):
+        getattr(model, name).float()
+    model.to(device)
     params = model.parameters()
     if "groups" in kw:  # ((module names, group options), ...)
         named = list(model.named_parameters())
@@ -501,13 +515,13 @@ def _amp_world(rule: str, config: str, backend: str | None = None):
     opt = RULES[rule](params, **kw)
     scaler = None
     if which is not None:
-        scaler = fastamp.Scaler("cpu", init_scale=2.0**12, growth_interval=4, backend=backend, enabled=which == "on")
+        scaler = fastamp.Scaler(device, init_scale=2.0**12, growth_interval=4, backend=backend, enabled=which == "on")
     return model, opt, scaler
 
 
 def _amp_loss(model, step: int, overflow: bool = True) -> torch.Tensor:
     """The loss of ``step``; with ``overflow`` (runs with a scaler: without one an inf would stay in the params) x inf or 2^24."""
-    loss = model(_batch(step), step)
+    loss = model(_batch(step).to(next(model.parameters()).device), step)
     if not overflow:
         return loss
     if step in _INF_STEPS:
@@ -550,12 +564,12 @@ def _assert_same_scaler(s1, s2, what):
     assert_bits_equal(s2.last_step_skipped_tensor, s1.last_step_skipped_tensor, f"{what}: last step skipped")
 
 
-def _amp_run(rule, config, clip, bucket, backend=None, steps=STEPS, resume_at=None):
+def _amp_run(rule, config, clip, bucket, backend=None, steps=STEPS, resume_at=None, device="cpu"):
     """Release vs the ordinary loop, compared after every step; ``resume_at``: the released run is saved there
     (model, optimizer, scaler through torch.save / torch.load) and goes on in new objects loaded from it."""
     max_norm = CLIPS[clip]
-    m1, o1, s1 = _amp_world(rule, config, backend)
-    m2, o2, s2 = _amp_world(rule, config, backend)
+    m1, o1, s1 = _amp_world(rule, config, backend, device)
+    m2, o2, s2 = _amp_world(rule, config, backend, device)
     h = fastamp.release(m2, o2, scaler=s2, max_norm=max_norm, bucket_bytes=BUCKETS[bucket])
     skipped = 0
     for step in range(steps):
@@ -564,7 +578,7 @@ def _amp_run(rule, config, clip, bucket, backend=None, steps=STEPS, resume_at=No
                 {"model": m2.state_dict(), "opt": o2.state_dict(), "scaler": None if s2 is None else s2.state_dict()}
             )
             h.remove()
-            m2, o2, s2 = _amp_world(rule, config, backend)
+            m2, o2, s2 = _amp_world(rule, config, backend, device)
             m2.load_state_dict(saved["model"])
             o2.load_state_dict(saved["opt"])
             if s2 is not None:
@@ -668,6 +682,53 @@ def test_release_with_a_scaler_matches_on_every_cpu_backend(backend, clip):
             pytest.skip("Triton cannot run on the CPU here (TRITON_INTERPRET is not 1)")
     *_, h = _amp_run("adamw", "fp16-master-scaler", clip, "middle", backend=backend, steps=14)
     h.remove()
+
+
+# On one CUDA device, every backend (native: csrc/cuda's partials kernel and fold; Triton on the GPU; the torch
+# reference) with an fp16 scaler, the injected overflows and the binding clip over STEPS steps; the mixed config
+# (an fp32 LayerNorm among fp16 params) folds the native CUDA partials dtype group by dtype group
+@pytest.mark.parametrize(
+    "backend, config",
+    [
+        ("native", "fp16-master-scaler"),
+        ("native", "fp16-fp32-norm-master-scaler"),
+        ("native", "bf16-remainder-scaler"),
+        ("triton", "fp16-master-scaler"),
+        ("triton", "fp16-fp32-norm-master-scaler"),
+        ("torch", "fp16-fp32-norm-master-scaler"),
+    ],
+    ids=lambda v: v,
+)
+@pytest.mark.parametrize("device", ["cuda"])
+def test_release_with_a_scaler_and_binding_clip_matches_the_ordinary_loop_on_cuda(backend, config, device):
+    from fastamp.ops import backends
+
+    ok, why = backends.available(backend, "unscale_check_", device)
+    if not ok:
+        pytest.skip(f"{backend} on {device}: {why}")
+    *_, h = _amp_run("adamw", config, "binding", "middle", backend=backend, device=device)
+    assert float(h.total_norm) > 1e-3  # the clip binds
+    assert h.total_norm.device.type == "cuda"
+    h.remove()
+
+
+def test_release_with_a_scaler_refuses_a_param_on_a_device_it_does_not_run_on():
+    model, _, scaler = _amp_world("adamw", "fp16-master-scaler")
+    model.out.bias = torch.nn.Parameter(torch.empty_like(model.out.bias, device="meta"))
+    opt = RULES["adamw"](model.parameters(), master_weights=True)
+    with pytest.raises(NotImplementedError, match=r"'out.bias' is on meta; .* one CPU or CUDA device"):
+        fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
+    assert _no_hooks(model)
+
+
+@pytest.mark.parametrize("device", ["cuda"])
+def test_release_refuses_params_on_several_devices(device):
+    """One device only: a param moved to the CPU after the model went to CUDA is refused, naming both."""
+    model, opt, scaler = _amp_world("adamw", "fp16-master-scaler", device=device)
+    model.out.bias.data = model.out.bias.data.cpu()
+    with pytest.raises(NotImplementedError, match=r"'out.bias' is on cpu but 'emb.weight' is on cuda:0.*one device"):
+        fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
+    assert _no_hooks(model)
 
 
 def test_partials_fold_to_the_check_pass_sum_on_every_backend():

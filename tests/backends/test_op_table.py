@@ -32,7 +32,7 @@ def _run(code: str, env: dict | None = None) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-# OPS, gradient release's check-pass ops (defined from RELEASE_OPS in the native namespace, CPU kernels only)
+# OPS, gradient release's check-pass ops (defined from RELEASE_OPS in the native namespace; CPU and CUDA kernels)
 # and AdamW on q8 moments (Q8_OPS, likewise)
 @pytest.mark.parametrize("table", ["OPS", "RELEASE_OPS", "Q8_OPS"])
 def test_native_ops_have_the_table_schema_and_a_cpu_kernel(table):

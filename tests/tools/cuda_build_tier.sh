@@ -81,7 +81,7 @@ fi
 import fastamp, torch
 assert "site-packages" in fastamp.__file__, fastamp.__file__
 for op in ("unscale_check_", "unscale_check_stats_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_", "lion_",
-           "adamw_q8_"):
+           "adamw_q8_", "unscale_check_partials_", "sumsq_fold"):
     handle = torch._C._dispatch_find_schema_or_throw("fastamp::" + op, "")
     for key in ("CPU", "CUDA"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key("fastamp::" + op, key), (op, key)
@@ -96,5 +96,6 @@ t2=$(date +%s)
 FASTAMP_TEST_INSTALLED=1 "$VENV/bin/python" -P -m pytest -q -n "${CUDA_TIER_JOBS:-auto}" --dist load \
     -p no:cacheprovider -o addopts="" -rfE -W ignore::UserWarning -W ignore::DeprecationWarning \
     tests/backends/test_native_cpu.py tests/backends/test_optim_matrix.py tests/backends/test_triton.py tests/backends/test_triton_lowbit.py tests/api/test_adamw_amp.py \
-    tests/backends/test_triton_q8.py tests/backends/test_cuda.py tests/backends/test_cuda_lowbit.py tests/backends/test_cuda_q8.py
+    tests/backends/test_triton_q8.py tests/backends/test_cuda.py tests/backends/test_cuda_lowbit.py tests/backends/test_cuda_q8.py \
+    tests/backends/test_cuda_release.py
 say "tests ran in $(($(date +%s) - t2))s; tier total $(($(date +%s) - t0))s"

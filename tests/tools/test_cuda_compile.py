@@ -154,8 +154,13 @@ def test_objects_hold_both_archs_and_every_kernel(compiled):
     # Read the object bytes (cuobjdump is not always installed): nvcc records each cubin's
     # ptxas command line, and the mangled kernel names show the template instantiations.
     expected = [
-        # 3 grad dtypes x (plain, with health statistics)
-        ("amp.cu", rb"unscale_check_kernelI(\w*?)EEv", 6, [b"sumsq_finalize_kernel", b"update_scale_kernel"]),
+        # 3 grad dtypes x (plain, with health statistics, into per-grad slots for gradient release)
+        (
+            "amp.cu",
+            rb"unscale_check_kernelI(\w*?)EEv",
+            9,
+            [b"sumsq_finalize_kernel", b"sumsq_fold_kernel", b"update_scale_kernel"],
+        ),
         ("adamw.cu", rb"adamw_kernelI(\w*?)EEv", 9, []),  # 3 param x 3 grad dtypes
         ("adamw.cu", rb"adamw_bf16_kernelI(\w*?)EEv", 6, []),  # 3 grad x 2 moment dtypes
         # one_state.cuh's kernel, one rule per file: 3 param x 3 grad dtypes each (master formats,
@@ -214,7 +219,7 @@ def _table_ops(name):
 
 
 def _release_ops():
-    """The ops of ``RELEASE_OPS`` in fastamp/ops/registry.py: gradient release's check pass, CPU kernels only so far."""
+    """The ops of ``RELEASE_OPS`` in fastamp/ops/registry.py: gradient release's check pass (CPU and CUDA kernels)."""
     return _table_ops("RELEASE_OPS")
 
 
@@ -253,7 +258,7 @@ def test_every_kernel_registers_through_the_signature_check():
         assert not re.search(r"\bm\.impl\(", text), f"{path.name}: register kernels with FASTAMP_IMPL, not m.impl"
         for key, body in re.findall(r"TORCH_LIBRARY_IMPL\(fastamp, (\w+), m\) \{(.*?)\n?\}", text, flags=re.S):
             registered[key] |= set(re.findall(r"FASTAMP_IMPL\(m, (\w+),", body))
-    assert registered["CUDA"] == declared - release  # the release ops have CPU kernels only so far
+    assert registered["CUDA"] == declared
     assert registered["CPU"] == declared
 
 
