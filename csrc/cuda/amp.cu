@@ -243,11 +243,11 @@ cudaError_t unscale_check_all(const GradRef* grads, int64_t num_grads, float* fo
   auto launch = [&](const PlannedLaunch& l, const TableView<kDepth>& view) -> cudaError_t {
     switch (static_cast<DType>(l.group)) {
       case DType::kFloat32:
-        return launch_unscale_check<detail::F32, STATS, SLOTS>(l, view, found_inf, inv_scale, write_back,
-                                                               compute_sumsq, partials, stream);
+        return launch_unscale_check<detail::F32, STATS, SLOTS>(l, view, found_inf, inv_scale, write_back, compute_sumsq,
+                                                               partials, stream);
       case DType::kFloat16:
-        return launch_unscale_check<detail::F16, STATS, SLOTS>(l, view, found_inf, inv_scale, write_back,
-                                                               compute_sumsq, partials, stream);
+        return launch_unscale_check<detail::F16, STATS, SLOTS>(l, view, found_inf, inv_scale, write_back, compute_sumsq,
+                                                               partials, stream);
       case DType::kBFloat16:
         return launch_unscale_check<detail::BF16, STATS, SLOTS>(l, view, found_inf, inv_scale, write_back,
                                                                 compute_sumsq, partials, stream);

@@ -194,8 +194,8 @@ void unscale_check_partials_cuda(at::TensorList grads, const at::Tensor& found_i
     check_list_tensor(op, "grads", static_cast<int64_t>(i), g, device, -1);
     const DType dt = kernel_dtype(op, "grads", static_cast<int64_t>(i), g);
     const int64_t k = g.numel() > 0 ? num_chunks(g.numel()) : 0;
-    TORCH_CHECK(offsets[i] >= 0 && offsets[i] <= partials.numel() - k, "fastamp::", op, ": offsets[", i, "] = ",
-                offsets[i], " leaves no room for the ", k, " partials of grads[", i, "] in ", partials.numel(),
+    TORCH_CHECK(offsets[i] >= 0 && offsets[i] <= partials.numel() - k, "fastamp::", op, ": offsets[", i,
+                "] = ", offsets[i], " leaves no room for the ", k, " partials of grads[", i, "] in ", partials.numel(),
                 " slots");
     refs.push_back(GradRef{g.numel() > 0 ? g.data_ptr() : nullptr, g.numel(), dt});
   }
