@@ -45,6 +45,7 @@ from fastamp.optim.engine.plan import (
 )
 from fastamp.optim.engine.state_dict import _StateDictExport
 from fastamp.optim.engine.steps import _StepRecords
+from fastamp.optim.formats import moments as _formats
 from fastamp.optim.formats.masters import _MasterWeights
 
 
@@ -168,10 +169,21 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         return ()
 
     def _extra_key(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> tuple:
-        return ()
+        return (self._q8(group, p),)
 
     def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
+        if self._q8(group, p) and self._moment_keys(group) and group["state_rounding"] == "stochastic":
+            return True
         return kind == "sr"
+
+    @staticmethod
+    def _q8(group: dict[str, Any], p: Tensor) -> bool:
+        """Whether ``p`` keeps its moments as q8 codes (the group's ``state_format``, for params of ``lowbit_min_numel`` or more)."""
+        return group["state_format"] == "q8" and p.numel() >= group["lowbit_min_numel"]
+
+    def _moment_format(self, group: dict[str, Any], p: Tensor, kind: str) -> Any:
+        """The :class:`~fastamp.optim.formats.moments.MomentFormat` ``p``'s moments are kept in (q8 or fp32 here)."""
+        return _formats.Q8 if self._q8(group, p) else _formats.FP32
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
         """The group as the kernels read it this step (e.g. tensor betas read as floats)."""
@@ -278,7 +290,15 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         self._adopt_steps()
 
     def _group_setdefaults(self) -> dict[str, Any]:
-        return {"maximize": False, "master_weights": None, "stochastic_rounding": False, "seed": 0}
+        return {
+            "maximize": False,
+            "master_weights": None,
+            "stochastic_rounding": False,
+            "seed": 0,
+            "state_format": None,
+            "lowbit_min_numel": 4096,
+            "state_rounding": "stochastic",
+        }
 
     # ---- the step ------------------------------------------------------------------------
     def _plan_key(self, group: dict[str, Any]) -> tuple:
@@ -287,11 +307,18 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         A change of any of them rebuilds the launch plan at the next step; the other
         hyperparameters are read at every step.
         """
-        return (group["master_weights"], group["stochastic_rounding"], group["seed"])
+        return (
+            group["master_weights"],
+            group["stochastic_rounding"],
+            group["seed"],
+            group["state_format"],
+            group["lowbit_min_numel"],
+            group["state_rounding"],
+        )
 
-    def _launch_keys(self, group: dict[str, Any], kind: str, use_rng: bool, op: str = "") -> tuple[str, ...]:
+    def _launch_keys(self, group: dict[str, Any], kind: str, use_rng: bool, q8: bool = False) -> tuple[str, ...]:
         keys = self._moment_keys(group)
-        if op == "adamw_q8_":  # codes and block scales of each moment (see fastamp.optim.formats.moments)
+        if q8:  # codes and block scales of each moment (see fastamp.optim.formats.moments)
             keys = tuple(k for key in keys for k in (key + "_q", key + "_scale"))
         if kind == "fp32":
             keys += ("master_param",)
@@ -339,6 +366,11 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 ):
                     check_grad(self._NAME, p, g, where_of(gi, i, p))
                 kind = self._kind(group, p)
+                if is_dtensor(p) and self._q8(group, p):
+                    raise NotImplementedError(
+                        f"{self._NAME}: state_format='q8' is not supported for DTensor params (FSDP2) yet: a shard's "
+                        "blocks of 32 need not line up with the param's; use state_format=None for the sharded groups"
+                    )
                 if is_dtensor(p) and kind == "remainder":
                     raise NotImplementedError(
                         f"{self._NAME}: {where_of(gi, i, p)} is a DTensor (FSDP2) with "
@@ -424,7 +456,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 key = (op, p.dtype, g.dtype, kind, use_rng, counted) + self._extra_key(group, p, st, kind)
                 run = bucket.runs.get(key)
                 if run is None:
-                    run = bucket.runs[key] = _Run(op, kind, self._launch_keys(group, kind, use_rng, op))
+                    run = bucket.runs[key] = _Run(op, kind, self._launch_keys(group, kind, use_rng, self._q8(group, p)))
                 run.add(p, pos, st, sr_id)
                 plan.needed.add((op, p.device))
             stepped = {pos for pos, _, _ in items}
@@ -812,6 +844,9 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                                 part.op, self.backend, part.kind, part.params, part.grads, part.launch,
                                 found_inf, part.rng, part.rng_base,
                             )  # fmt: skip
+                            if run.q8_composed:
+                                _formats.q8_composed_step(self, group, launch, scalars, self._call_op)
+                                continue
                             args = self._kernel_args(group, launch, scalars)
                             n, names = _keyword_args(part.op)
                             kw = dict(zip(names, args[n:]))
@@ -839,6 +874,11 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             if gp.remainder:
                 gp.versions = list(map(_version_of, gp.remainder))
                 self._param_versions.update(zip(map(id, gp.remainder), gp.versions))
+
+    def _call_op(self, op: str, args: tuple) -> None:
+        """``op`` with the positional ``args`` of :meth:`_kernel_args`, through the dispatcher (eager)."""
+        n, names = _keyword_args(op)
+        getattr(functional, op)(*args[:n], **dict(zip(names, args[n:])), backend=self.backend)
 
     def _table_of(self, run: _Run, args: tuple, kw: dict[str, Any]) -> Any:
         """The run's persistent kernel table (made at its first native launch), or None.

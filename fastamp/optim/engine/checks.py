@@ -86,6 +86,19 @@ def check_lowbit_options(
         )
 
 
+def check_state_format(opt_name: str, group: dict[str, Any], where: str) -> None:
+    """Validate ``state_format``, ``lowbit_min_numel`` and ``state_rounding`` of a group (every rule)."""
+    fmt = group["state_format"]
+    if fmt is not None and fmt != "q8":
+        raise ValueError(f"{opt_name}: state_format must be None (dense moments) or 'q8', got {fmt!r} in {where}")
+    n = group["lowbit_min_numel"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeError(f"{opt_name}: lowbit_min_numel must be an int >= 0, got {n!r} in {where}")
+    rounding = group["state_rounding"]
+    if rounding not in ("stochastic", "nearest"):
+        raise ValueError(f"{opt_name}: state_rounding must be 'stochastic' or 'nearest', got {rounding!r} in {where}")
+
+
 FP32_MAX = 3.4028234663852886e38
 # fp64 values from here on round to fp32 inf: halfway between FP32_MAX and 2**128, where
 # round-to-nearest-even goes up (FP32_MAX's last mantissa bit is odd)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from fastamp.optim.engine.checks import where_of
+from fastamp.reference.formats import sr_random16
 
 CODES = "_q"
 SCALE = "_scale"
@@ -101,11 +102,15 @@ class Q8Format(MomentFormat):
         return dec(st[key + CODES], st[key + SCALE])
 
     def encode(self, p: Tensor, key: str, value: Tensor) -> dict[str, Tensor]:
+        codes, scales = self.encode_rounded(key, value.detach().reshape(p.shape))
+        return {key + CODES: codes.contiguous(), key + SCALE: scales.contiguous()}
+
+    def encode_rounded(self, key: str, value: Tensor, rand16: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """``(codes, scales)`` of ``value`` (shaped as the codes), stochastically rounded by ``rand16`` (None: nearest even)."""
         from fastamp.reference import q8
 
         enc = q8.q8_encode_v if self._second(key) else q8.q8_encode_m
-        codes, scales = enc(value.detach().float().reshape(p.shape).contiguous())
-        return {key + CODES: codes.contiguous(), key + SCALE: scales.contiguous()}
+        return enc(value.float().contiguous(), rand16)
 
     def bytes_per_element(self) -> float:
         return 1.0 + 1.0 / 32
@@ -184,3 +189,64 @@ def export_fp32(st: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
             out.pop(k, None)
         out[key] = value.contiguous()
     return out
+
+
+# Ops whose kernels read and write q8 moments themselves; a rule without one runs its dense
+# kernel on decoded moments (:func:`q8_composed_step`).
+FUSED_Q8_OPS = frozenset({"adamw_q8_"})
+
+
+def composed(op: str, keys: tuple[str, ...]) -> bool:
+    """Whether a launch of ``op`` over state ``keys`` holds q8 moments that ``op`` does not read itself."""
+    return op not in FUSED_Q8_OPS and any(k.endswith(CODES) for k in keys)
+
+
+def q8_composed_step(opt: Any, group: dict[str, Any], launch: Any, scalars: Tensor, call: Any) -> None:
+    """One launch of a rule without a fused q8 kernel (SGD, Lion) over q8 moments, eager or traced.
+
+    Tensor by tensor (so the fp32 scratch is one param's moments, not the launch's): each q8
+    moment decoded to fp32 (exact), the rule's dense kernel run on it with the param's master,
+    grad and step scalars (``call(op, args)``: the kernel of the launch's backend), the updated
+    moment encoded again: stochastic rounding with the random bits of stream
+    ``4 * (rng_base + i) + 1 + j`` for the ``j``-th moment key (AdamW's fused kernel uses the same
+    streams: +1 for ``exp_avg``, +2 for ``exp_avg_sq``; stream ``4 * (rng_base + i)`` rounds the
+    param), or to nearest even under ``state_rounding="nearest"``. Under a non-zero ``found_inf``
+    the kernel writes nothing and every code and scale byte is kept (a ``where``, not a re-encode:
+    encoding a decoded block need not give its scale byte back). The result is a function of
+    the reference codec and the rule's kernel only, so every backend whose rule kernel is exact
+    gives the same bytes (``tests/api/test_q8_rules.py`` checks it against a loop of reference calls).
+    """
+    keys = opt._moment_keys(group)
+    sr = group["state_rounding"] == "stochastic" and launch.rng is not None
+    keep = None if launch.found_inf is None else (launch.found_inf.reshape(()) != 0)
+    seed = counter = None
+    if sr:
+        seed, counter = launch.rng.reshape(-1)[0], launch.rng.reshape(-1)[1]
+    rows = scalars.dim() == 2
+    for i, p in enumerate(launch.params):
+        state = {k: [v[i]] for k, v in launch.state.items()}
+        held_codes = []
+        for key in keys:
+            codes, scales = state.pop(key + CODES)[0], state.pop(key + SCALE)[0]
+            value = Q8.decode({key + CODES: codes, key + SCALE: scales}, key).reshape(p.shape)
+            state[key] = [value]
+            held_codes.append((key, codes, scales, value))
+        # the rule's kernel rounds the param stochastically whenever it is given random bits: only
+        # a param without a master under stochastic_rounding ("sr") gets them, not one that
+        # draws bits for its q8 moments only
+        sub = launch._replace(
+            params=[p],
+            grads=[launch.grads[i]],
+            state=state,
+            rng=launch.rng if launch.kind == "sr" else None,
+            rng_base=launch.rng_base + i,
+        )
+        call(launch.op, opt._kernel_args(group, sub, scalars[i : i + 1] if rows else scalars))
+        for j, (key, codes, scales, value) in enumerate(held_codes):
+            rand = None
+            if sr:
+                rand = sr_random16(seed, counter, 4 * (launch.rng_base + i) + 1 + j, p.numel(), p.device)
+            new = Q8.encode_rounded(key, value, rand)
+            for dst, src in zip((codes, scales), new):
+                src = src.reshape(dst.shape)
+                dst.copy_(src if keep is None else torch.where(keep, dst, src))

@@ -8,7 +8,6 @@ from typing import Any, Union
 import torch
 from torch import Tensor
 
-from fastamp._dtensor import is_dtensor
 from fastamp.optim.engine import checks as _checks
 from fastamp.optim.engine import state_dict as _state_dict
 from fastamp.optim.engine import traced as _traced
@@ -68,18 +67,9 @@ def _validate_group(
 
 
 def _check_state_format(group: dict[str, Any], where: str) -> None:
-    """``state_format``, ``lowbit_min_numel`` and ``state_rounding`` of a group."""
+    """``state_format``, ``lowbit_min_numel`` and ``state_rounding`` of a group, and how they combine with AdamW's options."""
+    _checks.check_state_format(_NAME, group, where)
     fmt = group["state_format"]
-    if fmt is not None and fmt != "q8":
-        raise ValueError(
-            f"{_NAME}: state_format must be None (dense moments, see state_dtype) or 'q8', got {fmt!r} in {where}"
-        )
-    n = group["lowbit_min_numel"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise TypeError(f"{_NAME}: lowbit_min_numel must be an int >= 0, got {n!r} in {where}")
-    rounding = group["state_rounding"]
-    if rounding not in ("stochastic", "nearest"):
-        raise ValueError(f"{_NAME}: state_rounding must be 'stochastic' or 'nearest', got {rounding!r} in {where}")
     if group["master_weights"] == "ulp8":
         if fmt != "q8":
             raise ValueError(
@@ -375,14 +365,7 @@ class AdamW(FusedOptimizer):
             **super()._group_setdefaults(),
             "amsgrad": False,
             "state_dtype": torch.float32,
-            "state_format": None,
-            "lowbit_min_numel": 4096,
-            "state_rounding": "stochastic",
         }
-
-    @staticmethod
-    def _q8(group: dict[str, Any], p: Tensor) -> bool:
-        return group["state_format"] == "q8" and p.numel() >= group["lowbit_min_numel"]
 
     def _kind(self, group: dict[str, Any], p: Tensor) -> str:
         kind = _masters.master_kind(group["master_weights"], p.dtype, group["stochastic_rounding"])
@@ -404,12 +387,7 @@ class AdamW(FusedOptimizer):
         return torch.float32
 
     def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
-        if self._q8(group, p):
-            if is_dtensor(p):
-                raise NotImplementedError(
-                    f"{_NAME}: state_format='q8' is not supported for DTensor params (FSDP2) yet: a shard's blocks of "
-                    "32 need not line up with the param's; use state_format=None for the sharded groups"
-                )
+        if self._q8(group, p):  # DTensor params are refused in the engine's _collect
             return "adamw_q8_"
         if kind in ("remainder", "sr") or self._moment_dtype(group, p, kind) == torch.bfloat16:
             return "adamw_bf16_"
@@ -424,9 +402,6 @@ class AdamW(FusedOptimizer):
         return super()._plan_key(group) + (
             group["amsgrad"],
             group["state_dtype"],
-            group["state_format"],
-            group["lowbit_min_numel"],
-            group["state_rounding"],
         )
 
     def _extra_key(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> tuple:

@@ -13,6 +13,7 @@ from fastamp.optim.engine import state_dict as _state_dict
 from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.base import FusedOptimizer
 from fastamp.optim.formats import masters as _masters
+from fastamp.optim.formats import moments as _formats
 
 __all__ = ["Lion"]
 
@@ -58,6 +59,7 @@ def _validate_group(
     if not isinstance(group["maximize"], bool):
         raise TypeError(f"{_NAME}: maximize must be a bool, got {group['maximize']!r} in {where}")
     _checks.check_lowbit_options(_NAME, group, where)
+    _checks.check_state_format(_NAME, group, where)
 
 
 class Lion(FusedOptimizer):
@@ -134,6 +136,9 @@ class Lion(FusedOptimizer):
         master_weights: Union[bool, str, None] = None,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        state_format: str | None = None,
+        lowbit_min_numel: int = 4096,
+        state_rounding: str = "stochastic",
         backend: str | None = None,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -146,6 +151,9 @@ class Lion(FusedOptimizer):
             "master_weights": master_weights,
             "stochastic_rounding": stochastic_rounding,
             "seed": seed,
+            "state_format": state_format,
+            "lowbit_min_numel": lowbit_min_numel,
+            "state_rounding": state_rounding,
         }
         self._init_fused(params, defaults, backend)
 
@@ -160,11 +168,7 @@ class Lion(FusedOptimizer):
         return ("exp_avg",)
 
     def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
-        m = st.get("exp_avg")
-        if m is None:
-            st["exp_avg"] = _masters.fp32_zeros_like(p)
-        elif m.dtype != torch.float32 or not m.is_contiguous():
-            st["exp_avg"] = _masters.state_copy(p, m, torch.float32)
+        _formats.convert(p, st, "exp_avg", self._moment_format(group, p, kind))
         return None
 
     def _step_scalars(
@@ -215,6 +219,9 @@ class Lion(FusedOptimizer):
                 "master_weights": g["master_weights"],
                 "stochastic_rounding": g["stochastic_rounding"],
                 "seed": g["seed"],
+                "state_format": g["state_format"],
+                "lowbit_min_numel": g["lowbit_min_numel"],
+                "state_rounding": g["state_rounding"],
             },
             drop_state_keys=_masters.unkept_master_keys,
         )

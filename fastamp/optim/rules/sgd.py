@@ -13,6 +13,7 @@ from fastamp.optim.engine import state_dict as _state_dict
 from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.base import FusedOptimizer
 from fastamp.optim.formats import masters as _masters
+from fastamp.optim.formats import moments as _formats
 
 __all__ = ["SGD"]
 
@@ -44,6 +45,7 @@ def _validate_group(
     if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
         raise ValueError(_checks.at("Nesterov momentum requires a momentum and zero dampening", where))
     _checks.check_lowbit_options(_NAME, group, where)
+    _checks.check_state_format(_NAME, group, where)
 
 
 class SGD(FusedOptimizer):
@@ -131,6 +133,9 @@ class SGD(FusedOptimizer):
         master_weights: Union[bool, str, None] = None,
         stochastic_rounding: bool = False,
         seed: int = 0,
+        state_format: str | None = None,
+        lowbit_min_numel: int = 4096,
+        state_rounding: str = "stochastic",
         backend: str | None = None,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -145,6 +150,9 @@ class SGD(FusedOptimizer):
             "master_weights": master_weights,
             "stochastic_rounding": stochastic_rounding,
             "seed": seed,
+            "state_format": state_format,
+            "lowbit_min_numel": lowbit_min_numel,
+            "state_rounding": state_rounding,
         }
         self._init_fused(params, defaults, backend)
 
@@ -169,13 +177,11 @@ class SGD(FusedOptimizer):
             return None
         created = None
         if "step" not in st:
-            created = 1.0 if "momentum_buffer" in st else 0.0
+            created = 1.0 if _formats.held(st, "momentum_buffer") is not None else 0.0
             st["step"] = torch.full((), created, dtype=torch.float32, device=p.device)
-        buf = st.get("momentum_buffer")
-        if buf is None:
-            st["momentum_buffer"] = _masters.fp32_zeros_like(p)
-        elif buf.dtype != torch.float32 or not buf.is_contiguous():
-            st["momentum_buffer"] = _masters.state_copy(p, buf, torch.float32)
+        # create (zeroed: the kernel sets it to the first applied step's grad), or convert once
+        # when the group's state_format changed or a state of another format was loaded
+        _formats.convert(p, st, "momentum_buffer", self._moment_format(group, p, kind))
         return created
 
     # ---- torch.compile (see fastamp.optim.engine.traced) -----------------------------------------
@@ -238,6 +244,9 @@ class SGD(FusedOptimizer):
                 "master_weights": g["master_weights"],
                 "stochastic_rounding": g["stochastic_rounding"],
                 "seed": g["seed"],
+                "state_format": g["state_format"],
+                "lowbit_min_numel": g["lowbit_min_numel"],
+                "state_rounding": g["state_rounding"],
             },
             drop_state_keys=_masters.unkept_master_keys,
         )
@@ -246,6 +255,6 @@ class SGD(FusedOptimizer):
                 continue
             for p in group["params"]:
                 st = self.state.get(p)
-                if st and "step" not in st and "momentum_buffer" in st:
+                if st and "step" not in st and _formats.held(st, "momentum_buffer") is not None:
                     st["step"] = torch.ones((), dtype=torch.float32, device=p.device)
         self._after_load()
