@@ -69,6 +69,50 @@ def clone_lists(state):
     return [[t.clone() for t in lst] for lst in state]
 
 
+def seeded_params(shapes, dtype=torch.bfloat16, seed=0, std=0.5):
+    """Params of ``shapes`` (normal, ``std``) in ``dtype``, the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter((torch.randn(s, generator=g) * std).to(dtype)) for s in shapes]
+
+
+def heavy_tailed_grads(params, step, scale=1.0):
+    """Grads of step ``step`` for ``params``: normal times a log-normal spread (magnitudes over ~e^+-6)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [
+        (torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g) * 2) * scale).to(p.dtype)
+        for p in params
+    ]
+
+
+def master_of(opt, p):
+    """The fp32 master value of ``p`` in ``opt``: joined remainder, fp32 master, or the param itself."""
+    from fastamp import reference
+
+    st = opt.state[p]
+    if "master_remainder" in st:
+        return reference.join_master(p.detach(), st["master_remainder"])
+    return st["master_param"] if "master_param" in st else p.detach().float()
+
+
+def state_snapshot(opt):
+    """Every state entry of ``opt`` keyed by (param index over its groups, key), tensors cloned."""
+    return {
+        (i, k): t.clone() if isinstance(t, torch.Tensor) else t
+        for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
+        for k, t in opt.state[p].items()
+    }
+
+
+def assert_same_state(a, b) -> None:
+    """Two :func:`state_snapshot` results hold the same keys and the same bits."""
+    assert a.keys() == b.keys()
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            assert_bits_equal(a[k], b[k], str(k))
+        else:
+            assert a[k] == b[k], k
+
+
 def misaligned(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of ``t`` whose data pointer is one element past an aligned one."""
     buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)

@@ -139,19 +139,26 @@ def _check_input(x: Tensor, rand16: Tensor | None, what: str) -> None:
             raise ValueError(f"{what}: rand16 is on {rand16.device}, the input on {x.device}")
 
 
-def _block_scale(a: Tensor, scale_min: int, block: int) -> Tensor:
-    """Scale bytes [nb] (int64) from the abs bits [n] of one moment."""
-    n = a.numel()
+def _blocks(x: Tensor, block: int) -> Tensor:
+    """``x`` flattened and zero-padded to whole blocks, as ``[nb, block]``.
+
+    Every codec works on this padded view with its scales as a ``[nb, 1]`` column, and
+    slices the first ``n`` elements off at the end. Inductor (torch 2.13, CPU) miscompiled
+    the flat forms under ``torch.compile``: with a per-element scale from
+    ``repeat_interleave(block)[:n]`` (or a broadcast sliced to ``n``) fused into the codes'
+    maths, it shrank the loop to the whole blocks and left a last partial block's elements
+    unwritten; before that, a zeros + slice-assign padding garbled them
+    (``tests/spec/test_formats_q8.py`` compiles every codec and compares).
+    """
+    flat = x.reshape(-1)
+    n = flat.numel()
     nb = num_blocks(n, block=block)
-    # zero-padded to whole blocks by F.pad: inductor (torch 2.13, CPU) miscompiled the
-    # zeros + slice-assign form, garbling the last partial block's elements under torch.compile
-    padded = torch.nn.functional.pad(a, (0, nb * block - n))
-    e = padded.view(nb, block).amax(dim=1) >> 23
-    return torch.clamp(e, min=scale_min)
+    return torch.nn.functional.pad(flat, (0, nb * block - n)).view(nb, block)
 
 
-def _per_element(scales: Tensor, n: int, block: int) -> Tensor:
-    return scales.to(torch.int64).repeat_interleave(block)[:n]
+def _block_scale(a: Tensor, scale_min: int) -> Tensor:
+    """Scale bytes ``[nb, 1]`` (int64) from the abs bits ``[nb, block]`` of one moment."""
+    return torch.clamp(a.amax(dim=1, keepdim=True) >> 23, min=scale_min)
 
 
 def _encode_magnitude(a: Tensor, s: Tensor, mant_bits: int, rand16: Tensor | None) -> Tensor:
@@ -167,7 +174,7 @@ def _encode_magnitude(a: Tensor, s: Tensor, mant_bits: int, rand16: Tensor | Non
         up = (rem > half) | ((rem == half) & ((hi & 1) == 1))
         up = up.to(torch.int64)
     else:
-        r = rand16.reshape(-1).to(device=a.device, dtype=torch.int64) & 0xFFFF
+        r = _blocks(rand16.to(device=a.device, dtype=torch.int64), a.shape[1]) & 0xFFFF
         up = (((sig >> (shift - 16)) & 0xFFFF) + r) >> 16
     q = (torch.clamp(ec - 1, min=0) << mant_bits) + hi + up
     return torch.clamp(q, max=(1 << (mant_bits + 3)) - 1)
@@ -182,7 +189,11 @@ def _code_units(q: Tensor, mant_bits: int) -> Tensor:
 
 def _pow2_f32(k: Tensor) -> Tensor:
     """2^k as fp32 for int64 k in [-149, 127] (subnormal powers included), built from bits."""
-    bits = torch.where(k >= -126, (k + 127) << 23, torch.ones_like(k) << torch.clamp(k + 149, min=0))
+    # both branches are computed: the subnormal one's shift is clamped below 64 for the normal
+    # k, where it is not taken (an int64 shift by 64 or more is undefined in C; inductor's scalar
+    # tail loop on x86 takes the count mod 64 and garbled a last partial block's values)
+    sub = torch.ones_like(k) << torch.clamp(k + 149, min=0, max=62)
+    bits = torch.where(k >= -126, (k + 127) << 23, sub)
     return bits.to(torch.int32).view(torch.float32)
 
 
@@ -203,16 +214,14 @@ def q8_encode_m(m: Tensor, rand16: Tensor | None = None, *, block: int = BLOCK) 
     """
     _check_input(m, rand16, "q8_encode_m")
     _check_block(block)
-    flat = m.reshape(-1)
-    n = flat.numel()
-    bits = flat.contiguous().view(torch.int32).to(torch.int64)
+    n = m.numel()
+    bits = _blocks(m.contiguous().view(torch.int32).to(torch.int64), block)
     a = bits & 0x7FFFFFFF
-    scales = _block_scale(a, M_SCALE_MIN, block)
-    s = _per_element(scales, n, block)
+    s = _block_scale(a, M_SCALE_MIN)
     q = _encode_magnitude(a, s, M_MANT_BITS, rand16)
     code = q | (((bits >> 31) & 1) << 7)
     code = torch.where(s == NONFINITE_SCALE, torch.zeros_like(code), code)
-    return code.to(torch.uint8).reshape(m.shape), scales.to(torch.uint8)
+    return code.to(torch.uint8).reshape(-1)[:n].reshape(m.shape), s.reshape(-1).to(torch.uint8)
 
 
 def q8_decode_m(codes: Tensor, scales: Tensor, *, block: int = BLOCK) -> Tensor:
@@ -221,13 +230,13 @@ def q8_decode_m(codes: Tensor, scales: Tensor, *, block: int = BLOCK) -> Tensor:
     ``block``: elements per scale byte, as given to :func:`q8_encode_m` (default 32).
     """
     _check_codes(codes, scales, "q8_decode_m", block)
-    c = codes.reshape(-1).to(torch.int64)
-    s = _per_element(scales, c.numel(), block)
+    c = _blocks(codes.to(torch.int64), block)
+    s = scales.to(torch.int64).reshape(-1, 1)
     k = _code_units(c & 0x7F, M_MANT_BITS)
     mag = k.to(torch.float32) * _pow2_f32(torch.clamp(s - 137, min=-149))
     out = torch.where((c & 0x80) != 0, -mag, mag)
     out = torch.where(s == NONFINITE_SCALE, torch.full_like(out, float("nan")), out)
-    return out.reshape(codes.shape)
+    return out.reshape(-1)[: codes.numel()].reshape(codes.shape)
 
 
 def q8_encode_v(v: Tensor, rand16: Tensor | None = None, *, block: int = BLOCK) -> tuple[Tensor, Tensor]:
@@ -247,14 +256,12 @@ def q8_encode_v(v: Tensor, rand16: Tensor | None = None, *, block: int = BLOCK) 
     """
     _check_input(v, rand16, "q8_encode_v")
     _check_block(block)
-    flat = v.reshape(-1)
-    a = _abs_bits(sqrt_rn(flat))
-    scales = _block_scale(a, W_SCALE_MIN, block)
-    s = _per_element(scales, flat.numel(), block)
+    a = _blocks(_abs_bits(sqrt_rn(v.reshape(-1))), block)
+    s = _block_scale(a, W_SCALE_MIN)
     q = _encode_magnitude(a, s, W_MANT_BITS, rand16)
     q = torch.where((a > 0) & (q == 0), torch.ones_like(q), q)
     q = torch.where(s == NONFINITE_SCALE, torch.zeros_like(q), q)
-    return q.to(torch.uint8).reshape(v.shape), scales.to(torch.uint8)
+    return q.to(torch.uint8).reshape(-1)[: v.numel()].reshape(v.shape), s.reshape(-1).to(torch.uint8)
 
 
 def q8_decode_v(codes: Tensor, scales: Tensor, *, block: int = BLOCK) -> Tensor:
@@ -265,12 +272,12 @@ def q8_decode_v(codes: Tensor, scales: Tensor, *, block: int = BLOCK) -> Tensor:
     :func:`q8_decode_m`.
     """
     _check_codes(codes, scales, "q8_decode_v", block)
-    c = codes.reshape(-1).to(torch.int64)
-    s = _per_element(scales, c.numel(), block)
+    c = _blocks(codes.to(torch.int64), block)
+    s = scales.to(torch.int64).reshape(-1, 1)
     w = _code_units(c, W_MANT_BITS).to(torch.float32) * _pow2_f32(torch.clamp(s - 138, min=-149))
     out = w * w
     out = torch.where(s == NONFINITE_SCALE, torch.full_like(out, float("nan")), out)
-    return out.reshape(codes.shape)
+    return out.reshape(-1)[: codes.numel()].reshape(codes.shape)
 
 
 def _check_codes(codes: Tensor, scales: Tensor, what: str, block: int = BLOCK) -> None:

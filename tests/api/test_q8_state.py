@@ -8,7 +8,17 @@ by ``decode(encode(.))`` after every step with the same random bits, bit for bit
 
 import pytest
 import torch
-from helpers import assert_bits_equal, save_load, set_grads, spy_kernels
+from helpers import (
+    assert_bits_equal,
+    assert_same_state,
+    heavy_tailed_grads,
+    master_of,
+    save_load,
+    seeded_params,
+    set_grads,
+    spy_kernels,
+    state_snapshot,
+)
 
 import fastamp
 from fastamp import reference
@@ -20,26 +30,7 @@ SHAPES = [(96, 40), (33,), (7, 5), (4097,)]
 
 
 def _params(dtype=torch.bfloat16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter((torch.randn(s, generator=g) * 0.5).to(dtype)) for s in SHAPES]
-
-
-def _grads(params, step, scale=1.0):
-    g = torch.Generator().manual_seed(100 + step)
-    out = []
-    for p in params:
-        x = torch.randn(p.shape, generator=g) * torch.exp(torch.randn(p.shape, generator=g) * 2) * scale
-        out.append(x.to(p.dtype))
-    return out
-
-
-def _master(opt, p):
-    st = opt.state[p]
-    if "master_remainder" in st:
-        return reference.join_master(p.detach(), st["master_remainder"])
-    if "master_param" in st:
-        return st["master_param"]
-    return p.detach().float()
+    return seeded_params(SHAPES, dtype, seed)
 
 
 # Triton runs interpreted here (~6 s a run): stochastic rounding only, its round-to-nearest codes
@@ -54,7 +45,7 @@ def test_q8_remainder_equals_fp32_master_adamw_with_requantised_moments(backend,
                 lowbit_min_numel=0, state_rounding=rounding, seed=11, backend=backend)  # fmt: skip
     ref = AdamW(ps_ref, lr=3e-3, weight_decay=0.1, master_weights=True, backend="torch")
     for step in range(1, 7):
-        grads = _grads(ps_q8, step)
+        grads = heavy_tailed_grads(ps_q8, step)
         set_grads(ps_q8, grads)
         set_grads(ps_ref, grads)
         opt.step()
@@ -73,14 +64,14 @@ def test_q8_remainder_equals_fp32_master_adamw_with_requantised_moments(backend,
             assert_bits_equal(st["exp_avg_sq_scale"], sv, f"step {step} param {tid} exp_avg_sq scales")
             rs["exp_avg"].copy_(q8.q8_decode_m(cm, sm))
             rs["exp_avg_sq"].copy_(q8.q8_decode_v(cv, sv))
-            assert_bits_equal(_master(opt, p), rs["master_param"], f"step {step} param {tid} master")
+            assert_bits_equal(master_of(opt, p), rs["master_param"], f"step {step} param {tid} master")
             assert int(st["rng"][1]) == step if sr else "rng" not in st
 
 
 def test_threshold_keeps_small_tensors_dense_and_bytes_per_param():
     ps = _params()
     opt = AdamW(ps, state_format="q8", master_weights="remainder")  # default lowbit_min_numel=4096
-    set_grads(ps, _grads(ps, 1))
+    set_grads(ps, heavy_tailed_grads(ps, 1))
     opt.step()
     for p in ps:
         st = opt.state[p]
@@ -100,12 +91,12 @@ def test_threshold_keeps_small_tensors_dense_and_bytes_per_param():
 def test_fp32_and_fp16_params_get_q8_moments_with_their_own_streams():
     ps32 = _params(torch.float32)
     opt = AdamW(ps32, lr=1e-3, state_format="q8", lowbit_min_numel=0, seed=3)
-    set_grads(ps32, _grads(ps32, 1))
+    set_grads(ps32, heavy_tailed_grads(ps32, 1))
     opt.step()
     # fp32 params are not bf16: their tensor ids start at 2^24 (no bf16 param's stream moves)
     ref = _params(torch.float32)
     m = torch.zeros(SHAPES[0])
-    g = _grads(ref, 1)[0].float()
+    g = heavy_tailed_grads(ref, 1)[0].float()
     m = m + (1 - torch.tensor(0.9, dtype=torch.float32)) * (g - m)
     rm = reference.sr_random16(3, torch.tensor(0), 4 * (1 << 24) + 1, m.numel(), "cpu")
     codes, scales = q8.q8_encode_m(m, rm)
@@ -113,27 +104,10 @@ def test_fp32_and_fp16_params_get_q8_moments_with_their_own_streams():
     assert_bits_equal(opt.state[ps32[0]]["exp_avg_scale"], scales)
     ps16 = _params(torch.float16)
     opt16 = AdamW(ps16, lr=1e-3, state_format="q8", lowbit_min_numel=0)
-    set_grads(ps16, _grads(ps16, 1))
+    set_grads(ps16, heavy_tailed_grads(ps16, 1))
     opt16.step()
     assert opt16.state[ps16[0]]["master_param"].dtype == torch.float32
     assert opt16.state[ps16[0]]["exp_avg_q"].dtype == torch.uint8
-
-
-def _state_bytes(opt):
-    return {
-        (i, k): t.clone() if isinstance(t, torch.Tensor) else t
-        for i, p in enumerate(p for g in opt.param_groups for p in g["params"])
-        for k, t in opt.state[p].items()
-    }
-
-
-def _same_state(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert_bits_equal(a[k], b[k], str(k))
-        else:
-            assert a[k] == b[k], k
 
 
 def test_fp16_scaler_skip_changes_no_state_byte():
@@ -141,26 +115,26 @@ def test_fp16_scaler_skip_changes_no_state_byte():
     opt = AdamW(ps, lr=1e-3, state_format="q8", lowbit_min_numel=0)
     scaler = fastamp.Scaler(init_scale=2.0**10)
     scaler.scale(torch.ones(()))  # the grads below are set by hand, already scaled
-    set_grads(ps, _grads(ps, 1, scale=2.0**10))
+    set_grads(ps, heavy_tailed_grads(ps, 1, scale=2.0**10))
     scaler.step(opt)
     scaler.update()
-    before = _state_bytes(opt)
+    before = state_snapshot(opt)
     params_before = [p.detach().clone() for p in ps]
-    grads = _grads(ps, 2)
+    grads = heavy_tailed_grads(ps, 2)
     grads[0].view(-1)[5] = float("inf")
     set_grads(ps, grads)
     scaler.scale(torch.ones(()))
     scaler.step(opt)
     scaler.update()
     assert scaler.last_step_skipped
-    _same_state(before, _state_bytes(opt))
+    assert_same_state(before, state_snapshot(opt))
     for p, q in zip(ps, params_before):
         assert_bits_equal(p.detach(), q)
 
 
 def _run(opt, ps, steps, start=1):
     for step in range(start, start + steps):
-        set_grads(ps, _grads(ps, step))
+        set_grads(ps, heavy_tailed_grads(ps, step))
         opt.step()
 
 
@@ -179,7 +153,7 @@ def test_state_dict_native_resume_is_bit_exact_and_loads_weights_only():
     opt2 = _make(ps2)
     opt2.load_state_dict(sd)
     _run(opt2, ps2, 3, start=4)
-    _same_state(_state_bytes(opt), _state_bytes(opt2))
+    assert_same_state(state_snapshot(opt), state_snapshot(opt2))
     for p, q in zip(ps, ps2):
         assert_bits_equal(p.detach(), q.detach())
 
@@ -196,11 +170,11 @@ def test_fp32_export_matches_torch_layout_and_round_trips_bit_exactly():
     ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     opt2 = _make(ps2)
     opt2.load_state_dict(save_load(sd32))
-    set_grads(ps, _grads(ps, 4))
-    set_grads(ps2, _grads(ps2, 4))
+    set_grads(ps, heavy_tailed_grads(ps, 4))
+    set_grads(ps2, heavy_tailed_grads(ps2, 4))
     opt.step()
     opt2.step()
-    _same_state(_state_bytes(opt), _state_bytes(opt2))
+    assert_same_state(state_snapshot(opt), state_snapshot(opt2))
     # torch's AdamW loads the fp32 export of an fp32-param instance
     p32 = _params(torch.float32)
     o32 = AdamW(p32, lr=1e-3, state_format="q8", lowbit_min_numel=0, state_rounding="nearest")
@@ -224,7 +198,7 @@ def test_torch_state_dict_loads_and_format_switch_converts():
     opt = AdamW(ps, lr=1e-3, state_format="q8", lowbit_min_numel=0)
     opt.load_state_dict(t_opt.state_dict())
     m = t_opt.state[ps[0]]["exp_avg"].clone()
-    set_grads(ps, _grads(ps, 3))
+    set_grads(ps, heavy_tailed_grads(ps, 3))
     opt.step()
     assert opt.state[ps[0]]["exp_avg_q"].dtype == torch.uint8 and "exp_avg" not in opt.state[ps[0]]
     # switching back to dense moments decodes them (exactly) at the next step
@@ -269,12 +243,12 @@ def test_corrupted_q8_state_is_refused_before_anything_changes(corrupt):
         st["exp_avg_q"] = st["exp_avg_q"].t().contiguous().t()
     else:
         st["exp_avg_scale"] = st["exp_avg_scale"].to(torch.int16)
-    before = _state_bytes(opt)
+    before = state_snapshot(opt)
     params_before = [p.detach().clone() for p in ps]
-    set_grads(ps, _grads(ps, 2))
+    set_grads(ps, heavy_tailed_grads(ps, 2))
     with pytest.raises(ValueError, match=r"param 0 of param group 0 \(shape \(96, 40\)\)"):
         opt.step()
-    _same_state(before, _state_bytes(opt))
+    assert_same_state(before, state_snapshot(opt))
     for p, q in zip(ps, params_before):
         assert_bits_equal(p.detach(), q)
 
@@ -302,10 +276,10 @@ def test_load_refuses_bad_q8_state_and_changes_nothing(edit, match):
         st["exp_avg"] = torch.zeros(ps[0].shape)
     else:
         st["exp_avg_sq_q"] = st["exp_avg_sq_q"].reshape(-1)
-    before = _state_bytes(opt)
+    before = state_snapshot(opt)
     with pytest.raises(ValueError, match=match):
         opt.load_state_dict(sd)
-    _same_state(before, _state_bytes(opt))
+    assert_same_state(before, state_snapshot(opt))
 
 
 def test_compiled_step_equals_eager():
@@ -313,11 +287,11 @@ def test_compiled_step_equals_eager():
     eager, comp = _make(ps_e), _make(ps_c)
     step = torch.compile(comp.step, fullgraph=True)
     for s in range(1, 4):
-        set_grads(ps_e, _grads(ps_e, s))
-        set_grads(ps_c, _grads(ps_c, s))
+        set_grads(ps_e, heavy_tailed_grads(ps_e, s))
+        set_grads(ps_c, heavy_tailed_grads(ps_c, s))
         eager.step()
         step()
-    _same_state(_state_bytes(eager), _state_bytes(comp))
+    assert_same_state(state_snapshot(eager), state_snapshot(comp))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -328,11 +302,11 @@ def test_compiled_ulp8_step_equals_eager(dtype):
     eager, comp = AdamW(ps_e, **kw), AdamW(ps_c, **kw)
     step = torch.compile(comp.step, fullgraph=True)
     for s in range(1, 4):
-        set_grads(ps_e, _grads(ps_e, s))
-        set_grads(ps_c, _grads(ps_c, s))
+        set_grads(ps_e, heavy_tailed_grads(ps_e, s))
+        set_grads(ps_c, heavy_tailed_grads(ps_c, s))
         eager.step()
         step()
-    _same_state(_state_bytes(eager), _state_bytes(comp))
+    assert_same_state(state_snapshot(eager), state_snapshot(comp))
     assert any("master_ulp8" in comp.state[p] for p in ps_c)
     for a, b in zip(ps_e, ps_c):
         assert_bits_equal(a.detach(), b.detach(), "param")
@@ -366,7 +340,7 @@ def test_gradient_release_with_q8_equals_the_ordinary_step(rounding):
         opts[0].zero_grad(set_to_none=True)
         h.backward(nets[1](x))
     h.remove()
-    _same_state(_state_bytes(opts[0]), _state_bytes(opts[1]))
+    assert_same_state(state_snapshot(opts[0]), state_snapshot(opts[1]))
     for p, q in zip(nets[0].parameters(), nets[1].parameters()):
         assert_bits_equal(p.detach(), q.detach())
 
@@ -381,7 +355,7 @@ def test_ulp8_master_equals_fp32_master_rounded_through_ulp8_after_every_step(ba
     opt_f = AdamW(ps_f, master_weights=True, **kw)
     ids = opt_u._rng_ids()
     for step in range(1, 6):
-        grads = _grads(ps_u, step)
+        grads = heavy_tailed_grads(ps_u, step)
         set_grads(ps_u, grads)
         set_grads(ps_f, grads)
         opt_u.step()
