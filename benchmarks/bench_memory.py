@@ -163,13 +163,13 @@ def _expected_bf16_moments(master: str, n_moments: int) -> Callable[[list[int]],
     return lambda numels, grad_bytes=2: base(numels, grad_bytes) + 2.0 * n_moments
 
 
-def _expected_q8(master: str, min_numel: int = 4096) -> Callable[[list[int]], float]:
-    """layout.py's bytes with AdamW's lowbit rule: tensors below ``min_numel`` keep fp32 moments."""
+def _expected_q8(master: str, min_numel: int = 4096, n_moments: int = 2) -> Callable[[list[int]], float]:
+    """layout.py's bytes with the lowbit rule of every optimizer: tensors below ``min_numel`` keep fp32 moments."""
 
     def f(numels: list[int], grad_bytes: int = 2) -> float:
         total = sum(
             layout.state_bytes_per_param(
-                master, "q8" if n >= min_numel else "fp32", n_moments=2, numel=n, grad_bytes=grad_bytes
+                master, "q8" if n >= min_numel else "fp32", n_moments=n_moments, numel=n, grad_bytes=grad_bytes
             )
             * n
             for n in numels
@@ -264,10 +264,28 @@ def configs() -> list[dict[str, Any]]:
             expect=_expected("remainder", "fp32", 1),
         ),
         dict(
+            name="fastamp Lion remainder + q8",
+            dtype=bf16,
+            make=_fastamp(L, master_weights="remainder", state_format="q8", seed=0),
+            expect=_expected_q8("remainder", n_moments=1),
+        ),
+        dict(
+            name="fastamp Lion SR + q8",
+            dtype=bf16,
+            make=_fastamp(L, stochastic_rounding=True, state_format="q8", seed=0),
+            expect=_expected_q8("none", n_moments=1),
+        ),
+        dict(
             name="fastamp SGD momentum remainder",
             dtype=bf16,
             make=lambda ps: S(ps, lr=1e-3, momentum=0.9, master_weights="remainder"),
             expect=_expected("remainder", "fp32", 1),
+        ),
+        dict(
+            name="fastamp SGD momentum remainder + q8",
+            dtype=bf16,
+            make=lambda ps: S(ps, lr=1e-3, momentum=0.9, master_weights="remainder", state_format="q8", seed=0),
+            expect=_expected_q8("remainder", n_moments=1),
         ),
     ]
     for ao_name in ("AdamW8bit", "AdamW4bit", "AdamWFp8"):

@@ -34,7 +34,7 @@ def _mix32(x: Tensor) -> Tensor:
     return x ^ (x >> 16)
 
 
-def sr_random16(seed, counter: Tensor, stream: int, n: int, device) -> Tensor:
+def sr_random16(seed, counter: Tensor, stream: int, n: int, device, offset: int = 0) -> Tensor:
     """16 random bits per element for stochastic rounding, counter-based (no RNG state).
 
     ``h = mix(seed ^ 0x9E3779B9); h = mix(h ^ counter); h = mix(h ^ stream);
@@ -42,7 +42,8 @@ def sr_random16(seed, counter: Tensor, stream: int, n: int, device) -> Tensor:
     where ``index`` is the element's flat index, ``counter`` the optimizer's step (a device
     tensor, low 32 bits), and ``stream = 4 * tensor_id + k`` (k: 0 param, 1 exp_avg,
     2 exp_avg_sq, 3 max_exp_avg_sq). Every data-parallel rank with the same seed and param
-    order draws the same bits.
+    order draws the same bits. ``offset``: the bits of elements ``offset .. offset + n - 1``
+    (a slice of a tensor gets the bits the whole tensor's elements have).
     """
     seed_t = (
         seed.reshape(()).to(device=device, dtype=torch.int64)
@@ -52,7 +53,7 @@ def sr_random16(seed, counter: Tensor, stream: int, n: int, device) -> Tensor:
     h = _mix32((seed_t & _M32) ^ 0x9E3779B9)
     h = _mix32(h ^ (counter.reshape(()).to(device=device, dtype=torch.int64) & _M32))
     h = _mix32(h ^ (stream & _M32))
-    idx = torch.arange(n, dtype=torch.int64, device=device)
+    idx = torch.arange(offset, offset + n, dtype=torch.int64, device=device)
     h = _mix32(h ^ (idx >> 32))
     return _mix32(h ^ (idx & _M32)) & 0xFFFF
 

@@ -61,18 +61,27 @@ def _make(rule, ps, **kw):
 
 # Triton runs interpreted here: stochastic rounding and the remainder master only (each run costs seconds)
 CASES = [
-    (rule, backend, rounding, masters)
+    (rule, backend, rounding, masters, None)
     for rule in RULES
     for backend in _backends(RULES[rule][1])
     for rounding in ("stochastic", "nearest")
     for masters in ("remainder", "sr")
     if backend != "triton" or (rounding == "stochastic" and masters == "remainder" and rule != "nesterov")
+] + [
+    # the eager step in slices of 64 elements (3840 and 4097: many slices, a partial last block)
+    (rule, "torch", rounding, "remainder", 64)
+    for rule in ("sgd", "lion")
+    for rounding in ("stochastic", "nearest")
 ]
 
 
-@pytest.mark.parametrize("rule,backend,rounding,masters", CASES)
-def test_q8_equals_the_rule_with_requantised_fp32_moments(rule, backend, rounding, masters):
+@pytest.mark.parametrize("rule,backend,rounding,masters,slice_numel", CASES)
+def test_q8_equals_the_rule_with_requantised_fp32_moments(rule, backend, rounding, masters, slice_numel, monkeypatch):
     """``masters="sr"``: bf16 params without a master, rounded with stream ``4 * tid`` (the moment takes ``+1``)."""
+    if slice_numel is not None:
+        from fastamp.optim.formats import moments
+
+        monkeypatch.setattr(moments, "COMPOSED_SLICE", slice_numel)
     cls, _, key, hyper = RULES[rule]
     mkw = {"master_weights": "remainder"} if masters == "remainder" else {"master_weights": False,
                                                                          "stochastic_rounding": True}  # fmt: skip

@@ -845,7 +845,9 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                                 found_inf, part.rng, part.rng_base,
                             )  # fmt: skip
                             if run.q8_composed:
-                                _formats.q8_composed_step(self, group, launch, scalars, self._call_op)
+                                _formats.q8_composed_step(
+                                    self, group, launch, scalars, self._call_op, _formats.COMPOSED_SLICE
+                                )
                                 continue
                             args = self._kernel_args(group, launch, scalars)
                             n, names = _keyword_args(part.op)
