@@ -14,6 +14,7 @@ sys.path.insert(0, BENCH_DIR)
 
 import bench_adamw  # noqa: E402
 import bench_lowbit  # noqa: E402
+import bench_q8_rules  # noqa: E402
 import bench_release  # noqa: E402
 import bench_step  # noqa: E402
 import bench_unscale  # noqa: E402
@@ -407,3 +408,13 @@ def test_ceilings_get_their_samples_however_few_the_rounds():
     for _ in range(4):  # time_interleaved's estimate (not kept), then 3 rounds
         sampler()
     assert len(runs) == 16 and sampler.stats()["rounds"] == 15
+
+
+def test_q8_rules_bench_times_every_row_and_compares_with_its_dense_step(capsys):
+    rows = bench_q8_rules.measure(2, 4099, repeats=1)
+    assert [r["name"] for r in rows] == [name for name, _, _ in bench_q8_rules.rows_of(2, 4099)]
+    assert all(r["ms"] > 0 for r in rows)
+    q8_rows = [r for r in rows if r["base"]]
+    assert len(q8_rows) == 2 and all(r["ratio"] > 0 for r in q8_rows)
+    assert bench_q8_rules.main(["--numel", "4099", "--tensors", "2", "--repeats", "1"]) == 0
+    assert "| fastamp Lion q8 |" in capsys.readouterr().out

@@ -102,6 +102,18 @@ class Lion(FusedOptimizer):
         stochastic_rounding (bool, optional): as in :class:`fastamp.optim.AdamW` (bf16 params
             without a master rounded stochastically).
         seed (int, optional): seed of the counter-based random bits (default 0).
+        state_format (str, optional): ``None`` (default): fp32 ``exp_avg``. ``"q8"``: 8-bit
+            block-scaled (the first-moment code of :class:`fastamp.optim.AdamW`'s
+            ``state_format="q8"``), 1 + 1/32 bytes per element instead of 4: bf16 params take
+            7.03 B/param (param + grad + state) with remainder masters, 5.03 with
+            ``stochastic_rounding=True`` and no master. Bit for bit this Lion with ``exp_avg``
+            replaced by ``decode(encode(.))`` after every step. Lion has no fused q8 kernel
+            yet: the step decodes, runs the dense kernel and encodes in torch ops, ~100x the
+            dense step's time.
+        lowbit_min_numel (int, optional): params with fewer elements keep fp32 ``exp_avg``
+            under ``state_format="q8"`` (default 4096).
+        state_rounding (str, optional): ``"stochastic"`` (default; random bits of stream
+            ``4 * tensor_id + 1``) or ``"nearest"``, as in :class:`fastamp.optim.AdamW`.
         backend (str, optional): force a kernel backend (see :mod:`fastamp.backends`).
 
     Every hyperparameter is validated at construction, in ``add_param_group``, in
@@ -109,7 +121,9 @@ class Lion(FusedOptimizer):
 
     State per param: ``exp_avg`` (fp32, the key the common Lion implementations use) and the
     master (``master_param`` fp32, or ``master_remainder`` int16) and ``rng`` as in
-    :class:`fastamp.optim.AdamW`. No ``step``: Lion has no bias correction.
+    :class:`fastamp.optim.AdamW`. No ``step``: Lion has no bias correction. Under
+    ``state_format="q8"``, ``exp_avg_q`` (uint8, the param's shape) and ``exp_avg_scale``
+    (uint8, one per 32 elements) in place of ``exp_avg``.
 
     Shared storage, atomic steps, state resets, layout changes, torch.compile and the amp
     ``grad_scale``/``found_inf`` protocol (a non-zero ``found_inf`` skips the step on the device,
@@ -117,7 +131,8 @@ class Lion(FusedOptimizer):
     :class:`fastamp.optim.AdamW`.
 
     ``state_dict`` / ``load_state_dict``: plain tensors; ``state_dict(master_format="fp32")``
-    exports remainder masters as fp32 ``master_param``; a state dict of another Lion that keeps
+    exports remainder masters as fp32 ``master_param``, ``moment_format="fp32"`` q8 moments as
+    fp32 ``exp_avg``; a state dict of another Lion that keeps
     ``exp_avg`` per param (of any float dtype: widened to fp32) loads.
     """
 

@@ -91,13 +91,26 @@ class SGD(FusedOptimizer):
             without a master).
         seed (int, optional): seed of the counter-based random bits (default 0), see
             :class:`fastamp.optim.AdamW`.
+        state_format (str, optional): ``None`` (default): an fp32 momentum buffer. ``"q8"``:
+            8-bit block-scaled (:mod:`fastamp.reference.q8`, the first-moment code of
+            :class:`fastamp.optim.AdamW`'s ``state_format="q8"``), 1 + 1/32 bytes per element
+            instead of 4 (bf16 params with remainder masters: 7.03 B/param of param + grad +
+            state instead of 10). Bit for bit this SGD with the buffer replaced by
+            ``decode(encode(.))`` after every step. SGD has no fused q8 kernel yet: the step
+            decodes, runs the dense kernel and encodes in torch ops, ~100x the dense step's time.
+        lowbit_min_numel (int, optional): params with fewer elements keep an fp32 buffer under
+            ``state_format="q8"`` (default 4096).
+        state_rounding (str, optional): ``"stochastic"`` (default; random bits of stream
+            ``4 * tensor_id + 1``) or ``"nearest"``, as in :class:`fastamp.optim.AdamW`.
         backend (str, optional): force a kernel backend (see :mod:`fastamp.backends`).
 
     State per param: ``momentum_buffer`` (fp32, when ``momentum != 0``, as torch's key) and
     ``step`` (fp32 0-dim device tensor: the number of applied steps, when ``momentum != 0``;
     torch has no such key). The buffer is created zeroed and the kernel initialises it to the
     first applied step's grad (``step == 0``), so a first step skipped on overflow leaves it
-    uninitialised exactly as torch's skipped ``step()`` does, with no host sync. Masters and
+    uninitialised exactly as torch's skipped ``step()`` does, with no host sync. Under
+    ``state_format="q8"``, ``momentum_buffer_q`` (uint8, the param's shape) and
+    ``momentum_buffer_scale`` (uint8, one per 32 elements) in place of the buffer. Masters and
     ``rng`` as in :class:`fastamp.optim.AdamW`.
 
     Shared storage, atomic steps, state resets (``state[p]`` replaced, cleared or deleted;
@@ -113,7 +126,8 @@ class SGD(FusedOptimizer):
     and casts the buffer to the param dtype). One difference: after only skipped steps our
     buffer exists (zero, ``step == 0``) where torch's is None; torch, loading it, treats it
     as initialised, which matters only with ``dampening != 0``. ``state_dict(master_format=
-    "fp32")`` exports remainder masters as fp32.
+    "fp32")`` exports remainder masters as fp32, ``moment_format="fp32"`` q8 buffers as fp32
+    ``momentum_buffer`` (torch's layout; native -> fp32 -> native is bit-exact).
     """
 
     _NAME = _NAME
