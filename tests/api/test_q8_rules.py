@@ -326,3 +326,102 @@ def test_bad_options_are_refused_and_change_nothing(rule, kw, err, match):
         opt.load_state_dict(sd)
     assert_same_state(before, state_snapshot(opt))
     assert opt.param_groups[0]["state_format"] == "q8"
+
+
+class _Net(torch.nn.Module):
+    def __init__(self, dtype=torch.bfloat16):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.a = torch.nn.Parameter((torch.randn(64, 80, generator=g) * 0.1).to(dtype))
+        self.b = torch.nn.Parameter((torch.randn(80, 72, generator=g) * 0.1).to(dtype))
+        self.c = torch.nn.Parameter(torch.randn(72, generator=g).to(dtype))
+
+    def forward(self, x):
+        return ((torch.tanh(x @ self.a) @ self.b + self.c).float() ** 2).mean()
+
+
+@pytest.mark.parametrize("rule", ["sgd", "lion"])
+def test_gradient_release_equals_the_ordinary_step(rule):
+    """Buckets of a released step read the group's rng counter once, as the ordinary step does."""
+    nets = [_Net(), _Net()]
+    opts = [_make(rule, list(n.parameters())) for n in nets]
+    h = fastamp.release(nets[1], opts[1], max_norm=0.05, bucket_bytes=8000)
+    assert len(h.buckets) > 1
+    for step in range(5):
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(step)).bfloat16()
+        nets[0](x).backward()
+        torch.nn.utils.clip_grad_norm_(nets[0].parameters(), 0.05)
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=True)
+        h.backward(nets[1](x))
+    h.remove()
+    assert any(RULES[rule][2] + "_q" in opts[1].state[p] for p in nets[1].parameters())
+    assert_same_state(state_snapshot(opts[0]), state_snapshot(opts[1]))
+    for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+        assert_bits_equal(p.detach(), q.detach())
+
+
+@pytest.mark.parametrize("rule", ["sgd", "lion"])
+def test_groups_of_different_formats_and_tied_params(rule):
+    """A q8 group beside a dense one steps each as on its own; a param listed twice is refused."""
+    ps, ref_q8, ref_dense = _params(), _params(), _params()
+    cls, _, key, hyper = RULES[rule]
+    opt = cls([{"params": ps[:2], "state_format": "q8"}, {"params": ps[2:]}], **hyper,
+              master_weights="remainder", lowbit_min_numel=0, seed=5)  # fmt: skip
+    a = cls(ref_q8[:2], **hyper, master_weights="remainder", lowbit_min_numel=0, seed=5, state_format="q8")
+    b = cls(ref_dense[2:], **hyper, master_weights="remainder", lowbit_min_numel=0, seed=5)
+    for step in range(1, 4):
+        for group in (ps, ref_q8, ref_dense):
+            set_grads(group, heavy_tailed_grads(group, step))
+        opt.step()
+        a.step()
+        b.step()
+    for p, r in zip(ps[:2], ref_q8[:2]):
+        assert_bits_equal(opt.state[p][key + "_q"], a.state[r][key + "_q"])
+        assert_bits_equal(p.detach(), r.detach())
+    for p, r in zip(ps[2:], ref_dense[2:]):
+        assert opt.state[p][key].dtype == torch.float32
+        assert_bits_equal(p.detach(), r.detach())
+    # the same param twice: refused at construction, as torch does (and as for dense moments)
+    t = _params()[0]
+    with pytest.raises(ValueError, match="duplicate|twice|more than once|appears"):
+        cls([t, t], **hyper, state_format="q8", lowbit_min_numel=0)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "lion"])
+@pytest.mark.parametrize("device", ["cuda"])
+def test_cuda_backends_give_the_cpu_bytes(rule, device):
+    """On a GPU (benchmarks/gpu_check.sh): every CUDA backend's q8 step writes the bytes of the CPU torch backend's."""
+    ref_ps = _params()
+    ref = _make(rule, ref_ps, backend="torch")
+    _run(ref, ref_ps, 3)
+    for backend in [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, RULES[rule][1], device)[0]]:
+        ps = [torch.nn.Parameter(p.detach().clone().to(device)) for p in _params()]
+        opt = _make(rule, ps, backend=backend)
+        for step in range(1, 4):
+            set_grads(ps, [g.to(device) for g in heavy_tailed_grads(_params(), step)])
+            opt.step()
+        got = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in state_snapshot(opt).items()}
+        assert_same_state(state_snapshot(ref), got)
+        for p, r in zip(ps, ref_ps):
+            assert_bits_equal(p.detach().cpu(), r.detach(), backend)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "lion"])
+@pytest.mark.parametrize("device", ["cuda"])
+def test_cuda_q8_step_does_not_sync(rule, device):
+    """The composed step (decode, kernel, encode, the skip's where) reads nothing on the host."""
+    ps = [torch.nn.Parameter(p.detach().to(device)) for p in _params()]
+    opt = _make(rule, ps, lowbit_min_numel=0)
+    opt.grad_scale = torch.tensor(1024.0, device=device)
+    opt.found_inf = torch.zeros((), device=device)
+    set_grads(ps, [g.to(device) for g in heavy_tailed_grads(_params(), 1)])
+    opt.step()  # creates the state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(opt.state[p][RULES[rule][2] + "_q"].device.type == "cuda" for p in ps)
