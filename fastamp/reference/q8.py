@@ -189,9 +189,9 @@ def _code_units(q: Tensor, mant_bits: int) -> Tensor:
 
 def _pow2_f32(k: Tensor) -> Tensor:
     """2^k as fp32 for int64 k in [-149, 127] (subnormal powers included), built from bits."""
-    # both branches are computed: the subnormal one's shift is clamped below 64 for the normal
-    # k, where it is not taken (an int64 shift by 64 or more is undefined in C; inductor's scalar
-    # tail loop on x86 takes the count mod 64 and garbled a last partial block's values)
+    # both branches are computed: the subnormal one's shift (not taken for a normal k) is kept
+    # below 64, so no lowering meets an int64 shift of 64 or more (undefined in C; torch and
+    # inductor define it as 0 today, this does not rely on it)
     sub = torch.ones_like(k) << torch.clamp(k + 149, min=0, max=62)
     bits = torch.where(k >= -126, (k + 127) << 23, sub)
     return bits.to(torch.int32).view(torch.float32)
