@@ -382,7 +382,7 @@ def test_groups_of_different_formats_and_tied_params(rule):
     for p, r in zip(ps[2:], ref_dense[2:]):
         assert opt.state[p][key].dtype == torch.float32
         assert_bits_equal(p.detach(), r.detach())
-    # the same param twice: refused at construction, as torch does (and as for dense moments)
+    # the same param twice: refused at construction (torch only warns), as for dense moments
     t = _params()[0]
     with pytest.raises(ValueError, match="duplicate|twice|more than once|appears"):
         cls([t, t], **hyper, state_format="q8", lowbit_min_numel=0)
