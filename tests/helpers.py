@@ -4,6 +4,7 @@ Imported by name (``from helpers import ...``): pytest puts tests/ on sys.path (
 in pyproject.toml). Numeric budgets live in tolerances.py, markers and skips in conftest.py.
 """
 
+import contextlib
 import io
 
 import pytest
@@ -92,6 +93,17 @@ def master_of(opt, p):
     if "master_remainder" in st:
         return reference.join_master(p.detach(), st["master_remainder"])
     return st["master_param"] if "master_param" in st else p.detach().float()
+
+
+@contextlib.contextmanager
+def cuda_syncs_raise():
+    """Inside, any host sync with the GPU raises (``torch.cuda.set_sync_debug_mode("error")``); work queued before is finished first."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def state_snapshot(opt):

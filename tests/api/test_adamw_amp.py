@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from helpers import requires_cuda
+from helpers import cuda_syncs_raise, requires_cuda
 
 import fastamp
 from fastamp.optim import AdamW
@@ -271,13 +271,9 @@ def test_cuda_step_does_not_sync():
     opt.grad_scale = torch.tensor(1024.0, device=dev)
     opt.found_inf = torch.zeros((), device=dev)
     opt.step()  # creates the state
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_syncs_raise():
         for _ in range(3):
             opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert all(opt.state[p]["step"].item() == 4 for p in params)
 
 
@@ -298,9 +294,5 @@ def test_cuda_full_iteration_with_torch_gradscaler_does_not_sync():
         scaler.update()
 
     iteration()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_syncs_raise():
         iteration()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")

@@ -22,7 +22,7 @@ import math
 
 import pytest
 import torch
-from helpers import COMPILE_BACKENDS, bits
+from helpers import COMPILE_BACKENDS, bits, cuda_syncs_raise
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch.amp.grad_scaler import OptState
 
@@ -579,11 +579,8 @@ def test_no_device_sync_on_cuda(compiled):
         fn(scaler, opt)
     for i in range(2, 5):
         _backward(i, params, scaler)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with cuda_syncs_raise():
             fn(scaler, opt)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     assert int(scaler.skipped_steps) == 1
 
 

@@ -16,6 +16,7 @@ from helpers import (
     COMPILE_BACKENDS,
     assert_bits_equal,
     assert_same_state,
+    cuda_syncs_raise,
     heavy_tailed_grads,
     master_of,
     save_load,
@@ -417,11 +418,7 @@ def test_cuda_q8_step_does_not_sync(rule, device):
     opt.found_inf = torch.zeros((), device=device)
     set_grads(ps, [g.to(device) for g in heavy_tailed_grads(_params(), 1)])
     opt.step()  # creates the state
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with cuda_syncs_raise():
         for _ in range(3):
             opt.step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert all(opt.state[p][RULES[rule][2] + "_q"].device.type == "cuda" for p in ps)

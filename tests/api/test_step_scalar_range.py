@@ -18,7 +18,7 @@ import re
 
 import pytest
 import torch
-from helpers import bits, requires_cuda
+from helpers import bits, cuda_syncs_raise, requires_cuda
 from torch._dynamo.testing import CompileCounter
 
 import fastamp
@@ -401,10 +401,6 @@ def test_device_tensor_lr_is_checked_where_it_is_set_not_at_steps():
     for o, q in ((opt, p), (torch_opt, theirs)):
         q.grad = torch.ones_like(q)
         o.param_groups[0]["lr"].fill_(1e38)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with cuda_syncs_raise():
             o.step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
     assert not torch.isfinite(p).all() and not torch.isfinite(theirs).all()
