@@ -70,6 +70,18 @@ def _q8_key(key: str, fp32_state_keys: Sequence[str]) -> bool:
     )
 
 
+# The options every rule takes from the engine (FusedOptimizer._group_setdefaults): a loaded
+# group that lacks one keeps the live group's value.
+CARRIED_OPTIONS = (
+    "master_weights",
+    "stochastic_rounding",
+    "seed",
+    "state_format",
+    "lowbit_min_numel",
+    "state_rounding",
+)
+
+
 def load_state_dict(
     opt: torch.optim.Optimizer,
     state_dict: dict[str, Any],
@@ -79,9 +91,9 @@ def load_state_dict(
     validate_group: Callable[[dict[str, Any], str], None],
     required_state_keys: Callable[[dict[str, Any]], Sequence[str]],
     fp32_state_keys: Sequence[str],
-    group_defaults: Callable[[dict[str, Any]], dict[str, Any]],
     drop_state_keys: Callable[[Tensor, dict[str, Any]], Sequence[str]],
     state_dtype: Callable[[Tensor, dict[str, Any], str], torch.dtype] | None = None,
+    group_defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> dict[Tensor, float]:
     """``Optimizer.load_state_dict`` that keeps fp32 state fp32 and validates first.
 
@@ -91,7 +103,10 @@ def load_state_dict(
     an fp32 0-dim tensor on the param's device; other state is copied to the param's
     device as is. ``state_dtype(p, group, key)``, when given, names the dtype a key of
     ``fp32_state_keys`` is stored in instead (bf16 moments). ``master_remainder`` must be an
-    int16 tensor of the param's shape, ``rng`` an int64 ``[seed, counter]`` pair. The whole dict is checked before anything changes. Load pre/post hooks
+    int16 tensor of the param's shape, ``rng`` an int64 ``[seed, counter]`` pair. A saved group
+    without one of the engine's options (:data:`CARRIED_OPTIONS`; a torch state dict has none)
+    takes the live group's value, ``maximize`` False, and the rule's own from
+    ``group_defaults(live_group)``. The whole dict is checked before anything changes. Load pre/post hooks
     run as in torch. Returns the loaded step value of each param with state.
     """
     if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
@@ -118,7 +133,10 @@ def load_state_dict(
                 f"{opt_name}.load_state_dict: param group {gi} of the loaded state dict has no {missing} "
                 f"(its keys: {sorted(k for k in sg if k != 'params')}); was it saved by another optimizer?"
             )
-        for k, v in group_defaults(groups[gi]).items():
+        sg.setdefault("maximize", False)
+        for k in CARRIED_OPTIONS:
+            sg.setdefault(k, groups[gi][k])
+        for k, v in (group_defaults(groups[gi]) if group_defaults else {}).items():
             sg.setdefault(k, v)
         validate_group(sg, f"loaded param group {gi}")
 

@@ -508,17 +508,7 @@ class AdamW(FusedOptimizer):
             validate_group=functools.partial(_validate_group, check_tensor_lr=True),  # off the hot path
             required_state_keys=required_state_keys,
             fp32_state_keys=_FP32_STATE,
-            group_defaults=lambda g: {
-                "amsgrad": False,
-                "maximize": False,
-                "master_weights": g["master_weights"],
-                "stochastic_rounding": g["stochastic_rounding"],
-                "seed": g["seed"],
-                "state_dtype": g["state_dtype"],
-                "state_format": g["state_format"],
-                "lowbit_min_numel": g["lowbit_min_numel"],
-                "state_rounding": g["state_rounding"],
-            },
+            group_defaults=lambda g: {"amsgrad": False, "state_dtype": g["state_dtype"]},
             drop_state_keys=_masters.unkept_master_keys,
             state_dtype=state_dtype,
         )

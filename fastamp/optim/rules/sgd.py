@@ -253,15 +253,6 @@ class SGD(FusedOptimizer):
             validate_group=functools.partial(_validate_group, check_tensor_lr=True),  # off the hot path
             required_state_keys=lambda g: (),
             fp32_state_keys=("momentum_buffer", "master_param"),
-            group_defaults=lambda g: {
-                "maximize": False,
-                "master_weights": g["master_weights"],
-                "stochastic_rounding": g["stochastic_rounding"],
-                "seed": g["seed"],
-                "state_format": g["state_format"],
-                "lowbit_min_numel": g["lowbit_min_numel"],
-                "state_rounding": g["state_rounding"],
-            },
             drop_state_keys=_masters.unkept_master_keys,
         )
         for group in self.param_groups:
