@@ -1,14 +1,14 @@
 """Time ``opt.step()`` of SGD (momentum) and Lion with q8 moments beside their dense step and torch's SGD.
 
-SGD and Lion have no fused q8 kernel: under ``state_format="q8"`` their step decodes the moment
-in slices, runs the dense kernel and encodes it again in torch ops
-(``fastamp.optim.formats.moments.q8_composed_step``). This measures what that costs, in the
-same interleaved rounds as the dense step of the same optimizer and ``torch.optim.SGD``
-(foreach, fp32 params: torch's best CPU path for SGD; torch has no Lion). bf16 params with
-remainder masters for fastamp. Reports the best of ``--repeats`` per row and the ratio to the
-dense fastamp step.
+Under ``state_format="q8"`` the step runs the rule's q8 op: on the CPU the fused native kernel
+(``sgd_q8_`` / ``lion_q8_`` in csrc/cpu/one_state.cpp: decode, step and encode per block of 32 in
+one pass). Each row is timed in the same interleaved rounds as the dense step of the same
+optimizer and ``torch.optim.SGD`` (foreach, fp32 params: torch's best CPU path for SGD; torch
+has no Lion). bf16 params with remainder masters for fastamp; ``lowbit_min_numel=0``, so the
+small tensors of ``20000x256`` hold q8 moments too (the default 4096 would keep them fp32). Reports the best of
+``--repeats`` per row and the ratio to the dense fastamp step, per shape and thread count.
 
-    python benchmarks/bench_q8_rules.py [--numel 16777216] [--tensors 1] [--repeats 3]
+    python benchmarks/bench_q8_rules.py [--shapes 1x67108864,20000x256] [--threads 1,2] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -48,13 +48,13 @@ def rows_of(n_tensors: int, numel: int) -> list[tuple[str, str, object]]:
         (
             "fastamp SGD q8",
             "fastamp SGD dense",
-            lambda: S(_params(n_tensors, numel, torch.bfloat16), **sgd, state_format="q8"),
+            lambda: S(_params(n_tensors, numel, torch.bfloat16), **sgd, state_format="q8", lowbit_min_numel=0),
         ),  # fmt: skip
         ("fastamp Lion dense", "", lambda: L(_params(n_tensors, numel, torch.bfloat16), **lion)),
         (
             "fastamp Lion q8",
             "fastamp Lion dense",
-            lambda: L(_params(n_tensors, numel, torch.bfloat16), **lion, state_format="q8"),
+            lambda: L(_params(n_tensors, numel, torch.bfloat16), **lion, state_format="q8", lowbit_min_numel=0),
         ),  # fmt: skip
     ]
 
@@ -79,23 +79,32 @@ def measure(n_tensors: int, numel: int, repeats: int) -> list[dict[str, object]]
     return out
 
 
+def _shape(text: str) -> tuple[int, int]:
+    tensors, numel = text.lower().split("x")
+    return int(tensors), int(numel)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--numel", type=int, default=16 * 2**20, help="elements per tensor (default 16M)")
-    ap.add_argument("--tensors", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--shapes", default="1x67108864,20000x256", help="TENSORSxNUMEL,... (default 1x64M,20000x256)")
+    ap.add_argument("--threads", default="1,2", help="thread counts (default 1,2)")
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "?"
     print(f"# opt.step() of SGD / Lion with q8 moments ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-          f"commit {commit or '?'}, torch {torch.__version__}, {torch.get_num_threads()} threads)")  # fmt: skip
-    print(f"{args.tensors} x {args.numel} elements, best of {args.repeats} interleaved rounds\n")
-    print("| optimizer | ms / step | ns / element | vs dense |\n|---|---|---|---|")
-    for r in measure(args.tensors, args.numel, args.repeats):
-        ratio = f"{r['ratio']:.0f}x" if r["ratio"] is not None else ""
-        print(f"| {r['name']} | {r['ms']:.1f} | {r['ns_per_elem']:.2f} | {ratio} |")
+          f"commit {commit or '?'}, torch {torch.__version__})")  # fmt: skip
+    print(f"best of {args.repeats} interleaved rounds; bf16 params + remainder masters for fastamp")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for tensors, numel in map(_shape, args.shapes.split(",")):
+            print(f"\n{tensors} x {numel} elements, {threads} thread{'s' if threads > 1 else ''}\n")
+            print("| optimizer | ms / step | ns / element | vs dense |\n|---|---|---|---|")
+            for r in measure(tensors, numel, args.repeats):
+                ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else ""
+                print(f"| {r['name']} | {r['ms']:.2f} | {r['ns_per_elem']:.3f} | {ratio} |")
     return 0
 
 

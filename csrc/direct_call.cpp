@@ -305,20 +305,23 @@ PyObject* adamw_(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return ad
 PyObject* adamw_bf16_(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return adamw_common(args, nargs, true); }
 
 // The arguments sgd_ and lion_ share: (params, grads, masters, state, step_scalars, found_inf,
-// rng, rng_base, ...the rule's hyperparameters); false when the shortcut must decline them.
+// rng, rng_base, ...the rule's hyperparameters), and their q8 twins with the state as two lists
+// (codes, scales): kLists = 4 or 5 lists first. False when the shortcut must decline them.
+template <int kLists>
 struct OneStateArgs {
-  std::pair<size_t, size_t> lists[4];
+  std::pair<size_t, size_t> lists[kLists];
   std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
   int64_t rng_base = 0;
 };
 
-bool parse_one_state(PyObject* const* args, Borrowed* b, OneStateArgs* a) {
-  b->reserve(list_size(args[0]) * 4 + 3);
-  for (int k = 0; k < 4; ++k) {
+template <int kLists>
+bool parse_one_state(PyObject* const* args, Borrowed* b, OneStateArgs<kLists>* a) {
+  b->reserve(list_size(args[0]) * kLists + 3);
+  for (int k = 0; k < kLists; ++k) {
     if (!b->add_list(args[k], &a->lists[k])) return false;
   }
-  return b->add_one(args[4], false, &a->step_scalars) && b->add_one(args[5], true, &a->found_inf) &&
-         b->add_one(args[6], true, &a->rng) && as_int(args[7], &a->rng_base);
+  return b->add_one(args[kLists], false, &a->step_scalars) && b->add_one(args[kLists + 1], true, &a->found_inf) &&
+         b->add_one(args[kLists + 2], true, &a->rng) && as_int(args[kLists + 3], &a->rng_base);
 }
 
 // sgd_(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base,
@@ -327,7 +330,7 @@ PyObject* sgd_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_BEGIN
   if (nargs != 13) return declined();
   Borrowed b;
-  OneStateArgs a;
+  OneStateArgs<4> a;
   double momentum = 0, dampening = 0, weight_decay = 0;
   bool nesterov = false, maximize = false;
   if (!parse_one_state(args, &b, &a) || !as_double(args[8], &momentum) || !as_double(args[9], &dampening) ||
@@ -356,7 +359,7 @@ PyObject* lion_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_BEGIN
   if (nargs != 11) return declined();
   Borrowed b;
-  OneStateArgs a;
+  OneStateArgs<4> a;
   double beta1 = 0, beta2 = 0;
   bool maximize = false;
   if (!parse_one_state(args, &b, &a) || !as_double(args[8], &beta1) || !as_double(args[9], &beta2) ||
@@ -371,6 +374,69 @@ PyObject* lion_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
                       b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base, beta1, beta2,
                       maximize);
+        return Void{};
+      },
+      &done);
+  if (ran != Ran::kYes) return finish(ran, nullptr);
+  Py_RETURN_NONE;
+  FASTAMP_DIRECT_END
+}
+
+// sgd_q8_(params, grads, masters, momentum_buffer_codes, momentum_buffer_scales, step_scalars,
+// found_inf, rng, rng_base, momentum, dampening, weight_decay, nesterov, maximize, sr_param, sr_codes).
+PyObject* sgd_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != 16) return declined();
+  Borrowed b;
+  OneStateArgs<5> a;
+  double momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false, maximize = false, sr_param = false, sr_codes = false;
+  if (!parse_one_state(args, &b, &a) || !as_double(args[9], &momentum) || !as_double(args[10], &dampening) ||
+      !as_double(args[11], &weight_decay) || !as_bool(args[12], &nesterov) || !as_bool(args[13], &maximize) ||
+      !as_bool(args[14], &sr_param) || !as_bool(args[15], &sr_codes)) {
+    return declined();
+  }
+  const c10::DispatchKeySet ks = b.dispatch_keys();
+  // CPU only: on CUDA the op is the dense kernel composed with the codec, a Python kernel
+  if (ks.has_backend(c10::BackendComponent::CUDABit)) return declined();
+  static auto op = handle<signature::sgd_q8_>("fastamp::sgd_q8_");
+  Void done;
+  const Ran ran = run_kernel(
+      [&] {
+        op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
+                      b.list(a.lists[4]), b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base,
+                      momentum, dampening, weight_decay, nesterov, maximize, sr_param, sr_codes);
+        return Void{};
+      },
+      &done);
+  if (ran != Ran::kYes) return finish(ran, nullptr);
+  Py_RETURN_NONE;
+  FASTAMP_DIRECT_END
+}
+
+// lion_q8_(params, grads, masters, exp_avg_codes, exp_avg_scales, step_scalars, found_inf, rng,
+// rng_base, beta1, beta2, maximize, sr_param, sr_codes).
+PyObject* lion_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  FASTAMP_DIRECT_BEGIN
+  if (nargs != 14) return declined();
+  Borrowed b;
+  OneStateArgs<5> a;
+  double beta1 = 0, beta2 = 0;
+  bool maximize = false, sr_param = false, sr_codes = false;
+  if (!parse_one_state(args, &b, &a) || !as_double(args[9], &beta1) || !as_double(args[10], &beta2) ||
+      !as_bool(args[11], &maximize) || !as_bool(args[12], &sr_param) || !as_bool(args[13], &sr_codes)) {
+    return declined();
+  }
+  const c10::DispatchKeySet ks = b.dispatch_keys();
+  // CPU only: on CUDA the op is the dense kernel composed with the codec, a Python kernel
+  if (ks.has_backend(c10::BackendComponent::CUDABit)) return declined();
+  static auto op = handle<signature::lion_q8_>("fastamp::lion_q8_");
+  Void done;
+  const Ran ran = run_kernel(
+      [&] {
+        op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
+                      b.list(a.lists[4]), b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base,
+                      beta1, beta2, maximize, sr_param, sr_codes);
         return Void{};
       },
       &done);
@@ -502,6 +568,10 @@ PyMethodDef fastamp_direct_methods[] = {
      "torch.ops.fastamp.lion_ without the dispatcher's per-tensor work, or NotImplemented"},
     {"adamw_q8_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_q8_)), METH_FASTCALL,
      "torch.ops.fastamp.adamw_q8_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"sgd_q8_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::sgd_q8_)), METH_FASTCALL,
+     "torch.ops.fastamp.sgd_q8_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"lion_q8_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::lion_q8_)), METH_FASTCALL,
+     "torch.ops.fastamp.lion_q8_ without the dispatcher's per-tensor work, or NotImplemented"},
     {"adamw_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_table)), METH_FASTCALL,
      "a persistent table of adamw_'s params and states for an optimizer's launch plan, or NotImplemented"},
     {"adamw_table_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_table_run)),

@@ -65,6 +65,19 @@ using adamw_q8_ = void(at::TensorList params, at::TensorList grads, at::TensorLi
                        int64_t rng_base, double beta1, double beta2, double eps, bool maximize, bool sr_param,
                        bool sr_codes);
 
+// The one-state rules on 8-bit block-scaled moments (fastamp.ops.registry.Q8_OPS: CPU kernels; the
+// other backends compose the rule's dense kernel with the codec)
+using sgd_q8_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters,
+                     at::TensorList momentum_buffer_codes, at::TensorList momentum_buffer_scales,
+                     const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& rng, int64_t rng_base, double momentum, double dampening,
+                     double weight_decay, bool nesterov, bool maximize, bool sr_param, bool sr_codes);
+
+using lion_q8_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avg_codes,
+                      at::TensorList exp_avg_scales, const at::Tensor& step_scalars,
+                      const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& rng,
+                      int64_t rng_base, double beta1, double beta2, bool maximize, bool sr_param, bool sr_codes);
+
 }  // namespace signature
 }  // namespace fastamp
 

@@ -19,6 +19,8 @@ _OP_MODULES = {
     "adamw_bf16_": "adamw_bf16",
     "sgd_": "sgd",
     "lion_": "sgd",
+    "sgd_q8_": "sgd",
+    "lion_q8_": "sgd",
     "unscale_check_stats_": "amp",
     "adamw_q8_": "adamw_q8",
 }

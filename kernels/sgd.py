@@ -38,7 +38,7 @@ from torch import Tensor
 
 from fastamp.ops import registry
 
-__all__ = ["sgd_", "lion_"]
+__all__ = ["sgd_", "lion_", "sgd_q8_", "lion_q8_"]
 
 # update rules (constexpr RULE)
 _SGD = 0
@@ -359,3 +359,18 @@ def sgd_(*args) -> None:
 def lion_(*args) -> None:
     """Triton :func:`fastamp.reference.lion_` (its arguments, all positional): one launch per (param, grad) dtype group, no host sync."""
     C.call_launcher(_lion_op, _lion_impl, registry.coerce("lion_", args))
+
+
+# sgd_q8_ / lion_q8_: the launchers above composed with the q8 codec (no fused Triton kernel yet)
+_sgd_q8_op = registry.register_triton("sgd_q8_", registry.composed_q8(sgd_))
+_lion_q8_op = registry.register_triton("lion_q8_", registry.composed_q8(lion_))
+
+
+def sgd_q8_(*args) -> None:
+    """Triton :func:`fastamp.reference.sgd_q8_` (its arguments, all positional): :func:`sgd_` on the decoded momentum buffers, encoded again."""
+    _sgd_q8_op(*registry.coerce("sgd_q8_", args))
+
+
+def lion_q8_(*args) -> None:
+    """Triton :func:`fastamp.reference.lion_q8_` (its arguments, all positional): :func:`lion_` on the decoded ``exp_avg``, encoded again."""
+    _lion_q8_op(*registry.coerce("lion_q8_", args))

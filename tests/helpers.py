@@ -96,6 +96,31 @@ def master_of(opt, p):
 
 
 @contextlib.contextmanager
+def num_threads(n: int):
+    """torch's intra-op thread count set to ``n`` inside the block, restored after it."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def run_flushing_denormals(fn) -> None:
+    """``fn()`` on a thread set to flush subnormals to zero (``torch.set_flush_denormal(True)``), then
+    assert the thread still flushes (a kernel that changes the float mode must give it back).
+    Skips where the CPU has no flush-to-zero mode."""
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        fn()
+        still_flushing = float(torch.tensor([1e-39]) * 1.5) == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert still_flushing, "the kernel left the thread without its flush-to-zero mode"
+
+
+@contextlib.contextmanager
 def cuda_syncs_raise():
     """Inside, any host sync with the GPU raises (``torch.cuda.set_sync_debug_mode("error")``); work queued before is finished first."""
     torch.cuda.synchronize()

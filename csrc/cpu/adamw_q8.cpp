@@ -28,6 +28,7 @@
 #include "cpu/isa.h"
 #include "cpu/multi_tensor.h"
 #include "cpu/optim_checks.h"
+#include "cpu/q8_host.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
 #include "op_signatures.h"
@@ -141,26 +142,6 @@ void q8_chunk(const Q8Chunk& c, int64_t n, const Q8Args& a) {
 
 }  // namespace scalar
 
-// The vector codec computes with fp32 subnormals and round-to-nearest (as the reference does): a
-// thread set to flush-to-zero / denormals-are-zero or another rounding mode (as
-// torch.set_flush_denormal(True) does) runs its part of the kernel with the default mode, which
-// it gets back afterwards.
-class DefaultFloatMode {
- public:
-#if FASTAMP_X86_SIMD
-  static constexpr unsigned kControl = 0xE040u;  // MXCSR: flush-to-zero, rounding mode, denormals-are-zero
-  DefaultFloatMode() : saved_(_mm_getcsr() & kControl) {
-    if (saved_ != 0) _mm_setcsr(_mm_getcsr() & ~kControl);
-  }
-  ~DefaultFloatMode() {
-    if (saved_ != 0) _mm_setcsr(_mm_getcsr() | saved_);
-  }
-
- private:
-  unsigned saved_;
-#endif
-};
-
 #define FASTAMP_ISA_KERNELS "cpu/adamw_q8_kernels.inc"
 #include "cpu/per_isa.inc"  // namespaces avx512 and avx2: the loops of adamw_q8_kernels.inc per ISA
 
@@ -236,24 +217,6 @@ inline void prefetch_storage_impl(const at::Tensor& t) {
   const char* storage = reinterpret_cast<const char*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
   prefetch_line(storage);
   prefetch_line(storage + 64);
-}
-
-// A scale list's tensor: defined, CPU, dense, uint8, contiguous, 1-D of ceil(numel / 32) bytes.
-void check_scales(const char* list, size_t i, const at::Tensor& t, const at::Tensor& param) {
-  constexpr const char* op = "adamw_q8_";
-  TORCH_CHECK(t.defined(), "fastamp::", op, ": ", list, "[", i, "] is undefined");
-  TORCH_CHECK(t.device().is_cpu(), "fastamp::", op, ": ", list, "[", i, "] must be a CPU tensor, got device ",
-              t.device());
-  TORCH_CHECK(t.layout() == at::kStrided, "fastamp::", op, ": ", list, "[", i,
-              "] must be a dense (strided) tensor, got layout ", t.layout());
-  TORCH_CHECK(t.scalar_type() == at::kByte, "fastamp::", op, ": ", list, "[", i, "] must have dtype ", at::kByte,
-              ", got ", t.scalar_type());
-  TORCH_CHECK(t.is_contiguous(), "fastamp::", op, ": ", list, "[", i, "] must be contiguous, got strides ",
-              t.strides());
-  const int64_t blocks = (param.numel() + kBlock - 1) / kBlock;
-  TORCH_CHECK(t.dim() == 1 && t.numel() == blocks, "fastamp::", op, ": ", list, "[", i, "] must be 1-D with ", blocks,
-              " scale bytes (one per block of 32 of the ", param.numel(), " elements of params[", i, "]), got shape ",
-              t.sizes());
 }
 
 void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avg_codes,
@@ -341,8 +304,8 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
     }
     check_list_tensor(op, "exp_avg_codes", i, exp_avg_codes[i], p, at::kByte);
     check_list_tensor(op, "exp_avg_sq_codes", i, exp_avg_sq_codes[i], p, at::kByte);
-    check_scales("exp_avg_scales", i, exp_avg_scales[i], p);
-    check_scales("exp_avg_sq_scales", i, exp_avg_sq_scales[i], p);
+    check_q8_scales(op, "exp_avg_scales", i, exp_avg_scales[i], p);
+    check_q8_scales(op, "exp_avg_sq_scales", i, exp_avg_sq_scales[i], p);
     numels[i] = p.numel();
     // the param's random bits only where the reference draws them: ulp8 corrections, and bf16
     // params without a master

@@ -19,7 +19,17 @@ from torch import Tensor
 from fastamp.ops import backends, registry
 from fastamp.ops import validate as V
 
-__all__ = ["unscale_check_", "update_scale_", "adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "lion_"]
+__all__ = [
+    "unscale_check_",
+    "update_scale_",
+    "adamw_",
+    "adamw_bf16_",
+    "adamw_q8_",
+    "sgd_",
+    "lion_",
+    "sgd_q8_",
+    "lion_q8_",
+]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -455,3 +465,83 @@ def lion_(
     tensors = (params, grads, masters, exp_avgs, step_scalars, found_inf, rng)
     args = registry.coerce(op, tensors + (rng_base, beta1, beta2, maximize))
     _call_checked(op, dev, backend, args, lambda strict: V.lion(op, dev, *args[:7], strict=strict))
+
+
+def sgd_q8_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    momentum_buffer_codes: Sequence[Tensor],
+    momentum_buffer_scales: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Tensor | None,
+    rng: Tensor | None = None,
+    rng_base: int = 0,
+    *,
+    momentum: float,
+    dampening: float,
+    weight_decay: float,
+    nesterov: bool = False,
+    maximize: bool = False,
+    sr_param: bool = False,
+    sr_codes: bool = False,
+    backend: str | None = None,
+) -> None:
+    """:func:`sgd_` with the momentum buffers as q8 codes and scales (see :func:`fastamp.reference.sgd_q8_`).
+
+    Codes are uint8 shaped like the params (contiguous), scales uint8 ``[ceil(n / 32)]``;
+    ``momentum`` non-zero. ``rng`` (``[seed, counter]``, int64) drives the stochastic rounding of
+    the codes (``sr_codes``) and of bf16 params without a master (``sr_param``). No host sync.
+
+    Backends: native (a fused CPU kernel; on CUDA the dense kernel composed with the codec),
+    Triton (composed), torch.
+    """
+    op = "sgd_q8_"
+    if len(params) == 0:
+        return
+    if momentum == 0:
+        raise ValueError(f"{op}: momentum must be non-zero (the q8 codes hold the momentum buffer)")
+    dev = params[0].device
+    tensors = (params, grads, masters, momentum_buffer_codes, momentum_buffer_scales, step_scalars, found_inf, rng)
+    args = registry.coerce(
+        op, tensors + (rng_base, momentum, dampening, weight_decay, nesterov, maximize, sr_param, sr_codes)
+    )
+    names = ("momentum_buffer_codes", "momentum_buffer_scales")
+    _call_checked(op, dev, backend, args,
+                  lambda strict: V.one_state_q8(op, dev, *args[:8], sr_param, sr_codes, names,
+                                                "[lr, grad_mul, is_first]", strict=strict))  # fmt: skip
+
+
+def lion_q8_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    exp_avg_codes: Sequence[Tensor],
+    exp_avg_scales: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Tensor | None,
+    rng: Tensor | None = None,
+    rng_base: int = 0,
+    *,
+    beta1: float,
+    beta2: float,
+    maximize: bool = False,
+    sr_param: bool = False,
+    sr_codes: bool = False,
+    backend: str | None = None,
+) -> None:
+    """:func:`lion_` with ``exp_avg`` as q8 codes and scales (see :func:`fastamp.reference.lion_q8_`).
+
+    Arguments and backends as in :func:`sgd_q8_`. No host sync.
+    """
+    op = "lion_q8_"
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    V.lion_hyper(op, beta1, beta2)
+    tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, step_scalars, found_inf, rng)
+    args = registry.coerce(op, tensors + (rng_base, beta1, beta2, maximize, sr_param, sr_codes))
+    names = ("exp_avg_codes", "exp_avg_scales")
+    _call_checked(op, dev, backend, args,
+                  lambda strict: V.one_state_q8(op, dev, *args[:8], sr_param, sr_codes, names,
+                                                "[lr, decay, grad_mul]", strict=strict))  # fmt: skip

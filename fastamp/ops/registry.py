@@ -157,12 +157,15 @@ RELEASE_OPS: dict[str, OpDef] = {
     ),
 }
 
-# AdamW on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
-# fastamp.reference.adamw_q8_), defined in the native and Triton namespaces (kernels: csrc/cpu and
-# csrc/cuda adamw_q8, kernels/adamw_q8.py) and as an opaque reference op (reference_op). It stays
-# out of OPS, whose ops every backend registers with one kernel per device: a native build may
-# lack its CUDA kernel (native_has_kernel says), and the native kernels do not take every master
-# kind yet (fastamp.functional.adamw_q8_ routes those).
+# The rules on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
+# fastamp.reference.adamw_q8_, sgd_q8_, lion_q8_), defined in the native and Triton namespaces
+# and as opaque reference ops (reference_op). adamw_q8_ has kernels of its own on every backend
+# (csrc/cpu and csrc/cuda adamw_q8, kernels/adamw_q8.py). sgd_q8_ and lion_q8_ have native CPU
+# kernels (csrc/cpu/one_state.cpp); on the other backends they are the rule's dense kernel
+# composed with the codec (fastamp.reference.one_state_q8, registered by
+# register_composed_q8 and kernels/sgd.py). They stay out of OPS, whose ops every backend
+# registers with one kernel per device: a native build may lack a CUDA kernel
+# (native_has_kernel says).
 Q8_OPS: dict[str, OpDef] = {
     "adamw_q8_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
@@ -175,7 +178,42 @@ Q8_OPS: dict[str, OpDef] = {
         "(when sr_param or sr_codes), never advances it; step_scalars: fp32 [4] shared or [n, 4] (contiguous, row i "
         "for tensor i)",
     ),
+    "sgd_q8_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] momentum_buffer_codes, "
+        "Tensor(d!)[] momentum_buffer_scales, Tensor step_scalars, Tensor? found_inf, Tensor? rng, int rng_base, "
+        "float momentum, float dampening, float weight_decay, bool nesterov, bool maximize, bool sr_param, "
+        "bool sr_codes) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, masters and the momentum buffers' codes and scales (nothing when found_inf is non-zero); "
+        "reads rng (when sr_param or sr_codes); step_scalars: fp32 [3] shared or [n, 3]",
+    ),
+    "lion_q8_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
+        "Tensor(d!)[] exp_avg_scales, Tensor step_scalars, Tensor? found_inf, Tensor? rng, int rng_base, "
+        "float beta1, float beta2, bool maximize, bool sr_param, bool sr_codes) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, masters and exp_avg's codes and scales (nothing when found_inf is non-zero); reads rng "
+        "(when sr_param or sr_codes); step_scalars: fp32 [3] shared or [n, 3]",
+    ),
 }
+
+# The q8 ops a backend without a kernel of its own runs as the rule's dense op composed with the
+# codec (fastamp.reference.one_state_q8): op -> its dense op.
+COMPOSED_Q8: dict[str, str] = {"sgd_q8_": "sgd_", "lion_q8_": "lion_"}
+
+
+def composed_q8(dense: Callable) -> Callable:
+    """A kernel of a :data:`COMPOSED_Q8` op (its arguments, all positional): ``dense`` (a backend's kernel of the dense op) composed with the codec."""
+
+    def composed(*args) -> None:
+        from fastamp.reference.optim import one_state_q8
+
+        one_state_q8(dense, *args)
+
+    return composed
+
 
 # The step scalars of a compiled optimizer step: opaque ops, so that inductor does not
 # re-derive eager's fp64 maths with another rounding. Kernels: fastamp/optim/engine/traced.py.
@@ -294,6 +332,10 @@ def _load_native() -> None:
         NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/ops/registry.py: {e}"
         return
     NATIVE_LOADED = True
+    # a CUDA build without a CUDA kernel of a composed q8 op: the dense CUDA kernel and the codec
+    for op, dense in COMPOSED_Q8.items():
+        if native_has_kernel(dense, "cuda") and not native_has_kernel(op, "cuda"):
+            lib.impl(op, composed_q8(getattr(torch.ops.fastamp, dense)), "CUDA")
 
 
 def _register(ns: str, op: str, impl: Callable, keys: tuple[str, ...]):

@@ -317,14 +317,43 @@ def _master_and_state(
     if not strict:
         return
     _device_scalars(op, dev, step_scalars, len(params), 3, layout, found_inf, rng)
-    remainder = len(masters) > 0 and masters[0].dtype == torch.int16
+    streams = _one_state_masters(op, params, masters)
+    if state is not None:
+        streams.append((*state, (torch.float32,)))
+    _streams(op, params, grads, FLOAT_DTYPES, streams)
+
+
+def _one_state_masters(op: str, params, masters) -> list:
+    """The master stream of a one-state op (fp32, or int16 remainders of bf16 params), as :func:`_streams` takes it."""
+    if not len(masters):
+        return []
+    remainder = masters[0].dtype == torch.int16
     if remainder:
         for i, p in enumerate(params):
             if p.dtype != torch.bfloat16:
                 raise TypeError(f"{op}: int16 remainders need bfloat16 params, but params[{i}] is {p.dtype}")
-    streams = []
+    return [("masters", masters, (torch.int16,) if remainder else (torch.float32,))]
+
+
+def one_state_q8(
+    op: str, dev, params, grads, masters, codes, scales, step_scalars, found_inf, rng, sr_param, sr_codes, names,
+    layout: str, *, strict: bool,
+) -> None:  # fmt: skip
+    """``sgd_q8_`` / ``lion_q8_``: uint8 codes shaped like the params, uint8 scales of ``ceil(n / 32)``.
+
+    Every backend, the reference included (strict or not): the composed step writes tensor 0
+    before it would find tensor 1's scales of the wrong length. ``names``: the two lists' names.
+    """
+    from fastamp.reference.q8 import num_blocks
+
+    lists = {"grads": grads, names[0]: codes, names[1]: scales}
     if len(masters):
-        streams.append(("masters", masters, (torch.int16,) if remainder else (torch.float32,)))
-    if state is not None:
-        streams.append((*state, (torch.float32,)))
-    _streams(op, params, grads, FLOAT_DTYPES, streams)
+        lists["masters"] = masters
+    _lists(op, dev, params, lists)
+    if (sr_param or sr_codes) and rng is None:
+        raise ValueError(f"{op}: sr_param / sr_codes need rng (an int64 tensor [seed, counter] on the device)")
+    _device_scalars(op, dev, step_scalars, len(params), 3, layout, found_inf, rng)
+    u8 = (torch.uint8,)
+    streams = _one_state_masters(op, params, masters)
+    streams += [(names[0], codes, u8), (names[1], scales, u8, num_blocks)]
+    _streams(op, params, grads, (torch.float32, torch.float16, torch.bfloat16), streams)

@@ -1,7 +1,8 @@
-"""``SGD`` / ``Lion`` with ``state_format="q8"``: 8-bit moments for the rules without a fused q8 kernel (issue 22).
+"""``SGD`` / ``Lion`` with ``state_format="q8"``: 8-bit moments for the one-state rules (issue 22).
 
-Their dense kernel runs on the decoded moments and the result is encoded again
-(``fastamp.optim.formats.moments.q8_composed_step``). The defining check: q8 equals the same
+Their q8 ops (``sgd_q8_``, ``lion_q8_``) are fused on the native CPU backend and, elsewhere, the
+rule's dense kernel on the decoded moments with the result encoded again
+(``fastamp.reference.one_state_q8``). The defining check: q8 equals the same
 rule with fp32 moments replaced by ``decode(encode(.))`` after every step, with the random bits
 of the stream AdamW's fused kernel uses for its first moment (``4 * tid + 1``), bit for bit, on
 every backend. Then what a user does to it: skip, compile, checkpoint, resume, switch formats,
@@ -38,9 +39,9 @@ def _params(dtype=torch.bfloat16, seed=0):
 
 
 RULES = {
-    "sgd": (SGD, "sgd_", "momentum_buffer", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
-    "nesterov": (SGD, "sgd_", "momentum_buffer", dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
-    "lion": (Lion, "lion_", "exp_avg", dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+    "sgd": (SGD, "sgd_q8_", "momentum_buffer", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "nesterov": (SGD, "sgd_q8_", "momentum_buffer", dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
+    "lion": (Lion, "lion_q8_", "exp_avg", dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
 }
 
 
@@ -80,9 +81,9 @@ CASES = [
 def test_q8_equals_the_rule_with_requantised_fp32_moments(rule, backend, rounding, masters, slice_numel, monkeypatch):
     """``masters="sr"``: bf16 params without a master, rounded with stream ``4 * tid`` (the moment takes ``+1``)."""
     if slice_numel is not None:
-        from fastamp.optim.formats import moments
+        from fastamp.reference import optim as reference_optim
 
-        monkeypatch.setattr(moments, "COMPOSED_SLICE", slice_numel)
+        monkeypatch.setattr(reference_optim, "Q8_SLICE", slice_numel)
     cls, _, key, hyper = RULES[rule]
     mkw = {"master_weights": "remainder"} if masters == "remainder" else {"master_weights": False,
                                                                          "stochastic_rounding": True}  # fmt: skip

@@ -90,6 +90,23 @@ def _q8_args(master="remainder", sr=True):
             0.9, 0.999, 1e-8, False, sr and master != "remainder", sr]  # fmt: skip
 
 
+def _one_state_q8_args(rule, master=True, sr=True):
+    from fastamp.reference import q8
+
+    gen = torch.Generator().manual_seed(10)
+    params = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    grads = [torch.randn(k, generator=gen).bfloat16() for k in SIZES]
+    masters = [torch.randint(-(2**15), 2**15, (k,), generator=gen, dtype=torch.int16) for k in SIZES] if master else []
+    codes = [torch.randint(0, 256, (k,), generator=gen, dtype=torch.uint8) for k in SIZES]
+    scales = [torch.randint(60, 130, (q8.num_blocks(k),), generator=gen, dtype=torch.uint8) for k in SIZES]
+    rng_t = torch.tensor([3, 9], dtype=torch.int64) if sr else None
+    head = [params, grads, masters, codes, scales]
+    flags = [sr and not master, sr]
+    if rule == "sgd":
+        return head + [torch.tensor([0.1, 0.5, 0.0]), torch.zeros(1), rng_t, 4, 0.9, 0.1, 0.01, True, False, *flags]
+    return head + [torch.tensor([1e-3, 0.999, 0.5]), torch.zeros(1), rng_t, 4, 0.9, 0.99, True, *flags]
+
+
 def _unscale_args(stats=False):
     gen = torch.Generator().manual_seed(6)
     grads = [torch.randn(k, generator=gen).to(dt) for k, dt in zip(SIZES, (torch.float32, torch.bfloat16) * 3)]
@@ -106,6 +123,8 @@ CASES = {
     "sgd_": [lambda: _sgd_args(), lambda: _sgd_args(master=False)],
     "lion_": [lambda: _lion_args(), lambda: _lion_args(master=False, rng=True, maximize=True)],
     "adamw_q8_": [lambda: _q8_args(), lambda: _q8_args("ulp8"), lambda: _q8_args("none", sr=False)],
+    "sgd_q8_": [lambda: _one_state_q8_args("sgd"), lambda: _one_state_q8_args("sgd", master=False, sr=False)],
+    "lion_q8_": [lambda: _one_state_q8_args("lion"), lambda: _one_state_q8_args("lion", master=False)],
     "unscale_check_": [lambda: _unscale_args()],
     "unscale_check_stats_": [lambda: _unscale_args(stats=True)],
 }
@@ -217,6 +236,8 @@ def test_declines_grad_mode_with_requires_grad_only():
         ("lion_", lambda a: a[3].__setitem__(1, a[3][1].half())),  # exp_avg dtype
         ("lion_", lambda a: a.__setitem__(4, torch.ones(4))),  # step_scalars
         ("adamw_q8_", lambda a: a[4].__setitem__(2, a[4][2][:-1].clone())),  # scales length
+        ("sgd_q8_", lambda a: a[3].__setitem__(1, a[3][1].int())),  # codes dtype
+        ("lion_q8_", lambda a: a[4].__setitem__(2, a[4][2][:-1].clone())),  # scales length
         ("unscale_check_", lambda a: a[0].__setitem__(1, a[0][1].double())),  # fp64 grad
         ("unscale_check_stats_", lambda a: a.__setitem__(5, torch.zeros(2, 3, dtype=torch.int64))),
     ],

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_bits_equal, clone_lists
+from helpers import assert_bits_equal, clone_lists, num_threads, run_flushing_denormals
 
 from fastamp import reference
 from fastamp.ops import registry
@@ -25,18 +25,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 BETAS = (0.9, 0.999)
 EPS = 1e-8
-
-
-def _threads(n):
-    class _Ctx:
-        def __enter__(self):
-            self.old = torch.get_num_threads()
-            torch.set_num_threads(n)
-
-        def __exit__(self, *exc):
-            torch.set_num_threads(self.old)
-
-    return _Ctx()
 
 
 def _grad(n, gen, dtype, adversarial):
@@ -106,7 +94,7 @@ def _run_both(state, grads_per_step, sc_per_step, rng_counter0=0, found_inf=None
     for step, (grads, sc) in enumerate(zip(grads_per_step, sc_per_step)):
         rng_n[1] = rng_r[1] = rng_counter0 + step
         for impl, st, rng in ((OPS.adamw_q8_, nat, rng_n), (reference.adamw_q8_, ref, rng_r)):
-            with _threads(threads):
+            with num_threads(threads):
                 impl(st[0], grads, st[1], st[2], st[3], st[4], st[5], sc, found_inf, rng, rng_base, betas[0],
                      betas[1], EPS, maximize, sr_param, sr_codes)  # fmt: skip
     return nat, ref
@@ -217,19 +205,12 @@ def test_thread_float_mode_does_not_change_bytes(isa):
     plain, flushed = _lists(tensors), clone_lists(_lists(tensors))
 
     def step(st):
-        with _threads(1):
+        with num_threads(1):
             OPS.adamw_q8_(st[0], grads, st[1], st[2], st[3], st[4], st[5], _scalars(3), None, torch.tensor([5, 2]), 0,
                           *BETAS, EPS, False, False, True)  # fmt: skip
 
     step(plain)
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU has no flush-to-zero mode")
-    try:
-        step(flushed)
-        still_flushing = float(torch.tensor([1e-39]) * 1.5) == 0.0
-    finally:
-        torch.set_flush_denormal(False)
-    assert still_flushing
+    run_flushing_denormals(lambda: step(flushed))
     _assert_same(flushed, plain, f"{isa} flush-to-zero thread")
 
 

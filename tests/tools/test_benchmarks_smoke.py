@@ -416,5 +416,5 @@ def test_q8_rules_bench_times_every_row_and_compares_with_its_dense_step(capsys)
     assert all(r["ms"] > 0 for r in rows)
     q8_rows = [r for r in rows if r["base"]]
     assert len(q8_rows) == 2 and all(r["ratio"] > 0 for r in q8_rows)
-    assert bench_q8_rules.main(["--numel", "4099", "--tensors", "2", "--repeats", "1"]) == 0
+    assert bench_q8_rules.main(["--shapes", "2x4099,3x65", "--threads", "1", "--repeats", "1"]) == 0
     assert "| fastamp Lion q8 |" in capsys.readouterr().out

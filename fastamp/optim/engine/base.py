@@ -181,6 +181,11 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         """Whether ``p`` keeps its moments as q8 codes (the group's ``state_format``, for params of ``lowbit_min_numel`` or more)."""
         return group["state_format"] == "q8" and p.numel() >= group["lowbit_min_numel"]
 
+    @staticmethod
+    def _q8_flags(group: dict[str, Any], launch: Any) -> tuple[bool, bool]:
+        """``(sr_param, sr_codes)`` of a launch of a one-state q8 op: a bf16 param without a master, the codes."""
+        return launch.kind == "sr", group["state_rounding"] == "stochastic" and launch.rng is not None
+
     def _moment_format(self, group: dict[str, Any], p: Tensor, kind: str) -> Any:
         """The :class:`~fastamp.optim.formats.moments.MomentFormat` ``p``'s moments are kept in (q8 or fp32 here)."""
         return _formats.Q8 if self._q8(group, p) else _formats.FP32
@@ -844,11 +849,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                                 part.op, self.backend, part.kind, part.params, part.grads, part.launch,
                                 found_inf, part.rng, part.rng_base,
                             )  # fmt: skip
-                            if run.q8_composed:
-                                _formats.q8_composed_step(
-                                    self, group, launch, scalars, self._call_op, _formats.COMPOSED_SLICE
-                                )
-                                continue
                             args = self._kernel_args(group, launch, scalars)
                             n, names = _keyword_args(part.op)
                             kw = dict(zip(names, args[n:]))
@@ -876,11 +876,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             if gp.remainder:
                 gp.versions = list(map(_version_of, gp.remainder))
                 self._param_versions.update(zip(map(id, gp.remainder), gp.versions))
-
-    def _call_op(self, op: str, args: tuple) -> None:
-        """``op`` with the positional ``args`` of :meth:`_kernel_args`, through the dispatcher (eager)."""
-        n, names = _keyword_args(op)
-        getattr(functional, op)(*args[:n], **dict(zip(names, args[n:])), backend=self.backend)
 
     def _table_of(self, run: _Run, args: tuple, kw: dict[str, Any]) -> Any:
         """The run's persistent kernel table (made at its first native launch), or None.

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from fastamp._dtensor import is_dtensor, local_of
-from fastamp.optim.formats.moments import composed
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -211,12 +210,10 @@ class _Run:
         "whole",
         "row0",
         "table",
-        "q8_composed",
     )
 
     def __init__(self, op: str, kind: str, keys: tuple[str, ...] = ()) -> None:
         self.op, self.kind, self.keys = op, kind, keys
-        self.q8_composed = composed(op, keys)  # a dense rule kernel on q8 moments (formats.moments.q8_composed_step)
         self.params: list[Tensor] = []
         self.grads: list[Tensor] = []
         self.states: list[dict[str, Any]] = []

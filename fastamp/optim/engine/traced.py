@@ -83,7 +83,6 @@ from torch import Tensor
 from fastamp import reference
 from fastamp.ops import backends, registry
 from fastamp.optim.engine.plan import AmpInputs
-from fastamp.optim.formats.moments import composed, q8_composed_step
 
 
 def _amp_found_inf(found_inf: Tensor, device: torch.device) -> Tensor:
@@ -238,12 +237,7 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                 fi = None if found_inf is None else _amp_found_inf(found_inf, dev)
                 rng = tensors["rng"][0] if "rng" in tensors else None
                 launch = Launch(op, backend, kind, launch_params, grads, tensors, fi, rng, rng_base)
-                if composed(op, keys):
-                    q8_composed_step(
-                        opt, group, launch, scalars, lambda op, args, b=backend: backends.kernel(op, b)(*args)
-                    )
-                else:
-                    backends.kernel(op, backend)(*opt._kernel_args(group, launch, scalars))
+                backends.kernel(op, backend)(*opt._kernel_args(group, launch, scalars))
                 for i in strided:
                     ps[i].copy_(launch_params[i])
                 if counter is None:

@@ -23,7 +23,6 @@ import torch
 from torch import Tensor
 
 from fastamp.optim.engine.checks import where_of
-from fastamp.reference.formats import sr_random16
 
 CODES = "_q"
 SCALE = "_scale"
@@ -189,93 +188,3 @@ def export_fp32(st: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
             out.pop(k, None)
         out[key] = value.contiguous()
     return out
-
-
-# Ops whose kernels read and write q8 moments themselves; a rule without one runs its dense
-# kernel on decoded moments (:func:`q8_composed_step`).
-FUSED_Q8_OPS = frozenset({"adamw_q8_"})
-
-
-def composed(op: str, keys: tuple[str, ...]) -> bool:
-    """Whether a launch of ``op`` over state ``keys`` holds q8 moments that ``op`` does not read itself."""
-    return op not in FUSED_Q8_OPS and any(k.endswith(CODES) for k in keys)
-
-
-# Elements per slice of the eager composed step: a multiple of the q8 block (32), small enough
-# that the codec's int64 temporaries stay in cache (~100 B per element; measured 4x faster
-# than whole 16M-element tensors on CPU) and bound the step's scratch memory.
-COMPOSED_SLICE = 1 << 16
-
-
-def q8_composed_step(
-    opt: Any, group: dict[str, Any], launch: Any, scalars: Tensor, call: Any, slice_numel: int | None = None
-) -> None:
-    """One launch of a rule without a fused q8 kernel (SGD, Lion) over q8 moments, eager or traced.
-
-    Tensor by tensor, and in eager mode slice by slice of ``slice_numel`` elements (a multiple
-    of 32: whole q8 blocks), so the scratch is one slice's moments: each q8 moment decoded to
-    fp32 (exact), the rule's dense kernel run on it with the param's master, grad and step
-    scalars (``call(op, args)``: the kernel of the launch's backend), the updated moment
-    encoded again: stochastic rounding with the random bits of stream
-    ``4 * (rng_base + i) + 1 + j`` for the ``j``-th moment key at the elements' flat indices
-    (AdamW's fused kernel uses the same streams: +1 for ``exp_avg``, +2 for ``exp_avg_sq``;
-    stream ``4 * (rng_base + i)`` rounds the param), or to nearest even under
-    ``state_rounding="nearest"``. A param rounded stochastically without a master (kind
-    ``"sr"``) is not sliced: the kernel draws its bits at indices from 0. Under a non-zero
-    ``found_inf`` the kernel writes nothing and every code and scale byte is kept (a
-    ``where``, not a re-encode: encoding a decoded block need not give its scale byte back).
-    The result is a function of the reference codec and the rule's kernel only, so every
-    backend whose rule kernel is exact gives the same bytes, sliced or not
-    (``tests/api/test_q8_rules.py`` checks it against a loop of reference calls).
-
-    This is the slow path of a correct result: ~100x the dense step (``benchmarks/bench_q8_rules.py``:
-    ~31 ns per element on 2 CPU cores against ~0.3 ns); a fused one-state q8 kernel is the fast
-    one still to write (see issue 22's notes).
-    """
-    keys = opt._moment_keys(group)
-    sr = group["state_rounding"] == "stochastic" and launch.rng is not None
-    keep = None if launch.found_inf is None else (launch.found_inf.reshape(()) != 0)
-    seed = counter = None
-    if sr:
-        seed, counter = launch.rng.reshape(-1)[0], launch.rng.reshape(-1)[1]
-    rows = scalars.dim() == 2
-    for i, p in enumerate(launch.params):
-        n = p.numel()
-        step = n if slice_numel is None or launch.kind == "sr" else slice_numel
-        for start in range(0, n, step):
-            end = min(n, start + step)
-            whole = start == 0 and end == n
-
-            def part(t: Tensor, start=start, end=end, whole=whole) -> Tensor:
-                return t if whole else t.view(-1)[start:end]
-
-            state = {k: [part(v[i])] for k, v in launch.state.items() if not k.endswith((CODES, SCALE))}
-            held_codes = []
-            for key in keys:
-                codes = part(launch.state[key + CODES][i])
-                scales = launch.state[key + SCALE][i]
-                if not whole:
-                    scales = scales[start // 32 : -(-end // 32)]
-                value = Q8.decode({key + CODES: codes, key + SCALE: scales}, key)
-                state[key] = [value]
-                held_codes.append((key, codes, scales, value))
-            # the rule's kernel rounds the param stochastically whenever it is given random bits:
-            # only a param without a master under stochastic_rounding ("sr") gets them, not one
-            # that draws bits for its q8 moments only
-            sub = launch._replace(
-                params=[part(p)],
-                grads=[part(launch.grads[i])],
-                state=state,
-                rng=launch.rng if launch.kind == "sr" else None,
-                rng_base=launch.rng_base + i,
-            )
-            call(launch.op, opt._kernel_args(group, sub, scalars[i : i + 1] if rows else scalars))
-            for j, (key, codes, scales, value) in enumerate(held_codes):
-                rand = None
-                if sr:
-                    stream = 4 * (launch.rng_base + i) + 1 + j
-                    rand = sr_random16(seed, counter, stream, end - start, p.device, offset=start)
-                new = Q8.encode_rounded(key, value, rand)
-                for dst, src in zip((codes, scales), new):
-                    src = src.reshape(dst.shape)
-                    dst.copy_(src if keep is None else torch.where(keep, dst, src))

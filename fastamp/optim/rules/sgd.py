@@ -96,8 +96,8 @@ class SGD(FusedOptimizer):
             :class:`fastamp.optim.AdamW`'s ``state_format="q8"``), 1 + 1/32 bytes per element
             instead of 4 (bf16 params with remainder masters: 7.03 B/param of param + grad +
             state instead of 10). Bit for bit this SGD with the buffer replaced by
-            ``decode(encode(.))`` after every step. SGD has no fused q8 kernel yet: the step
-            decodes, runs the dense kernel and encodes in torch ops, ~100x the dense step's time.
+            ``decode(encode(.))`` after every step (op ``sgd_q8_``: fused on the native CPU
+            backend, as fast as the dense step; elsewhere the dense kernel composed with the codec).
         lowbit_min_numel (int, optional): params with fewer elements keep an fp32 buffer under
             ``state_format="q8"`` (default 4096).
         state_rounding (str, optional): ``"stochastic"`` (default; random bits of stream
@@ -181,7 +181,7 @@ class SGD(FusedOptimizer):
         return super()._plan_key(group) + (group["momentum"] != 0,)
 
     def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
-        return "sgd_"
+        return "sgd_q8_" if group["momentum"] != 0 and self._q8(group, p) else "sgd_"
 
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
@@ -213,21 +213,13 @@ class SGD(FusedOptimizer):
     def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
         st = launch.state
         masters = {"fp32": "master_param", "remainder": "master_remainder"}.get(launch.kind)
-        return (
-            launch.params,
-            launch.grads,
-            st[masters] if masters else [],
-            st["momentum_buffer"] if group["momentum"] != 0 else [],
-            scalars,
-            launch.found_inf,
-            launch.rng,
-            launch.rng_base,
-            float(group["momentum"]),
-            float(group["dampening"]),
-            float(group["weight_decay"]),
-            bool(group["nesterov"]),
-            bool(group["maximize"]),
-        )
+        hyper = (float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
+                 bool(group["nesterov"]), bool(group["maximize"]))  # fmt: skip
+        head = (launch.params, launch.grads, st[masters] if masters else [])
+        tail = (scalars, launch.found_inf, launch.rng, launch.rng_base, *hyper)
+        if launch.op == "sgd_q8_":
+            return (*head, st["momentum_buffer_q"], st["momentum_buffer_scale"], *tail, *self._q8_flags(group, launch))
+        return (*head, st["momentum_buffer"] if group["momentum"] != 0 else [], *tail)
 
     # ---- state_dict ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
