@@ -35,6 +35,10 @@ The ulp8 rows run ``adamw_q8_`` on the torch reference backend while the native 
 ulp8 masters (:func:`fastamp.functional.adamw_q8_` picks it under AUTO): the same bits by the
 backend contract, but their wall time per run says nothing about the kernels' speed.
 
+``--optimizer lion`` runs the same study with ``fastamp.optim.Lion`` (betas (0.9, 0.99); Lion
+wants a 3-10x smaller lr and a larger weight decay than AdamW: pass ``--lr`` / ``--weight-decay``)
+on the rows Lion takes (no ulp8: that master is AdamW's), tag ``cpu-lion``.
+
 Writes ``results/convergence_q8-<tag>.{md,json}`` (tag ``cpu``, ``cpu-quick`` with ``--quick``).
 Run the full study niced: ``nice -n 10 python benchmarks/convergence_q8.py``.
 """
@@ -147,6 +151,13 @@ CONFIGS = (
            "fp16 params, int8 ulp8 master corrections (stochastic), q8 moments, fastamp.Scaler, injected overflows"),
 )  # fmt: skip
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
+
+# --optimizer: the class, its name in the report, its fixed hyperparameters (report text), and
+# the configs it cannot run
+OPTIMIZERS = {
+    "adamw": ("AdamW", "betas (0.9, 0.999), eps 1e-8", ()),
+    "lion": ("Lion", "betas (0.9, 0.99)", ("ulp8-q8", "fp16-ulp8-q8")),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -296,6 +307,7 @@ def train(
     weight_decay: float,
     n_evals: int,
     after_step: Callable[[int, fastamp.optim.AdamW], None] | None = None,
+    optimizer: str = "adamw",
 ) -> RunResult:
     """One run of ``cfg`` with ``seed``; ``after_step(step, opt)`` runs after every optimizer step
     (the grads still in place), before the validation that follows it (the ablation's hook)."""
@@ -303,7 +315,8 @@ def train(
     torch.manual_seed(seed)
     model = TinyGPT(len(data.corpus.vocab), spec.seq_len, spec.n_layer, spec.d_model, spec.n_head)
     fastamp.cast_model(model, cfg.dtype)
-    opt = fastamp.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, seed=seed, **cfg.kwargs)
+    opt_cls = getattr(fastamp.optim, OPTIMIZERS[optimizer][0])
+    opt = opt_cls(model.parameters(), lr=lr, weight_decay=weight_decay, seed=seed, **cfg.kwargs)
     fp16 = cfg.dtype == torch.float16
     scaler = fastamp.Scaler("cpu", growth_interval=100) if fp16 else None
     res = RunResult(cfg.name, seed)
@@ -324,9 +337,13 @@ def train(
             loss = TinyGPT.loss(model(x), y)
         if scaler is not None:
             scaler.scale(loss * INJECT_FACTOR if step in inject else loss).backward()
+            before = scaler.get_scale() if optimizer != "adamw" else None
             scaler.step(opt)
             scaler.update()
-            counts.append(float(next(iter(opt.state.values()))["step"]))
+            if before is None:
+                counts.append(float(next(iter(opt.state.values()))["step"]))
+            elif scaler.get_scale() < before:  # no step count (Lion): a skipped step backs the scale off
+                res.skipped.append(step)
         else:
             loss.backward()
             opt.step()
@@ -345,7 +362,8 @@ def train(
     res.q8_params, res.q8_tensors = sum(p.numel() for p in q8), len(q8)
     res.ulp8_params = sum(p.numel() for p in params if "master_ulp8" in opt.state[p])
     if scaler is not None:
-        res.skipped = [i for i, c in enumerate(counts) if c == (counts[i - 1] if i else 0.0)]
+        if optimizer == "adamw":
+            res.skipped = [i for i, c in enumerate(counts) if c == (counts[i - 1] if i else 0.0)]
         res.final_scale = float(scaler.get_scale())
     return res
 
@@ -404,7 +422,9 @@ def judge(runs: dict[str, list[RunResult]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def verdict(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick: bool = False) -> str:
+def verdict(
+    rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick: bool = False, name: str = "AdamW"
+) -> str:
     def pct(r):
         return f"{(r['ratio'] - 1) * 100:+.2f}%"
 
@@ -468,12 +488,12 @@ def verdict(rows: dict[str, dict[str, Any]], steps: int, seeds: list[int], quick
     if valid and q8 and not failed:
         parts.insert(
             0,
-            f"Verdict: on this study ({steps} steps, {len(seeds)} seeds), AdamW with q8 moments (and with ulp8 "
-            "masters, where they ran) trains as well as fp32-master AdamW.",
+            f"Verdict: on this study ({steps} steps, {len(seeds)} seeds), {name} with q8 moments (and with ulp8 "
+            f"masters, where they ran) trains as well as fp32-master {name}.",
         )
     elif valid and failed:
         parts.insert(0, f"Verdict: on this study ({steps} steps, {len(seeds)} seeds), the 8-bit formats do NOT match "
-                     "fp32-master AdamW in every configuration.")  # fmt: skip
+                     f"fp32-master {name} in every configuration.")  # fmt: skip
     else:
         parts.insert(0, "Verdict: inconclusive.")
     if quick:
@@ -513,7 +533,8 @@ def setup_lines(meta: dict[str, Any]) -> list[str]:
         f"{meta['rare_chars']!r}); split: every {VAL_EVERY}th docstring is validation: train {meta['train_chars']} "
         f"chars, val {meta['val_chars']} chars",
         f"- steps {meta['steps']}, seeds {meta['seeds']}, lr {meta['lr']:g} (warmup 5%, cosine to 10%), weight decay "
-        f"{meta['weight_decay']:g}, betas (0.9, 0.999), eps 1e-8, no clipping; bf16/fp16 autocast, "
+        f"{meta['weight_decay']:g}, {meta.get('optimizer_hyper', 'betas (0.9, 0.999), eps 1e-8')}, no clipping; "
+        "bf16/fp16 autocast, "
         "fastamp.cast_model (LayerNorm fp32)",
         f"- validation: {meta['val_windows']} fixed windows of the val text (evenly spaced, the same for every run), "
         "model in its own precision under autocast, fp32 cross entropy",
@@ -541,8 +562,8 @@ def write_report(path_stem: str, payload: dict[str, Any]) -> None:
         table.append(row)
     cols = [(k, k) for k in table[0]] if table else []
     lines = [
-        "# convergence_q8: AdamW's 8-bit formats (q8 moments, ulp8 masters) vs fp32-master AdamW on real text "
-        "(issue 22)",
+        f"# convergence_q8: {meta.get('optimizer', 'AdamW')}'s 8-bit formats (q8 moments, ulp8 masters) vs "
+        f"fp32-master {meta.get('optimizer', 'AdamW')} on real text (issue 22)",
         "",
         *common.header_lines(meta["machine"]),
         "",
@@ -605,10 +626,17 @@ class RunSettings:
     quick: bool
     out_dir: str
     tag: str
+    optimizer: str = "adamw"
 
 
 def parse_run_args(
-    argv: list[str] | None, doc: str, subset: str, choices: list[str], quick_steps: int, evals: tuple[int, int]
+    argv: list[str] | None,
+    doc: str,
+    subset: str,
+    choices: list[str],
+    quick_steps: int,
+    evals: tuple[int, int],
+    with_optimizer: bool = False,
 ) -> RunSettings:
     """The shared command line: ``--{subset}`` picks among ``choices``; ``evals`` = (full, quick) validation points."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
@@ -621,7 +649,10 @@ def parse_run_args(
     parser.add_argument("--quick", action="store_true", help=f"CI smoke: a tiny model, {quick_steps} steps, 1 seed")
     parser.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
     parser.add_argument("--tag", default=None, help="suffix of the output names (default cpu, cpu-quick)")
+    if with_optimizer:
+        parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw", help="the rule (default adamw)")
     args = parser.parse_args(argv)
+    optimizer = getattr(args, "optimizer", "adamw")
     picked = getattr(args, subset)
     names = picked.split(",") if picked else list(choices)
     for n in names:
@@ -636,7 +667,8 @@ def parse_run_args(
         names=[c for c in choices if c in names],
         quick=args.quick,
         out_dir=args.out or common.DEFAULT_OUT,
-        tag=args.tag or ("cpu-quick" if args.quick else "cpu"),
+        tag=args.tag or ("cpu-quick" if args.quick else "cpu") + ("" if optimizer == "adamw" else f"-{optimizer}"),
+        optimizer=optimizer,
     )
 
 
@@ -673,9 +705,10 @@ def write_outputs(rs: RunSettings, name: str, payload: dict[str, Any], writer: C
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    rs = parse_run_args(argv, __doc__, "configs", list(CONFIG_BY_NAME), 40, (8, 2))
+    rs = parse_run_args(argv, __doc__, "configs", list(CONFIG_BY_NAME), 40, (8, 2), with_optimizer=True)
     steps, seeds, lr, n_evals = rs.steps, rs.seeds, rs.lr, rs.n_evals
-    cfgs = [CONFIG_BY_NAME[n] for n in rs.names]
+    opt_name, opt_hyper, unsupported = OPTIMIZERS[rs.optimizer]
+    cfgs = [CONFIG_BY_NAME[n] for n in rs.names if n not in unsupported]
     bf16_spec, fp16_spec = (QUICK_MODEL, QUICK_MODEL) if rs.quick else (BF16_MODEL, FP16_MODEL)
     n_val = QUICK_VAL_WINDOWS if rs.quick else VAL_WINDOWS
 
@@ -686,7 +719,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[RunResult]] = {}
     for seed in seeds:
         for cfg in cfgs:
-            r = train(cfg, seed, data[cfg.dtype], steps, lr, rs.weight_decay, n_evals)
+            r = train(cfg, seed, data[cfg.dtype], steps, lr, rs.weight_decay, n_evals, optimizer=rs.optimizer)
             runs.setdefault(cfg.name, []).append(r)
             common.log(
                 f"[convergence_q8] {cfg.name} seed {seed}: final val {r.final_val:.4f} "
@@ -714,7 +747,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         q8_coverage=coverage,
         criterion={"mean_tol": MEAN_TOL, "seed_tol": SEED_TOL},
     )
-    payload = {"meta": meta, "configs": rows, "verdict": verdict(rows, steps, seeds, rs.quick)}
+    meta.update(optimizer=opt_name, optimizer_hyper=opt_hyper)
+    payload = {"meta": meta, "configs": rows, "verdict": verdict(rows, steps, seeds, rs.quick, opt_name)}
     write_outputs(rs, "convergence_q8", payload, write_report)
     common.log(payload["verdict"])
     return payload

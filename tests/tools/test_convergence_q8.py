@@ -88,3 +88,21 @@ def test_quick_fp16_rows_skip_every_injected_overflow(quick):
 def test_corpus_hash_mismatch_names_the_expected_torch_version():
     with pytest.raises(SystemExit, match=f"torch=={convergence_q8.CORPUS_TORCH_VERSION}"):
         convergence_q8.check_corpus("not the corpus")
+
+
+def test_quick_lion_runs_the_rows_lion_takes_and_skips_every_injected_overflow(tmp_path):
+    """``--optimizer lion``: the study with fastamp.optim.Lion, its own tag, no ulp8 rows, q8 moments
+    really held (``exp_avg_q``), and the fp16 rows' skips seen without a step count."""
+    payload = convergence_q8.main(["--quick", "--optimizer", "lion", "--configs",
+                                   "baseline,sr-q8,ulp8-q8,fastamp-fp16,fp16-q8", "--out", str(tmp_path)])  # fmt: skip
+    rows = payload["configs"]
+    assert list(rows) == ["baseline", "sr-q8", "fastamp-fp16", "fp16-q8"]  # ulp8 is AdamW's
+    assert payload["meta"]["optimizer"] == "Lion"
+    md = (tmp_path / "convergence_q8-cpu-quick-lion.md").read_text()
+    assert "Lion's 8-bit formats" in md and "betas (0.9, 0.99)" in md
+    assert rows["sr-q8"]["q8_fraction"] > 0.9 and rows["baseline"]["q8_fraction"] == 0
+    for name in ("fastamp-fp16", "fp16-q8"):
+        assert rows[name]["all_injected_skipped"] is True, name
+    for r in rows.values():
+        vals = [v for _, v in r["val_curves"][0]]
+        assert vals[-1] < vals[0] - 0.5
