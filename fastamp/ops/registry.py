@@ -162,8 +162,8 @@ RELEASE_OPS: dict[str, OpDef] = {
 # and as opaque reference ops (reference_op). adamw_q8_ has kernels of its own on every backend
 # (csrc/cpu and csrc/cuda adamw_q8, kernels/adamw_q8.py). sgd_q8_ and lion_q8_ have native CPU
 # kernels (csrc/cpu/one_state.cpp); on the other backends they are the rule's dense kernel
-# composed with the codec (fastamp.reference.one_state_q8, registered by
-# register_composed_q8 and kernels/sgd.py). They stay out of OPS, whose ops every backend
+# composed with the codec (fastamp.reference.one_state_q8: composed_q8, registered for CUDA by
+# _load_native and for Triton by kernels/sgd.py). They stay out of OPS, whose ops every backend
 # registers with one kernel per device: a native build may lack a CUDA kernel
 # (native_has_kernel says).
 Q8_OPS: dict[str, OpDef] = {

@@ -595,13 +595,13 @@ def one_state_q8(
     :data:`Q8_SLICE_DEVICE` elsewhere; whole blocks): the bytes do not depend on it.
     """
     *hyper, sr_param, sr_codes = hyper_and_flags
-    if slice_numel is None and len(params):
-        slice_numel = Q8_SLICE if params[0].device.type == "cpu" else Q8_SLICE_DEVICE
     if len(params) == 0:
         return
+    if slice_numel is None:
+        slice_numel = Q8_SLICE if params[0].device.type == "cpu" else Q8_SLICE_DEVICE
     if (sr_codes or sr_param) and rng is None:
         raise ValueError("one_state_q8: sr_codes / sr_param need rng ([seed, counter], int64)")
-    if slice_numel is not None and (slice_numel <= 0 or slice_numel % 32):
+    if slice_numel <= 0 or slice_numel % 32:
         raise ValueError(f"one_state_q8: slice_numel must be a positive multiple of 32, got {slice_numel}")
     keep = None if found_inf is None else (found_inf.reshape(()) != 0)
     seed = counter = None
