@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "cpu/adamw_table.h"
+#include "host_prefetch.h"
 #include "op_signatures.h"
 
 namespace fastamp {
@@ -79,7 +80,12 @@ class Borrowed {
     const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject** items = PySequence_Fast_ITEMS(seq);
     const size_t first = tensors_.size();
+    constexpr Py_ssize_t d = kHostPrefetchDistance;
     for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + 2 * d < n) prefetch_read(items[i + 2 * d]);
+      if (i + d < n && THPVariable_CheckExact(items[i + d])) {
+        prefetch_tensor_impl(THPVariable_Unpack(items[i + d]).unsafeGetTensorImpl());
+      }
       if (!add(items[i])) return false;
     }
     *range = {first, tensors_.size()};

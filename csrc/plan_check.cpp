@@ -15,9 +15,40 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <vector>
+
+#include "host_prefetch.h"
 
 namespace fastamp {
 namespace {
+
+// At iteration i of a loop over a list of params, asks for what iteration i + d.. reads, one
+// level of the chain per distance: the param object (4d ahead), its TensorImpl (3d), its
+// storage and autograd meta (2d), its grad's TensorImpl (d). Reads only objects an earlier
+// call prefetched, and only of plain tensors (torch.Tensor or nn.Parameter).
+void prefetch_param_chain(PyObject* list, Py_ssize_t n, Py_ssize_t i) {
+  constexpr Py_ssize_t d = kHostPrefetchDistance;
+  auto impl_at = [&](Py_ssize_t j) -> const c10::TensorImpl* {
+    if (j >= n) return nullptr;
+    PyObject* obj = PyList_GET_ITEM(list, j);
+    return THPVariable_CheckExact(obj) ? THPVariable_Unpack(obj).unsafeGetTensorImpl() : nullptr;
+  };
+  if (i + 4 * d < n) prefetch_read(PyList_GET_ITEM(list, i + 4 * d));
+  if (const c10::TensorImpl* impl = impl_at(i + 3 * d)) prefetch_tensor_impl(impl);
+  if (const c10::TensorImpl* impl = impl_at(i + 2 * d)) {
+    prefetch_storage_of(impl);
+    const char* meta = reinterpret_cast<const char*>(impl->autograd_meta());
+    if (meta != nullptr) {
+      for (int line = 0; line < 4; ++line) prefetch_read(meta + 64 * line);
+    }
+  }
+  if (const c10::TensorImpl* impl = impl_at(i + d)) {
+    auto* meta = static_cast<const torch::autograd::AutogradMeta*>(impl->autograd_meta());
+    if (meta != nullptr && meta->grad_.defined()) prefetch_tensor_impl(meta->grad_.unsafeGetTensorImpl());
+  }
+}
 
 // plan_grads(params, planned, ptrs, param_dtypes, grad_dtypes, strided) -> list | False | NotImplemented
 //
@@ -46,8 +77,10 @@ PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const char* strided_flags = PyBytes_AS_STRING(strided);
   // the answer is decided before any grad object is created: a first pass of plain reads
   PyObject* answer = Py_True;
+  std::vector<const at::Tensor*> found(static_cast<size_t>(n), nullptr);
   try {
     for (Py_ssize_t i = 0; i < n && answer == Py_True; ++i) {
+      prefetch_param_chain(params, n, i);
       PyObject* p = PyList_GET_ITEM(params, i);
       if (p != PyList_GET_ITEM(planned, i)) {
         answer = Py_False;
@@ -80,6 +113,7 @@ PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         break;
       }
       if (!strided_flags[i] && !g.is_contiguous()) answer = Py_False;
+      found[static_cast<size_t>(i)] = &g;
     }
   } catch (const std::exception&) {
     // a param without storage or the like: the Python path answers (and the full checks name it)
@@ -91,9 +125,14 @@ PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* out = PyList_New(n);
   if (out == nullptr) return nullptr;
+  constexpr Py_ssize_t d = kHostPrefetchDistance;
   for (Py_ssize_t i = 0; i < n; ++i) {
-    const at::Tensor& g = THPVariable_Unpack(PyList_GET_ITEM(params, i)).grad();
-    PyObject* obj = g.defined() ? THPVariable_Wrap(g) : (Py_INCREF(Py_None), Py_None);
+    // `found` points into the params' autograd meta, alive while the GIL is held
+    if (i + d < n && found[static_cast<size_t>(i + d)] != nullptr) {
+      prefetch_tensor_impl(found[static_cast<size_t>(i + d)]->unsafeGetTensorImpl());
+    }
+    const at::Tensor* g = found[static_cast<size_t>(i)];
+    PyObject* obj = g != nullptr ? THPVariable_Wrap(*g) : (Py_INCREF(Py_None), Py_None);
     if (obj == nullptr) {
       Py_DECREF(out);
       return nullptr;
@@ -101,6 +140,55 @@ PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyList_SET_ITEM(out, i, obj);
   }
   return out;
+}
+
+// param_grads(params) -> (grads, plain, any_fp16) | NotImplemented
+//
+// What the scaler's grad check reads first (fastamp/scaler/grad_check.py, _plain_grads):
+// `[p.grad for p in params]` (None where a param has none), whether every grad there is is
+// exactly a torch.Tensor (`type(g) is Tensor`), and whether one of them is float16, in one
+// prefetched C loop. NotImplemented (nothing created) for a list that is not a list, or an
+// item that is not a plain tensor (a subclass may override `.grad`): the caller then reads
+// the grads in Python.
+PyObject* param_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1) {
+    PyErr_SetString(PyExc_TypeError, "param_grads takes 1 argument");
+    return nullptr;
+  }
+  PyObject* params = args[0];
+  if (!PyList_CheckExact(params)) Py_RETURN_NOTIMPLEMENTED;
+  const Py_ssize_t n = PyList_GET_SIZE(params);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (i + kHostPrefetchDistance < n) prefetch_read(PyList_GET_ITEM(params, i + kHostPrefetchDistance));
+    if (!THPVariable_CheckExact(PyList_GET_ITEM(params, i))) Py_RETURN_NOTIMPLEMENTED;
+  }
+  PyObject* grads = PyList_New(n);
+  if (grads == nullptr) return nullptr;
+  bool plain = true, fp16 = false;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      prefetch_param_chain(params, n, i);
+      const at::Tensor& g = THPVariable_Unpack(PyList_GET_ITEM(params, i)).grad();
+      PyObject* obj = Py_None;
+      if (g.defined()) {
+        obj = THPVariable_Wrap(g);
+        if (obj == nullptr) {
+          Py_DECREF(grads);
+          return nullptr;
+        }
+        plain = plain && Py_TYPE(obj) == reinterpret_cast<PyTypeObject*>(THPVariableClass);
+        fp16 = fp16 || g.scalar_type() == at::kHalf;
+      } else {
+        Py_INCREF(obj);
+      }
+      PyList_SET_ITEM(grads, i, obj);
+    }
+  } catch (const std::exception&) {
+    // the Python path reads the grads again (and raises what `.grad` raises)
+    Py_DECREF(grads);
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  return Py_BuildValue("(NOO)", grads, plain ? Py_True : Py_False, fp16 ? Py_True : Py_False);
 }
 
 // same_items(dicts, keys, values) -> bool | NotImplemented: whether dicts[i][keys[k]] is values[k][i]
@@ -140,6 +228,8 @@ PyObject* same_items(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef fastamp_plan_methods[] = {
     {"plan_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::plan_grads)), METH_FASTCALL,
      "the grads of a param group that still fits its cached launch plan, False, or NotImplemented"},
+    {"param_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::param_grads)), METH_FASTCALL,
+     "(the params' grads, whether each grad is exactly a torch.Tensor, whether one is float16), or NotImplemented"},
     {"same_items", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::same_items)), METH_FASTCALL,
      "whether dicts[i][keys[k]] is values[k][i] for every i and k, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};

@@ -30,6 +30,7 @@
 #include "cpu/optim_checks.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
+#include "host_prefetch.h"
 #include "op_signatures.h"
 
 namespace fastamp {
@@ -357,7 +358,10 @@ namespace {
 bool table_intact(const AdamWTable& t) {
   const size_t total = t.tensors.size();
   const size_t lists = static_cast<size_t>(t.lists);
+  constexpr size_t d = static_cast<size_t>(kHostPrefetchDistance);
   for (size_t j = 0; j < total; ++j) {
+    if (j + 2 * d < total) prefetch_tensor_impl(t.tensors[j + 2 * d].unsafeGetTensorImpl());
+    if (j + d < total) prefetch_storage_of(t.tensors[j + d].unsafeGetTensorImpl());
     const at::Tensor& x = t.tensors[j];
     const size_t i = j / lists;
     const at::ScalarType want = j % lists == 0 ? t.param_dtype : at::kFloat;
@@ -386,15 +390,19 @@ bool adamw_table_run(AdamWTable& t, at::TensorList grads, const at::Tensor& step
   const at::ScalarType grad_dtype = grads[0].scalar_type();
   if (!is_kernel_float(grad_dtype)) return false;
   const caffe2::TypeMeta grad_meta = c10::scalarTypeToTypeMeta(grad_dtype);
+  constexpr size_t d = static_cast<size_t>(kHostPrefetchDistance);
   for (size_t i = 0; i < n; ++i) {
+    if (i + 2 * d < n) prefetch_tensor_impl(grads[i + 2 * d].unsafeGetTensorImpl());
+    if (i + d < n) prefetch_storage_of(grads[i + d].unsafeGetTensorImpl());
     const c10::TensorImpl* g = grads[i].unsafeGetTensorImpl();
     if (!g->device().is_cpu() || g->layout() != at::kStrided || g->dtype() != grad_meta || !g->is_contiguous() ||
         g->numel() != t.numels[i]) {
       return false;
     }
+    // scratch until the run: every run writes every entry before its kernel
+    t.bases[i].grad = grads[i].const_data_ptr();
   }
   if (!table_intact(t)) return false;
-  for (size_t i = 0; i < n; ++i) t.bases[i].grad = grads[i].const_data_ptr();
   if (skip_step(found_inf)) return true;
   AdamWArgs args;
   args.h = math::AdamWHyper{static_cast<float>(beta1), static_cast<float>(1.0 - beta1), static_cast<float>(beta2),

@@ -30,6 +30,18 @@ from fastamp.scaler.device_scalars import _PerDevice
 
 _DTYPE_OF = operator.attrgetter("dtype")
 _GRAD_OF = operator.attrgetter("grad")
+
+
+def _native_param_grads():
+    """``fastamp._C.param_grads`` (csrc/plan_check.cpp), None where the extension lacks it."""
+    try:
+        from fastamp import _C
+    except (ImportError, OSError):
+        return None
+    return getattr(_C, "param_grads", None)
+
+
+_PARAM_GRADS = _native_param_grads()
 _PARAMS_OF = operator.itemgetter("params")
 
 
@@ -203,18 +215,25 @@ def _plain_grads(optimizer, allow_fp16: bool) -> tuple[list[Tensor], list[int] |
     """
     groups = optimizer.param_groups
     params = list(groups[0]["params"]) if len(groups) == 1 else list(chain.from_iterable(map(_PARAMS_OF, groups)))
-    if not all(map(isinstance, params, repeat(Tensor))):
-        return None
-    # C-level passes only (no Python code per param): thousands of small params are common
-    grads = list(map(_GRAD_OF, params))
+    got = NotImplemented if _PARAM_GRADS is None else _PARAM_GRADS(params)
+    if got is NotImplemented:
+        if not all(map(isinstance, params, repeat(Tensor))):
+            return None
+        # C-level passes only (no Python code per param): thousands of small params are common
+        grads = list(map(_GRAD_OF, params))
+        plain = fp16 = None
+    else:
+        # the same answers from one prefetched C loop (csrc/plan_check.cpp)
+        grads, plain, fp16 = got
     positions = None
     if any(map(operator.is_, grads, repeat(None))):
         positions = list(compress(range(len(grads)), map(operator.is_not, grads, repeat(None))))
         params = list(map(params.__getitem__, positions))
         grads = list(map(grads.__getitem__, positions))
-    if grads and set(map(type, grads)) != {Tensor}:
-        return None
-    if not allow_fp16 and torch.float16 in set(map(_DTYPE_OF, grads)):
+    if plain is None:
+        plain = set(map(type, grads)) <= {Tensor}
+        fp16 = not allow_fp16 and torch.float16 in set(map(_DTYPE_OF, grads))
+    if not plain or (fp16 and not allow_fp16):
         return None
     return params, positions, grads
 

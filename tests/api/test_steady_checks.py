@@ -191,3 +191,111 @@ def test_python_path_matches_planning_every_step(monkeypatch, config):
     monkeypatch.setattr(_plan, "_plan_grads", None)
     monkeypatch.setattr(_plan, "_same_items", None)
     test_step_plan.test_cached_plan_matches_planning_every_step(config, "torch")
+
+
+# --- the scaler's first read of the grads (fastamp/scaler/grad_check._plain_grads) -------------
+# ``fastamp._C.param_grads`` answers in one C loop what the Python passes answer: each case is
+# run on both and must give the same params, positions and grad objects (or None: the per-grad
+# path then runs, and raises its own errors).
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _grad_cases():
+    def mk(n=4):
+        return [torch.randn(3).requires_grad_() for _ in range(n)]
+
+    def all_grads():
+        ps = mk()
+        for p in ps:
+            p.grad = torch.randn(3)
+        return ps
+
+    def some_missing():
+        ps = all_grads()
+        ps[0].grad = ps[2].grad = None
+        return ps
+
+    def none_at_all():
+        return mk()
+
+    def fp16_grad():
+        ps = all_grads()
+        ps[1] = ps[1].detach().half().requires_grad_()
+        ps[1].grad = torch.randn(3).half()
+        return ps
+
+    def parameter_grad():  # a grad that is an nn.Parameter is not `type(g) is Tensor`
+        ps = all_grads()
+        ps[2].grad = torch.nn.Parameter(torch.randn(3), requires_grad=False)
+        return ps
+
+    def subclass_grad():
+        ps = all_grads()
+        ps[3].grad = torch.randn(3).as_subclass(_Sub)
+        return ps
+
+    def subclass_param():  # the C loop declines: a subclass may override .grad
+        ps = all_grads()
+        q = torch.randn(3).as_subclass(_Sub).requires_grad_()
+        q.grad = torch.randn(3)
+        return [*ps, q]
+
+    def nn_parameters():
+        ps = [torch.nn.Parameter(torch.randn(3)) for _ in range(3)]
+        for p in ps:
+            p.grad = torch.randn(3)
+        return ps
+
+    return [
+        all_grads,
+        some_missing,
+        none_at_all,
+        fp16_grad,
+        parameter_grad,
+        subclass_grad,
+        subclass_param,
+        nn_parameters,
+    ]
+
+
+class _Holder:
+    def __init__(self, params):
+        self.param_groups = [{"params": params[:2]}, {"params": params[2:]}]
+
+
+@pytest.mark.parametrize("case", _grad_cases(), ids=lambda c: c.__name__)
+@pytest.mark.parametrize("allow_fp16", [False, True])
+def test_param_grads_answers_what_the_python_passes_answer(case, allow_fp16, monkeypatch):
+    from fastamp.scaler import grad_check
+
+    if grad_check._PARAM_GRADS is None:
+        pytest.skip("fastamp._C is not built")
+    holder = _Holder(case())
+    native = grad_check._plain_grads(holder, allow_fp16)
+    monkeypatch.setattr(grad_check, "_PARAM_GRADS", None)
+    python = grad_check._plain_grads(holder, allow_fp16)
+    if python is None:
+        assert native is None
+        return
+    assert native is not None
+    for a, b in zip(native, python, strict=True):
+        if a is None or b is None:
+            assert a is b
+        else:
+            assert len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def test_param_grads_declines_what_is_not_a_list_of_plain_tensors():
+    from fastamp.scaler import grad_check
+
+    if grad_check._PARAM_GRADS is None:
+        pytest.skip("fastamp._C is not built")
+    p = torch.randn(2).requires_grad_()
+    assert grad_check._PARAM_GRADS((p,)) is NotImplemented
+    assert grad_check._PARAM_GRADS([p, 1.0]) is NotImplemented
+    assert grad_check._PARAM_GRADS([]) == ([], True, False)
+    with pytest.raises(TypeError, match="takes 1 argument"):
+        grad_check._PARAM_GRADS([p], [p])
