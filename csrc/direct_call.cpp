@@ -32,14 +32,11 @@
 #include "cpu/adamw_table.h"
 #include "host_prefetch.h"
 #include "op_signatures.h"
+#include "plain_keys.h"
 
 namespace fastamp {
 namespace {
 
-// Dense CPU/CUDA tensors as autograd sees them, nothing else.
-const c10::DispatchKeySet kPlainKeys = c10::DispatchKeySet(
-    {c10::DispatchKey::CPU, c10::DispatchKey::CUDA, c10::DispatchKey::ADInplaceOrView, c10::DispatchKey::AutogradCPU,
-     c10::DispatchKey::AutogradCUDA, c10::DispatchKey::AutocastCPU, c10::DispatchKey::AutocastCUDA});
 const c10::DispatchKeySet kBackendKeys = c10::DispatchKeySet({c10::DispatchKey::CPU, c10::DispatchKey::CUDA});
 
 // Tensors borrowed from Python objects for one call: at::Tensor handles made without moving
@@ -62,9 +59,8 @@ class Borrowed {
     const at::Tensor& t = THPVariable_Unpack(obj);
     if (!t.defined()) return false;
     c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (!has_plain_keys(impl)) return false;
     const c10::DispatchKeySet keys = impl->key_set();
-    // raw bits: DispatchKeySet's operator- keeps the backend bits
-    if ((keys.raw_repr() & ~kPlainKeys.raw_repr()) != 0) return false;
     // requires_grad() is out of line; a tensor without autograd meta never requires grad
     if (grad_mode_ && impl->autograd_meta() != nullptr && impl->requires_grad()) return false;
     keys_ = keys_ | keys;

@@ -13,6 +13,7 @@
 // is not a dict, a list of another type. The caller then takes the Python path.
 #include <Python.h>
 #include <ATen/ATen.h>
+#include <torch/csrc/Device.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
@@ -20,6 +21,7 @@
 #include <vector>
 
 #include "host_prefetch.h"
+#include "plain_keys.h"
 
 namespace fastamp {
 namespace {
@@ -191,6 +193,75 @@ PyObject* param_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return Py_BuildValue("(NOO)", grads, plain ? Py_True : Py_False, fp16 ? Py_True : Py_False);
 }
 
+// dense_ptrs(grads, numels, dtypes, device) -> list | None | NotImplemented
+//
+// The Triton launcher's read of a call's grads (kernels/_common.py, _Plan.grad_ptrs): their
+// data_ptr() values when each grads[i] is a dense contiguous tensor on `device` of dtype
+// dtypes[i] with numels[i] elements (numels may run on past the grads), not a lazily negated
+// view, at a 16-byte aligned address; else None. In one prefetched C loop instead of a pass per
+// property. NotImplemented (nothing decided) for anything but a list of plain torch.Tensor /
+// nn.Parameter objects with plain dispatch keys: the Python passes answer those.
+PyObject* dense_ptrs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "dense_ptrs takes 4 arguments");
+    return nullptr;
+  }
+  PyObject *grads = args[0], *numels = args[1], *dtypes = args[2], *device = args[3];
+  if (!PyList_CheckExact(grads) || !PyList_CheckExact(numels) || !PyList_CheckExact(dtypes) || !THPDevice_Check(device))
+    Py_RETURN_NOTIMPLEMENTED;
+  const Py_ssize_t n = PyList_GET_SIZE(grads);
+  if (PyList_GET_SIZE(numels) < n || PyList_GET_SIZE(dtypes) < n) Py_RETURN_NOTIMPLEMENTED;
+  const c10::Device dev = reinterpret_cast<THPDevice*>(device)->device;
+  std::vector<void*> ptrs(static_cast<size_t>(n));
+  bool fits = true;
+  constexpr Py_ssize_t d = kHostPrefetchDistance;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (i + 3 * d < n) prefetch_read(PyList_GET_ITEM(grads, i + 3 * d));
+      if (i + 2 * d < n && THPVariable_CheckExact(PyList_GET_ITEM(grads, i + 2 * d))) {
+        prefetch_tensor_impl(THPVariable_Unpack(PyList_GET_ITEM(grads, i + 2 * d)).unsafeGetTensorImpl());
+      }
+      if (i + d < n && THPVariable_CheckExact(PyList_GET_ITEM(grads, i + d))) {
+        prefetch_storage_of(THPVariable_Unpack(PyList_GET_ITEM(grads, i + d)).unsafeGetTensorImpl());
+      }
+      PyObject* obj = PyList_GET_ITEM(grads, i);
+      if (!THPVariable_CheckExact(obj)) Py_RETURN_NOTIMPLEMENTED;
+      const at::Tensor& g = THPVariable_Unpack(obj);
+      if (!g.defined() || !has_plain_keys(g.unsafeGetTensorImpl())) Py_RETURN_NOTIMPLEMENTED;
+      if (!fits) continue;  // keep reading: a later item may still need the Python passes
+      const long long want = PyLong_AsLongLong(PyList_GET_ITEM(numels, i));
+      if (want == -1 && PyErr_Occurred()) return nullptr;
+      if (g.layout() != at::kStrided || g.device() != dev || g.numel() != want ||
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(g.scalar_type())) != PyList_GET_ITEM(dtypes, i) ||
+          !g.is_contiguous() || g.is_neg()) {
+        fits = false;
+        continue;
+      }
+      void* p = g.data_ptr();
+      if (reinterpret_cast<uintptr_t>(p) & 15) {
+        fits = false;
+        continue;
+      }
+      ptrs[static_cast<size_t>(i)] = p;
+    }
+  } catch (const std::exception&) {
+    // a grad without storage and the like: the Python passes answer (None)
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  if (!fits) Py_RETURN_NONE;
+  PyObject* out = PyList_New(n);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* v = PyLong_FromVoidPtr(ptrs[static_cast<size_t>(i)]);
+    if (v == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, i, v);
+  }
+  return out;
+}
+
 // same_items(dicts, keys, values) -> bool | NotImplemented: whether dicts[i][keys[k]] is values[k][i]
 // for every i and k (a missing key: False); each dict is visited once, for all keys.
 PyObject* same_items(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -230,6 +301,9 @@ PyMethodDef fastamp_plan_methods[] = {
      "the grads of a param group that still fits its cached launch plan, False, or NotImplemented"},
     {"param_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::param_grads)), METH_FASTCALL,
      "(the params' grads, whether each grad is exactly a torch.Tensor, whether one is float16), or NotImplemented"},
+    {"dense_ptrs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::dense_ptrs)), METH_FASTCALL,
+     "the data pointers of dense contiguous grads of the planned numels and dtypes on a device, None, or "
+     "NotImplemented"},
     {"same_items", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::same_items)), METH_FASTCALL,
      "whether dicts[i][keys[k]] is values[k][i] for every i and k, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};

@@ -701,13 +701,19 @@ _device_of = operator.attrgetter("device")
 _grad_of = operator.attrgetter("grad")
 
 
-def _native_plan_grads():
-    """``fastamp._C.plan_grads`` (csrc/plan_check.cpp), or None where the extension is absent or lacks it."""
+def _native_check(name: str):
+    """``fastamp._C.<name>`` (csrc/plan_check.cpp), or None where the extension is absent or lacks it."""
     try:
         from fastamp import _C
     except (ImportError, OSError):
         return None
-    return getattr(_C, "plan_grads", None)
+    return getattr(_C, name, None)
+
+
+# A call's grads (new tensors each step) read in one prefetched C loop: addresses, and every
+# check of the Python passes in ``_Plan.grad_ptrs`` (numel, dtype, contiguity, device, negated
+# view, alignment); NotImplemented for anything but plain tensors, which those passes then read.
+_dense_ptrs = _native_check("dense_ptrs")
 
 
 # The first read of a persistent tensor's metadata is the cost of a repeated call (cache misses
@@ -717,7 +723,7 @@ def _native_plan_grads():
 # ``const_data_ptr()``, which, unlike ``data_ptr()``, does not materialise a copy-on-write
 # tensor (``torch._lazy_clone``, private: no public API makes one in place); everything else
 # it answers as the passes of ``data_ptr()`` and ``dtype`` would.
-_plan_grads = _native_plan_grads()
+_plan_grads = _native_check("plan_grads")
 
 
 def _tensor_guards():
@@ -805,8 +811,15 @@ class _Plan:
                         return None
                 if list(map(_numel, block)) != numels[s:e] or not all(map(_is_contiguous, block)):
                     return None
-            gptrs = []
             gdtypes = self.grad_dtypes
+            if _dense_ptrs is not None:
+                got = _dense_ptrs(grads, numels, gdtypes, device)
+                if got is None:
+                    return None
+                if got is not NotImplemented:
+                    # every grad a plain tensor that fits: the passes below would answer the same
+                    return got, plain
+            gptrs = []
             guards = self.grad_guards
             unguarded = []
             for b, s in enumerate(range(0, n, _BLOCK)):

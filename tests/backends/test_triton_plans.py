@@ -102,17 +102,21 @@ def _assert_same(a, b, what):
 
 
 NATIVE_CHECK = C._plan_grads is not None
-CHECKS = [("c", 4), ("c", 1024), ("python", 4)] if NATIVE_CHECK else [("python", 4), ("python", 1024)]
+CHECKS = [("c", 4), ("c", 1024), ("c-guards", 4), ("python", 4)] if NATIVE_CHECK else [("python", 4), ("python", 1024)]
 
 
 @pytest.fixture(autouse=True, params=CHECKS, ids=[f"{path}-blocks-of-{b}" for path, b in CHECKS])
 def check_path(request, monkeypatch):
     """The plan check reads the lists in blocks (``C._BLOCK``): several blocks here, and one; the
     persistent lists' addresses and dtypes in one C loop per block (``fastamp._C.plan_grads``,
-    where the extension is built) and a direct call's grads with torch's ``TensorGuards``, or
-    everything in Python passes (without them: the path is forced here)."""
+    where the extension is built) and the grads in one C loop (``fastamp._C.dense_ptrs``: path
+    "c"), or a direct call's grads with torch's ``TensorGuards`` and Python passes ("c-guards":
+    what runs where the extension lacks dense_ptrs), or everything in Python passes ("python";
+    each path is forced here)."""
     path, block = request.param
     monkeypatch.setattr(C, "_BLOCK", block)
+    if path != "c":
+        monkeypatch.setattr(C, "_dense_ptrs", None)
     if path == "python":
         monkeypatch.setattr(C, "_plan_grads", None)
         monkeypatch.setattr(C, "_TensorGuards", None)
@@ -325,7 +329,7 @@ def test_the_built_extension_has_the_c_pass(check_path):
 @pytest.fixture
 def c_pass_calls(monkeypatch, check_path):
     """The calls of the C pass and what each answered (a list: the block fits)."""
-    if check_path != "c":
+    if check_path == "python":
         pytest.skip("the C pass of the plan check (fastamp._C.plan_grads) is not in use")
     answers = []
     real = C._plan_grads
@@ -340,10 +344,10 @@ def c_pass_calls(monkeypatch, check_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_repeated_call_reads_the_persistent_lists_in_the_c_pass(device, monkeypatch, c_pass_calls):
+def test_a_repeated_call_reads_the_persistent_lists_in_the_c_pass(device, monkeypatch, c_pass_calls, check_path):
     """A repeated plain call is answered by the C pass, one call per block, each fitting; the persistent
     lists are then known to be plain tensors (no type pass over them) and no Python pass of their
-    addresses runs."""
+    addresses runs; nor of the grads' addresses where ``fastamp._C.dense_ptrs`` reads the grads."""
     C._PLANS.clear()
     st = _state("adamw_", device)
     _run("adamw_", st, 2)
@@ -359,7 +363,10 @@ def test_a_repeated_call_reads_the_persistent_lists_in_the_c_pass(device, monkey
     assert len(plan.blocks) == -(-n_persistent // C._BLOCK)
     assert c_pass_calls == [True] * len(plan.blocks), c_pass_calls
     assert answers[0] is not None and answers[0][1] is True
-    assert len(address_passes) == len(st["params"]), "only the grads' addresses are read in Python"
+    if check_path == "c":
+        assert address_passes == [], "the grads' addresses are read in C"
+    else:
+        assert len(address_passes) == len(st["params"]), "only the grads' addresses are read in Python"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -409,7 +416,7 @@ def test_a_non_leaf_tensor_is_read_by_the_python_passes_without_a_warning(device
 @pytest.fixture
 def guard_checks(monkeypatch, check_path):
     """What each grads' guard (``TensorGuards``) of a direct call answered."""
-    if check_path != "c" or C._TensorGuards is None:
+    if check_path != "c-guards" or C._TensorGuards is None:
         pytest.skip("the grads' guards are not in use")
     answers = []
     real = C._guard_of
@@ -484,3 +491,39 @@ def test_strided_grads_are_read_from_copies_that_outlive_the_launch(op, device):
         TRITON[op](*_args(op, st, grads))
         getattr(R, op)(*_args(op, ref, grads))
     _assert_same(st, ref, "strided grads vs reference")
+
+
+GRAD_CASES = {
+    **GRAD_CHANGES,
+    "plain": lambda g: g,
+    "misaligned": lambda g: misaligned(g.flatten()).view(g.shape),
+    "sparse": lambda g: g.to_sparse(),
+    "one-element-short": lambda g: g.flatten()[:-1],
+    "parameter": lambda g: torch.nn.Parameter(g, requires_grad=False),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("change", list(GRAD_CASES))
+def test_the_c_read_of_the_grads_answers_what_the_python_passes_answer(device, change, check_path, monkeypatch):
+    """``fastamp._C.dense_ptrs`` (path "c") gives a repeated call's grad addresses, or None, exactly
+    where the guards and Python passes would: the same plan and lists are checked both ways."""
+    if check_path != "c":
+        pytest.skip("fastamp._C.dense_ptrs is not in use")
+    C._PLANS.clear()
+    st = _state("adamw_", device)
+    _run("adamw_", st, 2)
+    seen = []
+    real = C._Plan.grad_ptrs
+    monkeypatch.setattr(C._Plan, "grad_ptrs", lambda self, *a: seen.append((self, a)) or real(self, *a))
+    _run("adamw_", st, 1)
+    monkeypatch.setattr(C._Plan, "grad_ptrs", real)
+    plan, (persistent, _, device_, direct) = seen[-1]
+    grads = _grads(st, 3)
+    grads[4] = GRAD_CASES[change](grads[4])  # the 2-D one
+    native = plan.grad_ptrs(persistent, grads, device_, direct)
+    monkeypatch.setattr(C, "_dense_ptrs", None)
+    python = plan.grad_ptrs(persistent, grads, device_, direct)
+    assert native == python
+    if change in ("plain", "requires-grad", "parameter"):
+        assert native is not None and native[0] == [g.data_ptr() for g in grads]
