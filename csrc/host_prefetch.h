@@ -44,4 +44,13 @@ inline void prefetch_storage_of(const c10::TensorImpl* impl) {
   prefetch_read(impl->unsafe_storage().unsafeGetStorageImpl());
 }
 
+// At iteration i of a loop over tensors held in C++ (at::TensorList, std::vector<at::Tensor>):
+// asks for the TensorImpl two distances ahead and the StorageImpl one distance ahead.
+template <class List>
+inline void prefetch_tensors_ahead(const List& list, size_t i) {
+  constexpr size_t d = static_cast<size_t>(kHostPrefetchDistance);
+  if (i + 2 * d < list.size()) prefetch_tensor_impl(list[i + 2 * d].unsafeGetTensorImpl());
+  if (i + d < list.size()) prefetch_storage_of(list[i + d].unsafeGetTensorImpl());
+}
+
 }  // namespace fastamp

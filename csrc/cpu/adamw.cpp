@@ -358,10 +358,8 @@ namespace {
 bool table_intact(const AdamWTable& t) {
   const size_t total = t.tensors.size();
   const size_t lists = static_cast<size_t>(t.lists);
-  constexpr size_t d = static_cast<size_t>(kHostPrefetchDistance);
   for (size_t j = 0; j < total; ++j) {
-    if (j + 2 * d < total) prefetch_tensor_impl(t.tensors[j + 2 * d].unsafeGetTensorImpl());
-    if (j + d < total) prefetch_storage_of(t.tensors[j + d].unsafeGetTensorImpl());
+    prefetch_tensors_ahead(t.tensors, j);
     const at::Tensor& x = t.tensors[j];
     const size_t i = j / lists;
     const at::ScalarType want = j % lists == 0 ? t.param_dtype : at::kFloat;
@@ -390,10 +388,8 @@ bool adamw_table_run(AdamWTable& t, at::TensorList grads, const at::Tensor& step
   const at::ScalarType grad_dtype = grads[0].scalar_type();
   if (!is_kernel_float(grad_dtype)) return false;
   const caffe2::TypeMeta grad_meta = c10::scalarTypeToTypeMeta(grad_dtype);
-  constexpr size_t d = static_cast<size_t>(kHostPrefetchDistance);
   for (size_t i = 0; i < n; ++i) {
-    if (i + 2 * d < n) prefetch_tensor_impl(grads[i + 2 * d].unsafeGetTensorImpl());
-    if (i + d < n) prefetch_storage_of(grads[i + d].unsafeGetTensorImpl());
+    prefetch_tensors_ahead(grads, i);
     const c10::TensorImpl* g = grads[i].unsafeGetTensorImpl();
     if (!g->device().is_cpu() || g->layout() != at::kStrided || g->dtype() != grad_meta || !g->is_contiguous() ||
         g->numel() != t.numels[i]) {

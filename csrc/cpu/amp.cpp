@@ -32,6 +32,7 @@
 #include "cpu/multi_tensor.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
+#include "host_prefetch.h"
 #include "op_signatures.h"
 
 namespace fastamp {
@@ -226,6 +227,7 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
   std::vector<void*> ptrs(ntensors);
   std::vector<int8_t> slots(ntensors);
   for (size_t i = 0; i < ntensors; ++i) {
+    prefetch_tensors_ahead(grads, i);
     const at::Tensor& g = grads[i];
     TORCH_CHECK(g.defined(), "fastamp::", op, ": grads[", i, "] is undefined");
     TORCH_CHECK(g.device().is_cpu(), "fastamp::", op, ": grads[", i, "] must be a CPU tensor, got device ", g.device());
