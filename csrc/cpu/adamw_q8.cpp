@@ -331,7 +331,7 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
 
   const int64_t master_size = kind == kMasterFp32 ? 4 : kind == kMasterRemainder ? 2 : 1;
   const std::vector<Chunk> chunks = split_into_chunks(numels);
-  parallel_over_chunks(chunks, [&](int64_t cb, int64_t ce) {
+  parallel_over_chunks_dynamic(chunks, [&](int64_t cb, int64_t ce) {
     const DefaultFloatMode float_mode;
     for (int64_t c = cb; c < ce; ++c) {
       const Chunk& ch = chunks[static_cast<size_t>(c)];

@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -80,6 +81,46 @@ void parallel_over_chunks(const std::vector<Chunk>& chunks, const F& fn) {
       const int64_t cb = bounds[static_cast<size_t>(i)];
       const int64_t ce = bounds[static_cast<size_t>(i) + 1];
       if (cb < ce) fn(cb, ce);
+    }
+  });
+}
+
+// Like parallel_over_chunks, but the chunks are cut into runs of about kDynamicRunWork
+// element units (the cut depends only on the chunk list) that the threads take in order from a
+// shared counter as each finishes its last: a thread slowed down (a busy sibling core, another
+// process) takes fewer runs instead of making the other wait at the end. fn must not throw, and
+// (as for parallel_over_chunks) a chunk's result must not depend on which run holds it.
+constexpr int64_t kDynamicRunWork = 4 * kChunkElems;
+
+template <class F>
+void parallel_over_chunks_dynamic(const std::vector<Chunk>& chunks, const F& fn) {
+  const int64_t n = static_cast<int64_t>(chunks.size());
+  if (n == 0) return;
+  int64_t work = 0;
+  for (const Chunk& c : chunks) work += c.len + kChunkCostElems;
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  if (work < kMinParallelWork || threads <= 1 || n == 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  std::vector<int64_t> bounds{0};
+  int64_t acc = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    acc += chunks[static_cast<size_t>(c)].len + kChunkCostElems;
+    if (acc >= kDynamicRunWork && c + 1 < n) {
+      bounds.push_back(c + 1);
+      acc = 0;
+    }
+  }
+  bounds.push_back(n);
+  const int64_t runs = static_cast<int64_t>(bounds.size()) - 1;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, runs), 1, [&](int64_t tb, int64_t te) {
+    for (int64_t i = tb; i < te; ++i) {
+      for (int64_t r = next.fetch_add(1, std::memory_order_relaxed); r < runs;
+           r = next.fetch_add(1, std::memory_order_relaxed)) {
+        fn(bounds[static_cast<size_t>(r)], bounds[static_cast<size_t>(r) + 1]);
+      }
     }
   });
 }
