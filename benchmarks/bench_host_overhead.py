@@ -27,9 +27,11 @@ compiler, fake pointers, as tests/tools/test_cuda_launch_plan.py does; the bindi
 of the tensors is not in it: it needs a CUDA torch). Reported per tensor, with the count of
 Python function calls per step (``sys.setprofile``: Python-level calls and calls of C
 functions) for the Triton launcher and for the eager native ``opt.step()``. The Triton rows
-come in pairs, interleaved round by round: the plan check's C passes (``fastamp._C.plan_grads``
-where the extension is built for this torch, torch's ``TensorGuards`` for the grads) and its
-Python passes alone (both forced off), each with its own tensors and plan cache; besides the
+come in threes, interleaved round by round: the plan check's C passes (``fastamp._C.plan_grads``
+for the persistent lists and ``fastamp._C.dense_ptrs`` for the grads, where the extension is
+built for this torch), the same without ``dense_ptrs`` (torch's ``TensorGuards`` and Python
+passes for the grads: what ran before it), and its Python passes alone (all forced off), each
+with its own tensors and plan cache; besides the
 wall time, the worker thread's CPU time (``time.thread_time``: on a shared machine the wall
 time also counts the time other processes held the cores).
 
@@ -217,7 +219,9 @@ mods = _load_kernels(Path({root!r}))
 launched = _install_recorders(mods)
 adamw = mods["adamw"]
 C = mods["_common"]
-native_check, grad_guards = C._plan_grads, C._TensorGuards
+native_check, grad_guards, dense = C._plan_grads, C._TensorGuards, getattr(C, "_dense_ptrs", None)
+CHECKS = {{"c": (native_check, grad_guards, dense), "c-guards": (native_check, grad_guards, None),
+          "python": (None, None, None)}}
 n, m = {n}, {m}
 
 
@@ -225,7 +229,7 @@ class Variant:
     # one layout x plan-check path, with its own tensors and its own plan cache
     def __init__(self, layout, check):
         self.key = layout + "/" + check
-        self.check = (native_check, grad_guards) if check == "c" else (None, None)
+        self.check = CHECKS[check]
         self.plans = OrderedDict()
         self.dt = torch.float32 if layout == "fp32" else torch.bfloat16
         self.params = [torch.zeros(m, dtype=self.dt) for _ in range(n)]
@@ -238,13 +242,13 @@ class Variant:
         return [torch.zeros(m, dtype=self.dt) for _ in range(n)]
 
     def call(self, grads):
-        C._PLANS, (C._plan_grads, C._TensorGuards) = self.plans, self.check
+        C._PLANS, (C._plan_grads, C._TensorGuards, C._dense_ptrs) = self.plans, self.check
         adamw.adamw_(self.params, grads, self.masters, self.f32[0], self.f32[1], [], self.scalars, self.found,
                      0.9, 0.999, 1e-8, False, False)
 
 
-variants = [Variant(layout, check) for check in ("c", "python") for layout in ("fp32", "bf16")
-            if check == "python" or native_check is not None]
+variants = [Variant(layout, check) for check in ("c", "c-guards", "python") for layout in ("fp32", "bf16")
+            if check == "python" or (native_check is not None and (check != "c" or dense is not None))]
 for v in variants:
     for _ in range(2):
         v.call(v.new_grads())
@@ -377,7 +381,9 @@ def main(argv=None):
             host_rows.append({"launcher": "triton adamw_", "error": tri["error"].strip().splitlines()[-1]})
         for key, r in ({} if "error" in tri else tri).items():
             layout, check = key.split("/")
-            check = "C passes" if check == "c" else "Python passes"
+            check = {"c": "C passes", "c-guards": "C passes, grads by TensorGuards + Python passes"}.get(
+                check, "Python passes"
+            )
             host_rows.append(
                 {
                     "launcher": f"triton adamw_ ({layout} params{', fp32 master' if layout == 'bf16' else ''}; {check})",
