@@ -31,6 +31,7 @@
 #include "cpu/q8_host.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
+#include "host_prefetch.h"
 #include "op_signatures.h"
 #include "q8_math.h"
 
@@ -204,21 +205,6 @@ Q8ChunkFn pick_kernel(at::ScalarType param_dtype, at::ScalarType grad_dtype, Isa
   }
 }
 
-constexpr size_t kPrefetchAhead = 8;  // params
-
-inline void prefetch_tensor_impl(const at::Tensor& t) {
-  const char* impl = reinterpret_cast<const char*>(t.unsafeGetTensorImpl());
-  for (int line = 0; line < 4; ++line) prefetch_line(impl + 64 * line);
-}
-
-// Reads the TensorImpl (prefetched earlier); a tensor without storage gives nullptr, which a
-// prefetch ignores.
-inline void prefetch_storage_impl(const at::Tensor& t) {
-  const char* storage = reinterpret_cast<const char*>(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
-  prefetch_line(storage);
-  prefetch_line(storage + 64);
-}
-
 void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList exp_avg_codes,
                   at::TensorList exp_avg_scales, at::TensorList exp_avg_sq_codes, at::TensorList exp_avg_sq_scales,
                   const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
@@ -282,10 +268,7 @@ void adamw_q8_cpu(at::TensorList params, at::TensorList grads, at::TensorList ma
   const at::TensorList lists[] = {params,           grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
                                   exp_avg_sq_scales};
   for (size_t i = 0; i < n; ++i) {
-    for (const at::TensorList& list : lists) {
-      if (i + kPrefetchAhead < list.size()) prefetch_tensor_impl(list[i + kPrefetchAhead]);
-      if (i + kPrefetchAhead / 2 < list.size()) prefetch_storage_impl(list[i + kPrefetchAhead / 2]);
-    }
+    for (const at::TensorList& list : lists) prefetch_tensors_ahead<4>(list, i);
     const at::Tensor& p = params[i];
     check_list_tensor(op, "params", i, p, p, std::nullopt);
     TORCH_CHECK(is_kernel_float(p.scalar_type()), "fastamp::adamw_q8_: params[", i,

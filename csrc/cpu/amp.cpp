@@ -315,7 +315,7 @@ at::Tensor unscale_check_impl(const char* op, at::TensorList grads, const at::Te
         int64_t next_bytes = 0;
         const char* next = chunk_base(c + 1, &next_bytes);
         for (int64_t o = 0; o < std::min<int64_t>(next_bytes, kNextChunkPrefetchBytes); o += 64)
-          prefetch_line(next + o);
+          prefetch_read(next + o);
       }
       double lanes[16] = {};
       ChunkStats st{};

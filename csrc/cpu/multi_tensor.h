@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "host_prefetch.h"  // prefetch_read
+
 namespace fastamp {
 namespace cpu {
 
@@ -23,14 +25,6 @@ constexpr int64_t kChunkCostElems = 64;
 // How much of the next chunk a chunk loop prefetches before running the current one.
 constexpr int64_t kNextChunkPrefetchBytes = 2048;
 
-// A read hint for the cache line holding p (never faults).
-inline void prefetch_line(const void* p) {
-#if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 3);
-#else
-  (void)p;
-#endif
-}
 // Below this much work (in element units) a single thread is faster than waking others.
 constexpr int64_t kMinParallelWork = 1 << 15;
 
