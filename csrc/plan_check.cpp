@@ -52,26 +52,32 @@ void prefetch_param_chain(PyObject* list, Py_ssize_t n, Py_ssize_t i) {
   }
 }
 
-// plan_grads(params, planned, ptrs, param_dtypes, grad_dtypes, strided) -> list | False | NotImplemented
+// plan_grads(params, planned, ptrs, param_dtypes, grad_dtypes, strided[, numels])
+//   -> list | True | False | NotImplemented
 //
 // The grads of a group's params when the group still fits its plan, else False:
 // `params` holds the planned objects (`planned`, identity), each param's data_ptr() and dtype
 // are the planned ones (`ptrs`, `param_dtypes`), the params with a grad are those with a
 // planned grad dtype (`grad_dtypes[i]`, None: no grad), each grad is dense, of that dtype,
 // and contiguous unless planned strided (`strided[i]` != 0: copied contiguous by the caller).
+// With `numels` (a list of ints; the Triton launch plans, kernels/_common.py) each param must
+// also have that many elements and be contiguous, and a fit answers True: the caller wants the
+// answer only, and no grad object is created.
 PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 6) {
-    PyErr_SetString(PyExc_TypeError, "plan_grads takes 6 arguments");
+  if (nargs != 6 && nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "plan_grads takes 6 or 7 arguments");
     return nullptr;
   }
   PyObject *params = args[0], *planned = args[1], *ptrs = args[2], *param_dtypes = args[3], *grad_dtypes = args[4],
            *strided = args[5];
+  PyObject* numels = nargs == 7 ? args[6] : nullptr;
   if (!PyList_CheckExact(params) || !PyList_CheckExact(planned) || !PyList_CheckExact(ptrs) ||
-      !PyList_CheckExact(param_dtypes) || !PyList_CheckExact(grad_dtypes) || !PyBytes_CheckExact(strided))
+      !PyList_CheckExact(param_dtypes) || !PyList_CheckExact(grad_dtypes) || !PyBytes_CheckExact(strided) ||
+      (numels != nullptr && !PyList_CheckExact(numels)))
     Py_RETURN_NOTIMPLEMENTED;
   const Py_ssize_t n = PyList_GET_SIZE(planned);
   if (PyList_GET_SIZE(ptrs) != n || PyList_GET_SIZE(param_dtypes) != n || PyList_GET_SIZE(grad_dtypes) != n ||
-      PyBytes_GET_SIZE(strided) != n) {
+      PyBytes_GET_SIZE(strided) != n || (numels != nullptr && PyList_GET_SIZE(numels) != n)) {
     PyErr_SetString(PyExc_ValueError, "plan_grads: the planned lists differ in length");
     return nullptr;
   }
@@ -99,6 +105,14 @@ PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         answer = Py_False;
         break;
       }
+      if (numels != nullptr) {
+        const long long want_numel = PyLong_AsLongLong(PyList_GET_ITEM(numels, i));
+        if (want_numel == -1 && PyErr_Occurred()) return nullptr;
+        if (t.numel() != want_numel || !t.is_contiguous()) {
+          answer = Py_False;
+          break;
+        }
+      }
       const at::Tensor& g = t.grad();
       PyObject* want = PyList_GET_ITEM(grad_dtypes, i);
       if (!g.defined()) {
@@ -121,7 +135,7 @@ PyObject* plan_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     // a param without storage or the like: the Python path answers (and the full checks name it)
     answer = Py_NotImplemented;
   }
-  if (answer != Py_True) {
+  if (answer != Py_True || numels != nullptr) {
     Py_INCREF(answer);
     return answer;
   }
@@ -298,7 +312,8 @@ PyObject* same_items(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // Added to the module by csrc/ops.cpp.
 PyMethodDef fastamp_plan_methods[] = {
     {"plan_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::plan_grads)), METH_FASTCALL,
-     "the grads of a param group that still fits its cached launch plan, False, or NotImplemented"},
+     "the grads of a param group that still fits its cached launch plan (True with numels), False, or "
+     "NotImplemented"},
     {"param_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::param_grads)), METH_FASTCALL,
      "(the params' grads, whether each grad is exactly a torch.Tensor, whether one is float16), or NotImplemented"},
     {"dense_ptrs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::dense_ptrs)), METH_FASTCALL,

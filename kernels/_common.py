@@ -717,9 +717,11 @@ _dense_ptrs = _native_check("dense_ptrs")
 
 
 # The first read of a persistent tensor's metadata is the cost of a repeated call (cache misses
-# on memory last touched a step ago). ``plan_grads`` reads a block's addresses and dtypes in one
-# C loop (and answers NotImplemented for anything but a plain torch.Tensor / nn.Parameter), so
-# the passes that follow it (element counts, contiguity) read warm memory. It compares
+# on memory last touched a step ago). ``plan_grads`` reads a block's addresses, dtypes, element
+# counts and contiguity in one C loop and answers True where the block fits (NotImplemented for
+# anything but a plain torch.Tensor / nn.Parameter, False for any difference: the Python passes
+# then read the block; an extension whose plan_grads takes 6 arguments raises TypeError, and the
+# call is planned again, as for any error of a check). It compares
 # ``const_data_ptr()``, which, unlike ``data_ptr()``, does not materialise a copy-on-write
 # tensor (``torch._lazy_clone``, private: no public API makes one in place); everything else
 # it answers as the passes of ``data_ptr()`` and ``dtype`` would.
@@ -769,8 +771,8 @@ class _Plan:
         self.grad_dtypes = list(map(_dtype_of, grads))
         # (group key, tensors, table values without grads, grads positions or None (all), n_chunks, n_ptr)
         self.launches = launches
-        # per block of the persistent lists, what plan_grads compares: addresses, dtypes, and
-        # the dtype of each tensor's own ``.grad`` (None: none; a param's grad of the planning
+        # per block of the persistent lists, what plan_grads compares: addresses, dtypes, element
+        # counts (each tensor contiguous), and the dtype of each tensor's own ``.grad`` (None: none; a param's grad of the planning
         # call, whose contiguity does not matter: flags 1). A block it cannot answer for (a
         # subclass, a ``.grad`` that appeared or changed) is read by the Python passes, as is
         # a block with a non-leaf tensor that requires grad (reading its ``.grad`` warns).
@@ -781,7 +783,15 @@ class _Plan:
             kinds = [None if g is None else g.dtype for g in map(_grad_of, block)] if native else None
             flags = b"\x01" * len(block) if native else None
             self.blocks.append(
-                (s, s + len(block), self.ptrs[s : s + _BLOCK], self.dtypes[s : s + _BLOCK], kinds, flags)
+                (
+                    s,
+                    s + len(block),
+                    self.ptrs[s : s + _BLOCK],
+                    self.dtypes[s : s + _BLOCK],
+                    kinds,
+                    flags,
+                    self.numels[s : s + _BLOCK],
+                )
             )
         self.grad_guards = [None] * -(-len(grads) // _BLOCK)  # per block of grads, set by a direct call
 
@@ -802,15 +812,18 @@ class _Plan:
             if len(flat) != len(self.ptrs):
                 return None
             numels = self.numels
-            for s, e, bptrs, bdtypes, bkinds, bflags in self.blocks:
+            for s, e, bptrs, bdtypes, bkinds, bflags, bnumels in self.blocks:
                 block = flat[s:e]
-                native = bflags is not None and type(_plan_grads(block, block, bptrs, bdtypes, bkinds, bflags)) is list
-                if not native:
+                # True: the C pass found the block fits, element counts and contiguity included
+                if bflags is None or _plan_grads(block, block, bptrs, bdtypes, bkinds, bflags, bnumels) is not True:
                     plain = False
-                    if list(map(_data_ptr, block)) != bptrs or list(map(_dtype_of, block)) != bdtypes:
+                    if (
+                        list(map(_data_ptr, block)) != bptrs
+                        or list(map(_dtype_of, block)) != bdtypes
+                        or list(map(_numel, block)) != bnumels
+                        or not all(map(_is_contiguous, block))
+                    ):
                         return None
-                if list(map(_numel, block)) != numels[s:e] or not all(map(_is_contiguous, block)):
-                    return None
             gdtypes = self.grad_dtypes
             if _dense_ptrs is not None:
                 got = _dense_ptrs(grads, numels, gdtypes, device)

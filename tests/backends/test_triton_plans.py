@@ -326,9 +326,37 @@ def test_the_built_extension_has_the_c_pass(check_path):
     assert NATIVE_CHECK, "fastamp._C has no plan_grads (csrc/plan_check.cpp): rebuild the extension"
 
 
+def test_the_c_pass_with_element_counts_answers_as_the_python_passes(check_path):
+    """``plan_grads(..., numels)`` (the launch plans' form): True where the block fits (no grad list
+    made), False for another element count or a tensor no longer contiguous (the Python passes then
+    find the call does not fit), NotImplemented for numels that are not a list, an error naming the
+    problem for lists of different lengths."""
+    if not NATIVE_CHECK or check_path != "c":
+        pytest.skip("fastamp._C has no plan_grads" if not NATIVE_CHECK else "the C function is tested once")
+    block = [torch.zeros(4, 3), torch.zeros(6).requires_grad_(), torch.zeros(2, 2)]
+    block[1].grad = torch.ones(6)
+
+    def ask(tensors, numels):
+        ptrs = [t.data_ptr() for t in tensors]
+        dtypes = [t.dtype for t in tensors]
+        kinds = [None if t.grad is None else t.grad.dtype for t in tensors]
+        return C._plan_grads(tensors, tensors, ptrs, dtypes, kinds, b"\x01" * len(tensors), numels)
+
+    assert ask(block, [12, 6, 4]) is True
+    assert ask(block, [12, 6, 5]) is False
+    restrided = block[:2] + [block[2].t()]  # same address, count and dtype; not contiguous
+    assert ask(restrided, [12, 6, 4]) is False
+    assert ask(block, (12, 6, 4)) is NotImplemented
+    with pytest.raises(ValueError, match="differ in length"):
+        ask(block, [12, 6])
+    ptrs = [t.data_ptr() for t in block]
+    got = C._plan_grads(block, block, ptrs, [t.dtype for t in block], [None, torch.float32, None], b"\x01" * 3)
+    assert type(got) is list and got[1] is block[1].grad, "the 6-argument form still gives the grads"
+
+
 @pytest.fixture
 def c_pass_calls(monkeypatch, check_path):
-    """The calls of the C pass and what each answered (a list: the block fits)."""
+    """The calls of the C pass and what each answered (True, or a list of grads: the block fits)."""
     if check_path == "python":
         pytest.skip("the C pass of the plan check (fastamp._C.plan_grads) is not in use")
     answers = []
@@ -336,7 +364,7 @@ def c_pass_calls(monkeypatch, check_path):
 
     def spying(*args):
         got = real(*args)
-        answers.append(type(got) is list)
+        answers.append(got is True or type(got) is list)
         return got
 
     monkeypatch.setattr(C, "_plan_grads", spying)
