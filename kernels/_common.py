@@ -773,9 +773,10 @@ class _Plan:
         self.launches = launches
         # per block of the persistent lists, what plan_grads compares: addresses, dtypes, element
         # counts (each tensor contiguous), and the dtype of each tensor's own ``.grad`` (None:
-        # none; a param's grad of the planning call, whose contiguity does not matter: flags 1). A block it cannot answer for (a
-        # subclass, a ``.grad`` that appeared or changed) is read by the Python passes, as is
-        # a block with a non-leaf tensor that requires grad (reading its ``.grad`` warns).
+        # none; a param's grad of the planning call, whose contiguity does not matter: flags 1).
+        # A block it cannot answer for (a subclass, a ``.grad`` that appeared or changed) is read
+        # by the Python passes, as is a block with a non-leaf tensor that requires grad (reading
+        # its ``.grad`` warns).
         self.blocks = []
         for s in range(0, len(flat), _BLOCK):
             block = flat[s : s + _BLOCK]
