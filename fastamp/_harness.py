@@ -151,11 +151,12 @@ def machine_info(device: torch.device) -> dict[str, str]:
         info["fastamp_build"] = (
             str(registry.build_info()) if registry.NATIVE_LOADED else f"native not loaded: {registry.NATIVE_ERROR}"
         )
-        if registry.NATIVE_LOADED and hasattr(torch.ops.fastamp, "cpu_isa"):
-            # the instruction set the native CPU kernels run (FASTAMP_CPU_ISA may force a narrower one
-            # than the machine's, which the cpu line's torch capability does not show)
+        isa = registry.cpu_isa()
+        if isa is not None:
+            # FASTAMP_CPU_ISA may force a narrower one than the machine's, which the cpu line's
+            # torch capability does not show
             forced = os.environ.get("FASTAMP_CPU_ISA")
-            info["fastamp_cpu_isa"] = torch.ops.fastamp.cpu_isa() + (f" (FASTAMP_CPU_ISA={forced})" if forced else "")
+            info["fastamp_cpu_isa"] = isa + (f" (FASTAMP_CPU_ISA={forced})" if forced else "")
     except Exception as e:
         info["fastamp_build"] = f"unknown ({e})"
     if device.type == "cuda":

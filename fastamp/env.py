@@ -184,8 +184,6 @@ def _backends() -> dict[str, Any]:
 
 def collect() -> dict[str, Any]:
     """Everything the report shows, as plain data (what ``--json`` prints)."""
-    import torch
-
     import fastamp
     from fastamp import kernels
     from fastamp.ops import backends, registry
@@ -195,10 +193,8 @@ def collect() -> dict[str, Any]:
         "loaded": registry.NATIVE_LOADED,
         "build": registry.build_info(),
         "error": registry.NATIVE_ERROR,
-        "cpu_isa": None,
+        "cpu_isa": registry.cpu_isa(),
     }
-    if registry.NATIVE_LOADED and hasattr(torch.ops.fastamp, "cpu_isa"):
-        native["cpu_isa"] = torch.ops.fastamp.cpu_isa()
     return {
         "fastamp": {"version": fastamp.__version__, "path": os.path.dirname(fastamp.__file__)},
         "python": {"version": sys.version.split()[0], "implementation": platform.python_implementation()},

@@ -392,4 +392,9 @@ def build_info() -> str | None:
     return torch.ops.fastamp.build_info() if NATIVE_LOADED else None
 
 
+def cpu_isa() -> str | None:
+    """The instruction set the native CPU kernels run (``FASTAMP_CPU_ISA`` may narrow it), None without them."""
+    return torch.ops.fastamp.cpu_isa() if NATIVE_LOADED and hasattr(torch.ops.fastamp, "cpu_isa") else None
+
+
 _load_native()
