@@ -418,3 +418,15 @@ def test_q8_rules_bench_times_every_row_and_compares_with_its_dense_step(capsys)
     assert len(q8_rows) == 2 and all(r["ratio"] > 0 for r in q8_rows)
     assert bench_q8_rules.main(["--shapes", "2x4099,3x65", "--threads", "1", "--repeats", "1"]) == 0
     assert "| fastamp Lion q8 |" in capsys.readouterr().out
+
+
+def test_table_layout_probe_times_every_layout_on_the_same_bits(capsys, monkeypatch):
+    pytest.importorskip("fastamp._C", reason="the probe times the native adamw_ table")
+    import probe_table_layout
+
+    res = probe_table_layout.probe(40, 64, reps=1)  # raises where a layout's params differ in one bit
+    assert list(res) == list(probe_table_layout.LAYOUTS)
+    assert all(t["checks"] > 0 and t["checks+kernel"] > 0 for t in res.values())
+    monkeypatch.setattr(sys, "argv", ["probe_table_layout.py", "--n", "8", "--m", "32", "--reps", "1"])
+    probe_table_layout.main()
+    assert "| flat-states |" in capsys.readouterr().out
