@@ -17,7 +17,8 @@ reduction, whose order follows the instruction set and thread count; within
 The per-element C++ twin of this package is ``csrc/fastamp_math.h``.
 
 Modules: :mod:`~fastamp.reference.amp` (the scaler's ops), :mod:`~fastamp.reference.optim`
-(the optimizers' ops and step scalars), :mod:`~fastamp.reference.formats` (random bits,
+(the optimizers' generic op ``optim_``: update rules x master and state formats, the older
+per-rule ops as wrappers of it, and the step scalars), :mod:`~fastamp.reference.formats` (random bits,
 stochastic rounding, bf16 + int16 masters), :mod:`~fastamp.reference.q8` (8-bit block-scaled
 moments), :mod:`~fastamp.reference.ulp8` (16-bit param + int8 master correction),
 :mod:`~fastamp.reference.layout` (what each state format stores, bytes per param),
@@ -40,6 +41,7 @@ from fastamp.reference.optim import (
     lion_sign,
     lion_step_scalars,
     one_state_q8,
+    optim_,
     scalar_rows,
     sgd_,
     sgd_q8_,
@@ -65,6 +67,7 @@ __all__ = [
     "lion_step_scalars",
     "lion_sign",
     "scalar_rows",
+    "optim_",
     "unscale_check_stats_",
     "split_master",
     "join_master",

@@ -1,16 +1,21 @@
 """The reference of the optimizer ops: their step scalars and element maths, per tensor.
 
-``adamw_`` (fp32/fp16/bf16 params, optional fp32 masters), ``adamw_bf16_`` (bf16 params with
-int16 remainders or stochastic rounding, fp32 or bf16 moments), ``adamw_q8_`` (8-bit
-block-scaled moments, :mod:`fastamp.reference.q8`), ``sgd_`` and ``lion_``; the step
-scalars (``adamw_step_scalars``, ``sgd_step_scalars``, ``lion_step_scalars``) are computed once per launch on the
-device, shared (``[k]``) or one row per tensor (``[n, k]``, see :func:`scalar_rows`). The
-low-bit storage helpers are in :mod:`fastamp.reference.formats`.
+:func:`optim_` is the one optimizer op: an update rule of :data:`RULES` (AdamW, SGD, Lion: the
+element maths on fp32 values, written once each) run on the value optimised, kept in a master
+format (fp32 master, bf16 + int16 remainder, 16-bit param + int8 ulp8 correction, or the param
+itself, with optional stochastic rounding), and on the rule's states, kept in a state format
+(fp32, bf16, or 8-bit block-scaled q8 codes, :mod:`fastamp.reference.q8`). The per-rule ops
+``adamw_``, ``adamw_bf16_``, ``adamw_q8_``, ``sgd_``, ``sgd_q8_``, ``lion_``, ``lion_q8_`` are
+the same op with their older argument lists (wrappers of :func:`optim_`). The step scalars
+(``adamw_step_scalars``, ``sgd_step_scalars``, ``lion_step_scalars``) are computed once per
+launch on the device, shared (``[k]``) or one row per tensor (``[n, k]``, see
+:func:`scalar_rows`). The low-bit storage helpers are in :mod:`fastamp.reference.formats`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -145,49 +150,9 @@ def adamw_(
     Agreement: native CPU and CUDA bit-exact with this function; Triton bit-exact under
     the interpreter, within ``tolerances.ADAMW_GPU`` on a GPU (its sqrt/div may differ).
     """
-    if len(params) == 0:
-        return
-    dev = params[0].device
-    rows = scalar_rows(step_scalars, len(params), 4)
-    b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
-    b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
-    eps_t = _f32(eps, dev)
-    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
-    use_master = len(masters) > 0
-    for i, p in enumerate(params):
-        step_size, bc2_sqrt, decay, grad_mul = rows(i)
-        p32 = masters[i] if use_master else p.float()
-        m, v = exp_avgs[i], exp_avg_sqs[i]
-        g = grads[i].float() * grad_mul
-        if maximize:
-            g = -g
-        pv = p32 * decay
-        diff = g - m
-        mv = m + omb1 * diff if _lerp_low(beta1) else g - diff * b1
-        vv = v * b2 + (omb2 * g) * g
-        if amsgrad:
-            vmax = torch.maximum(max_exp_avg_sqs[i], vv)
-            d = vmax
-        else:
-            d = vv
-        denom = sqrt_rn(d) / bc2_sqrt + eps_t
-        pv = pv - (step_size * mv) / denom
-        if keep is not None:
-            pv = torch.where(keep, p32, pv)
-            mv = torch.where(keep, m, mv)
-            vv = torch.where(keep, v, vv)
-            if amsgrad:
-                vmax = torch.where(keep, max_exp_avg_sqs[i], vmax)
-        m.copy_(mv)
-        v.copy_(vv)
-        if amsgrad:
-            max_exp_avg_sqs[i].copy_(vmax)
-        new_p = pv.to(p.dtype)
-        if keep is not None:
-            new_p = torch.where(keep, p, new_p)
-        if use_master:
-            masters[i].copy_(pv)
-        p.copy_(new_p)
+    flags = (MAXIMIZE if maximize else 0) | (AMSGRAD if amsgrad else 0)
+    states = [*exp_avgs, *exp_avg_sqs, *(max_exp_avg_sqs if amsgrad else ())]
+    optim_(params, grads, masters, states, step_scalars, found_inf, None, 0, "adamw", (beta1, beta2, eps), flags)
 
 
 def adamw_bf16_(
@@ -218,65 +183,13 @@ def adamw_bf16_(
     device; the random bits of tensor ``i`` use ``tensor_id = rng_base + i`` (see
     :func:`sr_random16`). ``found_inf`` non-zero: nothing is written.
     """
-    if len(params) == 0:
-        return
-    dev = params[0].device
-    rows = scalar_rows(step_scalars, len(params), 4)
-    b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
-    b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
-    eps_t = _f32(eps, dev)
-    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
-    use_rem = len(remainders) > 0
-    seed = counter = None
-    if rng is not None:
-        seed, counter = rng.reshape(-1)[0], rng.reshape(-1)[1]
-    for i, p in enumerate(params):
-        step_size, bc2_sqrt, decay, grad_mul = rows(i)
-        n = p.numel()
-
-        def rand(k: int, i: int = i, n: int = n) -> Tensor | None:
-            if rng is None:
-                return None
-            return sr_random16(seed, counter, 4 * (rng_base + i) + k, n, dev)
-
-        p32 = join_master(p, remainders[i]) if use_rem else p.float()
-        m, v = exp_avgs[i].float(), exp_avg_sqs[i].float()
-        g = grads[i].float() * grad_mul
-        if maximize:
-            g = -g
-        pv = p32 * decay
-        diff = g - m
-        mv = m + omb1 * diff if _lerp_low(beta1) else g - diff * b1
-        vv = v * b2 + (omb2 * g) * g
-        if amsgrad:
-            vmax = torch.maximum(max_exp_avg_sqs[i].float(), vv)
-            d = vmax
-        else:
-            d = vv
-        denom = sqrt_rn(d) / bc2_sqrt + eps_t
-        pv = pv - (step_size * mv) / denom
-        if use_rem:
-            new_p, new_rem = split_master(pv)
-        else:
-            new_p, new_rem = _store_lowp(pv, p.dtype, rand(0)), None
-        new_m = _store_lowp(mv, exp_avgs[i].dtype, rand(1))
-        new_v = _store_lowp(vv, exp_avg_sqs[i].dtype, rand(2))
-        new_vmax = _store_lowp(vmax, max_exp_avg_sqs[i].dtype, rand(3)) if amsgrad else None
-        if keep is not None:
-            new_p = torch.where(keep, p, new_p)
-            new_m = torch.where(keep, exp_avgs[i], new_m)
-            new_v = torch.where(keep, exp_avg_sqs[i], new_v)
-            if use_rem:
-                new_rem = torch.where(keep, remainders[i], new_rem)
-            if amsgrad:
-                new_vmax = torch.where(keep, max_exp_avg_sqs[i], new_vmax)
-        p.copy_(new_p)
-        exp_avgs[i].copy_(new_m)
-        exp_avg_sqs[i].copy_(new_v)
-        if use_rem:
-            remainders[i].copy_(new_rem)
-        if amsgrad:
-            max_exp_avg_sqs[i].copy_(new_vmax)
+    flags = (MAXIMIZE if maximize else 0) | (AMSGRAD if amsgrad else 0)
+    if rng is not None:  # the param without a remainder and bf16 moments are rounded stochastically
+        flags |= SR_STATE | (0 if len(remainders) else SR_PARAM)
+    states = [*exp_avgs, *exp_avg_sqs, *(max_exp_avg_sqs if amsgrad else ())]
+    optim_(
+        params, grads, remainders, states, step_scalars, found_inf, rng, rng_base, "adamw", (beta1, beta2, eps), flags
+    )
 
 
 def _master_kind(masters: Sequence[Tensor]) -> str:
@@ -368,44 +281,9 @@ def adamw_q8_(
     nothing. Only integer maths, ``+ - * /`` and :func:`sqrt_rn`: every backend is bit-exact
     with this function on the CPU.
     """
-    if len(params) == 0:
-        return
-    if (sr_codes or sr_param) and rng is None:
-        raise ValueError("adamw_q8_: sr_codes / sr_param need rng ([seed, counter], int64)")
-    dev = params[0].device
-    rows = scalar_rows(step_scalars, len(params), 4)
-    b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
-    b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
-    eps_t = _f32(eps, dev)
-    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
-    kind = _master_kind(masters)
-    seed = counter = None
-    if rng is not None:
-        seed, counter = rng.reshape(-1)[0], rng.reshape(-1)[1]
-    for i, p in enumerate(params):
-        step_size, bc2_sqrt, decay, grad_mul = rows(i)
-        n = p.numel()
-        p32 = _load_master(kind, p, masters, i).reshape(-1)
-        m = q8_decode_m(exp_avg_codes[i], exp_avg_scales[i]).reshape(-1)
-        v = q8_decode_v(exp_avg_sq_codes[i], exp_avg_sq_scales[i]).reshape(-1)
-        g = grads[i].float().reshape(-1) * grad_mul
-        if maximize:
-            g = -g
-        pv = p32 * decay
-        diff = g - m
-        mv = m + omb1 * diff if _lerp_low(beta1) else g - diff * b1
-        vv = v * b2 + (omb2 * g) * g
-        denom = sqrt_rn(vv) / bc2_sqrt + eps_t
-        pv = pv - (step_size * mv) / denom
-        rand_m = sr_random16(seed, counter, 4 * (rng_base + i) + 1, n, dev) if sr_codes else None
-        rand_v = sr_random16(seed, counter, 4 * (rng_base + i) + 2, n, dev) if sr_codes else None
-        cm, sm = q8_encode_m(mv, rand_m)
-        cv, sv = q8_encode_v(vv, rand_v)
-        pairs = ((exp_avg_codes[i], cm), (exp_avg_scales[i], sm), (exp_avg_sq_codes[i], cv), (exp_avg_sq_scales[i], sv))
-        for dst, new in pairs:
-            new = new.reshape(dst.shape)
-            dst.copy_(new if keep is None else torch.where(keep, dst, new))
-        _store_master(kind, pv.reshape(p.shape), p, masters, i, rng if sr_param else None, rng_base, keep)
+    flags = (MAXIMIZE if maximize else 0) | (SR_PARAM if sr_param else 0) | (SR_STATE if sr_codes else 0)
+    states = [*exp_avg_codes, *exp_avg_scales, *exp_avg_sq_codes, *exp_avg_sq_scales]
+    optim_(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, "adamw", (beta1, beta2, eps), flags)
 
 
 def sgd_step_scalars(lr, step: Tensor, grad_mul: Tensor | None = None) -> Tensor:
@@ -452,30 +330,9 @@ def sgd_(
         g = g + momentum * buf  if nesterov else  buf                       (if momentum != 0)
         p = p - lr * g
     """
-    if len(params) == 0:
-        return
-    dev = params[0].device
-    rows = scalar_rows(step_scalars, len(params), 3)
-    mom, omd, wd = _f32(momentum, dev), _f32(1.0 - dampening, dev), _f32(weight_decay, dev)
-    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
-    kind = _master_kind(masters)
-    for i, p in enumerate(params):
-        lr, grad_mul, first = rows(i)
-        p32 = _load_master(kind, p, masters, i)
-        g = grads[i].float() * grad_mul
-        if maximize:
-            g = -g
-        if weight_decay != 0:
-            g = g + wd * p32
-        new_buf = None
-        if momentum != 0:
-            buf = momentum_buffers[i]
-            new_buf = torch.where(first != 0, g, buf * mom + omd * g)
-            g = g + mom * new_buf if nesterov else new_buf
-        pv = p32 - lr * g
-        if new_buf is not None:
-            momentum_buffers[i].copy_(new_buf if keep is None else torch.where(keep, momentum_buffers[i], new_buf))
-        _store_master(kind, pv, p, masters, i, rng, rng_base, keep)
+    flags = (MAXIMIZE if maximize else 0) | (NESTEROV if nesterov else 0) | (SR_PARAM if rng is not None else 0)
+    hyper = (momentum, dampening, weight_decay)
+    optim_(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base, "sgd", hyper, flags)
 
 
 def lion_step_scalars(lr, weight_decay: float, grad_mul: Tensor | None = None, device=None) -> Tensor:
@@ -533,27 +390,8 @@ def lion_(
 
     Only + - * and comparisons: every backend, a GPU's Triton included, is bit-exact with this.
     """
-    if len(params) == 0:
-        return
-    dev = params[0].device
-    rows = scalar_rows(step_scalars, len(params), 3)
-    b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
-    b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
-    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
-    kind = _master_kind(masters)
-    for i, p in enumerate(params):
-        lr, decay, grad_mul = rows(i)
-        p32 = _load_master(kind, p, masters, i)
-        m = exp_avgs[i]
-        g = grads[i].float() * grad_mul
-        if maximize:
-            g = -g
-        pv = p32 * decay
-        c = m * b1 + g * omb1
-        pv = pv - lr * lion_sign(c)
-        new_m = m * b2 + g * omb2
-        m.copy_(new_m if keep is None else torch.where(keep, m, new_m))
-        _store_master(kind, pv, p, masters, i, rng, rng_base, keep)
+    flags = (MAXIMIZE if maximize else 0) | (SR_PARAM if rng is not None else 0)
+    optim_(params, grads, masters, exp_avgs, step_scalars, found_inf, rng, rng_base, "lion", (beta1, beta2), flags)
 
 
 # Elements per slice of the codec in :func:`one_state_q8`: a multiple of the q8 block (32), small
@@ -658,10 +496,11 @@ def sgd_q8_(
     """
     if momentum == 0:
         raise ValueError("sgd_q8_: momentum must be non-zero (the q8 codes hold the momentum buffer)")
-    one_state_q8(
-        sgd_, params, grads, masters, momentum_buffer_codes, momentum_buffer_scales, step_scalars, found_inf, rng,
-        rng_base, momentum, dampening, weight_decay, nesterov, maximize, sr_param, sr_codes,
-    )  # fmt: skip
+    flags = (MAXIMIZE if maximize else 0) | (NESTEROV if nesterov else 0)
+    flags |= (SR_PARAM if sr_param else 0) | (SR_STATE if sr_codes else 0)
+    states = [*momentum_buffer_codes, *momentum_buffer_scales]
+    hyper = (momentum, dampening, weight_decay)
+    optim_(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, "sgd", hyper, flags)
 
 
 def lion_q8_(
@@ -681,7 +520,284 @@ def lion_q8_(
     sr_codes: bool,
 ) -> None:
     """:func:`lion_` with ``exp_avg`` held as q8 codes and scales: :func:`lion_` on the decoded state, encoded again (see :func:`one_state_q8`)."""
-    one_state_q8(
-        lion_, params, grads, masters, exp_avg_codes, exp_avg_scales, step_scalars, found_inf, rng, rng_base, beta1,
-        beta2, maximize, sr_param, sr_codes,
-    )  # fmt: skip
+    flags = (MAXIMIZE if maximize else 0) | (SR_PARAM if sr_param else 0) | (SR_STATE if sr_codes else 0)
+    states = [*exp_avg_codes, *exp_avg_scales]
+    optim_(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, "lion", (beta1, beta2), flags)
+
+
+# ------------------------------------------------------------------------------------------
+# The generic optimizer op: one update rule x one master format x one state format.
+#
+# ``optim_`` is every optimizer op above in one: an update rule (:data:`RULES`: its element maths
+# on fp32 values, its step-scalar row, its hyperparameters and its state streams), the format the
+# value optimised is kept in (the master, read from the ``masters`` list's dtype: fp32 master,
+# int16 remainder, int8 ulp8 correction, or none), and the format of the rule's states (read from
+# the ``states`` list's dtype: fp32, bf16, or q8 codes + block scales). The element maths is
+# written once per rule (the ``step`` functions below) and the codecs once per format
+# (:func:`_load_master` / :func:`_store_master`, :func:`_load_state` / :func:`_store_state`).
+
+MAXIMIZE = 1  # flags of optim_: minimise -loss
+AMSGRAD = 2  # AdamW: keep max_exp_avg_sq (a third state) and divide by its root
+NESTEROV = 4  # SGD: Nesterov momentum
+SR_PARAM = 8  # round a bf16 param without a master, or an ulp8 correction, stochastically (stream 4 * id)
+SR_STATE = 16  # round bf16 states, or q8 codes, stochastically (stream 4 * id + 1 + j for state j)
+FLAG_NAMES = {
+    MAXIMIZE: "MAXIMIZE",
+    AMSGRAD: "AMSGRAD",
+    NESTEROV: "NESTEROV",
+    SR_PARAM: "SR_PARAM",
+    SR_STATE: "SR_STATE",
+}
+ALL_FLAGS = MAXIMIZE | AMSGRAD | NESTEROV | SR_PARAM | SR_STATE
+
+
+class StateDef(NamedTuple):
+    """One state stream of a rule: its state-dict key, and the q8 code it is stored with ("m": signed, "v": a root)."""
+
+    key: str
+    q8_code: str
+
+
+class RuleDef(NamedTuple):
+    """An update rule of :func:`optim_`.
+
+    ``scalars``: the names of a step-scalar row (``step_scalars`` is ``[k]`` or ``[n, k]``);
+    ``hyper``: the names of the ``hyper`` list; ``flags``: the rule's own flags it reads (besides
+    MAXIMIZE, SR_PARAM, SR_STATE); ``states(hyper, flags)``: its state streams for these settings;
+    ``step(p, g, states, scalars, hyper, flags)``: the new fp32 value and states from the fp32
+    value ``p``, the raw grad ``g`` (fp32, not yet multiplied by ``grad_mul``), the fp32 states and
+    the row's 0-dim scalars; ``check(hyper, flags)`` raises ValueError on values the kernels
+    cannot take.
+    """
+
+    name: str
+    scalars: tuple[str, ...]
+    hyper: tuple[str, ...]
+    flags: int
+    states: Callable[[Sequence[float], int], tuple[StateDef, ...]]
+    step: Callable
+    check: Callable[[Sequence[float], int], None]
+
+
+def _adamw_rule_step(p, g, states, sc, hyper, flags):
+    step_size, bc2_sqrt, decay, grad_mul = sc
+    beta1, beta2, eps = hyper
+    dev = p.device
+    b1, omb1 = _f32(beta1, dev), _f32(1.0 - beta1, dev)
+    b2, omb2 = _f32(beta2, dev), _f32(1.0 - beta2, dev)
+    m, v = states[0], states[1]
+    g = g * grad_mul
+    if flags & MAXIMIZE:
+        g = -g
+    pv = p * decay
+    diff = g - m
+    mv = m + omb1 * diff if _lerp_low(beta1) else g - diff * b1
+    vv = v * b2 + (omb2 * g) * g
+    out = [mv, vv]
+    d = vv
+    if flags & AMSGRAD:
+        d = torch.maximum(states[2], vv)
+        out.append(d)
+    denom = sqrt_rn(d) / bc2_sqrt + _f32(eps, dev)
+    return pv - (step_size * mv) / denom, out
+
+
+def _adamw_check(hyper, flags) -> None:
+    beta1, beta2, eps = hyper
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {b}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+
+def _sgd_rule_step(p, g, states, sc, hyper, flags):
+    lr, grad_mul, first = sc
+    momentum, dampening, weight_decay = hyper
+    dev = p.device
+    g = g * grad_mul
+    if flags & MAXIMIZE:
+        g = -g
+    if weight_decay != 0:
+        g = g + _f32(weight_decay, dev) * p
+    out = []
+    if momentum != 0:
+        mom = _f32(momentum, dev)
+        buf = torch.where(first != 0, g, states[0] * mom + _f32(1.0 - dampening, dev) * g)
+        out.append(buf)
+        g = g + mom * buf if flags & NESTEROV else buf
+    return p - lr * g, out
+
+
+def _sgd_check(hyper, flags) -> None:
+    # torch.optim.SGD's own checks are the optimizer's (fastamp.optim.SGD); the kernels take any value
+    return None
+
+
+def _lion_rule_step(p, g, states, sc, hyper, flags):
+    lr, decay, grad_mul = sc
+    beta1, beta2 = hyper
+    dev = p.device
+    m = states[0]
+    g = g * grad_mul
+    if flags & MAXIMIZE:
+        g = -g
+    pv = p * decay
+    c = m * _f32(beta1, dev) + g * _f32(1.0 - beta1, dev)
+    pv = pv - lr * lion_sign(c)
+    return pv, [m * _f32(beta2, dev) + g * _f32(1.0 - beta2, dev)]
+
+
+def _lion_check(hyper, flags) -> None:
+    for name, b in zip(("beta1", "beta2"), hyper):
+        if not 0.0 <= b <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {b}")
+
+
+RULES: dict[str, RuleDef] = {
+    "adamw": RuleDef(
+        "adamw",
+        ("step_size", "bc2_sqrt", "decay", "grad_mul"),
+        ("beta1", "beta2", "eps"),
+        AMSGRAD,
+        lambda hyper, flags: (
+            (StateDef("exp_avg", "m"), StateDef("exp_avg_sq", "v"))
+            + ((StateDef("max_exp_avg_sq", "v"),) if flags & AMSGRAD else ())
+        ),
+        _adamw_rule_step,
+        _adamw_check,
+    ),
+    "sgd": RuleDef(
+        "sgd",
+        ("lr", "grad_mul", "is_first"),
+        ("momentum", "dampening", "weight_decay"),
+        NESTEROV,
+        lambda hyper, flags: (StateDef("momentum_buffer", "m"),) if hyper[0] != 0 else (),
+        _sgd_rule_step,
+        _sgd_check,
+    ),
+    "lion": RuleDef(
+        "lion",
+        ("lr", "decay", "grad_mul"),
+        ("beta1", "beta2"),
+        0,
+        lambda hyper, flags: (StateDef("exp_avg", "m"),),
+        _lion_rule_step,
+        _lion_check,
+    ),
+}
+
+
+def state_format(states: Sequence[Tensor]) -> str:
+    """The format of an ``optim_`` states list, from its first tensor: "fp32", "bf16", "q8" (uint8), or "none" (empty)."""
+    if len(states) == 0:
+        return "none"
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.uint8: "q8"}.get(states[0].dtype, str(states[0].dtype))
+
+
+def streams_per_state(fmt: str) -> int:
+    """Tensors per param per state in an ``optim_`` states list: 2 for q8 (codes, block scales), else 1."""
+    return 2 if fmt == "q8" else 1
+
+
+def _load_state(fmt: str, tensors: list[Tensor], code: str) -> Tensor:
+    """One state of one param as fp32 (flattened for q8): the tensor itself, its fp32 value, or its q8 decode."""
+    if fmt == "q8":
+        decode = q8_decode_v if code == "v" else q8_decode_m
+        return decode(tensors[0], tensors[1]).reshape(-1)
+    return tensors[0].float()
+
+
+def _store_state(fmt: str, tensors: list[Tensor], code: str, new: Tensor, rand16: Tensor | None, keep) -> None:
+    """Write the new fp32 value of one state in its format (bf16 / q8 rounded with ``rand16`` when given); ``keep``: skip."""
+    if fmt == "q8":
+        encode = q8_encode_v if code == "v" else q8_encode_m
+        pairs = zip(tensors, encode(new.reshape(-1), rand16))
+    else:
+        pairs = ((tensors[0], _store_lowp(new, tensors[0].dtype, rand16)),)
+    for dst, value in pairs:
+        value = value.reshape(dst.shape)
+        dst.copy_(value if keep is None else torch.where(keep, dst, value))
+
+
+def optim_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    states: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Tensor | None,
+    rng: Tensor | None,
+    rng_base: int,
+    rule: str,
+    hyper: Sequence[float],
+    flags: int,
+) -> None:
+    """One fused optimizer step of every tensor: the update ``rule`` on the value optimised and the rule's states.
+
+    ``rule``: a name of :data:`RULES` (``"adamw"``, ``"sgd"``, ``"lion"``), with its ``hyper``
+    list (AdamW ``[beta1, beta2, eps]``; SGD ``[momentum, dampening, weight_decay]``; Lion
+    ``[beta1, beta2]``) and its step-scalar rows (``step_scalars``: ``[k]`` shared or ``[n, k]``,
+    see :func:`adamw_step_scalars`, :func:`sgd_step_scalars`, :func:`lion_step_scalars`).
+
+    The value optimised for ``params[i]``, by the dtype of ``masters`` (empty, or one per param):
+    an fp32 master (params of any float dtype; the param receives it rounded to nearest-even), an
+    int16 remainder (bf16 params: :func:`join_master` / :func:`split_master`, exact), an int8 ulp8
+    correction (bf16 / fp16 params: :func:`~fastamp.reference.ulp8.ulp8_decode` /
+    :func:`~fastamp.reference.ulp8.ulp8_encode`), or none (the param itself).
+
+    ``states``: the rule's state streams (``RULES[rule].states(hyper, flags)``: AdamW ``exp_avg``,
+    ``exp_avg_sq`` and with AMSGRAD ``max_exp_avg_sq``; SGD with a momentum its
+    ``momentum_buffer``; Lion ``exp_avg``), stream by stream, each the ``n`` tensors of the
+    params in order; all of one format, read from their dtype: fp32, bf16 (rounded to
+    nearest-even, or stochastically under SR_STATE), or q8 (each state two lists: uint8 codes
+    shaped like the param, then uint8 block scales ``[ceil(numel / 32)]``; the code of
+    :mod:`fastamp.reference.q8` the rule names, ``m`` or ``v``; rounded stochastically under
+    SR_STATE).
+
+    ``flags``: MAXIMIZE, AMSGRAD (AdamW), NESTEROV (SGD), SR_PARAM (a bf16 param without a
+    master, or an ulp8 correction, rounded stochastically with the bits of stream
+    ``4 * (rng_base + i)``), SR_STATE (state ``j`` rounded stochastically with stream
+    ``4 * (rng_base + i) + 1 + j``); ``rng`` (int64 ``[seed, counter]``) is read only under
+    SR_PARAM or SR_STATE (see :func:`sr_random16`). A non-zero (or NaN) ``found_inf`` writes
+    nothing. Element maths: the rule's ``step`` on fp32 values, one rounding per operation, no
+    FMA; only ``+ - * /``, comparisons, integer maths and :func:`sqrt_rn`.
+    """
+    if len(params) == 0:
+        return
+    r = RULES.get(rule)
+    if r is None:
+        raise ValueError(f"optim_: unknown rule {rule!r}; expected one of {tuple(RULES)}")
+    if (flags & (SR_PARAM | SR_STATE)) and rng is None:
+        raise ValueError("optim_: SR_PARAM / SR_STATE need rng ([seed, counter], int64)")
+    n = len(params)
+    dev = params[0].device
+    defs = r.states(hyper, flags)
+    fmt = state_format(states)
+    per = streams_per_state(fmt)
+    if len(states) != n * per * len(defs):
+        raise ValueError(
+            f"optim_: rule {rule!r} with these settings keeps {len(defs)} state(s) ({per} list(s) each in {fmt}), "
+            f"so {n * per * len(defs)} state tensors for {n} params, got {len(states)}"
+        )
+    rows = scalar_rows(step_scalars, n, len(r.scalars))
+    keep = None if found_inf is None else (found_inf.reshape(()) != 0)
+    kind = _master_kind(masters)
+    seed = counter = None
+    if rng is not None:
+        seed, counter = rng.reshape(-1)[0], rng.reshape(-1)[1]
+    for i, p in enumerate(params):
+        numel = p.numel()
+        mine = [[states[(j * per + k) * n + i] for k in range(per)] for j in range(len(defs))]
+        p32 = _load_master(kind, p, masters, i)
+        old = [_load_state(fmt, t, d.q8_code) for t, d in zip(mine, defs)]
+        if fmt == "q8":
+            p32 = p32.reshape(-1)
+        g = grads[i].float().reshape(p32.shape)
+        pv, new = r.step(p32, g, old, rows(i), hyper, flags)
+        for j, (t, d, value) in enumerate(zip(mine, defs, new)):
+            rand = None
+            if flags & SR_STATE:
+                rand = sr_random16(seed, counter, 4 * (rng_base + i) + 1 + j, numel, dev)
+            _store_state(fmt, t, d.q8_code, value, rand, keep)
+        _store_master(kind, pv.reshape(p.shape), p, masters, i, rng if flags & SR_PARAM else None, rng_base, keep)
