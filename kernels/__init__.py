@@ -3,7 +3,8 @@
 Importing this package never imports Triton; :func:`available` and :func:`get_op` do, lazily.
 The launchers check only what their launch tables rely on (``_guards.py``);
 ``fastamp.functional`` runs the user-facing checks of ``fastamp.ops.validate`` before it calls one.
-Each op module (``amp.py``, ``adamw.py``, ``adamw_bf16.py``, ``sgd.py``: sgd_ and lion_, ``adamw_q8.py``) exposes functions with the same signatures as
+Each op module (``amp.py``, ``adamw.py``, ``adamw_bf16.py``, ``sgd.py``: sgd_ and lion_, ``adamw_q8.py``,
+``optim.py``: the generic ``optim_``) exposes functions with the same signatures as
 ``fastamp.reference``.
 """
 
@@ -23,6 +24,7 @@ _OP_MODULES = {
     "lion_q8_": "sgd",
     "unscale_check_stats_": "amp",
     "adamw_q8_": "adamw_q8",
+    "optim_": "optim",
 }
 
 

@@ -114,7 +114,7 @@ def get_impl(op: str, backend: str) -> Callable:
     kernel module (registering ``torch.ops.fastamp_triton.<op>``) and checks what the op's
     launch tables rely on.
     """
-    if backend == "torch" and op in registry.Q8_OPS:
+    if backend == "torch" and (op in registry.Q8_OPS or op in registry.GENERIC_OPS):
         registry.reference_op(op)  # registers fastamp_ref::op, which kernel() returns
     if backend in ("torch", "native"):
         return kernel(op, backend)
@@ -139,7 +139,9 @@ def kernel(op: str, backend: str) -> Callable:
     that a later ``_init_group`` of the same trace adds would be missing from it.
     """
     if backend == "torch":
-        if op in registry.Q8_OPS:  # opaque under torch.compile (see registry.reference_op)
+        if (
+            op in registry.Q8_OPS or op in registry.GENERIC_OPS
+        ):  # opaque under torch.compile (see registry.reference_op)
             return getattr(torch.ops.fastamp_ref, op)
         from fastamp import reference
 

@@ -16,10 +16,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastamp.ops import backends, registry
+from fastamp.ops import backends, legacy, registry
 from fastamp.ops import validate as V
+from fastamp.reference.optim import AMSGRAD, MAXIMIZE, to_optim
 
 __all__ = [
+    "optim_",
     "unscale_check_",
     "update_scale_",
     "adamw_",
@@ -191,10 +193,29 @@ def _native_module():
 
 _NATIVE = _native_module()
 _DIRECT = (
-    {op: getattr(_NATIVE, op) for op in (*registry.OPS, *registry.Q8_OPS) if hasattr(_NATIVE, op)}
+    {
+        op: getattr(_NATIVE, op)
+        for op in (*registry.OPS, *registry.Q8_OPS, *registry.GENERIC_OPS)
+        if hasattr(_NATIVE, op)
+    }
     if _NATIVE is not None
     else {}
 )
+
+
+def _bridged_direct(*args):
+    """``optim_`` on the per-rule direct calls (fastamp/ops/legacy.py), declining as a direct call does."""
+    try:
+        return legacy.run(args, _DIRECT.__getitem__)
+    except NotImplementedError:
+        raise
+    except RuntimeError:  # arguments it cannot map: the torch.ops path and the checks name the problem
+        return NotImplemented
+
+
+if _NATIVE is not None and "optim_" not in _DIRECT and "adamw_" in _DIRECT:
+    # an extension without a generic kernel: optim_ runs on the per-rule direct calls
+    _DIRECT["optim_"] = _bridged_direct
 # The direct call a table stands in for: a table runs only while _DIRECT holds it, so a test
 # that routes _DIRECT through a spy (tests/helpers.spy_kernels) sees every kernel call.
 _TABLE_DIRECT = _DIRECT.get("adamw_")
@@ -274,6 +295,15 @@ def _call_checked(op: str, dev: torch.device, backend: str | None, args: tuple, 
     backends.get_impl(op, backend)(*args)
 
 
+def _call_as_optim(op: str, dev: torch.device, backend: str | None, args: tuple, check) -> None:
+    """Run the per-rule op ``op`` (its coerced positional ``args``) as the generic ``optim_`` computes it.
+
+    ``check(strict)``: the per-rule op's own argument checks (their messages name its lists).
+    """
+    generic = registry.coerce("optim_", to_optim(op, args))
+    _call_checked("optim_", dev, backend, generic, check)
+
+
 def adamw_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
@@ -323,7 +353,7 @@ def adamw_(
         return
     tensors = (params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf)
     args = registry.coerce(op, tensors + (beta1, beta2, eps, amsgrad, maximize))
-    _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], strict=strict))
+    _call_as_optim(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], strict=strict))
 
 
 def adamw_bf16_(
@@ -357,7 +387,7 @@ def adamw_bf16_(
     V.adam_hyper(op, beta1, beta2, eps)
     tensors = (params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng)
     args = registry.coerce(op, tensors + (rng_base, beta1, beta2, eps, amsgrad, maximize))
-    _call_checked(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], args[8], strict=strict))
+    _call_as_optim(op, dev, backend, args, lambda strict: V.adamw(op, dev, *args[:8], args[-2], args[8], strict=strict))
 
 
 def adamw_q8_(
@@ -400,7 +430,7 @@ def adamw_q8_(
     tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
                step_scalars, found_inf, rng)  # fmt: skip
     args = registry.coerce(op, tensors + (rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes))
-    _call_checked(op, dev, backend, args,
+    _call_as_optim(op, dev, backend, args,
                   lambda strict: V.adamw_q8(op, dev, *args[:10], sr_param, sr_codes, strict=strict))  # fmt: skip
 
 
@@ -433,7 +463,7 @@ def sgd_(
     dev = params[0].device
     tensors = (params, grads, masters, momentum_buffers, step_scalars, found_inf, rng)
     args = registry.coerce(op, tensors + (rng_base, momentum, dampening, weight_decay, nesterov, maximize))
-    _call_checked(op, dev, backend, args, lambda strict: V.sgd(op, dev, *args[:7], args[8], strict=strict))
+    _call_as_optim(op, dev, backend, args, lambda strict: V.sgd(op, dev, *args[:7], args[8], strict=strict))
 
 
 def lion_(
@@ -464,7 +494,7 @@ def lion_(
     V.lion_hyper(op, beta1, beta2)
     tensors = (params, grads, masters, exp_avgs, step_scalars, found_inf, rng)
     args = registry.coerce(op, tensors + (rng_base, beta1, beta2, maximize))
-    _call_checked(op, dev, backend, args, lambda strict: V.lion(op, dev, *args[:7], strict=strict))
+    _call_as_optim(op, dev, backend, args, lambda strict: V.lion(op, dev, *args[:7], strict=strict))
 
 
 def sgd_q8_(
@@ -507,7 +537,7 @@ def sgd_q8_(
         op, tensors + (rng_base, momentum, dampening, weight_decay, nesterov, maximize, sr_param, sr_codes)
     )
     names = ("momentum_buffer_codes", "momentum_buffer_scales")
-    _call_checked(op, dev, backend, args,
+    _call_as_optim(op, dev, backend, args,
                   lambda strict: V.one_state_q8(op, dev, *args[:8], sr_param, sr_codes, names,
                                                 "[lr, grad_mul, is_first]", strict=strict))  # fmt: skip
 
@@ -542,6 +572,57 @@ def lion_q8_(
     tensors = (params, grads, masters, exp_avg_codes, exp_avg_scales, step_scalars, found_inf, rng)
     args = registry.coerce(op, tensors + (rng_base, beta1, beta2, maximize, sr_param, sr_codes))
     names = ("exp_avg_codes", "exp_avg_scales")
-    _call_checked(op, dev, backend, args,
+    _call_as_optim(op, dev, backend, args,
                   lambda strict: V.one_state_q8(op, dev, *args[:8], sr_param, sr_codes, names,
                                                 "[lr, decay, grad_mul]", strict=strict))  # fmt: skip
+
+
+def optim_(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    masters: Sequence[Tensor],
+    states: Sequence[Tensor],
+    step_scalars: Tensor,
+    found_inf: Tensor | None,
+    rng: Tensor | None = None,
+    rng_base: int = 0,
+    *,
+    rule: str,
+    hyper: Sequence[float],
+    flags: int = 0,
+    backend: str | None = None,
+    _table=None,
+) -> None:
+    """One fused optimizer step: the update ``rule`` on every param, its master and its states.
+
+    The one optimizer op; see :func:`fastamp.reference.optim_` for every argument. ``rule``: a
+    name of :data:`fastamp.reference.optim.RULES` (``"adamw"``, ``"sgd"``, ``"lion"``) with its
+    ``hyper`` list and its step-scalar rows (``[k]`` shared, or ``[n, k]`` contiguous fp32, row
+    ``i`` for ``params[i]``); ``masters``: empty, fp32, int16 remainders (bf16 params) or int8
+    ulp8 corrections (bf16 / fp16 params); ``states``: the rule's state lists, all fp32, bf16,
+    or q8 (codes, then block scales, per state); ``flags``: ``MAXIMIZE``, ``AMSGRAD``,
+    ``NESTEROV``, ``SR_PARAM``, ``SR_STATE`` of :mod:`fastamp.reference.optim`. Skips
+    everything on the device when ``found_inf`` is non-zero. No host sync.
+
+    ``_table`` (private, for the optimizers' launch plans): what :func:`_adamw_table` made of
+    an AdamW launch's fp32 tensors; the native kernel then takes the table's tensors, checked in
+    one pass (csrc/cpu/adamw_table.h), whenever it does not decline.
+    """
+    op = "optim_"
+    if len(params) == 0:
+        return
+    dev = params[0].device
+    V.optim_rule(op, rule, hyper, flags)
+    if (
+        _table is not None
+        and _DIRECT.get("adamw_") is _TABLE_DIRECT
+        and not torch.compiler.is_compiling()
+        and backends.resolve(op, dev, backend) == "native"
+        and _TABLE_RUN(_table, grads, step_scalars, found_inf, *hyper, bool(flags & AMSGRAD), bool(flags & MAXIMIZE))
+        is not NotImplemented
+    ):
+        return
+    args = registry.coerce(
+        op, (params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule, hyper, flags)
+    )
+    _call_checked(op, dev, backend, args, lambda strict: V.optim(op, dev, *args, strict=strict))

@@ -199,6 +199,21 @@ Q8_OPS: dict[str, OpDef] = {
     ),
 }
 
+# The one optimizer op: an update rule x a master format x a state format (semantics:
+# fastamp.reference.optim_, whose docstring defines every argument). Defined in the native and
+# Triton namespaces and as an opaque reference op (reference_op). A backend without a kernel of
+# its own runs it on its per-rule ops above (fastamp/ops/legacy.py; BRIDGED says where).
+GENERIC_OPS: dict[str, OpDef] = {
+    "optim_": OpDef(
+        "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] states, Tensor step_scalars, "
+        "Tensor? found_inf, Tensor? rng, int rng_base, str rule, float[] hyper, int flags) -> ()",
+        _fake_in_place,
+        "step_scalars",
+        "writes params, masters and states (nothing when found_inf is non-zero); reads rng (under the SR flags), "
+        "never advances it; step_scalars: fp32 [k] shared or [n, k] (contiguous, row i for tensor i), k the rule's",
+    ),
+}
+
 # The q8 ops a backend without a kernel of its own runs as the rule's dense op composed with the
 # codec (fastamp.reference.one_state_q8): op -> its dense op.
 COMPOSED_Q8: dict[str, str] = {"sgd_q8_": "sgd_", "lion_q8_": "lion_"}
@@ -241,14 +256,21 @@ OPTIM_OPS: dict[str, OpDef] = {
 }
 
 _TABLES = {
-    NATIVE_NS: {**OPS, **RELEASE_OPS, **Q8_OPS},
-    TRITON_NS: {**OPS, **Q8_OPS},
+    NATIVE_NS: {**OPS, **RELEASE_OPS, **Q8_OPS, **GENERIC_OPS},
+    TRITON_NS: {**OPS, **Q8_OPS, **GENERIC_OPS},
     OPTIM_NS: OPTIM_OPS,
-    REF_NS: Q8_OPS,
+    REF_NS: {**Q8_OPS, **GENERIC_OPS},
 }
 
 # How a Python argument is made the schema's type (tensors pass as they are).
-_COERCE = {"List[Tensor]": list, "float": float, "int": int, "bool": bool}
+_COERCE = {
+    "List[Tensor]": list,
+    "float": float,
+    "int": int,
+    "bool": bool,
+    "str": str,
+    "List[float]": lambda xs: [float(x) for x in xs],
+}
 
 
 def schema(ns: str, op: str) -> torch._C.FunctionSchema:
@@ -260,7 +282,7 @@ def _coercers(op: str) -> tuple:
     return tuple(_COERCE.get(str(a.type)) for a in schema(NATIVE_NS, op).arguments)
 
 
-_COERCERS = {op: _coercers(op) for op in (*OPS, *Q8_OPS)}
+_COERCERS = {op: _coercers(op) for op in (*OPS, *Q8_OPS, *GENERIC_OPS)}
 
 
 def coerce(op: str, args) -> tuple:
@@ -326,7 +348,7 @@ def _load_native() -> None:
         return
     lib = _LIBS[NATIVE_NS] = torch.library.Library(NATIVE_NS, "FRAGMENT")
     try:
-        for op in (*OPS, *RELEASE_OPS, *Q8_OPS):
+        for op in (*OPS, *RELEASE_OPS, *Q8_OPS, *GENERIC_OPS):
             _define(lib, NATIVE_NS, op)
     except RuntimeError as e:  # a C++ kernel whose signature differs from the table's schema
         NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/ops/registry.py: {e}"
@@ -336,6 +358,31 @@ def _load_native() -> None:
     for op, dense in COMPOSED_Q8.items():
         if native_has_kernel(dense, "cuda") and not native_has_kernel(op, "cuda"):
             lib.impl(op, composed_q8(getattr(torch.ops.fastamp, dense)), "CUDA")
+    # a device whose native kernels lack optim_: it runs on the per-rule ops (fastamp/ops/legacy.py)
+    for key in ("CPU", "CUDA"):
+        if native_has_kernel("adamw_", key.lower()) and not native_has_kernel("optim_", key.lower()):
+            lib.impl("optim_", bridge(lambda name: getattr(torch.ops.fastamp, name)), key)
+            BRIDGED.add(("native", key.lower()))
+
+
+# (backend, device type) pairs whose optim_ runs on the per-rule ops (fastamp/ops/legacy.py)
+BRIDGED: set[tuple[str, str]] = set()
+
+
+def bridge(op_of: Callable[[str], Callable]) -> Callable:
+    """A kernel of ``optim_`` made of a backend's per-rule ops (``op_of(name)``): see fastamp/ops/legacy.py."""
+
+    def optim_(*args) -> None:
+        from fastamp.ops import legacy
+
+        legacy.run(args, op_of)
+
+    return optim_
+
+
+def bridged(backend: str, device_type: str) -> bool:
+    """Whether ``backend`` runs ``optim_`` on ``device_type`` through its per-rule ops (no generic kernel of its own)."""
+    return (backend, device_type) in BRIDGED
 
 
 def _register(ns: str, op: str, impl: Callable, keys: tuple[str, ...]):
@@ -359,7 +406,7 @@ def register_optim(op: str, impl: Callable):
 
 
 def reference_op(op: str):
-    """``fastamp_ref::op``: the torch reference of an op of :data:`Q8_OPS` as an opaque op (every device).
+    """``fastamp_ref::op``: the torch reference of an op of :data:`Q8_OPS` or ``optim_`` as an opaque op (every device).
 
     What the ``torch`` backend's compiled steps call instead of tracing the reference: inductor
     (torch 2.13, CPU) miscompiles the q8 codec's integer maths, writing garbage into the last

@@ -357,3 +357,84 @@ def one_state_q8(
     streams = _one_state_masters(op, params, masters)
     streams += [(names[0], codes, u8), (names[1], scales, u8, num_blocks)]
     _streams(op, params, grads, (torch.float32, torch.float16, torch.bfloat16), streams)
+
+
+def optim_rule(op: str, rule, hyper, flags) -> None:
+    """``optim_``'s rule, hyperparameters and flags (:data:`fastamp.reference.optim.RULES`)."""
+    from fastamp.reference import optim as R
+
+    r = R.RULES.get(rule) if isinstance(rule, str) else None
+    if r is None:
+        raise ValueError(f"{op}: unknown rule {rule!r}; expected one of {tuple(R.RULES)}")
+    if len(hyper) != len(r.hyper):
+        raise ValueError(f"{op}: rule {rule!r} takes hyper {list(r.hyper)}, got {len(hyper)} values")
+    allowed = R.MAXIMIZE | R.SR_PARAM | R.SR_STATE | r.flags
+    if isinstance(flags, bool) or not isinstance(flags, int) or flags & ~allowed:
+        names = [name for bit, name in R.FLAG_NAMES.items() if bit & allowed]
+        raise ValueError(f"{op}: flags {flags!r} are not a combination of rule {rule!r}'s {names}")
+    try:
+        r.check(hyper, flags)
+    except ValueError as e:
+        raise ValueError(f"{op}: {e}") from None
+
+
+def optim(
+    op: str, dev, params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule, hyper, flags, *,
+    strict: bool,
+) -> None:  # fmt: skip
+    """``optim_``: the lists the rule and formats need, on ``dev``; with ``strict``, what the kernels rely on.
+
+    ``masters``: empty, or one per param of one dtype (fp32; int16 remainders of bf16 params; int8
+    ulp8 corrections of bf16 / fp16 params). ``states``: the rule's state lists
+    (``RULES[rule].states(hyper, flags)``), each ``n`` tensors, all of one format: fp32, bf16,
+    or q8 (uint8 codes shaped like the param, then uint8 scales of ``ceil(numel / 32)``).
+    """
+    from fastamp.reference import optim as R
+    from fastamp.reference.q8 import num_blocks
+
+    optim_rule(op, rule, hyper, flags)
+    r = R.RULES[rule]
+    n = len(params)
+    defs = r.states(hyper, flags)
+    fmt = R.state_format(states)
+    per = R.streams_per_state(fmt)
+    if fmt not in ("none", "fp32", "bf16", "q8"):
+        raise TypeError(f"{op}: states must be float32, bfloat16 or uint8 (q8) tensors, got {states[0].dtype}")
+    want = n * per * len(defs)
+    if len(states) != want:
+        keys = [d.key for d in defs]
+        raise ValueError(
+            f"{op}: rule {rule!r} keeps the states {keys} here, {per} list(s) of {n} tensors each in {fmt}: "
+            f"{want} state tensors, got {len(states)}"
+        )
+    lists = {"grads": grads}
+    if len(masters):
+        lists["masters"] = masters
+    names = []
+    for j, d in enumerate(defs):
+        for k in range(per):
+            name = f"{d.key}{('_codes', '_scales')[k] if per == 2 else ''}"
+            names.append(name)
+            lists[name] = states[(j * per + k) * n : (j * per + k + 1) * n]
+    _lists(op, dev, params, lists)
+    if (flags & (R.SR_PARAM | R.SR_STATE)) and rng is None:
+        raise ValueError(f"{op}: SR_PARAM / SR_STATE need rng (an int64 tensor [seed, counter] on the device)")
+    _device_scalars(op, dev, step_scalars, n, len(r.scalars), f"[{', '.join(r.scalars)}]", found_inf, rng)
+    mdt = masters[0].dtype if len(masters) else None
+    for i, p in enumerate(params):
+        if mdt == torch.int16 and p.dtype != torch.bfloat16:
+            raise TypeError(f"{op}: int16 remainders need bfloat16 params, but params[{i}] is {p.dtype}")
+        if mdt == torch.int8 and p.dtype not in (torch.bfloat16, torch.float16):
+            raise TypeError(
+                f"{op}: int8 ulp8 corrections need bfloat16 or float16 params, but params[{i}] is {p.dtype}"
+            )
+    if not strict and fmt != "q8":
+        return
+    streams = []
+    if mdt is not None:
+        streams.append(("masters", masters, (mdt,) if mdt in (torch.int16, torch.int8) else (torch.float32,)))
+    dtype = {"fp32": (torch.float32,), "bf16": (torch.bfloat16,), "q8": (torch.uint8,)}.get(fmt)
+    for k, name in enumerate(names):
+        entry = (name, lists[name], dtype)
+        streams.append(entry + (num_blocks,) if per == 2 and k % 2 else entry)
+    _streams(op, params, grads, (torch.float32, torch.float16, torch.bfloat16) if strict else FLOAT_DTYPES, streams)

@@ -150,9 +150,9 @@ def adamw_(
     Agreement: native CPU and CUDA bit-exact with this function; Triton bit-exact under
     the interpreter, within ``tolerances.ADAMW_GPU`` on a GPU (its sqrt/div may differ).
     """
-    flags = (MAXIMIZE if maximize else 0) | (AMSGRAD if amsgrad else 0)
-    states = [*exp_avgs, *exp_avg_sqs, *(max_exp_avg_sqs if amsgrad else ())]
-    optim_(params, grads, masters, states, step_scalars, found_inf, None, 0, "adamw", (beta1, beta2, eps), flags)
+    args = (params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, beta1,
+            beta2, eps, amsgrad, maximize)  # fmt: skip
+    optim_(*to_optim("adamw_", args))
 
 
 def adamw_bf16_(
@@ -183,13 +183,9 @@ def adamw_bf16_(
     device; the random bits of tensor ``i`` use ``tensor_id = rng_base + i`` (see
     :func:`sr_random16`). ``found_inf`` non-zero: nothing is written.
     """
-    flags = (MAXIMIZE if maximize else 0) | (AMSGRAD if amsgrad else 0)
-    if rng is not None:  # the param without a remainder and bf16 moments are rounded stochastically
-        flags |= SR_STATE | (0 if len(remainders) else SR_PARAM)
-    states = [*exp_avgs, *exp_avg_sqs, *(max_exp_avg_sqs if amsgrad else ())]
-    optim_(
-        params, grads, remainders, states, step_scalars, found_inf, rng, rng_base, "adamw", (beta1, beta2, eps), flags
-    )
+    args = (params, grads, remainders, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf, rng,
+            rng_base, beta1, beta2, eps, amsgrad, maximize)  # fmt: skip
+    optim_(*to_optim("adamw_bf16_", args))
 
 
 def _master_kind(masters: Sequence[Tensor]) -> str:
@@ -281,9 +277,9 @@ def adamw_q8_(
     nothing. Only integer maths, ``+ - * /`` and :func:`sqrt_rn`: every backend is bit-exact
     with this function on the CPU.
     """
-    flags = (MAXIMIZE if maximize else 0) | (SR_PARAM if sr_param else 0) | (SR_STATE if sr_codes else 0)
-    states = [*exp_avg_codes, *exp_avg_scales, *exp_avg_sq_codes, *exp_avg_sq_scales]
-    optim_(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, "adamw", (beta1, beta2, eps), flags)
+    args = (params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes, exp_avg_sq_scales,
+            step_scalars, found_inf, rng, rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes)  # fmt: skip
+    optim_(*to_optim("adamw_q8_", args))
 
 
 def sgd_step_scalars(lr, step: Tensor, grad_mul: Tensor | None = None) -> Tensor:
@@ -330,9 +326,9 @@ def sgd_(
         g = g + momentum * buf  if nesterov else  buf                       (if momentum != 0)
         p = p - lr * g
     """
-    flags = (MAXIMIZE if maximize else 0) | (NESTEROV if nesterov else 0) | (SR_PARAM if rng is not None else 0)
-    hyper = (momentum, dampening, weight_decay)
-    optim_(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base, "sgd", hyper, flags)
+    args = (params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base, momentum,
+            dampening, weight_decay, nesterov, maximize)  # fmt: skip
+    optim_(*to_optim("sgd_", args))
 
 
 def lion_step_scalars(lr, weight_decay: float, grad_mul: Tensor | None = None, device=None) -> Tensor:
@@ -390,8 +386,8 @@ def lion_(
 
     Only + - * and comparisons: every backend, a GPU's Triton included, is bit-exact with this.
     """
-    flags = (MAXIMIZE if maximize else 0) | (SR_PARAM if rng is not None else 0)
-    optim_(params, grads, masters, exp_avgs, step_scalars, found_inf, rng, rng_base, "lion", (beta1, beta2), flags)
+    args = (params, grads, masters, exp_avgs, step_scalars, found_inf, rng, rng_base, beta1, beta2, maximize)
+    optim_(*to_optim("lion_", args))
 
 
 # Elements per slice of the codec in :func:`one_state_q8`: a multiple of the q8 block (32), small
@@ -494,13 +490,9 @@ def sgd_q8_(
     :func:`one_state_q8`); ``momentum`` must be non-zero. Only integer maths and ``+ - *``:
     every backend is bit-exact with this function on the CPU.
     """
-    if momentum == 0:
-        raise ValueError("sgd_q8_: momentum must be non-zero (the q8 codes hold the momentum buffer)")
-    flags = (MAXIMIZE if maximize else 0) | (NESTEROV if nesterov else 0)
-    flags |= (SR_PARAM if sr_param else 0) | (SR_STATE if sr_codes else 0)
-    states = [*momentum_buffer_codes, *momentum_buffer_scales]
-    hyper = (momentum, dampening, weight_decay)
-    optim_(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, "sgd", hyper, flags)
+    args = (params, grads, masters, momentum_buffer_codes, momentum_buffer_scales, step_scalars, found_inf,
+            rng, rng_base, momentum, dampening, weight_decay, nesterov, maximize, sr_param, sr_codes)  # fmt: skip
+    optim_(*to_optim("sgd_q8_", args))
 
 
 def lion_q8_(
@@ -520,9 +512,9 @@ def lion_q8_(
     sr_codes: bool,
 ) -> None:
     """:func:`lion_` with ``exp_avg`` held as q8 codes and scales: :func:`lion_` on the decoded state, encoded again (see :func:`one_state_q8`)."""
-    flags = (MAXIMIZE if maximize else 0) | (SR_PARAM if sr_param else 0) | (SR_STATE if sr_codes else 0)
-    states = [*exp_avg_codes, *exp_avg_scales]
-    optim_(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, "lion", (beta1, beta2), flags)
+    args = (params, grads, masters, exp_avg_codes, exp_avg_scales, step_scalars, found_inf, rng, rng_base,
+            beta1, beta2, maximize, sr_param, sr_codes)  # fmt: skip
+    optim_(*to_optim("lion_q8_", args))
 
 
 # ------------------------------------------------------------------------------------------
@@ -801,3 +793,56 @@ def optim_(
                 rand = sr_random16(seed, counter, 4 * (rng_base + i) + 1 + j, numel, dev)
             _store_state(fmt, t, d.q8_code, value, rand, keep)
         _store_master(kind, pv.reshape(p.shape), p, masters, i, rng if flags & SR_PARAM else None, rng_base, keep)
+
+
+def _bits(*pairs) -> int:
+    return sum(flag for on, flag in pairs if on)
+
+
+def to_optim(op: str, args: tuple) -> tuple:
+    """The positional arguments of :func:`optim_` that compute the per-rule ``op`` (its positional ``args``).
+
+    ``adamw_`` / ``adamw_bf16_`` / ``adamw_q8_`` run rule ``"adamw"``, ``sgd_`` / ``sgd_q8_``
+    ``"sgd"``, ``lion_`` / ``lion_q8_`` ``"lion"``; their moment lists become the ``states`` list
+    (q8: codes, then scales, per moment); ``adamw_bf16_``'s ``rng`` rounds both the param
+    without a remainder and bf16 moments (SR_PARAM, SR_STATE), ``sgd_`` / ``lion_``'s a bf16
+    param without a master (SR_PARAM); the q8 ops' ``sr_param`` / ``sr_codes`` are SR_PARAM /
+    SR_STATE.
+    """
+    if op == "adamw_":
+        params, grads, masters, m, v, vmax, sc, fi, b1, b2, eps, amsgrad, maximize = args
+        flags = _bits((maximize, MAXIMIZE), (amsgrad, AMSGRAD))
+        states = [*m, *v, *(vmax if amsgrad else ())]
+        return params, grads, masters, states, sc, fi, None, 0, "adamw", (b1, b2, eps), flags
+    if op == "adamw_bf16_":
+        params, grads, rems, m, v, vmax, sc, fi, rng, base, b1, b2, eps, amsgrad, maximize = args
+        sr = rng is not None
+        flags = _bits((maximize, MAXIMIZE), (amsgrad, AMSGRAD), (sr, SR_STATE), (sr and not len(rems), SR_PARAM))
+        states = [*m, *v, *(vmax if amsgrad else ())]
+        return params, grads, rems, states, sc, fi, rng, base, "adamw", (b1, b2, eps), flags
+    if op == "adamw_q8_":
+        params, grads, masters, mq, ms, vq, vs, sc, fi, rng, base, b1, b2, eps, maximize, sr_param, sr_codes = args
+        flags = _bits((maximize, MAXIMIZE), (sr_param, SR_PARAM), (sr_codes, SR_STATE))
+        return params, grads, masters, [*mq, *ms, *vq, *vs], sc, fi, rng, base, "adamw", (b1, b2, eps), flags
+    if op in ("sgd_", "sgd_q8_"):
+        if op == "sgd_":
+            params, grads, masters, bufs, sc, fi, rng, base, mom, damp, wd, nesterov, maximize = args
+            states, sr_param, sr_codes = bufs, rng is not None, False
+        else:
+            params, grads, masters, codes, scales, sc, fi, rng, base, mom, damp, wd, nesterov, maximize = args[:14]
+            sr_param, sr_codes = args[14:]
+            if mom == 0:
+                raise ValueError("sgd_q8_: momentum must be non-zero (the q8 codes hold the momentum buffer)")
+            states = [*codes, *scales]
+        flags = _bits((maximize, MAXIMIZE), (nesterov, NESTEROV), (sr_param, SR_PARAM), (sr_codes, SR_STATE))
+        return params, grads, masters, states, sc, fi, rng, base, "sgd", (mom, damp, wd), flags
+    if op in ("lion_", "lion_q8_"):
+        if op == "lion_":
+            params, grads, masters, states, sc, fi, rng, base, b1, b2, maximize = args
+            sr_param, sr_codes = rng is not None, False
+        else:
+            params, grads, masters, codes, scales, sc, fi, rng, base, b1, b2, maximize, sr_param, sr_codes = args
+            states = [*codes, *scales]
+        flags = _bits((maximize, MAXIMIZE), (sr_param, SR_PARAM), (sr_codes, SR_STATE))
+        return params, grads, masters, states, sc, fi, rng, base, "lion", (b1, b2), flags
+    raise ValueError(f"to_optim: {op!r} is not a per-rule optimizer op")
