@@ -78,6 +78,13 @@ using lion_q8_ = void(at::TensorList params, at::TensorList grads, at::TensorLis
                       const std::optional<at::Tensor>& found_inf, const std::optional<at::Tensor>& rng,
                       int64_t rng_base, double beta1, double beta2, bool maximize, bool sr_param, bool sr_codes);
 
+// The one optimizer op: an update rule x a master format x a state format
+// (fastamp.ops.registry.GENERIC_OPS; semantics: fastamp.reference.optim_; flags: csrc/optim_flags.h)
+using optim_ = void(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList states,
+                    const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& rng, int64_t rng_base, c10::string_view rule,
+                    at::ArrayRef<double> hyper, int64_t flags);
+
 }  // namespace signature
 }  // namespace fastamp
 
