@@ -11,11 +11,13 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 #include "launchers.h"
 #include "op_signatures.h"
+#include "optim_flags.h"
 
 namespace fastamp {
 namespace cuda {
@@ -634,6 +636,180 @@ void adamw_q8_cuda(at::TensorList params, at::TensorList grads, at::TensorList m
                    found_inf_ptr, rng_ptr, beta1, beta2, eps, maximize, sr_param, sr_codes, tables, stream));
 }
 
+// ---- optim_: the one optimizer op (semantics: fastamp.reference.optim_) ----
+
+struct OptimRuleInfo {
+  OptimRule id;
+  const char* name;
+  size_t hyper;             // values in `hyper`
+  const char* hyper_names;  // for messages
+  int64_t flags;            // the rule's own flags, besides MAXIMIZE, SR_PARAM and SR_STATE
+  const char* flag_names;   // every flag it takes, for messages
+  int64_t scalars;          // step scalars per row
+  const char* const* keys;  // its states' keys, in the order of the states list
+};
+
+constexpr const char* kAdamWKeys[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+constexpr const char* kSgdKeys[] = {"momentum_buffer"};
+constexpr const char* kLionKeys[] = {"exp_avg"};
+constexpr OptimRuleInfo kOptimRules[] = {
+    {OptimRule::kAdamW, "adamw", 3, "[beta1, beta2, eps]", optim_flags::kAmsgrad,
+     "MAXIMIZE, AMSGRAD, SR_PARAM, SR_STATE", 4, kAdamWKeys},
+    {OptimRule::kSgd, "sgd", 3, "[momentum, dampening, weight_decay]", optim_flags::kNesterov,
+     "MAXIMIZE, NESTEROV, SR_PARAM, SR_STATE", 3, kSgdKeys},
+    {OptimRule::kLion, "lion", 2, "[beta1, beta2]", 0, "MAXIMIZE, SR_PARAM, SR_STATE", 3, kLionKeys},
+};
+
+const char* state_format_name(StateFormat f) {
+  return f == StateFormat::kQ8 ? "q8 (uint8)" : (f == StateFormat::kBFloat16 ? "bfloat16" : "float32");
+}
+
+// State tensor states[flat], which is `key` (+ "_codes" / "_scales" for q8) of params[i]: on the
+// device, dense, contiguous, of the call's state dtype, and `numel` elements (codes, dense
+// states) or a 1-D tensor of ceil(numel / 32) scale bytes.
+void* check_optim_state(const char* key, const char* suffix, size_t flat, int64_t i, const at::Tensor& t,
+                        const at::Device& device, at::ScalarType dtype, int64_t numel, bool scales) {
+  constexpr const char* op = "optim_";
+  TORCH_CHECK(t.defined(), "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i, "]) is undefined");
+  TORCH_CHECK(t.layout() == at::kStrided, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i,
+              "]) must be strided (dense), got ", t.layout());
+  TORCH_CHECK(t.device() == device, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i, "]) is on ",
+              t.device(), " but expected ", device);
+  TORCH_CHECK(t.is_contiguous(), "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i,
+              "]) must be contiguous");
+  TORCH_CHECK(t.scalar_type() == dtype, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i, "]) must be ",
+              dtype, " like states[0] (one state format per call), got ", t.scalar_type());
+  if (scales) {
+    const int64_t blocks = (numel + 31) / 32;
+    TORCH_CHECK(t.dim() == 1 && t.numel() == blocks, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i,
+                "]) must be 1-D with ", blocks, " scale bytes (one per block of 32 of the ", numel,
+                " elements of params[", i, "]), got shape ", t.sizes());
+  } else {
+    TORCH_CHECK(t.numel() == numel, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i, "]) has ",
+                t.numel(), " elements but params[", i, "] has ", numel);
+  }
+  return numel > 0 ? t.data_ptr() : nullptr;
+}
+
+void optim_cuda(at::TensorList params, at::TensorList grads, at::TensorList masters, at::TensorList states,
+                const at::Tensor& step_scalars, const std::optional<at::Tensor>& found_inf,
+                const std::optional<at::Tensor>& rng, int64_t rng_base, c10::string_view rule,
+                at::ArrayRef<double> hyper, int64_t flags) {
+  constexpr const char* op = "optim_";
+  const size_t n = params.size();
+  if (n == 0) return;
+  const std::string_view rule_name(rule.data(), rule.size());
+  const OptimRuleInfo* info = nullptr;
+  for (const OptimRuleInfo& r : kOptimRules) {
+    if (rule_name == r.name) info = &r;
+  }
+  TORCH_CHECK(info != nullptr, "fastamp::", op, ": unknown rule '", std::string(rule_name),
+              "'; expected one of adamw, sgd, lion");
+  TORCH_CHECK(hyper.size() == info->hyper, "fastamp::", op, ": rule '", info->name, "' takes hyper ", info->hyper_names,
+              ", got ", hyper.size(), " values");
+  const int64_t allowed = optim_flags::kMaximize | optim_flags::kSrParam | optim_flags::kSrState | info->flags;
+  TORCH_CHECK((flags & ~allowed) == 0, "fastamp::", op, ": flags ", flags, " are not a combination of rule '",
+              info->name, "''s ", info->flag_names);
+  int num_states = 1;
+  if (info->id == OptimRule::kAdamW) num_states = (flags & optim_flags::kAmsgrad) != 0 ? 3 : 2;
+  if (info->id == OptimRule::kSgd) num_states = hyper[0] != 0.0 ? 1 : 0;
+  TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
+  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " masters, got ",
+              masters.size());
+  TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
+              ": params[0] must be a CUDA tensor, got device ", params[0].device());
+  const at::Device device = params[0].device();
+
+  StateFormat format = StateFormat::kFloat32;
+  at::ScalarType state_type = at::kFloat;
+  if (num_states > 0 && !states.empty()) {
+    TORCH_CHECK(states[0].defined(), "fastamp::", op, ": states[0] is undefined");
+    state_type = states[0].scalar_type();
+    TORCH_CHECK(state_type == at::kFloat || state_type == at::kBFloat16 || state_type == at::kByte, "fastamp::", op,
+                ": states must be float32, bfloat16 or uint8 (q8 codes and scales), got ", state_type);
+    format = state_type == at::kByte       ? StateFormat::kQ8
+             : state_type == at::kBFloat16 ? StateFormat::kBFloat16
+                                           : StateFormat::kFloat32;
+  }
+  const int per = state_streams(format);
+  const size_t want = n * static_cast<size_t>(per * num_states);
+  TORCH_CHECK(states.size() == want, "fastamp::", op, ": rule '", info->name, "' keeps ", num_states,
+              " state(s) with these hyper and flags, ", per, " list(s) of ", n, " tensors each in ",
+              state_format_name(format), ": expected ", want, " state tensors, got ", states.size());
+  TORCH_CHECK(optim_compiled(info->id, format), "fastamp::", op, ": this build has no CUDA kernel of rule '",
+              info->name, "' with ", state_format_name(format), " states (csrc/cuda/optim_combos.h)");
+
+  OptimCall call{};
+  call.rule = info->id;
+  call.format = format;
+  call.num_states = num_states;
+  for (size_t k = 0; k < hyper.size(); ++k) call.hyper[k] = hyper[k];
+  call.flags = flags;
+  call.scalar_stride = check_step_scalars(op, step_scalars, device, n, info->scalars);
+  call.found_inf = optional_found_inf(op, found_inf, device);
+  call.rng = optional_rng(op, rng, device);
+  TORCH_CHECK(call.rng != nullptr || (flags & (optim_flags::kSrParam | optim_flags::kSrState)) == 0, "fastamp::", op,
+              ": SR_PARAM / SR_STATE need rng ([seed, counter], int64), got None");
+  call.rng_base = rng_base;
+  call.master = MasterKind::kNone;
+  at::ScalarType master_type = at::kFloat;
+  if (!masters.empty()) {
+    TORCH_CHECK(masters[0].defined(), "fastamp::", op, ": masters[0] is undefined");
+    master_type = masters[0].scalar_type();
+    TORCH_CHECK(master_type == at::kFloat || master_type == at::kShort || master_type == at::kChar, "fastamp::", op,
+                ": masters must be float32 (fp32 master weights), int16 (remainders of bfloat16 params) or int8 "
+                "(ulp8 corrections of bfloat16 / float16 params), got ",
+                master_type);
+    call.master = master_type == at::kFloat   ? MasterKind::kFloat32
+                  : master_type == at::kShort ? MasterKind::kRemainder
+                                              : MasterKind::kUlp8;
+  }
+
+  std::vector<OptimTensorRef> refs;
+  refs.reserve(n);
+  for (size_t k = 0; k < n; ++k) {
+    const auto i = static_cast<int64_t>(k);
+    const at::Tensor& p = params[k];
+    check_list_tensor(op, "params", i, p, device, -1);
+    const DType pdt = kernel_dtype(op, "params", i, p);
+    const int64_t numel = p.numel();
+    check_list_tensor(op, "grads", i, grads[k], device, numel);
+    const DType gdt = kernel_dtype(op, "grads", i, grads[k]);
+    OptimTensorRef r{};
+    r.param = numel > 0 ? p.data_ptr() : nullptr;
+    r.grad = numel > 0 ? grads[k].data_ptr() : nullptr;
+    if (call.master != MasterKind::kNone) {
+      const at::Tensor& m = masters[k];
+      check_list_tensor(op, "masters", i, m, device, numel);
+      TORCH_CHECK(m.scalar_type() == master_type, "fastamp::", op, ": masters[", i, "] must be ", master_type,
+                  " like masters[0], got ", m.scalar_type());
+      TORCH_CHECK(call.master != MasterKind::kRemainder || p.scalar_type() == at::kBFloat16, "fastamp::", op,
+                  ": int16 remainder masters need bfloat16 params, but params[", i, "] is ", p.scalar_type());
+      TORCH_CHECK(call.master != MasterKind::kUlp8 || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
+                  "fastamp::", op, ": int8 ulp8 masters need bfloat16 or float16 params, but params[", i, "] is ",
+                  p.scalar_type());
+      r.master = numel > 0 ? m.data_ptr() : nullptr;
+    }
+    for (int j = 0; j < num_states; ++j) {
+      for (int s = 0; s < per; ++s) {
+        const size_t flat = static_cast<size_t>(j * per + s) * n + k;
+        const char* suffix = per == 1 ? "" : (s == 0 ? "_codes" : "_scales");
+        r.states[j * per + s] = check_optim_state(info->keys[j], suffix, flat, i, states[flat], device, state_type,
+                                                  numel, per == 2 && s == 1);
+      }
+    }
+    r.numel = numel;
+    r.param_dtype = pdt;
+    r.grad_dtype = gdt;
+    refs.push_back(r);
+  }
+
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  TorchTableMemory tables(device);
+  check_launch(op, optim(refs.data(), static_cast<int64_t>(refs.size()), call, tables, stream));
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace fastamp
@@ -649,4 +825,5 @@ TORCH_LIBRARY_IMPL(fastamp, CUDA, m) {
   FASTAMP_IMPL(m, adamw_q8_, fastamp::cuda::adamw_q8_cuda);
   FASTAMP_IMPL(m, unscale_check_partials_, fastamp::cuda::unscale_check_partials_cuda);
   FASTAMP_IMPL(m, sumsq_fold, fastamp::cuda::sumsq_fold_cuda);
+  FASTAMP_IMPL(m, optim_, fastamp::cuda::optim_cuda);
 }

@@ -3,8 +3,8 @@
 //
 // Host-only C++ plus a few functions shared with the kernels; no CUDA or torch header, so a
 // plain C++ compiler can count launches and walk chunks without a GPU or a toolkit
-// (tests/tools/test_cuda_launch_plan.py). The launchers (amp.cu, adamw.cu, one_state.cuh) run exactly
-// the plan these functions return.
+// (tests/tools/test_cuda_launch_plan.py). The launchers (amp.cu, optim.cuh) run exactly the
+// plan these functions return.
 //
 // Packing: every non-empty tensor of an op call gets one entry (its pointers, numel and the
 // ordinal of its first chunk within its launch) in a single table in device memory, uploaded
@@ -59,6 +59,24 @@ constexpr int kOneStateDepth = 6;
 // adamw_q8_: param, grad, master, exp_avg codes, exp_avg scales, exp_avg_sq codes, exp_avg_sq
 // scales, rng tag, scalars.
 constexpr int kAdamWQ8Depth = 9;
+
+// optim_ (the one optimizer kernel, optim.cuh): one table layout per (update rule, state format).
+// Rows: param, grad, master (or null), the rule's state tensors (one per state, two for q8:
+// codes then scales; null past the states a call keeps), and the tensor's list index, from
+// which the kernel finds its step-scalar row and its random streams (so neither takes a row).
+enum class OptimRule : int32_t { kAdamW = 0, kSgd = 1, kLion = 2 };
+enum class StateFormat : int32_t { kFloat32 = 0, kBFloat16 = 1, kQ8 = 2 };
+
+// The most states a rule keeps: AdamW exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq; SGD its
+// momentum buffer (none without momentum); Lion exp_avg.
+FASTAMP_PLAN_HD constexpr int optim_max_states(OptimRule rule) { return rule == OptimRule::kAdamW ? 3 : 1; }
+// Tensors per state: q8 keeps codes and block scales.
+FASTAMP_PLAN_HD constexpr int state_streams(StateFormat format) { return format == StateFormat::kQ8 ? 2 : 1; }
+constexpr int kOptimFixedRows = 4;  // param, grad, master, list index
+FASTAMP_PLAN_HD constexpr int optim_depth(OptimRule rule, StateFormat format) {
+  return kOptimFixedRows + optim_max_states(rule) * state_streams(format);
+}
+constexpr int kOptimFirstStateRow = 3;
 
 // Table payload per fill kernel under stream capture: the kernel-argument space minus the
 // fill kernel's other arguments. CUDA 12.1+ accepts 32,764 bytes of kernel arguments on
@@ -249,7 +267,7 @@ void pack_table(const LaunchPlan& plan, const int64_t* numel, PtrsOf ptrs_of, vo
   }
 }
 
-// ---- the plans of the ops (what amp.cu, adamw.cu and one_state.cuh launch) ----
+// ---- the plans of the ops (what amp.cu and optim.cuh launch) ----
 
 // unscale_check_ / unscale_check_stats_: one launch per grad dtype (fp32, fp16, bf16); then
 // the sum-of-squares finalize (or the memset of the zero result) and, with statistics, the
@@ -273,11 +291,11 @@ inline LaunchPlan plan_unscale_check_partials(const DType* grad, const int64_t* 
   return plan_launches(group.data(), numel, n, 3, sizeof(TableEntry<kUnscaleSlotsDepth>), capturing, sm_count);
 }
 
-// adamw_, sgd_ and lion_: one launch per (param dtype, grad dtype), group 3 * param + grad.
+// optim_: one launch per (param dtype, grad dtype), group 3 * param + grad.
 inline LaunchPlan plan_param_grad(const DType* param, const DType* grad, const int64_t* numel, int64_t n,
                                   size_t entry_bytes, bool capturing, int64_t sm_count) {
   std::vector<int32_t> group(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) group[static_cast<size_t>(i)] = 3 * dtype_index(param[i]) + dtype_index(grad[i]);
+  for (int64_t i = 0; i < n; ++i) group[i] = 3 * dtype_index(param[i]) + dtype_index(grad[i]);
   return plan_launches(group.data(), numel, n, 9, entry_bytes, capturing, sm_count);
 }
 
@@ -305,6 +323,17 @@ inline LaunchPlan plan_adamw_bf16(const DType* grad, const int64_t* numel, int64
   std::vector<int32_t> group(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) group[static_cast<size_t>(i)] = dtype_index(grad[i]);
   return plan_launches(group.data(), numel, n, 3, sizeof(TableEntry<kAdamWBf16Depth>), capturing, sm_count);
+}
+
+// Bytes of one optim_ table entry: optim_depth pointers, numel and the first chunk.
+constexpr size_t optim_entry_bytes(OptimRule rule, StateFormat format) {
+  return static_cast<size_t>(optim_depth(rule, format)) * sizeof(void*) + 2 * sizeof(int64_t);
+}
+
+// Every rule and state format plans alike: only the entry size (the table's rows) differs.
+inline LaunchPlan plan_optim(OptimRule rule, StateFormat format, const DType* param, const DType* grad,
+                             const int64_t* numel, int64_t n, bool capturing, int64_t sm_count) {
+  return plan_param_grad(param, grad, numel, n, optim_entry_bytes(rule, format), capturing, sm_count);
 }
 
 }  // namespace cuda

@@ -139,7 +139,9 @@ cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, D
 
 // ---- fastamp::sgd_ and fastamp::lion_: the one-state family (one_state.cuh) ----
 
-// kUlp8 (int8 corrections of bf16 / fp16 params, reference/ulp8.py): adamw_q8 only.
+// The value optimised for each param: its fp32 master (any float param), the exact master of a
+// bf16 param and an int16 remainder, the ulp8 master of a bf16 / fp16 param and an int8
+// correction (reference/ulp8.py), or the param itself.
 enum class MasterKind : int32_t { kNone = 0, kFloat32 = 1, kRemainder = 2, kUlp8 = 3 };
 
 struct OneStateTensorRef {
@@ -192,6 +194,61 @@ cudaError_t adamw_q8(const AdamWQ8TensorRef* tensors, int64_t num_tensors, Maste
                      const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
                      double beta1, double beta2, double eps, bool maximize, bool sr_param, bool sr_codes,
                      TableMemory& tables, cudaStream_t stream);
+
+// ---- fastamp::optim_: one update rule x a master format x a state format (optim.cuh) ----
+
+// The most state tensors of one param: AdamW's three states as q8 codes + scales.
+constexpr int kOptimMaxStateTensors = 6;
+
+struct OptimTensorRef {
+  void* param;       // param_dtype, rewritten
+  const void* grad;  // grad_dtype, read only
+  void* master;      // by the call's master kind: float, int16 or int8, numel elements; or null
+  // The param's state tensors, state by state (the rule's order): one tensor each (fp32 or bf16,
+  // numel elements), or two for q8 (uint8 codes of numel elements, then ceil(numel / 32) scale
+  // bytes); null past the call's states.
+  void* states[kOptimMaxStateTensors];
+  int64_t numel;  // of the param, grad, master and dense states / codes
+  DType param_dtype;
+  DType grad_dtype;
+};
+
+struct OptimCall {
+  OptimRule rule;
+  StateFormat format;  // of every state (kFloat32 when the rule keeps none)
+  MasterKind master;   // of every param
+  int num_states;      // the states the rule keeps with these hyper and flags
+  double hyper[3];     // AdamW [beta1, beta2, eps]; SGD [momentum, dampening, weight_decay]; Lion [beta1, beta2]
+  int64_t flags;       // csrc/optim_flags.h
+  // fp32 on the device: tensor i reads step_scalars + i * scalar_stride (0: one shared row of the
+  // rule's k scalars; k: row i of [n, k]).
+  const float* step_scalars;
+  int64_t scalar_stride;
+  const float* found_inf;  // null, or 1 fp32 read on the device: non-zero (NaN too) writes nothing
+  const int64_t* rng;      // null, or int64 [seed, counter] on the device (read under the SR flags)
+  int64_t rng_base;        // tensor i draws the streams 4 * (rng_base + i) + k (k = 0 param, 1 + j state j)
+};
+
+// Whether this build has the kernels of (rule, format): the table of optim_combos.h.
+bool optim_compiled(OptimRule rule, StateFormat format);
+
+// The semantics of fastamp.reference.optim_. One launch per (param, grad) dtype pair among the
+// tensors, each over the table of launch_plan.h's plan_optim. cudaErrorInvalidValue (nothing
+// enqueued) for a combination this build lacks or a call the kernels cannot take (SR flags
+// without rng, a state count the rule cannot keep).
+cudaError_t optim(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
+                  cudaStream_t stream);
+
+namespace detail {
+// The rules' launchers optim() hands a call to, one translation unit each (optim_<rule>.cu), so
+// that the instances compile in parallel.
+cudaError_t optim_adamw(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
+                        cudaStream_t stream);
+cudaError_t optim_sgd(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
+                      cudaStream_t stream);
+cudaError_t optim_lion(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
+                       cudaStream_t stream);
+}  // namespace detail
 
 }  // namespace cuda
 }  // namespace fastamp

@@ -204,7 +204,14 @@ _DIRECT = (
 
 
 def _bridged_direct(*args):
-    """``optim_`` on the per-rule direct calls (fastamp/ops/legacy.py), declining as a direct call does."""
+    """``optim_`` on the per-rule direct calls (fastamp/ops/legacy.py), declining as a direct call does.
+
+    Only on a device whose native kernels lack ``optim_`` (:func:`registry.bridged`): elsewhere it
+    declines at once and ``torch.ops.fastamp.optim_`` runs the device's generic kernel.
+    """
+    params = args[0]
+    if params and not registry.bridged("native", params[0].device.type):
+        return NotImplemented
     try:
         return legacy.run(args, _DIRECT.__getitem__)
     except NotImplementedError:
