@@ -22,7 +22,7 @@ Part 2, host-only launchers (``--no-launchers`` skips it): the host time per ste
 tensors of the Triton ``adamw_`` launcher with its kernel launch recorded, not run (as
 tests/tools/test_triton_aot.py does: the JIT function is replaced by a recorder and the CPU
 device check is lifted, in a worker process), and of the CUDA launch plan's host side
-(csrc/cuda/launch_plan.h: ``plan_adamw`` + ``pack_table``, compiled here with the host
+(csrc/cuda/launch_plan.h: ``plan_optim`` + ``pack_table`` of AdamW's fp32 table, compiled here with the host
 compiler, fake pointers, as tests/tools/test_cuda_launch_plan.py does; the binding's reading
 of the tensors is not in it: it needs a CUDA torch). Reported per tensor, with the count of
 Python function calls per step (``sys.setprofile``: Python-level calls and calls of C
@@ -290,6 +290,9 @@ _PLAN_DRIVER = r"""
 
 using namespace fastamp::cuda;
 
+// optim_'s table of AdamW on fp32 states (csrc/cuda/optim.cuh): what an fp32 AdamW step packs
+constexpr int kDepth = optim_depth(OptimRule::kAdamW, StateFormat::kFloat32);
+
 int main(int argc, char** argv) {
   const int64_t n = std::atoll(argv[1]), m = std::atoll(argv[2]), reps = std::atoll(argv[3]);
   std::vector<int64_t> numel(n, m);
@@ -298,10 +301,11 @@ int main(int argc, char** argv) {
   uintptr_t sink = 0;
   for (int64_t r = 0; r < reps + 2; ++r) {
     const auto t0 = std::chrono::steady_clock::now();
-    LaunchPlan plan = plan_adamw(param.data(), grad.data(), numel.data(), n, false, 132);
-    std::vector<TableEntry<kAdamWDepth>> table(plan.entry_tensor.size());
-    pack_table<kAdamWDepth>(plan, numel.data(), [](int64_t i, void** row) {
-      for (int k = 0; k < kAdamWDepth; ++k) row[k] = reinterpret_cast<void*>(static_cast<uintptr_t>((i + 1) * 64 + k));
+    LaunchPlan plan = plan_optim(OptimRule::kAdamW, StateFormat::kFloat32, param.data(), grad.data(), numel.data(), n,
+                                 false, 132);
+    std::vector<TableEntry<kDepth>> table(plan.entry_tensor.size());
+    pack_table<kDepth>(plan, numel.data(), [](int64_t i, void** row) {
+      for (int k = 0; k < kDepth; ++k) row[k] = reinterpret_cast<void*>(static_cast<uintptr_t>((i + 1) * 64 + k));
     }, table.data());
     const auto t1 = std::chrono::steady_clock::now();
     sink += reinterpret_cast<uintptr_t>(table.empty() ? nullptr : table.back().ptrs[0]);
@@ -401,11 +405,11 @@ def main(argv=None):
             )
         plan = cuda_plan_host(many_n, many_m, 21)
         if "error" in plan:
-            host_rows.append({"launcher": "cuda launch_plan.h adamw", "error": plan["error"].strip()[-300:]})
+            host_rows.append({"launcher": "cuda launch_plan.h optim_ (adamw)", "error": plan["error"].strip()[-300:]})
         else:
             host_rows.append(
                 {
-                    "launcher": "cuda launch_plan.h: plan_adamw + pack_table (fp32)",
+                    "launcher": "cuda launch_plan.h: plan_optim + pack_table (adamw, fp32)",
                     "tensors": many_n,
                     "host ms per step": round(plan["median_s"] * 1e3, 3),
                     "spread ms": f"{plan['min_s'] * 1e3:.2f}-{plan['max_s'] * 1e3:.2f}",

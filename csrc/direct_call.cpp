@@ -399,7 +399,7 @@ PyObject* sgd_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return declined();
   }
   const c10::DispatchKeySet ks = b.dispatch_keys();
-  // CPU only: on CUDA the op is the dense kernel composed with the codec, a Python kernel
+  // CPU only: on CUDA the op runs as optim_, a Python kernel (fastamp.ops.registry.as_optim)
   if (ks.has_backend(c10::BackendComponent::CUDABit)) return declined();
   static auto op = handle<signature::sgd_q8_>("fastamp::sgd_q8_");
   Void done;
@@ -430,7 +430,7 @@ PyObject* lion_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return declined();
   }
   const c10::DispatchKeySet ks = b.dispatch_keys();
-  // CPU only: on CUDA the op is the dense kernel composed with the codec, a Python kernel
+  // CPU only: on CUDA the op runs as optim_, a Python kernel (fastamp.ops.registry.as_optim)
   if (ks.has_backend(c10::BackendComponent::CUDABit)) return declined();
   static auto op = handle<signature::lion_q8_>("fastamp::lion_q8_");
   Void done;

@@ -49,17 +49,6 @@ FASTAMP_PLAN_HD int64_t num_chunks(int64_t numel) { return (numel + kChunkSize -
 constexpr int kUnscaleDepth = 1;       // grad
 constexpr int kUnscaleStatsDepth = 3;  // grad, counts row, absmax
 constexpr int kUnscaleSlotsDepth = 2;  // grad, the grad's own partial slots (unscale_check_partials_)
-// The optimizer tables end with each tensor's step scalars (its row of an [n, k] step_scalars,
-// or the shared [k]), so one launch serves tensors with different scalars.
-constexpr int kAdamWDepth = 7;      // param, grad, master, exp_avg, exp_avg_sq, max_exp_avg_sq, scalars
-constexpr int kAdamWBf16Depth = 8;  // param, grad, remainder, exp_avg, exp_avg_sq, max_exp_avg_sq, rng tag, scalars
-// sgd_ and lion_ (the one-state family, one_state.cuh): param, grad, master, the state (momentum
-// buffer / exp_avg), rng tag, scalars.
-constexpr int kOneStateDepth = 6;
-// adamw_q8_: param, grad, master, exp_avg codes, exp_avg scales, exp_avg_sq codes, exp_avg_sq
-// scales, rng tag, scalars.
-constexpr int kAdamWQ8Depth = 9;
-
 // optim_ (the one optimizer kernel, optim.cuh): one table layout per (update rule, state format).
 // Rows: param, grad, master (or null), the rule's state tensors (one per state, two for q8:
 // codes then scales; null past the states a call keeps), and the tensor's list index, from
@@ -297,32 +286,6 @@ inline LaunchPlan plan_param_grad(const DType* param, const DType* grad, const i
   std::vector<int32_t> group(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) group[i] = 3 * dtype_index(param[i]) + dtype_index(grad[i]);
   return plan_launches(group.data(), numel, n, 9, entry_bytes, capturing, sm_count);
-}
-
-inline LaunchPlan plan_adamw(const DType* param, const DType* grad, const int64_t* numel, int64_t n, bool capturing,
-                             int64_t sm_count) {
-  return plan_param_grad(param, grad, numel, n, sizeof(TableEntry<kAdamWDepth>), capturing, sm_count);
-}
-
-// sgd_ and lion_ share it: the same table rows and dtype groups, only the kernel's rule differs.
-inline LaunchPlan plan_one_state(const DType* param, const DType* grad, const int64_t* numel, int64_t n, bool capturing,
-                                 int64_t sm_count) {
-  return plan_param_grad(param, grad, numel, n, sizeof(TableEntry<kOneStateDepth>), capturing, sm_count);
-}
-
-// adamw_q8_: one launch per (param dtype, grad dtype), as adamw_.
-inline LaunchPlan plan_adamw_q8(const DType* param, const DType* grad, const int64_t* numel, int64_t n, bool capturing,
-                                int64_t sm_count) {
-  return plan_param_grad(param, grad, numel, n, sizeof(TableEntry<kAdamWQ8Depth>), capturing, sm_count);
-}
-
-// adamw_bf16_: params are bf16 and the moments share one dtype per call: one launch per
-// grad dtype.
-inline LaunchPlan plan_adamw_bf16(const DType* grad, const int64_t* numel, int64_t n, bool capturing,
-                                  int64_t sm_count) {
-  std::vector<int32_t> group(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) group[static_cast<size_t>(i)] = dtype_index(grad[i]);
-  return plan_launches(group.data(), numel, n, 3, sizeof(TableEntry<kAdamWBf16Depth>), capturing, sm_count);
 }
 
 // Bytes of one optim_ table entry: optim_depth pointers, numel and the first chunk.

@@ -92,110 +92,12 @@ cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hystere
                          double growth_factor, double backoff_factor, int64_t growth_interval, int64_t hysteresis,
                          double min_scale, double max_scale, cudaStream_t stream);
 
-// ---- fastamp::adamw_ ----
-
-struct AdamWTensorRef {
-  void* param;            // param_dtype, rewritten (rounded to nearest-even from fp32)
-  const void* grad;       // grad_dtype, read only
-  float* master;          // fp32 master or null (then the param itself is the fp32 value)
-  float* exp_avg;         // fp32
-  float* exp_avg_sq;      // fp32
-  float* max_exp_avg_sq;  // fp32, used only with amsgrad
-  int64_t numel;          // shared by all of the above
-  DType param_dtype;
-  DType grad_dtype;
-};
-
-// step_scalars: fp32 on device, [step_size, bc2_sqrt, decay, grad_mul]
-// (reference.adamw_step_scalars): tensor i reads step_scalars + i * scalar_stride, so
-// scalar_stride 0 shares 4 floats, 4 reads row i of [num_tensors, 4]. found_inf: null, or 1 fp32 read on device:
-// non-zero (NaN included) skips the whole update. Tensors may mix dtype combinations; the launcher groups them, one
-// multi-tensor launch sequence per combination.
-cudaError_t adamw(const AdamWTensorRef* tensors, int64_t num_tensors, const float* step_scalars, int64_t scalar_stride,
-                  const float* found_inf, double beta1, double beta2, double eps, bool amsgrad, bool maximize,
-                  TableMemory& tables, cudaStream_t stream);
-
-// ---- fastamp::adamw_bf16_ ----
-
-struct AdamWBf16TensorRef {
-  uint16_t* param;       // bf16 bits, rewritten
-  const void* grad;      // grad_dtype, read only
-  int16_t* remainder;    // int16 master remainder, or null (no master)
-  void* exp_avg;         // moment dtype (fp32 or bf16, the launch's moment_dtype)
-  void* exp_avg_sq;      // moment dtype
-  void* max_exp_avg_sq;  // moment dtype, used only with amsgrad
-  int64_t numel;         // shared by all of the above
-  DType grad_dtype;
-  uint32_t rng_stream;  // low 32 bits of 4 * (rng_base + list index); see reference.sr_random16
-};
-
-// moment_dtype: kFloat32 or kBFloat16. rng: null, or int64 [seed, counter] read on device;
-// when given, bf16 values without an exact master (params without remainder, bf16 moments)
-// are rounded stochastically, otherwise to nearest-even. Other arguments as adamw.
-cudaError_t adamw_bf16(const AdamWBf16TensorRef* tensors, int64_t num_tensors, DType moment_dtype,
-                       const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
-                       double beta1, double beta2, double eps, bool amsgrad, bool maximize, TableMemory& tables,
-                       cudaStream_t stream);
-
-// ---- fastamp::sgd_ and fastamp::lion_: the one-state family (one_state.cuh) ----
+// ---- fastamp::optim_: one update rule x a master format x a state format (optim.cuh) ----
 
 // The value optimised for each param: its fp32 master (any float param), the exact master of a
 // bf16 param and an int16 remainder, the ulp8 master of a bf16 / fp16 param and an int8
 // correction (reference/ulp8.py), or the param itself.
 enum class MasterKind : int32_t { kNone = 0, kFloat32 = 1, kRemainder = 2, kUlp8 = 3 };
-
-struct OneStateTensorRef {
-  void* param;       // param_dtype, rewritten
-  const void* grad;  // grad_dtype, read only
-  void* master;      // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params) or null
-  float* state;      // fp32: sgd_'s momentum buffer (used only when momentum != 0), lion_'s exp_avg
-  int64_t numel;     // shared by all of the above
-  DType param_dtype;
-  DType grad_dtype;
-  uint32_t rng_stream;  // low 32 bits of 4 * (rng_base + list index)
-};
-
-// step_scalars: fp32 on device, 3 per tensor, tensor i at step_scalars + i * scalar_stride
-// (0: shared; 3: row i of [num_tensors, 3]); sgd_: [lr, grad_mul, is_first]
-// (reference.sgd_step_scalars), lion_: [lr, decay, grad_mul] (reference.lion_step_scalars).
-// rng: null, or int64 [seed, counter] on device: bf16 params without a master are then
-// rounded stochastically. found_inf: null or 1 fp32; non-zero (NaN included) skips all.
-cudaError_t sgd(const OneStateTensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
-                const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
-                double momentum, double dampening, double weight_decay, bool nesterov, bool maximize,
-                TableMemory& tables, cudaStream_t stream);
-
-cudaError_t lion(const OneStateTensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
-                 const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
-                 double beta1, double beta2, bool maximize, TableMemory& tables, cudaStream_t stream);
-
-// ---- fastamp::adamw_q8_ (AdamW on 8-bit block-scaled moments, csrc/q8_math.h) ----
-
-struct AdamWQ8TensorRef {
-  void* param;                 // param_dtype, rewritten
-  const void* grad;            // grad_dtype, read only
-  void* master;                // fp32 master (kFloat32), int16 remainder (kRemainder, bf16 params), int8
-                               // correction (kUlp8, bf16 / fp16 params) or null
-  uint8_t* exp_avg_codes;      // numel codes (reference/q8.py's layout)
-  uint8_t* exp_avg_scales;     // ceil(numel / 32) scale bytes
-  uint8_t* exp_avg_sq_codes;   // numel codes
-  uint8_t* exp_avg_sq_scales;  // ceil(numel / 32) scale bytes
-  int64_t numel;               // of the param, grad, master and codes
-  DType param_dtype;
-  DType grad_dtype;
-  uint32_t rng_stream;  // low 32 bits of 4 * (rng_base + list index): +0 param, +1 m codes, +2 v codes
-};
-
-// step_scalars, found_inf as adamw. rng: null, or int64 [seed, counter] on device, read when
-// sr_param (bf16 params without a master, or ulp8 corrections, rounded stochastically) or
-// sr_codes (the codes, rounded stochastically; else to nearest even). One launch per (param,
-// grad) dtype pair.
-cudaError_t adamw_q8(const AdamWQ8TensorRef* tensors, int64_t num_tensors, MasterKind master_kind,
-                     const float* step_scalars, int64_t scalar_stride, const float* found_inf, const int64_t* rng,
-                     double beta1, double beta2, double eps, bool maximize, bool sr_param, bool sr_codes,
-                     TableMemory& tables, cudaStream_t stream);
-
-// ---- fastamp::optim_: one update rule x a master format x a state format (optim.cuh) ----
 
 // The most state tensors of one param: AdamW's three states as q8 codes + scales.
 constexpr int kOptimMaxStateTensors = 6;

@@ -159,13 +159,13 @@ RELEASE_OPS: dict[str, OpDef] = {
 
 # The rules on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
 # fastamp.reference.adamw_q8_, sgd_q8_, lion_q8_), defined in the native and Triton namespaces
-# and as opaque reference ops (reference_op). adamw_q8_ has kernels of its own on every backend
-# (csrc/cpu and csrc/cuda adamw_q8, kernels/adamw_q8.py). sgd_q8_ and lion_q8_ have native CPU
-# kernels (csrc/cpu/one_state.cpp); on the other backends they are the rule's dense kernel
-# composed with the codec (fastamp.reference.one_state_q8: composed_q8, registered for CUDA by
-# _load_native and for Triton by kernels/sgd.py). They stay out of OPS, whose ops every backend
-# registers with one kernel per device: a native build may lack a CUDA kernel
-# (native_has_kernel says).
+# and as opaque reference ops (reference_op). Native: CPU kernels of their own
+# (csrc/cpu/adamw_q8.cpp, one_state.cpp); on CUDA they run as optim_ (as_optim, registered by
+# _load_native: the generic kernel fuses the codec for every rule). Triton: adamw_q8_ has a
+# kernel of its own (kernels/adamw_q8.py); sgd_q8_ and lion_q8_ are the rule's dense kernel
+# composed with the codec (fastamp.reference.one_state_q8: composed_q8, kernels/sgd.py). They
+# stay out of OPS, whose ops every backend registers with one kernel per device: a native build
+# may lack a CUDA kernel (native_has_kernel says).
 Q8_OPS: dict[str, OpDef] = {
     "adamw_q8_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
@@ -202,7 +202,9 @@ Q8_OPS: dict[str, OpDef] = {
 # The one optimizer op: an update rule x a master format x a state format (semantics:
 # fastamp.reference.optim_, whose docstring defines every argument). Defined in the native and
 # Triton namespaces and as an opaque reference op (reference_op). A backend without a kernel of
-# its own runs it on its per-rule ops above (fastamp/ops/legacy.py; BRIDGED says where).
+# its own runs it on its per-rule ops above (fastamp/ops/legacy.py; BRIDGED says where); where a
+# device has its kernel but not a per-rule op's (native CUDA: csrc/cuda/optim.cuh), that op runs
+# as optim_ (as_optim; AS_OPTIM says where).
 GENERIC_OPS: dict[str, OpDef] = {
     "optim_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] states, Tensor step_scalars, "
@@ -217,6 +219,9 @@ GENERIC_OPS: dict[str, OpDef] = {
 # The q8 ops a backend without a kernel of its own runs as the rule's dense op composed with the
 # codec (fastamp.reference.one_state_q8): op -> its dense op.
 COMPOSED_Q8: dict[str, str] = {"sgd_q8_": "sgd_", "lion_q8_": "lion_"}
+
+# The per-rule optimizer ops: what reference.to_optim maps onto optim_.
+PER_RULE_OPS = ("adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_", "lion_q8_")
 
 
 def composed_q8(dense: Callable) -> Callable:
@@ -354,19 +359,38 @@ def _load_native() -> None:
         NATIVE_ERROR = f"fastamp._C does not match the op table of fastamp/ops/registry.py: {e}"
         return
     NATIVE_LOADED = True
-    # a CUDA build without a CUDA kernel of a composed q8 op: the dense CUDA kernel and the codec
-    for op, dense in COMPOSED_Q8.items():
-        if native_has_kernel(dense, "cuda") and not native_has_kernel(op, "cuda"):
-            lib.impl(op, composed_q8(getattr(torch.ops.fastamp, dense)), "CUDA")
-    # a device whose native kernels lack optim_: it runs on the per-rule ops (fastamp/ops/legacy.py)
     for key in ("CPU", "CUDA"):
-        if native_has_kernel("adamw_", key.lower()) and not native_has_kernel("optim_", key.lower()):
-            lib.impl("optim_", bridge(lambda name: getattr(torch.ops.fastamp, name)), key)
-            BRIDGED.add(("native", key.lower()))
+        dt = key.lower()
+        if not native_has_kernel("optim_", dt):
+            # a device whose native kernels lack optim_: it runs on the per-rule ops (fastamp/ops/legacy.py)
+            if native_has_kernel("adamw_", dt):
+                lib.impl("optim_", bridge(lambda name: getattr(torch.ops.fastamp, name)), key)
+                BRIDGED.add(("native", dt))
+            continue
+        # a device with the generic kernel: a per-rule op without a kernel of its own runs as optim_
+        # (the optimizers' launches still name the per-rule ops)
+        for op in PER_RULE_OPS:
+            if not native_has_kernel(op, dt):
+                lib.impl(op, as_optim(op), key)
+                AS_OPTIM.add((op, dt))
 
 
 # (backend, device type) pairs whose optim_ runs on the per-rule ops (fastamp/ops/legacy.py)
 BRIDGED: set[tuple[str, str]] = set()
+# (per-rule op, device type) pairs of the native ops that run as optim_ (as_optim)
+AS_OPTIM: set[tuple[str, str]] = set()
+
+
+def as_optim(op: str) -> Callable:
+    """A kernel of the per-rule op ``op`` (its arguments, all positional): ``fastamp::optim_`` on them (reference.to_optim)."""
+
+    def per_rule(*args) -> None:
+        from fastamp.reference.optim import to_optim
+
+        torch.ops.fastamp.optim_(*coerce("optim_", to_optim(op, args)))
+
+    per_rule.__name__ = f"{op}as_optim"
+    return per_rule
 
 
 def bridge(op_of: Callable[[str], Callable]) -> Callable:

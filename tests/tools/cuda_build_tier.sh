@@ -79,12 +79,16 @@ if ! grep -q "fastamp._C: loaded (cpu+cuda)" <<<"$ENV_OUT"; then
 fi
 (cd "$SRC/.." && "$VENV/bin/python" -P -c '
 import fastamp, torch
+from fastamp.ops import registry
 assert "site-packages" in fastamp.__file__, fastamp.__file__
-for op in ("unscale_check_", "unscale_check_stats_", "update_scale_", "adamw_", "adamw_bf16_", "sgd_", "lion_",
-           "adamw_q8_", "unscale_check_partials_", "sumsq_fold"):
+for op in ("unscale_check_", "unscale_check_stats_", "update_scale_", "optim_", "unscale_check_partials_",
+           "sumsq_fold", *registry.PER_RULE_OPS):
     handle = torch._C._dispatch_find_schema_or_throw("fastamp::" + op, "")
     for key in ("CPU", "CUDA"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key("fastamp::" + op, key), (op, key)
+# on CUDA optim_ is the C++ kernel and the per-rule optimizer ops run as optim_
+assert not registry.bridged("native", "cuda")
+assert {op for op, dev in registry.AS_OPTIM if dev == "cuda"} == set(registry.PER_RULE_OPS), registry.AS_OPTIM
 print("[cuda-build tier] every op has a CPU and a CUDA kernel;", fastamp.__file__)
 ')
 
@@ -97,5 +101,5 @@ FASTAMP_TEST_INSTALLED=1 "$VENV/bin/python" -P -m pytest -q -n "${CUDA_TIER_JOBS
     -p no:cacheprovider -o addopts="" -rfE -W ignore::UserWarning -W ignore::DeprecationWarning \
     tests/backends/test_native_cpu.py tests/backends/test_optim_matrix.py tests/backends/test_triton.py tests/backends/test_triton_lowbit.py tests/api/test_adamw_amp.py \
     tests/backends/test_triton_q8.py tests/backends/test_cuda.py tests/backends/test_cuda_lowbit.py tests/backends/test_cuda_q8.py \
-    tests/backends/test_cuda_release.py
+    tests/backends/test_cuda_optim.py tests/backends/test_cuda_release.py
 say "tests ran in $(($(date +%s) - t2))s; tier total $(($(date +%s) - t0))s"

@@ -18,6 +18,30 @@ ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
 TIMEOUT_S = 300
+# optim_'s kernel template (csrc/cuda/optim.cuh) names its rules and state formats by these types.
+RULE_TYPES = {"kAdamW": "AdamWRule", "kSgd": "SgdRule", "kLion": "LionRule"}
+FORMAT_TYPES = {"kFloat32": "F32State", "kBFloat16": "Bf16State", "kQ8": "Q8State"}
+DTYPE_PAIRS = 9  # (param, grad) in {fp32, fp16, bf16}^2, one instance each
+
+
+def optim_combos() -> list[tuple[str, str]]:
+    """The (rule, state format) pairs of csrc/cuda/optim_combos.h (``X(kAdamW, kQ8)`` rows), in its order."""
+    text = (CUDA_DIR / "optim_combos.h").read_text()
+    body = text.split("#define FASTAMP_CUDA_OPTIM_COMBOS(X)", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"X\((k\w+), (k\w+)\)", body)
+
+
+def optim_rule_file(rule: str) -> str:
+    """The file instantiating a rule's kernels: ``kAdamW`` -> ``optim_adamw.cu``."""
+    return f"optim_{rule[1:].lower()}.cu"
+
+
+def optim_instances() -> dict[str, dict[tuple[str, str], int]]:
+    """{file: {(rule type, format type): instances}}: what each rule's file must hold, from optim_combos.h."""
+    out: dict[str, dict[tuple[str, str], int]] = {}
+    for rule, fmt in optim_combos():
+        out.setdefault(optim_rule_file(rule), {})[(RULE_TYPES[rule], FORMAT_TYPES[fmt])] = DTYPE_PAIRS
+    return out
 
 
 def _nvcc():
@@ -134,13 +158,30 @@ def compiled(tmp_path_factory):
 
 def test_expected_cuda_sources_exist():
     names = {p.name for p in CU_FILES}
-    assert {"amp.cu", "adamw.cu", "sgd.cu", "lion.cu", "adamw_q8.cu"} <= names, names
+    assert {"amp.cu", "optim.cu", *optim_instances()} <= names, names
+    for header in ("optim.cuh", "optim_rules.cuh", "optim_combos.h", "launch_plan.h", "launchers.h"):
+        assert (CUDA_DIR / header).exists(), header
     assert (CUDA_DIR / "bindings.cpp").exists()
-    assert (CUDA_DIR / "one_state.cuh").exists()
+    # the per-rule kernels optim_'s one template replaced
+    assert not names & {"adamw.cu", "adamw_q8.cu", "sgd.cu", "lion.cu"}, names
+    assert not (CUDA_DIR / "one_state.cuh").exists()
+
+
+def test_optim_combos_cover_every_rule_once():
+    """optim_combos.h lists each (rule, format) pair once; every rule of the reference has its fp32 pair and a file."""
+    from fastamp.reference.optim import RULES
+
+    combos = optim_combos()
+    assert len(combos) == len(set(combos)) > 0, combos
+    assert {r for r, _ in combos} == set(RULE_TYPES) and {f for _, f in combos} <= set(FORMAT_TYPES)
+    assert {RULE_TYPES[r][: -len("Rule")].lower() for r, _ in combos} == set(RULES)
+    for rule in RULE_TYPES:
+        assert (rule, "kFloat32") in combos, f"{rule}: SGD without momentum and every fp32 call need it"
+        assert (CUDA_DIR / optim_rule_file(rule)).exists(), optim_rule_file(rule)
 
 
 @pytest.mark.slow  # the compiled fixture: nvcc on every .cu (~45 s)
-@pytest.mark.parametrize("name", ["amp.cu", "adamw.cu", "sgd.cu", "lion.cu", "adamw_q8.cu"])
+@pytest.mark.parametrize("name", sorted(p.name for p in CU_FILES))
 @requires_nvcc
 def test_cu_compiles_for_sm80_and_sm90(compiled, name):
     rc, out, obj = compiled[name]
@@ -153,36 +194,34 @@ def test_cu_compiles_for_sm80_and_sm90(compiled, name):
 def test_objects_hold_both_archs_and_every_kernel(compiled):
     # Read the object bytes (cuobjdump is not always installed): nvcc records each cubin's
     # ptxas command line, and the mangled kernel names show the template instantiations.
-    expected = [
-        # 3 grad dtypes x (plain, with health statistics, into per-grad slots for gradient release)
-        (
-            "amp.cu",
-            rb"unscale_check_kernelI(\w*?)EEv",
-            9,
-            [b"sumsq_finalize_kernel", b"sumsq_fold_kernel", b"update_scale_kernel"],
-        ),
-        ("adamw.cu", rb"adamw_kernelI(\w*?)EEv", 9, []),  # 3 param x 3 grad dtypes
-        ("adamw.cu", rb"adamw_bf16_kernelI(\w*?)EEv", 6, []),  # 3 grad x 2 moment dtypes
-        # one_state.cuh's kernel, one rule per file: 3 param x 3 grad dtypes each (master formats,
-        # stochastic rounding and the state's presence are run-time branches, not instances)
-        ("sgd.cu", rb"one_state_kernelI\w*?7SgdRuleE(\w*?)EEv", 9, []),
-        ("lion.cu", rb"one_state_kernelI\w*?8LionRuleE(\w*?)EEv", 9, []),
-        # and no file carries the other's rule
-        ("sgd.cu", rb"one_state_kernelI\w*?8LionRuleE(\w*?)EEv", 0, []),
-        ("lion.cu", rb"one_state_kernelI\w*?7SgdRuleE(\w*?)EEv", 0, []),
-        # 3 param x 3 grad dtypes (master kinds and stochastic rounding are run-time branches)
-        ("adamw_q8.cu", rb"adamw_q8_kernelI(\w*?)EEv", 9, []),
-    ]
-    for name, pattern, count, others in expected:
+    rc, out, obj = compiled["amp.cu"]
+    assert rc == 0, out
+    data = obj.read_bytes()
+    for arch in (b"-arch sm_80", b"-arch sm_90"):
+        assert arch in data, f"amp.cu: no cubin built with {arch.decode()}"
+    # 3 grad dtypes x (plain, with health statistics, into per-grad slots for gradient release)
+    found = set(re.findall(rb"unscale_check_kernelI(\w*?)EEv", data))
+    assert len(found) == 9, f"amp.cu: expected 9 instantiations, got {sorted(found)}"
+    for k in (b"sumsq_finalize_kernel", b"sumsq_fold_kernel", b"update_scale_kernel"):
+        assert k in data, f"amp.cu: kernel {k.decode()} missing"
+    # optim_: each rule's file holds its (rule, format) pairs of optim_combos.h, 9 dtype pairs each,
+    # and no other rule's (the master formats and flags are run-time branches, not instances)
+    for name, want in optim_instances().items():
         rc, out, obj = compiled[name]
         assert rc == 0, out
         data = obj.read_bytes()
         for arch in (b"-arch sm_80", b"-arch sm_90"):
             assert arch in data, f"{name}: no cubin built with {arch.decode()}"
-        found = set(re.findall(pattern, data))
-        assert len(found) == count, f"{name}: expected {count} instantiations, got {sorted(found)}"
-        for k in others:
-            assert k in data, f"{name}: kernel {k.decode()} missing"
+        got: dict[tuple[str, str], int] = {}
+        for args in set(re.findall(rb"optim_kernelI(\w*?)EEv", data)):
+            text = args.decode()
+            rule = next((r for r in RULE_TYPES.values() if r in text), text)
+            fmt = next((f for f in FORMAT_TYPES.values() if f in text), text)
+            got[(rule, fmt)] = got.get((rule, fmt), 0) + 1
+        assert got == want, f"{name}: optim_kernel instances {got}, optim_combos.h lists {want}"
+    rc, out, obj = compiled["optim.cu"]
+    assert rc == 0, out
+    assert b"optim_kernel" not in obj.read_bytes(), "optim.cu only hands a call to its rule's file"
 
 
 def test_kernel_sources_include_no_torch_header():
@@ -249,22 +288,27 @@ def test_every_kernel_registers_through_the_signature_check():
     assert release == {"unscale_check_partials_", "sumsq_fold"}
     q8 = _q8_ops()
     assert q8 == {"adamw_q8_", "sgd_q8_", "lion_q8_"}
-    # the one-state q8 ops have CPU kernels only: on CUDA, fastamp.ops.registry registers the dense
-    # CUDA kernel composed with the codec (COMPOSED_Q8), in Python
-    composed = {"sgd_q8_", "lion_q8_"}
-    registry_text = (ROOT / "fastamp" / "ops" / "registry.py").read_text()
-    assert 'COMPOSED_Q8: dict[str, str] = {"sgd_q8_": "sgd_", "lion_q8_": "lion_"}' in registry_text
-    assert declared == _schema_ops() | release | q8, (
-        "op_signatures.h must declare exactly the ops of the op tables (OPS, RELEASE_OPS and Q8_OPS in fastamp/ops/registry.py)"
+    generic = _table_ops("GENERIC_OPS")
+    assert generic == {"optim_"}
+    assert declared == _schema_ops() | release | q8 | generic, (
+        "op_signatures.h must declare exactly the ops of the op tables (OPS, RELEASE_OPS, Q8_OPS and GENERIC_OPS in "
+        "fastamp/ops/registry.py)"
     )
+    # the per-rule optimizer ops have no CUDA kernel: fastamp.ops.registry registers each as optim_ there
+    # (as_optim, in Python), and composes no q8 op from a dense CUDA kernel any more
+    registry_text = (ROOT / "fastamp" / "ops" / "registry.py").read_text()
+    per_rule = set(re.findall(r'"(\w+)"', registry_text.split("\nPER_RULE_OPS = (", 1)[1].split(")", 1)[0]))
+    assert per_rule == {"adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_", "lion_q8_"}
+    assert "composed_q8(getattr(torch.ops.fastamp" not in registry_text
     registered = {"CPU": set(), "CUDA": set()}
     for path in [*(ROOT / "csrc").rglob("*.cpp"), *(ROOT / "csrc").rglob("*.cu")]:
         text = path.read_text()
         assert not re.search(r"\bm\.impl\(", text), f"{path.name}: register kernels with FASTAMP_IMPL, not m.impl"
         for key, body in re.findall(r"TORCH_LIBRARY_IMPL\(fastamp, (\w+), m\) \{(.*?)\n?\}", text, flags=re.S):
             registered[key] |= set(re.findall(r"FASTAMP_IMPL\(m, (\w+),", body))
-    assert registered["CUDA"] == declared - composed
-    assert registered["CPU"] == declared
+    assert registered["CUDA"] == declared - per_rule
+    # CPU: every op, optim_ possibly not yet (it then runs on the per-rule kernels: fastamp/ops/legacy.py)
+    assert declared - generic <= registered["CPU"] <= declared
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from test_cuda_compile import optim_combos
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
@@ -29,16 +30,20 @@ FILL_PAYLOAD = 32768 - 64  # kFillPayloadBytes with CUDA >= 12.1
 MAX_LAUNCHES = 10
 F32, F16, BF16 = 0, 1, 2
 DTYPE_BYTES = {F32: 4, F16: 2, BF16: 2}
-# Pointer rows per tensor in each op's table (launch_plan.h's k*Depth; the optimizers' last
-# row is the tensor's step scalars).
+# Pointer rows per tensor in each op's table (launch_plan.h's k*Depth and optim_depth). optim_'s
+# tables, one per (rule, state format) of csrc/cuda/optim_combos.h: param, grad, master, the rule's
+# most states (x2 for q8: codes and scales), the tensor's list index.
+_MAX_STATES = {"kAdamW": 3, "kSgd": 1, "kLion": 1}
+_RULE_IDS = {"kAdamW": 0, "kSgd": 1, "kLion": 2}
+_FORMAT_IDS = {"kFloat32": 0, "kBFloat16": 1, "kQ8": 2}
+OPTIM = {
+    f"optim_{rule[1:].lower()}_{fmt[1:].lower()}": (rule, fmt, 4 + _MAX_STATES[rule] * (2 if fmt == "kQ8" else 1))
+    for rule, fmt in optim_combos()
+}
 OPS = {
     "unscale": {"depth": 1},
     "unscale_stats": {"depth": 3},
-    "adamw": {"depth": 7},
-    "adamw_bf16": {"depth": 8},
-    "sgd": {"depth": 6},
-    "lion": {"depth": 6},  # sgd_'s table and plan: plan_one_state (test_lion_runs_the_sgd_plan)
-    "adamw_q8": {"depth": 9},
+    **{name: {"depth": depth} for name, (_, _, depth) in OPTIM.items()},
 }
 SMS = 132
 
@@ -85,6 +90,27 @@ static void replay(const LaunchPlan& plan, const std::vector<int64_t>& numel) {
   }
 }
 
+template <int R, int F>
+static void replay_optim_as(const LaunchPlan& plan, const std::vector<int64_t>& numel) {
+  constexpr int kDepth = optim_depth(static_cast<OptimRule>(R), static_cast<StateFormat>(F));
+  static_assert(sizeof(TableEntry<kDepth>) == optim_entry_bytes(static_cast<OptimRule>(R), static_cast<StateFormat>(F)));
+  replay<kDepth>(plan, numel);
+}
+
+static void replay_optim(int rule, int format, const LaunchPlan& plan, const std::vector<int64_t>& numel) {
+  switch (rule * 3 + format) {
+    case 0: replay_optim_as<0, 0>(plan, numel); break;
+    case 1: replay_optim_as<0, 1>(plan, numel); break;
+    case 2: replay_optim_as<0, 2>(plan, numel); break;
+    case 3: replay_optim_as<1, 0>(plan, numel); break;
+    case 4: replay_optim_as<1, 1>(plan, numel); break;
+    case 5: replay_optim_as<1, 2>(plan, numel); break;
+    case 6: replay_optim_as<2, 0>(plan, numel); break;
+    case 7: replay_optim_as<2, 1>(plan, numel); break;
+    case 8: replay_optim_as<2, 2>(plan, numel); break;
+  }
+}
+
 int main() {
   std::string word, op;
   int capturing = 0;
@@ -99,16 +125,14 @@ int main() {
       grad[i] = static_cast<DType>(g);
     }
     LaunchPlan plan;
+    int rule = -1, format = -1;
     if (op == "unscale" || op == "unscale_stats") {
       plan = plan_unscale_check(grad.data(), numel.data(), n, op == "unscale_stats", capturing != 0, sms);
-    } else if (op == "adamw") {
-      plan = plan_adamw(param.data(), grad.data(), numel.data(), n, capturing != 0, sms);
-    } else if (op == "adamw_bf16") {
-      plan = plan_adamw_bf16(grad.data(), numel.data(), n, capturing != 0, sms);
-    } else if (op == "sgd" || op == "lion") {
-      plan = plan_one_state(param.data(), grad.data(), numel.data(), n, capturing != 0, sms);
-    } else if (op == "adamw_q8") {
-      plan = plan_adamw_q8(param.data(), grad.data(), numel.data(), n, capturing != 0, sms);
+    } else if (op.rfind("optim:", 0) == 0) {  // optim:<rule>:<format>
+      rule = op[6] - '0';
+      format = op[8] - '0';
+      plan = plan_optim(static_cast<OptimRule>(rule), static_cast<StateFormat>(format), param.data(), grad.data(),
+                        numel.data(), n, capturing != 0, sms);
     } else {
       std::cerr << "unknown op " << op << '\n';
       return 2;
@@ -121,10 +145,7 @@ int main() {
     }
     if (op == "unscale") replay<kUnscaleDepth>(plan, numel);
     if (op == "unscale_stats") replay<kUnscaleStatsDepth>(plan, numel);
-    if (op == "adamw") replay<kAdamWDepth>(plan, numel);
-    if (op == "adamw_bf16") replay<kAdamWBf16Depth>(plan, numel);
-    if (op == "sgd" || op == "lion") replay<kOneStateDepth>(plan, numel);
-    if (op == "adamw_q8") replay<kAdamWQ8Depth>(plan, numel);
+    if (rule >= 0) replay_optim(rule, format, plan, numel);
     std::cout << "end\n";
   }
   return 0;
@@ -144,15 +165,23 @@ def driver(tmp_path_factory):
     return exe
 
 
+def _driver_op(op):
+    """The driver's name of an op: ``optim:<rule>:<format>`` (OptimRule, StateFormat values) for optim_'s tables."""
+    if op in OPTIM:
+        rule, fmt, _ = OPTIM[op]
+        return f"optim:{_RULE_IDS[rule]}:{_FORMAT_IDS[fmt]}"
+    return op
+
+
 def _group(op, p, g):
-    return g if op in ("unscale", "unscale_stats", "adamw_bf16") else 3 * p + g
+    return g if op in ("unscale", "unscale_stats") else 3 * p + g
 
 
 def _dtype_mix(op, i, mixed):
     """(param dtype, grad dtype) of tensor i: one combination, or all of the op's in turn."""
     if not mixed:
-        return (BF16, F32) if op == "adamw_bf16" else (F32, F32)
-    if op in ("unscale", "unscale_stats", "adamw_bf16"):
+        return (F32, F32)
+    if op in ("unscale", "unscale_stats"):
         return (BF16, i % 3)
     return ((i // 3) % 3, i % 3)
 
@@ -161,7 +190,7 @@ def run_plans(driver, configs):
     """configs: {name: (op, capturing, [(numel, param dtype, grad dtype), ...])} -> parsed plans."""
     lines = []
     for name, (op, capturing, tensors) in configs.items():
-        lines.append(f"{name} {op} {int(capturing)} {SMS} {len(tensors)}")
+        lines.append(f"{name} {_driver_op(op)} {int(capturing)} {SMS} {len(tensors)}")
         lines.extend(f"{n} {p} {g}" for n, p, g in tensors)
     res = subprocess.run([str(driver)], input="\n".join(lines) + "\n", capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -284,26 +313,21 @@ def test_at_most_ten_launches_per_op(plans, op, shape, mix):
 
 
 def test_launch_count_does_not_grow_with_the_tensor_count(driver):
-    cfg = {f"n{n}": ("adamw", False, [(256, F32, F32)] * n) for n in (1, 61, 62, 1000, 20000, 100000)}
+    cfg = {f"n{n}": ("optim_adamw_float32", False, [(256, F32, F32)] * n) for n in (1, 61, 62, 1000, 20000, 100000)}
     got = run_plans(driver, cfg)
     assert {name: p["counts"]["total"] for name, p in got.items()} == {name: 2 for name in cfg}
 
 
 def test_capture_fills_carry_the_whole_table(plans):
     # Under capture the table goes into the graph as kernel arguments, 32 KB per fill kernel.
-    counts = plans["adamw-20000x256-capture"]["counts"]
+    counts = plans["optim_adamw_float32-20000x256-capture"]["counts"]
     assert counts["table_bytes"] == 20000 * 72
     assert counts["fills"] == math.ceil(20000 * 72 / FILL_PAYLOAD) and counts["copies"] == 0
 
 
 def test_every_launcher_runs_the_plan():
     """The launchers plan with launch_plan.h and run that plan; no other kernel launch loops."""
-    for name, planners in {
-        "amp.cu": ["plan_unscale_check"],
-        "adamw.cu": ["plan_adamw", "plan_adamw_bf16"],
-        "one_state.cuh": ["plan_one_state"],
-        "adamw_q8.cu": ["plan_adamw_q8"],
-    }.items():
+    for name, planners in {"amp.cu": ["plan_unscale_check"], "optim.cuh": ["plan_optim"]}.items():
         text = (CUDA_DIR / name).read_text()
         for planner in planners:
             assert f"{planner}(" in text, f"{name} does not call {planner}"
@@ -312,15 +336,22 @@ def test_every_launcher_runs_the_plan():
     assert "#include <cuda" not in header and "torch" not in header.split("#pragma once")[1]
 
 
-def test_lion_runs_the_sgd_plan(plans):
-    """lion_ and sgd_ are two rules of one kernel family (one_state.cuh): the same table rows, dtype groups
-    and launches, so lion's plan is sgd's. Each op file only states its rule and hands it to the family's
-    launcher, which alone plans and launches."""
-    for name in (n for n in CONFIGS if n.startswith("sgd-")):
-        assert plans["lion-" + name[len("sgd-") :]] == plans[name], name
-    for name, rule in (("sgd.cu", "SgdRule"), ("lion.cu", "LionRule")):
+def test_rules_and_formats_share_one_plan(plans):
+    """optim_ plans every (rule, state format) alike, one launch per (param, grad) dtype pair: only the
+    table entry (its rows) differs. Each rule's file only instantiates optim.cuh's launcher, which alone
+    plans and launches."""
+    names = sorted(OPTIM)
+    for config in (c for c in CONFIGS if c.startswith(names[0] + "-")):
+        suffix = config[len(names[0]) :]
+        first = plans[config]
+        for other in names[1:]:
+            got = plans[other + suffix]
+            assert got["launches"] == first["launches"] and got["chunks"] == first["chunks"], other + suffix
+            assert got["counts"]["entry_bytes"] == 8 * OPS[other]["depth"] + 16
+    for rule in {rule for rule, _, _ in OPTIM.values()}:
+        name = f"optim_{rule[1:].lower()}.cu"
         text = (CUDA_DIR / name).read_text()
-        assert f"detail::run_one_state<{rule}>(" in text, f"{name} does not run its rule through one_state.cuh"
+        assert "run_optim<" in text, f"{name} does not run its rule through optim.cuh"
         assert "run_plan<" not in text and "plan_" not in text and "<<<" not in text, f"{name} launches on its own"
-    family = (CUDA_DIR / "one_state.cuh").read_text()
-    assert family.count("<<<") == 1 and "one_state_kernel<Rule, PE, GE>" in family
+    family = (CUDA_DIR / "optim.cuh").read_text()
+    assert family.count("<<<") == 1 and "optim_kernel<Rule, PE, GE, SF>" in family
