@@ -10,7 +10,11 @@
 #   fastamp_env  python -m fastamp.env (what was built, what AUTO picks)
 #   cost_model benchmarks/gpu_cost_model.py --measure: device copy bandwidth and each path's floor
 #   sync       benchmarks/sync_check.py: host syncs per fastamp step (set_sync_debug_mode)
-#   pytest_q8  the q8 moments' device tests first, on their own budget: the native CUDA kernel
+#   pytest_optim  the native CUDA optimizer kernel first, on its own budget: optim_ (csrc/cuda/optim.cuh)
+#              over every rule x master x state format x flag set (tests/backends/test_cuda_optim.py),
+#              then the per-rule cases that now run on it (test_cuda_q8.py, test_cuda_lowbit.py,
+#              test_cuda.py), bit for bit against the reference on the device
+#   pytest_q8  the q8 moments' device tests, on their own budget: the native CUDA kernel
 #              (tests/backends/test_cuda_q8.py) and the Triton one on the GPU (test_triton_q8.py),
 #              byte for byte against the reference on the device; then the AOT tier's GPU tests
 #   pytest     pytest -m gpu tests: every device test (CUDA kernels, Triton on the GPU, graph capture)
@@ -73,6 +77,9 @@ run_stage cost_model 30 "$PY" benchmarks/gpu_cost_model.py --measure --out "$OUT
 run_stage sync 45 "$PY" benchmarks/sync_check.py --out "$OUT/results"
 # The device tests first and whole (no -x: every CUDA/Triton-on-GPU/capture test reports), the
 # rest of the suite last, in what time is left. The q8 ones run again in the second stage (cheap).
+run_stage pytest_optim 90 "$PY" -m pytest -q tests/backends/test_cuda_optim.py tests/backends/test_cuda_q8.py \
+    tests/backends/test_cuda_lowbit.py tests/backends/test_cuda.py -p no:cacheprovider -rfE --durations=10 \
+    --junitxml="$OUT/results/pytest_optim.xml"
 run_stage pytest_q8 60 "$PY" -m pytest -q tests/backends/test_cuda_q8.py tests/backends/test_triton_q8.py \
     -p no:cacheprovider -rfE --durations=10 --junitxml="$OUT/results/pytest_q8.xml"
 run_stage pytest 150 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -rfE --durations=15 \
@@ -103,6 +110,10 @@ run_stage pytest_rest 120 "$PY" -m pytest -q -m "not gpu and not slow" tests -p 
     column -t -s $'\t' "$STAGES" 2>/dev/null || cat "$STAGES"
     echo '```'
     echo
+    echo "## pytest_optim (tail)"
+    echo '```'
+    tail -n 15 "$OUT/logs/pytest_optim.log" 2>/dev/null
+    echo '```'
     echo "## pytest_q8 (tail)"
     echo '```'
     tail -n 15 "$OUT/logs/pytest_q8.log" 2>/dev/null

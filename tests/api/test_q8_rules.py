@@ -412,7 +412,7 @@ def test_cuda_backends_give_the_cpu_bytes(rule, device):
 @pytest.mark.parametrize("rule", ["sgd", "lion"])
 @pytest.mark.parametrize("device", ["cuda"])
 def test_cuda_q8_step_does_not_sync(rule, device):
-    """The composed step (decode, kernel, encode, the skip's where) reads nothing on the host."""
+    """The q8 step (native CUDA: optim_'s fused kernel; Triton: decode, kernel, encode, the skip's where) reads nothing on the host."""
     ps = [torch.nn.Parameter(p.detach().to(device)) for p in _params()]
     opt = _make(rule, ps, lowbit_min_numel=0)
     opt.grad_scale = torch.tensor(1024.0, device=device)

@@ -1,6 +1,7 @@
 """Tier 2 on CUDA: the native CUDA kernels (csrc/cuda) against fastamp.reference.
 
-Skipped without a CUDA device. On a GPU machine, build with CUDA first (see
+AdamW's cases run the one optimizer kernel, ``optim_`` (csrc/cuda/optim.cuh), with ``adamw_``'s
+arguments (``reference.to_optim``): the per-rule CUDA kernels are gone. Skipped without a CUDA device. On a GPU machine, build with CUDA first (see
 csrc/cuda/bindings.cpp's header note / the project README) and run
 ``pytest tests/backends/test_cuda.py``. Agreement is bit for bit (NaN compared as NaN, signed zeros
 compared by sign) except the sum of squares, which is within ``tolerances.SUMSQ_RTOL``.
@@ -15,6 +16,7 @@ from tolerances import SUMSQ_RTOL
 
 from fastamp import reference
 from fastamp.ops import registry
+from fastamp.reference.optim import to_optim
 
 pytestmark = pytest.mark.gpu(reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)")
 
@@ -32,6 +34,15 @@ NONFINITE = [math.inf, -math.inf, math.nan]
 
 def _ops_native():
     return torch.ops.fastamp
+
+
+def native_per_rule(op):
+    """The native CUDA kernel of ``optim_`` called with the per-rule op ``op``'s arguments (reference.to_optim)."""
+
+    def call(*args):
+        torch.ops.fastamp.optim_(*registry.coerce("optim_", to_optim(op, args)))
+
+    return call
 
 
 def assert_sumsq_close(ours, ref):
@@ -91,7 +102,11 @@ def check_unscale(grads, inv, write_back=True, compute_sumsq=True, found=0.0):
 
 def test_native_cuda_kernels_are_built():
     assert registry.NATIVE_LOADED, f"fastamp._C failed to load: {registry.NATIVE_ERROR}"
-    missing = [op for op in registry.NATIVE_OPS if not registry.native_has_kernel(op, "cuda")]
+    # the per-rule optimizer ops run as optim_ on CUDA (registry.as_optim), the others have C++ kernels
+    ops = [op for op in (*registry.NATIVE_OPS, *registry.GENERIC_OPS) if op not in registry.PER_RULE_OPS]
+    missing = [op for op in ops if not registry.native_has_kernel(op, "cuda")]
+    missing += [op for op in registry.PER_RULE_OPS if (op, "cuda") not in registry.AS_OPTIM]
+    assert not registry.bridged("native", "cuda")
     assert not missing, (
         f"no CUDA kernel for {missing}; build info {registry.build_info()!r}: rebuild with a CUDA-enabled torch and nvcc"
     )
@@ -359,7 +374,7 @@ def _run_adamw_steps(st, h, amsgrad, maximize, found_value, steps=3, grad_mul=2.
             lr, torch.tensor(float(step), device=DEV), h["betas"][0], h["betas"][1], h["wd"], gm
         )
         found = None if found_value is None else torch.full((1,), found_value, device=DEV)
-        _adamw_call(_ops_native().adamw_, ours, scalars, found, h, amsgrad, maximize)
+        _adamw_call(native_per_rule("adamw_"), ours, scalars, found, h, amsgrad, maximize)
         _adamw_call(reference.adamw_, ref, scalars, found, h, amsgrad, maximize)
         _compare_states(ours, ref, f"step {step}")
     return ours
@@ -397,8 +412,8 @@ def test_adamw_fp16_bf16_master_trajectory_equals_fp32_run():
         lr, gm = torch.tensor(h["lr"], device=DEV), torch.tensor(1.0, device=DEV)
         for step in range(1, 51):
             sc = reference.adamw_step_scalars(lr, torch.tensor(float(step), device=DEV), 0.9, 0.999, h["wd"], gm)
-            _adamw_call(_ops_native().adamw_, lo, sc, None, h, False, False)
-            _adamw_call(_ops_native().adamw_, hi, sc, None, h, False, False)
+            _adamw_call(native_per_rule("adamw_"), lo, sc, None, h, False, False)
+            _adamw_call(native_per_rule("adamw_"), hi, sc, None, h, False, False)
         for a, b, p in zip(lo["masters"], hi["params"], lo["params"]):
             assert_bits_equal(a, b, f"{dtype} master vs fp32 run")
             assert_bits_equal(p, a.to(dtype), f"{dtype} param == master rounded")
@@ -444,7 +459,7 @@ def test_ops_capture_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         total = ops.unscale_check_(grads, found, inv, True, True)
-        _adamw_call(ops.adamw_, st, sc, found, h, False, False)
+        _adamw_call(native_per_rule("adamw_"), st, sc, found, h, False, False)
         ops.update_scale_(scale, gt, hy, found, 2.0, 0.5, 2000, 1, 0.0, math.inf)
     graph.replay()
     torch.cuda.synchronize()
@@ -471,7 +486,7 @@ def test_opcheck():
     st = _adamw_state(torch.float16, torch.bfloat16, True, True, seed=6, sizes=[5, 17])
     sc = torch.tensor([1e-3, 0.5, 0.999, 1.0], device=DEV)
     torch.library.opcheck(
-        torch.ops.fastamp.adamw_.default,
-        (st["params"], st["grads"], st["masters"], st["ms"], st["vs"], st["vmaxs"], sc, f, 0.9, 0.999, 1e-8, True,
-         False),
+        torch.ops.fastamp.optim_.default,
+        registry.coerce("optim_", to_optim("adamw_", (st["params"], st["grads"], st["masters"], st["ms"], st["vs"],
+                                                       st["vmaxs"], sc, f, 0.9, 0.999, 1e-8, True, False))),
     )  # fmt: skip

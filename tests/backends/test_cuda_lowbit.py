@@ -1,5 +1,8 @@
 """Tier 2 on CUDA for the low-bit ops: adamw_bf16_, sgd_, lion_ and unscale_check_stats_ (csrc/cuda).
 
+The optimizer cases run the one optimizer kernel, ``optim_`` (csrc/cuda/optim.cuh), with each
+per-rule op's arguments (``reference.to_optim``): the per-rule CUDA kernels are gone.
+
 Every output of the native CUDA kernels is compared with fastamp.reference run on the same
 device, bit for bit (NaN compared as NaN whatever its payload; integer counts with
 torch.equal), except the sum of squares, which is within ``tolerances.SUMSQ_RTOL`` of the
@@ -17,11 +20,24 @@ from tolerances import SUMSQ_RTOL
 
 from fastamp import reference
 from fastamp.ops import registry
+from fastamp.reference.optim import to_optim
 
 pytestmark = pytest.mark.gpu(reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)")
 
 DEV = "cuda"
 OPS = torch.ops.fastamp
+
+
+def native_per_rule(op):
+    """The native CUDA kernel of ``optim_`` called with the per-rule op ``op``'s arguments (reference.to_optim)."""
+
+    def call(*args):
+        OPS.optim_(*registry.coerce("optim_", to_optim(op, args)))
+
+    return call
+
+
+NATIVE = {op: native_per_rule(op) for op in ("adamw_", "adamw_bf16_", "sgd_", "lion_")}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CHUNK = 65536  # csrc/cuda/launchers.h kChunkSize
 SIZES = [1, 3, 4, 5, 8, 1023, CHUNK, CHUNK + 1, 200003]
@@ -66,7 +82,7 @@ def _compare(ours, ref, keys, what):
 
 def test_new_ops_have_cuda_kernels():
     assert registry.NATIVE_LOADED, f"fastamp._C failed to load: {registry.NATIVE_ERROR}"
-    for op in ("adamw_bf16_", "sgd_", "lion_", "unscale_check_stats_"):
+    for op in ("optim_", "unscale_check_stats_"):
         assert registry.native_has_kernel(op, "cuda"), (
             f"no CUDA kernel for fastamp::{op}; build info {registry.build_info()!r}"
         )
@@ -121,7 +137,7 @@ def _run_adamw_bf16(st, amsgrad, maximize, found_value, use_rng, steps=3, rng_ba
         sc = _adamw_scalars(step, h)
         found = None if found_value is None else torch.full((1,), found_value, device=DEV)
         rng = torch.tensor([1234567, step], dtype=torch.int64, device=DEV) if use_rng else None
-        _adamw_bf16_call(OPS.adamw_bf16_, ours, sc, found, rng, rng_base, amsgrad, maximize, h)
+        _adamw_bf16_call(NATIVE["adamw_bf16_"], ours, sc, found, rng, rng_base, amsgrad, maximize, h)
         _adamw_bf16_call(reference.adamw_bf16_, ref, sc, found, rng, rng_base, amsgrad, maximize, h)
         _compare(ours, ref, ADAM_KEYS, f"adamw_bf16_ step {step}")
     return ours
@@ -157,8 +173,8 @@ def test_adamw_bf16_remainder_trajectory_equals_fp32_master_adamw():
         if step % 7 == 0:  # new grads now and then, in place, bounded (x -0.5, then x -2)
             for g in grads:
                 g.mul_(-0.5 if step % 14 else -2.0)
-        _adamw_bf16_call(OPS.adamw_bf16_, rem, sc, None, None, 0, False, False)
-        OPS.adamw_(fp_params, grads, fp_masters, fp_ms, fp_vs, [], sc, None, 0.9, 0.999, 1e-8, False, False)
+        _adamw_bf16_call(NATIVE["adamw_bf16_"], rem, sc, None, None, 0, False, False)
+        NATIVE["adamw_"](fp_params, grads, fp_masters, fp_ms, fp_vs, [], sc, None, 0.9, 0.999, 1e-8, False, False)
     for i in range(len(sizes)):
         assert_bits_equal(reference.join_master(rem["params"][i], rem["rems"][i]), fp_masters[i], f"master[{i}]")
         assert_bits_equal(rem["ms"][i], fp_ms[i], f"exp_avg[{i}]")
@@ -177,8 +193,8 @@ def test_stochastic_rounding_bits_streams_and_reproducibility():
     sc = _adamw_scalars(1)
     rng = torch.tensor([-987654321012, 2**40 + 17], dtype=torch.int64, device=DEV)  # only the low 32 bits count
     a, b = _clone(st), _clone(st)
-    _adamw_bf16_call(OPS.adamw_bf16_, a, sc, None, rng, 5, True, False)
-    _adamw_bf16_call(OPS.adamw_bf16_, b, sc, None, rng, 5, True, False)
+    _adamw_bf16_call(NATIVE["adamw_bf16_"], a, sc, None, rng, 5, True, False)
+    _adamw_bf16_call(NATIVE["adamw_bf16_"], b, sc, None, rng, 5, True, False)
     _compare(a, b, ADAM_KEYS, "same rng, same bits")
     ref = _clone(st)
     _adamw_bf16_call(reference.adamw_bf16_, ref, sc, None, rng, 5, True, False)
@@ -186,13 +202,13 @@ def test_stochastic_rounding_bits_streams_and_reproducibility():
     # tensor i of a call with rng_base=5 draws what tensor 0 of a call with rng_base=5+i draws
     for i in range(len(sizes)):
         single = {k: ([v[i].clone()] if v else []) for k, v in st.items()}
-        _adamw_bf16_call(OPS.adamw_bf16_, single, sc, None, rng, 5 + i, True, False)
+        _adamw_bf16_call(NATIVE["adamw_bf16_"], single, sc, None, rng, 5 + i, True, False)
         for k in ADAM_KEYS:
             if single[k]:
                 assert_bits_equal(single[k][0], a[k][i], f"stream of tensor {i}: {k}")
     # another counter draws other bits
     c = _clone(st)
-    _adamw_bf16_call(OPS.adamw_bf16_, c, sc, None, torch.tensor([-987654321012, 18], device=DEV), 5, True, False)
+    _adamw_bf16_call(NATIVE["adamw_bf16_"], c, sc, None, torch.tensor([-987654321012, 18], device=DEV), 5, True, False)
     assert any(not torch.equal(x, y) for x, y in zip(c["params"], a["params"]))
     del gen
 
@@ -206,7 +222,7 @@ def test_stochastic_rounding_is_unbiased():
     ref_p = p.clone()
     sc = reference.sgd_step_scalars(1.0, torch.tensor(0.0, device=DEV))
     rng = torch.tensor([42, 3], dtype=torch.int64, device=DEV)
-    OPS.sgd_([p], [g], [], [], sc, None, rng, 0, 0.0, 0.0, 0.0, False, False)
+    NATIVE["sgd_"]([p], [g], [], [], sc, None, rng, 0, 0.0, 0.0, 0.0, False, False)
     reference.sgd_([ref_p], [g], [], [], sc, None, rng, 0, 0.0, 0.0, 0.0, False, False)
     assert_bits_equal(p, ref_p, "SR param vs reference")
     assert set(p.float().unique().tolist()) == {1.0, 1.0 + 2.0**-7}
@@ -264,7 +280,7 @@ def _run_sgd(st, h, found_value, use_rng, steps=3, first_step=0, lr=0.05, grad_m
         sc = reference.sgd_step_scalars(lr_t, torch.tensor(first_step + k, device=DEV), gm)
         found = None if found_value is None else torch.full((1,), found_value, device=DEV)
         rng = torch.tensor([99, 1000 + k], dtype=torch.int64, device=DEV) if use_rng else None
-        _sgd_call(OPS.sgd_, ours, sc, found, rng, 2, h)
+        _sgd_call(NATIVE["sgd_"], ours, sc, found, rng, 2, h)
         _sgd_call(reference.sgd_, ref, sc, found, rng, 2, h)
         _compare(ours, ref, SGD_KEYS, f"sgd_ step {k}")
     return ours
@@ -306,8 +322,8 @@ def test_sgd_remainder_trajectory_equals_fp32_master():
         if step % 7 == 6:
             for g in grads:
                 g.mul_(-0.5 if step % 14 == 6 else -2.0)
-        _sgd_call(OPS.sgd_, rem, sc, None, None, 0, h)
-        _sgd_call(OPS.sgd_, fp, sc, None, None, 0, h)
+        _sgd_call(NATIVE["sgd_"], rem, sc, None, None, 0, h)
+        _sgd_call(NATIVE["sgd_"], fp, sc, None, None, 0, h)
     for i in range(len(sizes)):
         assert_bits_equal(reference.join_master(rem["params"][i], rem["masters"][i]), fp["masters"][i], f"master[{i}]")
         assert_bits_equal(rem["bufs"][i], fp["bufs"][i], f"momentum_buffer[{i}]")
@@ -424,8 +440,8 @@ def test_unscale_check_stats_through_functional_with_non_contiguous_and_fp64():
 
 
 # ---------------------------------------------------------------- lion_
-# sgd_'s kernel family with Lion's rule (csrc/cuda/one_state.cuh); the formats, sizes, values and bad
-# inputs are in test_optim_matrix.py. Here: what only a CUDA launch shows.
+# optim_'s kernel with Lion's rule (csrc/cuda/optim.cuh); the formats, sizes, values and bad inputs are
+# in test_optim_matrix.py and test_cuda_optim.py. Here: what only a CUDA launch shows.
 
 LION_H = dict(beta1=0.9, beta2=0.99, maximize=True)
 LION_KEYS = ("params", "masters", "exp_avgs")
@@ -457,7 +473,7 @@ def test_lion_mixed_dtypes_in_one_call():
     ref = _clone(st)
     for k in range(2):
         sc = _lion_scalars(lr=0.01 * (k + 1))
-        _lion_call(OPS.lion_, st, sc, None, None, 0, LION_H)
+        _lion_call(NATIVE["lion_"], st, sc, None, None, 0, LION_H)
         _lion_call(reference.lion_, ref, sc, None, None, 0, LION_H)
         _compare(st, ref, LION_KEYS, f"lion_ mixed dtypes, step {k}")
 
@@ -473,7 +489,7 @@ def test_lion_captures_in_a_cuda_graph():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         rng[1:].add_(1)
-        _lion_call(OPS.lion_, st, sc, found, rng, 3, LION_H)
+        _lion_call(NATIVE["lion_"], st, sc, found, rng, 3, LION_H)
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
@@ -522,8 +538,8 @@ def test_ops_capture_in_a_cuda_graph():
     with torch.cuda.graph(graph):
         OPS.unscale_check_stats_(grads, found, inv, True, True, counts, absmax)
         rng[1:].add_(1)
-        _adamw_bf16_call(OPS.adamw_bf16_, st, sc, found, rng, 0, False, False)
-        _sgd_call(OPS.sgd_, sgd_st, sc3, found, None, 0, h)
+        _adamw_bf16_call(NATIVE["adamw_bf16_"], st, sc, found, rng, 0, False, False)
+        _sgd_call(NATIVE["sgd_"], sgd_st, sc3, found, None, 0, h)
     graph.replay()
     graph.replay()
     torch.cuda.synchronize()
@@ -546,21 +562,24 @@ def test_opcheck():
     st = _adamw_bf16_state(torch.float16, True, torch.bfloat16, True, seed=25, sizes=[5, 17])
     rng = torch.tensor([1, 2], dtype=torch.int64, device=DEV)
     torch.library.opcheck(
-        torch.ops.fastamp.adamw_bf16_.default,
-        (st["params"], st["grads"], st["rems"], st["ms"], st["vs"], st["vmaxs"], _adamw_scalars(1), f, rng, 0, 0.9,
-         0.999, 1e-8, True, False),
+        torch.ops.fastamp.optim_.default,
+        registry.coerce("optim_", to_optim("adamw_bf16_", (st["params"], st["grads"], st["rems"], st["ms"], st["vs"],
+                                                            st["vmaxs"], _adamw_scalars(1), f, rng, 0, 0.9, 0.999, 1e-8,
+                                                            True, False))),
     )  # fmt: skip
     sgd_st = _sgd_state(torch.bfloat16, torch.float32, "none", 0.9, seed=26, sizes=[5, 17])
     torch.library.opcheck(
-        torch.ops.fastamp.sgd_.default,
-        (sgd_st["params"], sgd_st["grads"], sgd_st["masters"], sgd_st["bufs"],
-         reference.sgd_step_scalars(0.1, torch.tensor(0, device=DEV)), f, rng, 0, 0.9, 0.0, 0.0, True, False),
+        torch.ops.fastamp.optim_.default,
+        registry.coerce("optim_", to_optim("sgd_", (sgd_st["params"], sgd_st["grads"], sgd_st["masters"], sgd_st["bufs"],
+                                                     reference.sgd_step_scalars(0.1, torch.tensor(0, device=DEV)), f,
+                                                     rng, 0, 0.9, 0.0, 0.0, True, False))),
     )  # fmt: skip
     lion_st = _lion_state(torch.float16, torch.bfloat16, "fp32", seed=28, sizes=[5, 17])
     torch.library.opcheck(
-        torch.ops.fastamp.lion_.default,
-        (lion_st["params"], lion_st["grads"], lion_st["masters"], lion_st["exp_avgs"], _lion_scalars(), f, rng, 0,
-         0.9, 0.99, False),
+        torch.ops.fastamp.optim_.default,
+        registry.coerce("optim_", to_optim("lion_", (lion_st["params"], lion_st["grads"], lion_st["masters"],
+                                                      lion_st["exp_avgs"], _lion_scalars(), f, rng, 0, 0.9, 0.99,
+                                                      False))),
     )  # fmt: skip
     grads = [torch.randn(5, device=DEV), torch.randn(9, device=DEV).half()]
     torch.library.opcheck(

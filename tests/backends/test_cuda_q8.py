@@ -1,4 +1,5 @@
-"""Tier 2 on CUDA for ``adamw_q8_`` (8-bit block-scaled moments): the native CUDA kernel (csrc/cuda/adamw_q8.cu).
+"""Tier 2 on CUDA for ``adamw_q8_`` (8-bit block-scaled moments): the native CUDA kernel, ``optim_``'s
+(csrc/cuda/optim.cuh) called with ``adamw_q8_``'s arguments (``reference.to_optim``).
 
 Every tensor the op writes (params, fp32 masters, int16 remainders or int8 ulp8 corrections, codes
 and scale bytes) is compared with ``fastamp.reference.adamw_q8_`` run on the same device, bit for bit
@@ -18,11 +19,19 @@ from fastamp import backends, functional
 from fastamp import reference as R
 from fastamp.ops import registry
 from fastamp.reference import q8
+from fastamp.reference.optim import to_optim
 
 pytestmark = pytest.mark.gpu(reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)")
 
 DEV = "cuda"
 OPS = torch.ops.fastamp
+
+
+def native_adamw_q8(*args):
+    """The native CUDA kernel of ``optim_`` called with ``adamw_q8_``'s arguments (reference.to_optim)."""
+    OPS.optim_(*registry.coerce("optim_", to_optim("adamw_q8_", args)))
+
+
 CHUNK = 65536  # csrc/cuda/launch_plan.h kChunkSize
 BETAS = (0.9, 0.999)
 EPS = 1e-8
@@ -93,7 +102,7 @@ def _run_both(state, grads_per_step, sc_per_step, found_inf=None, sr_param=False
     nat, ref = clone_lists(state), clone_lists(state)
     for step, (grads, sc) in enumerate(zip(grads_per_step, sc_per_step)):
         rng = torch.tensor([11, step], device=DEV)
-        for impl, st in ((OPS.adamw_q8_, nat), (R.adamw_q8_, ref)):
+        for impl, st in ((native_adamw_q8, nat), (R.adamw_q8_, ref)):
             impl(st[0], grads, st[1], st[2], st[3], st[4], st[5], sc, found_inf, rng.clone(), rng_base, betas[0],
                  betas[1], EPS, maximize, sr_param, sr_codes)  # fmt: skip
     torch.cuda.synchronize()
@@ -109,10 +118,10 @@ def _assert_same(got, exp, what=""):
 
 def test_adamw_q8_has_a_cuda_kernel():
     assert registry.NATIVE_LOADED, f"fastamp._C failed to load: {registry.NATIVE_ERROR}"
-    assert registry.native_has_kernel("adamw_q8_", "cuda"), (
-        f"no CUDA kernel for adamw_q8_; build {registry.build_info()!r}"
-    )
+    assert registry.native_has_kernel("optim_", "cuda"), f"no CUDA kernel for optim_; build {registry.build_info()!r}"
+    assert ("adamw_q8_", "cuda") in registry.AS_OPTIM  # the per-rule op runs as optim_ there
     assert backends.resolve("adamw_q8_", DEV) == "native"
+    assert backends.resolve("optim_", DEV) == "native"
 
 
 @pytest.mark.parametrize("master,pdtype", MODES, ids=lambda x: str(x).replace("torch.", ""))
@@ -172,8 +181,8 @@ def test_found_inf_writes_nothing(found):
     state = _lists([_state(n, torch.bfloat16, "remainder", gen) for n in (100, CHUNK + 5)])
     before = clone_lists(state)
     grads = [_grad(p.numel(), gen, torch.float32) for p in state[0]]
-    OPS.adamw_q8_(state[0], grads, *state[1:], _scalars(2), torch.tensor([found], device=DEV),
-                  torch.tensor([1, 1], device=DEV), 0, *BETAS, EPS, False, True, True)  # fmt: skip
+    native_adamw_q8(state[0], grads, *state[1:], _scalars(2), torch.tensor([found], device=DEV),
+                    torch.tensor([1, 1], device=DEV), 0, *BETAS, EPS, False, True, True)  # fmt: skip
     torch.cuda.synchronize()
     _assert_same(state, before, "skipped step")
 
@@ -196,11 +205,18 @@ def test_ulp8_sr_param_and_codes_separately_through_functional(pdtype):
 
 def test_refusals_name_the_problem_and_change_nothing():
     gen = torch.Generator().manual_seed(8)
+    # optim_'s states list: exp_avg codes, exp_avg scales, exp_avg_sq codes, exp_avg_sq scales (state[2:])
     cases = {
-        "exp_avg_scales\\[0\\] must be 1-D with 3 scale bytes": (3, torch.zeros(2, dtype=torch.uint8, device=DEV)),
-        "exp_avg_sq_codes\\[0\\] must be uint8": (4, torch.zeros(70, dtype=torch.int8, device=DEV)),
-        "exp_avg_codes\\[0\\] must be contiguous": (2, torch.zeros(140, dtype=torch.uint8, device=DEV)[::2]),
-        "sr_codes / sr_param need rng": None,
+        "states\\[1\\] \\(exp_avg_scales\\[0\\]\\) must be 1-D with 3 scale bytes": (
+            3,
+            torch.zeros(2, dtype=torch.uint8, device=DEV),
+        ),
+        "states\\[2\\] \\(exp_avg_sq_codes\\[0\\]\\) must be Byte": (4, torch.zeros(70, dtype=torch.int8, device=DEV)),
+        "states\\[0\\] \\(exp_avg_codes\\[0\\]\\) must be contiguous": (
+            2,
+            torch.zeros(140, dtype=torch.uint8, device=DEV)[::2],
+        ),
+        "SR_PARAM / SR_STATE need rng": None,
         "int16 remainder masters need bfloat16 params": (0, torch.zeros(70, device=DEV)),
     }
     for message, change in cases.items():
@@ -208,9 +224,9 @@ def test_refusals_name_the_problem_and_change_nothing():
         if change is not None:
             state[change[0]][0] = change[1]
         before = clone_lists(state)
-        with pytest.raises(RuntimeError, match=f"fastamp::adamw_q8_: {message}"):
-            OPS.adamw_q8_(state[0], [_grad(70, gen, torch.float32)], *state[1:], _scalars(1), None, None, 0, *BETAS,
-                          EPS, False, False, change is None)  # fmt: skip
+        with pytest.raises(RuntimeError, match=f"fastamp::optim_: {message}"):
+            native_adamw_q8(state[0], [_grad(70, gen, torch.float32)], *state[1:], _scalars(1), None, None, 0, *BETAS,
+                            EPS, False, False, change is None)  # fmt: skip
         _assert_same(state, before, message)
 
 
@@ -227,13 +243,13 @@ def test_cuda_graph_replay_equals_eager():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         warm = clone_lists(state)
-        OPS.adamw_q8_(warm[0], grads, *warm[1:], sc, found, rng, 0, *BETAS, EPS, False, True, True)
+        native_adamw_q8(warm[0], grads, *warm[1:], sc, found, rng, 0, *BETAS, EPS, False, True, True)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        OPS.adamw_q8_(state[0], grads, *state[1:], sc, found, rng, 0, *BETAS, EPS, False, True, True)
+        native_adamw_q8(state[0], grads, *state[1:], sc, found, rng, 0, *BETAS, EPS, False, True, True)
     for _ in range(3):
         graph.replay()
-        OPS.adamw_q8_(eager[0], grads, *eager[1:], sc, found, rng, 0, *BETAS, EPS, False, True, True)
+        native_adamw_q8(eager[0], grads, *eager[1:], sc, found, rng, 0, *BETAS, EPS, False, True, True)
     torch.cuda.synchronize()
     _assert_same(state, eager, "graph replay")
