@@ -187,6 +187,20 @@ def native_cpu_isas() -> list:
 COMPILE_BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 
 
+def spy_optim(monkeypatch, record):
+    """Call ``record(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule=, hyper=, flags=)``
+    at every launch of fastamp's optimizers (each is one ``fastamp.functional.optim_`` call), then run it."""
+    from fastamp import functional
+
+    real = functional.optim_
+
+    def spy(*args, **kwargs):
+        record(*args, **kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(functional, "optim_", spy)
+
+
 def spy_kernels(monkeypatch, wrap):
     """Route every native/Triton/torch kernel a fastamp op reaches through ``wrap(op, backend, impl)``.
 

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from fastamp.ops import backends, legacy, registry
 from fastamp.ops import validate as V
-from fastamp.reference.optim import AMSGRAD, MAXIMIZE, to_optim
+from fastamp.reference.optim import AMSGRAD, MAXIMIZE, SR_PARAM, SR_STATE, to_optim
 
 __all__ = [
     "optim_",
@@ -203,10 +203,13 @@ _DIRECT = (
 )
 
 
+_PER_RULE_DIRECT = dict(_DIRECT)
+
+
 def _bridged_direct(*args):
     """``optim_`` on the per-rule direct calls (fastamp/ops/legacy.py), declining as a direct call does."""
     try:
-        return legacy.run(args, _DIRECT.__getitem__)
+        return legacy.run(args, _PER_RULE_DIRECT.__getitem__)
     except NotImplementedError:
         raise
     except RuntimeError:  # arguments it cannot map: the torch.ops path and the checks name the problem
@@ -239,6 +242,23 @@ def _adamw_table(
         return None
     table = _NATIVE.adamw_table(params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
     return None if table is NotImplemented else table
+
+
+def _optim_table_for(args: tuple):
+    """A persistent native table for ``optim_`` launches with these (positional) arguments, or None.
+
+    Today's tables hold ``adamw``'s fp32 launches (fp32 or no masters, fp32 states, no random
+    bits): :func:`_adamw_table`; every other launch takes its lists each time.
+    """
+    params, grads, masters, states, scalars, found_inf, rng, rng_base, rule, hyper, flags = args
+    if rule != "adamw" or flags & (SR_PARAM | SR_STATE) or len(params) == 0:
+        return None
+    if (len(masters) and masters[0].dtype != torch.float32) or (len(states) and states[0].dtype != torch.float32):
+        return None
+    n = len(params)
+    amsgrad = bool(flags & AMSGRAD)
+    vmax = states[2 * n : 3 * n] if amsgrad else []
+    return _adamw_table(list(params), list(masters), states[:n], states[n : 2 * n], vmax, amsgrad)
 
 
 def _scatter_rows(counts: Tensor, absmax: Tensor, idx: list[int], c: Tensor, a: Tensor) -> None:

@@ -14,6 +14,7 @@ from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.base import FusedOptimizer
 from fastamp.optim.formats import masters as _masters
 from fastamp.optim.formats import moments as _formats
+from fastamp.reference import optim as _R
 
 __all__ = ["AdamW"]
 
@@ -316,6 +317,7 @@ class AdamW(FusedOptimizer):
     """
 
     _NAME = _NAME
+    _RULE = "adamw"
     _COUNT_BEFORE = True
     _STEP_REQUIRED = True
     _step_supports_amp_scaling = True
@@ -386,13 +388,6 @@ class AdamW(FusedOptimizer):
             return torch.bfloat16
         return torch.float32
 
-    def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
-        if self._q8(group, p):  # DTensor params are refused in the engine's _collect
-            return "adamw_q8_"
-        if kind in ("remainder", "sr") or self._moment_dtype(group, p, kind) == torch.bfloat16:
-            return "adamw_bf16_"
-        return "adamw_"
-
     def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
         if self._q8(group, p) and group["state_rounding"] == "stochastic":
             return True
@@ -410,6 +405,13 @@ class AdamW(FusedOptimizer):
 
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _rule_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+        beta1, beta2 = group["betas"]
+        return (float(beta1), float(beta2), float(group["eps"]))
+
+    def _rule_flags(self, group: dict[str, Any]) -> int:
+        return super()._rule_flags(group) | (_R.AMSGRAD if group["amsgrad"] else 0)
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
         betas = group["betas"]
@@ -447,25 +449,6 @@ class AdamW(FusedOptimizer):
             float(beta2),
             float(group["weight_decay"]),
         )
-
-    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
-        beta1, beta2 = group["betas"]
-        st = launch.state
-        vmax = st["max_exp_avg_sq"] if group["amsgrad"] else []
-        hyper = (float(beta1), float(beta2), float(group["eps"]), bool(group["amsgrad"]), bool(group["maximize"]))
-        head = (launch.params, launch.grads)
-        if launch.op == "adamw_q8_":
-            masters = {"fp32": "master_param", "remainder": "master_remainder", "ulp8": "master_ulp8"}.get(launch.kind)
-            return (*head, st[masters] if masters else [], st["exp_avg_q"], st["exp_avg_scale"], st["exp_avg_sq_q"],
-                    st["exp_avg_sq_scale"], scalars, launch.found_inf, launch.rng, launch.rng_base, *hyper[:3],
-                    hyper[4], launch.kind == "sr" or (launch.kind == "ulp8" and launch.rng is not None),
-                    group["state_rounding"] == "stochastic" and launch.rng is not None)  # fmt: skip
-        if launch.op == "adamw_bf16_":
-            rem = st["master_remainder"] if launch.kind == "remainder" else []
-            return (*head, rem, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, launch.rng,
-                    launch.rng_base, *hyper)  # fmt: skip
-        masters = st["master_param"] if launch.kind == "fp32" else []
-        return (*head, masters, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, *hyper)
 
     # ---- torch.compile (see fastamp.optim.engine.traced) -----------------------------------------
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:
