@@ -9,6 +9,7 @@ by ``decode(encode(.))`` after every step with the same random bits, bit for bit
 import pytest
 import torch
 from helpers import (
+    COMPILE_BACKENDS,
     assert_bits_equal,
     assert_same_state,
     heavy_tailed_grads,
@@ -362,6 +363,28 @@ def test_compiled_ulp8_step_equals_eager(dtype):
     assert any("master_ulp8" in comp.state[p] for p in ps_c)
     for a, b in zip(ps_e, ps_c):
         assert_bits_equal(a.detach(), b.detach(), "param")
+
+
+@pytest.mark.parametrize("compile_backend", COMPILE_BACKENDS)
+def test_compiled_sr_q8_step_equals_eager(compile_backend, fresh_dynamo):
+    """No master, bf16 params rounded stochastically, q8 codes rounded stochastically: a compiled step draws the
+    random bits eager draws (the group's counter read at run time) and writes the same bytes, step after step."""
+    ps_e, ps_c = _params(), _params()
+    kw = dict(lr=2e-3, weight_decay=0.1, stochastic_rounding=True, state_format="q8", lowbit_min_numel=64, seed=5)
+    eager, comp = AdamW(ps_e, **kw), AdamW(ps_c, **kw)
+    step = torch.compile(comp.step, backend=compile_backend, fullgraph=True)
+    for s in range(1, 5):
+        set_grads(ps_e, heavy_tailed_grads(ps_e, s))
+        set_grads(ps_c, heavy_tailed_grads(ps_c, s))
+        eager.step()
+        step()
+        assert_same_state(state_snapshot(eager), state_snapshot(comp))
+        for a, b in zip(ps_e, ps_c):
+            assert_bits_equal(a.detach(), b.detach(), f"step {s} param")
+    assert comp._compiled["ran"] and not eager._compiled["ran"]  # the traced step ran, not an eager fallback
+    st = comp.state[ps_c[0]]
+    assert "exp_avg_q" in st and int(st["rng"][1]) == 4
+    assert not {"master_param", "master_remainder", "master_ulp8"} & {k for p in ps_c for k in comp.state[p]}
 
 
 class _Net(torch.nn.Module):
