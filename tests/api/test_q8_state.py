@@ -217,8 +217,9 @@ def test_fp32_export_matches_torch_layout_and_round_trips_bit_exactly():
     _run(opt, ps, 3)
     sd32 = opt.state_dict(format="fp32")
     for i, st in sd32["state"].items():
-        assert sorted(k for k in st if k != "rng") == ["exp_avg", "exp_avg_sq", "master_param", "step"]
+        assert sorted(st) == ["exp_avg", "exp_avg_sq", "master_param", "step"]  # the counter is the group's
         assert st["exp_avg"].dtype == torch.float32 and st["exp_avg"].shape == ps[i].shape
+    assert sd32["param_groups"][0]["rng"] == [5, 3] and "rng" not in opt.param_groups[0]
     # native -> fp32 -> native: the same bytes
     ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     opt2 = _make(ps2)
@@ -233,15 +234,65 @@ def test_fp32_export_matches_torch_layout_and_round_trips_bit_exactly():
     o32 = AdamW(p32, lr=1e-3, state_format="q8", lowbit_min_numel=0, state_rounding="nearest")
     _run(o32, p32, 2)
     t_opt = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in p32], lr=1e-3)
-    exported = o32.state_dict(format="fp32")
-    for st in exported["state"].values():
-        st.pop("rng", None)
-    t_opt.load_state_dict(exported)
+    t_opt.load_state_dict(o32.state_dict(format="fp32"))
     for i, p in enumerate(t_opt.param_groups[0]["params"]):
         assert_bits_equal(
             t_opt.state[p]["exp_avg"],
             q8.q8_decode_m(o32.state[p32[i]]["exp_avg_q"], o32.state[p32[i]]["exp_avg_scale"]),
         )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_torch_adamw_loads_the_fp32_export_of_bf16_remainder_q8_as_it_is(fused):
+    """``state_dict(format="fp32")`` of bf16 params with remainder masters and q8 moments: torch.optim.AdamW over an
+    fp32 copy of the model loads it untouched (nothing stripped by hand), holds the decoded moments and the exact
+    masters, steps, and its own state dict, the group's rng counter included, loads back into fastamp."""
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 3)
+    sd = save_load(opt.state_dict(format="fp32"))
+    model32 = [torch.nn.Parameter(master_of(opt, p).clone()) for p in ps]
+    t_opt = torch.optim.AdamW(model32, lr=1.0, fused=fused)
+    t_opt.load_state_dict(sd)
+    assert t_opt.param_groups[0]["lr"] == 2e-3 and t_opt.param_groups[0]["rng"] == [5, 3]
+    for i, (p, q) in enumerate(zip(ps, model32)):
+        st, ts = opt.state[p], t_opt.state[q]
+        assert sorted(ts) == ["exp_avg", "exp_avg_sq", "master_param", "step"], sorted(ts)
+        if "exp_avg_q" in st:
+            m, v = q8.q8_decode_m(st["exp_avg_q"], st["exp_avg_scale"]), q8.q8_decode_v(st["exp_avg_sq_q"],
+                                                                                       st["exp_avg_sq_scale"])  # fmt: skip
+        else:
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+        assert_bits_equal(ts["exp_avg"], m, f"param {i} exp_avg")
+        assert_bits_equal(ts["exp_avg_sq"], v, f"param {i} exp_avg_sq")
+        assert_bits_equal(ts["master_param"], master_of(opt, p), f"param {i} master")
+        assert float(ts["step"]) == 3.0
+    set_grads(model32, heavy_tailed_grads(model32, 4))
+    t_opt.step()
+    assert all(float(t_opt.state[q]["step"]) == 4.0 and bool(q.isfinite().all()) for q in model32)
+    back = [torch.nn.Parameter(q.detach().bfloat16()) for q in model32]
+    o2 = _make(back)
+    o2.load_state_dict(save_load(t_opt.state_dict()))
+    assert "rng" not in o2.param_groups[0]
+    counters = [o2.state[p]["rng"] for p in back if "rng" in o2.state[p]]
+    assert [p.numel() >= 64 for p in back] == ["rng" in o2.state[p] for p in back]  # the params with q8 codes
+    assert counters[0].tolist() == [5, 3] and all(c is counters[0] for c in counters)  # one per group again
+
+
+def test_fp32_export_keeps_differing_counters_per_param_and_a_bad_group_counter_is_refused():
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 2)
+    opt.state[ps[3]]["rng"] = torch.tensor([5, 9])  # as a group whose params on another device missed steps
+    sd = opt.state_dict(format="fp32")
+    assert "rng" not in sd["param_groups"][0]
+    assert sd["state"][0]["rng"].tolist() == [5, 2] and sd["state"][3]["rng"].tolist() == [5, 9]
+    sd = opt.state_dict(format="fp32")
+    sd["param_groups"][0]["rng"] = [5]
+    before = state_snapshot(opt)
+    with pytest.raises(ValueError, match=r"loaded param group 0: 'rng' must be \[seed, counter\], two ints"):
+        opt.load_state_dict(sd)
+    assert_same_state(before, state_snapshot(opt))
 
 
 def test_torch_state_dict_loads_and_format_switch_converts():
