@@ -209,7 +209,7 @@ class AdamW(FusedOptimizer):
             needs). It is created at the group's first such step with the ``seed`` of then; a
             param whose state is created later joins it. See :mod:`fastamp.optim.engine.rng` for
             loads of per-param counters (made one: the largest) and ``state_dict()`` (a copy
-            per param).
+            per param; with ``format="fp32"``, in the param group).
         state_dtype (torch.dtype, optional): ``torch.float32`` (default) or
             ``torch.bfloat16``: moments of bf16 params with remainder masters or without a
             master are stored in bf16 (rounded stochastically with ``stochastic_rounding``,
@@ -306,7 +306,12 @@ class AdamW(FusedOptimizer):
     ``state_dict()`` holds the state as stored (plain tensors: ``torch.load(weights_only=True)``
     loads it); ``state_dict(master_format="fp32")`` exports remainder masters as exact fp32
     ``master_param``, ``moment_format="fp32"`` q8 and bf16 moments as fp32 ``exp_avg`` /
-    ``exp_avg_sq``, and ``format="fp32"`` both: torch.optim.AdamW's layout. Native -> fp32 ->
+    ``exp_avg_sq``, and ``format="fp32"`` both: torch.optim.AdamW's layout, each param's state
+    exactly torch's keys plus ``master_param``; the random-bit counter (``rng``) then travels in
+    its param group as ``group["rng"] = [seed, counter]`` (ints; torch keeps an unknown group key
+    as it is, where it would cast a per-param tensor to the param's dtype), and is given back to
+    the params that draw random bits on load. :class:`torch.optim.AdamW` loads this export as it
+    is, and fastamp loads torch's state dict of it back. Native -> fp32 ->
     native is bit-exact (q8 decodes exactly, and encoding a decoded block gives its bytes back). ``load_state_dict`` accepts both forms
     for either master mode, keeps fp32 state fp32 (torch's would cast it to the param dtype),
     validates the whole dict before changing anything, and accepts a
