@@ -189,16 +189,17 @@ COMPILE_BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow
 
 def spy_optim(monkeypatch, record):
     """Call ``record(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule=, hyper=, flags=)``
-    at every launch of fastamp's optimizers (each is one ``fastamp.functional.optim_`` call), then run it."""
+    at every launch of fastamp's optimizers (each one ``optim_``, through ``fastamp.functional._optim_launch``),
+    then run it."""
     from fastamp import functional
 
-    real = functional.optim_
+    real = functional._optim_launch
 
-    def spy(*args, **kwargs):
-        record(*args, **kwargs)
-        return real(*args, **kwargs)
+    def spy(args, backend, table=None):
+        record(*args[:8], rule=args[8], hyper=args[9], flags=args[10])
+        return real(args, backend, table)
 
-    monkeypatch.setattr(functional, "optim_", spy)
+    monkeypatch.setattr(functional, "_optim_launch", spy)
 
 
 def spy_kernels(monkeypatch, wrap):

@@ -244,6 +244,29 @@ def _adamw_table(
     return None if table is NotImplemented else table
 
 
+def _optim_launch(args: tuple, backend: str, table=None) -> None:
+    """``optim_(*args)`` on the already resolved ``backend``, for a launch the optimizer engine validated.
+
+    What the engine's launch plans call: no argument checks and no backend resolution per call (the
+    plan resolved it, see ``FusedOptimizer._backends_of``); ``table`` as :func:`optim_`'s ``_table``.
+    A native kernel that refuses the input (which the engine's checks should have made impossible) is
+    answered by :mod:`fastamp.ops.validate`'s message where it has one, else by the kernel's error.
+    """
+    if (
+        table is not None
+        and _DIRECT.get("adamw_") is _TABLE_DIRECT
+        and not torch.compiler.is_compiling()
+        and _TABLE_RUN(table, args[1], args[4], args[5], *args[9], bool(args[10] & AMSGRAD), bool(args[10] & MAXIMIZE))
+        is not NotImplemented
+    ):
+        return
+    if _native_fast_path("optim_", backend, args) is not _NOT_RUN:
+        return
+    if backend == "native":
+        V.optim("optim_", args[0][0].device, *args, strict=True)
+    backends.get_impl("optim_", backend)(*args)
+
+
 def _optim_table_for(args: tuple):
     """A persistent native table for ``optim_`` launches with these (positional) arguments, or None.
 

@@ -545,7 +545,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             closure (Callable, optional): a closure that reevaluates the model and returns
                 the loss (not allowed when a grad scaler drives the step, as in torch).
         """
-        from fastamp.ops import backends
 
         if torch.compiler.is_compiling():
             return _traced.traced_step(self, closure)
@@ -580,9 +579,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             if grads is None:
                 raise RuntimeError(f"{self._NAME}: internal error: a new launch plan does not fit its own step")
             self._plan = plan
-        else:
-            for op, dev in plan.needed:
-                backends.resolve(op, dev, self.backend)
         try:
             self._execute(plan, grads, amp)
         except BaseException:
@@ -651,7 +647,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         Args:
             params: params of this optimizer, each at most once (any groups).
         """
-        from fastamp.ops import backends
 
         if torch.compiler.is_compiling():
             raise NotImplementedError(
@@ -692,9 +687,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             entry[2] = plan
             # planning may have replaced state dicts of the table (dropping every plan)
             self.__dict__.setdefault("_bucket_plans", {})[key] = entry
-        else:
-            for op, dev in plan.needed:
-                backends.resolve(op, dev, self.backend)
         try:
             self._execute(plan, grads, amp)
         except BaseException:
@@ -823,7 +815,19 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 "pass cycle_momentum=False to the scheduler, or call opt.step() outside the compiled function"
             )
 
+    def _backends_of(self, plan: _Plan) -> dict[torch.device, str]:
+        """The backend of each device's launches: resolved when the plan is made, again only when the forced
+        backend (``FASTAMP_BACKEND``, :func:`fastamp.backends.set_backend`) changed since (one read a step)."""
+        from fastamp.ops import backends
+
+        forced = backends.get_backend()
+        if plan.chosen is None or plan.forced != forced:
+            plan.chosen = {dev: backends.resolve(op, dev, self.backend) for op, dev in plan.needed}
+            plan.forced = forced
+        return plan.chosen
+
     def _execute(self, plan: _Plan, grads_per_group: list[list[Tensor | None]], amp: AmpInputs) -> None:
+        chosen = self._backends_of(plan)
         rng_inc: dict[torch.device, Tensor] = {}
         pending = self.__dict__.get("_rng_pending")  # inside bucket_step(): the counters advance when it ends
         for gi, (gp, grads) in enumerate(zip(plan.groups, grads_per_group)):
@@ -862,9 +866,9 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                                 found_inf, part.rng, part.rng_base,
                             )  # fmt: skip
                             args = self._kernel_args(group, launch, scalars)
-                            table = self._table_of(run, args) if part is run else None
-                            functional.optim_(*args[:8], rule=args[8], hyper=args[9], flags=args[10],
-                                              backend=self.backend, _table=table)  # fmt: skip
+                            backend = chosen[dev]
+                            table = self._table_of(run, args, backend) if part is run else None
+                            functional._optim_launch(args, backend, table)
                         for p, tmp in run.copy_back:
                             p.copy_(tmp)
                     finally:
@@ -887,23 +891,17 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 gp.versions = list(map(_version_of, gp.remainder))
                 self._param_versions.update(zip(map(id, gp.remainder), gp.versions))
 
-    def _table_of(self, run: _Run, args: tuple) -> Any:
+    def _table_of(self, run: _Run, args: tuple, backend: str) -> Any:
         """The run's persistent kernel table (made at its first native launch), or None.
 
         Runs whose params are copied contiguous each step (strided params) or are DTensor
         shards take the lists each time; so does every run the native backend has no table
         for (fastamp.functional._optim_table_for says which).
         """
-        from fastamp.ops import backends
-
         table = run.table
         if table is None:
             table = False
-            if (
-                not run.strided
-                and not run.dtensor
-                and backends.resolve(run.op, run.params[0].device, self.backend) == "native"
-            ):
+            if not run.strided and not run.dtensor and backend == "native":
                 table = functional._optim_table_for(args) or False
             run.table = table
         return table or None
