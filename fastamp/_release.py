@@ -30,6 +30,7 @@ from fastamp.scaler.device_scalars import (
 )
 
 _grad_of = operator.attrgetter("grad")
+_requires_grad_of = operator.attrgetter("requires_grad")
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
@@ -64,7 +65,8 @@ def release(
     Args:
         model: the module whose params ``optimizer`` updates (not wrapped in DDP).
         optimizer: a fastamp optimizer (:class:`fastamp.AdamW`, :class:`fastamp.SGD`,
-            :class:`fastamp.Lion`) holding exactly the model's trainable params.
+            :class:`fastamp.Lion`) holding exactly the model's trainable params (and any
+            frozen ones: see below).
         scaler: a :class:`fastamp.Scaler`: each ``h.backward(loss)`` is then
             ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` (with
             ``max_norm``: ``scaler.clip_grad_norm_(opt, max_norm)`` before the step), bit for
@@ -88,15 +90,27 @@ def release(
     CUDA device (native, Triton and torch backends); params spread over several devices are
     refused.
 
-    Refused before anything is registered, with an error that says what to do instead: a
-    scaler that is not a ``fastamp.Scaler``, or one with ``track_stats`` or a
-    ``process_group``; a ``max_norm`` that is not a number >= 0, or ``norm_type`` other than
-    2; with a scaler or ``max_norm``, params not all on one CPU or CUDA device or of a dtype
-    other than fp32/fp16/bf16; an optimizer that is not a fastamp fused optimizer; a model
-    param with ``requires_grad`` missing from the optimizer, or an optimizer param not in
-    the model; a DDP-wrapped model; DTensor (FSDP2) params; an optimizer already under
-    release. :meth:`Release.backward` refuses a step that finds a grad already there
+    Refused before anything is registered (release() registers all its hooks or none), with an
+    error that says what to do instead: a scaler that is not a ``fastamp.Scaler``, or one with
+    ``track_stats`` or a ``process_group``; a ``max_norm`` that is not a number >= 0, or
+    ``norm_type`` other than 2; with a scaler or ``max_norm``, params not all on one CPU or CUDA
+    device or of a dtype other than fp32/fp16/bf16; an optimizer that is not a fastamp fused
+    optimizer; a model param with ``requires_grad`` missing from the optimizer, or an optimizer
+    param not in the model; a DDP-wrapped model; DTensor (FSDP2) params; an optimizer already
+    under release. :meth:`Release.backward` refuses a step that finds a grad already there
     (gradient accumulation, or a ``loss.backward()`` outside the handle).
+
+    Frozen params and params added later: a param of the optimizer with ``requires_grad=False``
+    gets no hook (torch refuses one) and, getting no grad, is not stepped, as in ``opt.step()``.
+    Each :meth:`Release.backward` first checks, in a few steps per param group, whether the
+    param groups changed (a group added or removed, a param appended to or removed from a
+    group's list: ``opt.add_param_group`` to unfreeze a layer) or a frozen param now requires
+    grad; if so it runs release()'s checks on the params as they are now (refusing as release()
+    does, with nothing run) and buckets and hooks them again, so training goes on as
+    ``opt.step()`` would. Not noticed: a param replaced in place inside a group's list (same
+    length), and a hooked param frozen later, which simply gets no grad and is not stepped (its
+    bucket is then stepped when backward ends rather than when its other grads arrive); call
+    ``h.remove()`` and ``fastamp.release(...)`` again after such changes.
 
     Bit-identity with ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``: a
     param is written only after every backward node that reads it has run (its grad is
@@ -141,35 +155,48 @@ def release(
             "fastamp.release: this optimizer is already under gradient release (a handle that was not removed); "
             "call h.remove() on it first"
         )
+    params, frozen = _param_sets(model, optimizer, scaler is not None or max_norm is not None)
+    return Release(model, optimizer, params, frozen, bucket_bytes, scaler, max_norm)
+
+
+def _param_sets(model: torch.nn.Module, optimizer: Any, two_pass: bool) -> tuple[list[Tensor], list[Tensor]]:
+    """The optimizer's params that require grad and those that do not (frozen), in the model's order.
+
+    Raises, changing nothing, where :func:`release` refuses a param; run again by
+    :meth:`Release.backward` when the optimizer's params changed.
+    """
     names = {}
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
-    in_opt: dict[int, tuple[int, int]] = {}
+    in_opt: set[int] = set()
     for gi, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
-            in_opt[id(p)] = (gi, i)
+            in_opt.add(id(p))
             if id(p) not in names:
                 raise ValueError(
                     f"fastamp.release: param {i} of param group {gi} of the optimizer (shape {tuple(p.shape)}) is not "
                     "a param of the model; release needs the optimizer to hold exactly the model's trainable params"
                 )
-    order = []
+    params: list[Tensor] = []
+    # held by the optimizer but frozen: they get no grad, so no hook (torch refuses one) and no step, as in
+    # opt.step(); h.backward watches them and takes one in once it requires grad
+    frozen: list[Tensor] = []
     for name, p in model.named_parameters():
         if id(p) in in_opt:
-            order.append(p)
+            (params if p.requires_grad else frozen).append(p)
         elif p.requires_grad:
             raise ValueError(
                 f"fastamp.release: the model's param {name!r} (shape {tuple(p.shape)}) requires grad but is not in "
                 "the optimizer; its grad would never be freed: add it to the optimizer or set requires_grad=False"
             )
-    for p in order:
+    for p in params:
         if is_dtensor(p):
             raise NotImplementedError(
                 f"fastamp.release: the model's param {names[id(p)]!r} is a DTensor (FSDP2); gradient release of "
                 "sharded params is not supported yet: use the ordinary path"
             )
-    if scaler is not None or max_norm is not None:
-        for p in order:
+    if two_pass:
+        for p in params:
             if p.device.type not in ("cpu", "cuda"):
                 raise NotImplementedError(
                     f"fastamp.release: the model's param {names[id(p)]!r} is on {p.device}; gradient release with a "
@@ -177,10 +204,10 @@ def release(
                     "(scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, max_norm); scaler.step(opt); "
                     "scaler.update()), or release without scaler and max_norm"
                 )
-            if p.device != order[0].device:
+            if p.device != params[0].device:
                 raise NotImplementedError(
                     f"fastamp.release: the model's param {names[id(p)]!r} is on {p.device} but "
-                    f"{names[id(order[0])]!r} is on {order[0].device}; gradient release with a loss scaler or "
+                    f"{names[id(params[0])]!r} is on {params[0].device}; gradient release with a loss scaler or "
                     "max_norm runs on one device (its skip decision and clip coefficient are folded on that "
                     "device): use the ordinary path (scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, "
                     "max_norm); scaler.step(opt); scaler.update()), or release without scaler and max_norm"
@@ -190,7 +217,7 @@ def release(
                     f"fastamp.release: the model's param {names[id(p)]!r} is {p.dtype}; gradient release with a "
                     "loss scaler or max_norm takes float32, float16 and bfloat16 params: use the ordinary path"
                 )
-    return Release(model, optimizer, order, bucket_bytes, scaler, max_norm)
+    return params, frozen
 
 
 _CHECK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -251,40 +278,88 @@ class Release:
         model: torch.nn.Module,
         optimizer: Any,
         params: list[Tensor],
+        frozen: list[Tensor],
         bucket_bytes: int,
         scaler: Any = None,
         max_norm: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        buckets: list[list[Tensor]] = []
-        size = bucket_bytes + 1  # start a bucket at the first param
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if not buckets or size + nbytes > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nbytes
-        self.buckets: list[tuple[Tensor, ...]] = [tuple(b) for b in buckets]
-        self._params = [p for b in self.buckets for p in b]
-        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
-        self._sizes = [len(b) for b in self.buckets]
-        self._arrived = [0] * len(self.buckets)
-        self._active = False
+        self.bucket_bytes = bucket_bytes
         self.scaler = scaler
         self.max_norm = max_norm
         self.total_norm: Tensor | None = None
         self.mismatches: Tensor | None = None
-        self._two = None
-        if scaler is not None or max_norm is not None:
-            self._two = _TwoPass(self, optimizer, params)
-            if scaler is not None:
-                self.mismatches = torch.zeros((), dtype=torch.int64, device=params[0].device if params else "cpu")
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._params]
+        self._active = False
+        self._handles: list[Any] | None = None
+        self._install(params, frozen)
         optimizer._release = self
         # dynamo is imported here, not by ``import fastamp`` (it costs about half of that import)
         self.backward = torch.compiler.disable(self._backward)
+
+    def _install(self, params: list[Tensor], frozen: list[Tensor]) -> None:
+        """Bucket ``params`` and hook each of them, replacing the hooks there were: all of it or, if it raises, none."""
+        buckets: list[list[Tensor]] = []
+        size = self.bucket_bytes + 1  # start a bucket at the first param
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if not buckets or size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += nbytes
+        two = None
+        if self.scaler is not None or self.max_norm is not None:
+            two = _TwoPass(self, self.optimizer, params)
+        hooked = [p for b in buckets for p in b]
+        handles = []
+        try:
+            for p in hooked:
+                handles.append(p.register_post_accumulate_grad_hook(self._hook))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        for handle in self._handles or ():
+            handle.remove()
+        self._handles = handles
+        self.buckets: list[tuple[Tensor, ...]] = [tuple(b) for b in buckets]
+        self._params = hooked
+        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self._sizes = [len(b) for b in self.buckets]
+        self._arrived = [0] * len(self.buckets)
+        self._frozen = frozen
+        # the lists themselves (not their ids, which a new list could reuse) and their lengths, to notice at
+        # each h.backward, in a few steps per group, a group added or removed or a param appended or removed
+        self._groups_seen = [(g["params"], len(g["params"])) for g in self.optimizer.param_groups]
+        self._two = two
+        if self.scaler is not None:
+            if self.mismatches is None:
+                self.mismatches = torch.zeros((), dtype=torch.int64, device=two.device)
+            elif self.mismatches.device != two.device:
+                self.mismatches = self.mismatches.to(two.device)
+
+    def _params_changed(self) -> bool:
+        """Whether the optimizer's param set, or a frozen param's requires_grad, changed since the hooks were set."""
+        groups = self.optimizer.param_groups
+        seen = self._groups_seen
+        if len(groups) != len(seen):
+            return True
+        for group, (held, n) in zip(groups, seen):
+            if group["params"] is not held or len(held) != n:
+                return True
+        return any(map(_requires_grad_of, self._frozen))
+
+    def _rebuild(self) -> None:
+        """The buckets and hooks of the optimizer's params as they are now, checked as :func:`release` checks them."""
+        try:
+            params, frozen = _param_sets(self.model, self.optimizer, self._two is not None)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(
+                f"{e} (the optimizer's params changed since fastamp.release(); h.backward checked them as release() "
+                "does and ran nothing)"
+            ) from None
+        self._install(params, frozen)
 
     def _hook(self, p: Tensor) -> None:
         if not self._active:
@@ -319,13 +394,18 @@ class Release:
         hands an amp-aware optimizer) and frees its grads; then ``scaler.update()``. The only
         keyword taken then is ``retain_graph`` (for the second backward). No host sync.
 
+        First, if ``opt``'s param groups changed or a frozen param of it now requires grad,
+        the params are checked as :func:`release` checks them and bucketed and hooked again
+        (see there).
+
         Refuses (before backward runs, changing nothing) a step that finds a grad of the
         optimizer's params already there: a previous ``loss.backward()`` outside the handle,
         gradient accumulation (not supported under release), or a backward that failed
         midway; and, with a scaler, a step whose scaler already unscaled, clipped or stepped
-        ``opt`` since its last ``update()``. ``opt``'s hyperparameters are validated before
-        backward runs; a grad that a step cannot take (e.g. a wrong dtype) raises from inside
-        backward, after the buckets before it were stepped.
+        ``opt`` since its last ``update()``.
+        ``opt``'s hyperparameters are validated before backward runs; a grad that a step
+        cannot take (e.g. a wrong dtype) raises from inside backward, after the buckets before
+        it were stepped.
 
         Marked ``torch.compiler.disable`` (on the handle): a compiled function that calls it
         runs it eagerly.
@@ -335,6 +415,8 @@ class Release:
     def _backward(self, loss: Tensor, **kwargs: Any) -> None:
         if self._handles is None:
             raise RuntimeError("fastamp.release: this handle was removed; call loss.backward() and opt.step() instead")
+        if self._params_changed():
+            self._rebuild()
         params = self._params
         if not all(map(operator.is_, map(_grad_of, params), repeat(None))):
             held = next(i for i, p in enumerate(params) if p.grad is not None)

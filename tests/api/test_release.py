@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_bits_equal, save_load
+from helpers import assert_bits_equal, assert_same_state, save_load, state_snapshot
 
 import fastamp
 from fastamp import reference
@@ -314,6 +314,101 @@ def test_release_refuses_dtensor_params(tmp_path):
         assert _no_hooks(model)
     finally:
         dist.destroy_process_group()
+
+
+def test_release_registers_all_its_hooks_or_none(monkeypatch):
+    model, opt = _world("adamw", "bf16-remainder")
+    real = torch.Tensor.register_post_accumulate_grad_hook
+    calls = []
+
+    def third_fails(self, hook):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("no room for this hook")
+        return real(self, hook)
+
+    monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", third_fails)
+    with pytest.raises(RuntimeError, match="no room for this hook"):
+        fastamp.release(model, opt)
+    assert len(calls) == 3
+    assert _no_hooks(model)
+    assert opt.__dict__.get("_release") is None
+    monkeypatch.undo()
+    fastamp.release(model, opt).remove()
+
+
+def test_a_frozen_param_held_by_the_optimizer_is_not_stepped_until_unfrozen():
+    """As ``opt.step()``: a param with requires_grad=False gets no grad and no step; unfrozen, it is taken in."""
+    m1, o1 = _world("adamw", "bf16-remainder")
+    m2, o2 = _world("adamw", "bf16-remainder")
+    for m in (m1, m2):
+        m.l2.requires_grad_(False)
+    h = fastamp.release(m2, o2, bucket_bytes=6000)
+    assert all(p is not m2.l2.weight and p is not m2.l2.bias for b in h.buckets for p in b)
+    assert not m2.l2.weight._post_accumulate_grad_hooks
+    for step in range(PART1_STEPS + 4):
+        if step == 4:
+            for m in (m1, m2):
+                m.l2.requires_grad_(True)
+        _ordinary(m1, o1, step)
+        _released(m2, h, step)
+        if step == 3:
+            assert "exp_avg" not in o2.state[m2.l2.weight], "frozen: never stepped"
+    _assert_same(m1, o1, m2, o2, "unfrozen at step 4")
+    assert float(o2.state[m2.l2.weight]["step"]) == PART1_STEPS
+    assert any(p is m2.l2.weight for b in h.buckets for p in b)
+    h.remove()
+    assert _no_hooks(m2)
+
+
+@pytest.mark.parametrize("config, clip", [("bf16-remainder", "none"), ("fp16-master-scaler", "binding")])
+def test_params_added_to_the_optimizer_after_release_are_taken_in(config, clip):
+    """Unfreezing a layer with ``opt.add_param_group`` mid-training: stepped, and in the clip's norm, as in the ordinary loop.
+
+    The steady state notices no change (the same buckets); removing a group whose params still require grad is
+    refused as release() refuses a model param missing from the optimizer, with nothing run.
+    """
+    max_norm = CLIPS[clip]
+    worlds = []
+    for _ in range(2):
+        model, _, scaler = _amp_world("adamw", config)
+        model.branch.requires_grad_(False)
+        opt = RULES["adamw"](
+            [p for n, p in model.named_parameters() if not n.startswith("branch")], **_config(config)[1]
+        )
+        worlds.append((model, opt, scaler))
+    (m1, o1, s1), (m2, o2, s2) = worlds
+    h = fastamp.release(m2, o2, scaler=s2, max_norm=max_norm, bucket_bytes=6000)
+    first = h.buckets
+    for step in range(12):
+        if step == 5:
+            assert h.buckets is first, "nothing changed: nothing re-bucketed"
+            for m, o in ((m1, o1), (m2, o2)):
+                m.branch.requires_grad_(True)
+                o.add_param_group({"params": list(m.branch.parameters())})
+        norm = _amp_ordinary(m1, o1, s1, max_norm, step)
+        h.backward(_amp_loss(m2, step, s1 is not None))
+        assert all(p.grad is None for p in m2.parameters()), f"step {step}: a grad left"
+        if norm is not None:
+            assert_bits_equal(h.total_norm, norm, f"step {step}: the clip's total norm")
+        for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+            assert_bits_equal(b, a, f"step {step}: param {name}")
+        _assert_same_scaler(s1, s2, f"step {step}")
+    assert h.buckets is not first and any(p is m2.branch.weight for b in h.buckets for p in b)
+    assert "exp_avg" in o2.state[m2.branch.weight]
+    _assert_same(m1, o1, m2, o2, "a group added at step 5")
+    o2.param_groups.pop()
+    params, state = [p.detach().clone() for p in m2.parameters()], state_snapshot(o2)
+    with pytest.raises(ValueError, match="'branch.weight' .* requires grad but is not in the optimizer.*ran nothing"):
+        h.backward(_amp_loss(m2, 12, s1 is not None))
+    for p, q in zip(m2.parameters(), params):
+        assert_bits_equal(p, q, "refused")
+    assert_same_state(state_snapshot(o2), state)
+    assert all(p.grad is None for p in m2.parameters())
+    m2.branch.requires_grad_(False)  # as the message says: now it may stay out of the optimizer
+    h.backward(_amp_loss(m2, 12, s1 is not None))
+    assert not any(p is m2.branch.weight for b in h.buckets for p in b)
+    h.remove()
 
 
 def test_backward_refuses_a_grad_already_there_and_changes_nothing():
