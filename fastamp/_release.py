@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import sys
 from itertools import repeat
 from typing import Any
 
@@ -63,7 +64,7 @@ def release(
         h.remove()  # the ordinary path again
 
     Args:
-        model: the module whose params ``optimizer`` updates (not wrapped in DDP).
+        model: the module whose params ``optimizer`` updates (not wrapped in DDP or FSDP).
         optimizer: a fastamp optimizer (:class:`fastamp.AdamW`, :class:`fastamp.SGD`,
             :class:`fastamp.Lion`) holding exactly the model's trainable params (and any
             frozen ones: see below).
@@ -96,9 +97,16 @@ def release(
     ``norm_type`` other than 2; with a scaler or ``max_norm``, params not all on one CPU or CUDA
     device or of a dtype other than fp32/fp16/bf16; an optimizer that is not a fastamp fused
     optimizer; a model param with ``requires_grad`` missing from the optimizer, or an optimizer
-    param not in the model; a DDP-wrapped model; DTensor (FSDP2) params; an optimizer already
-    under release. :meth:`Release.backward` refuses a step that finds a grad already there
-    (gradient accumulation, or a ``loss.backward()`` outside the handle).
+    param not in the model; a model that is, or holds, a ``DistributedDataParallel`` or an FSDP1
+    ``torch.distributed.fsdp.FullyShardedDataParallel`` module; DTensor (FSDP2) params; an
+    optimizer already under release. :meth:`Release.backward` refuses a step that finds a grad
+    already there (gradient accumulation, or a ``loss.backward()`` outside the handle).
+
+    DDP around the model given as its inner module (``ddp = DDP(model); release(model, opt)``)
+    leaves no mark on the model: :meth:`Release.backward` finds the grads that DDP's reducer
+    writes back into ``.grad`` when backward ends, drops them and raises. With a scaler or
+    ``max_norm`` that happens after the first backward, before anything is stepped; without
+    them the step has already run on the process's own (not all-reduced) grads.
 
     Frozen params and params added later: a param of the optimizer with ``requires_grad=False``
     gets no hook (torch refuses one) and, getting no grad, is not stepped, as in ``opt.step()``.
@@ -142,12 +150,7 @@ def release(
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fastamp.release: model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise NotImplementedError(
-            "fastamp.release: the model is wrapped in DistributedDataParallel, whose reducer all-reduces grads in "
-            "its own buckets and copies them back into .grad after the hooks a release would use; gradient "
-            "release under DDP is not supported: use the ordinary path (loss.backward(); opt.step())"
-        )
+    _refuse_wrappers(model)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"fastamp.release: bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     if optimizer.__dict__.get("_release") is not None:
@@ -157,6 +160,32 @@ def release(
         )
     params, frozen = _param_sets(model, optimizer, scaler is not None or max_norm is not None)
     return Release(model, optimizer, params, frozen, bucket_bytes, scaler, max_norm)
+
+
+def _refuse_wrappers(model: torch.nn.Module) -> None:
+    """Refuse a model that is, or holds, a DDP or FSDP1 module: they own the grads that release would step."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    # a model can hold an FSDP1 module only once its module is imported: no import (and its cost) otherwise
+    fsdp = getattr(
+        sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel"), "FullyShardedDataParallel", None
+    )
+    for name, module in model.named_modules():
+        where = "the model is" if not name else f"the model's submodule {name!r} is"
+        if isinstance(module, ddp):
+            raise NotImplementedError(
+                f"fastamp.release: {where} wrapped in DistributedDataParallel, whose reducer all-reduces grads in "
+                "its own buckets and copies them back into .grad after the hooks a release would use; gradient "
+                "release under DDP is not supported: use the ordinary path (loss.backward(); opt.step()) without "
+                "fastamp.release (giving release the inner module does not help: h.backward finds the grads DDP "
+                "writes back and raises)"
+            )
+        if fsdp is not None and isinstance(module, fsdp):
+            raise NotImplementedError(
+                f"fastamp.release: {where} a torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) module, which "
+                "flattens its params into sharded FlatParameters and reduce-scatters their grads in its own "
+                "post-backward hooks; gradient release under FSDP is not supported (nor FSDP2's DTensor params): "
+                "use the ordinary path (loss.backward(); opt.step()) without fastamp.release"
+            )
 
 
 def _param_sets(model: torch.nn.Module, optimizer: Any, two_pass: bool) -> tuple[list[Tensor], list[Tensor]]:
@@ -407,6 +436,9 @@ class Release:
         cannot take (e.g. a wrong dtype) raises from inside backward, after the buckets before
         it were stepped.
 
+        Raises after backward, dropping them, if grads were written back after the hooks freed
+        them (DDP around the model, see :func:`release`).
+
         Marked ``torch.compiler.disable`` (on the handle): a compiled function that calls it
         runs it eagerly.
         """
@@ -434,6 +466,7 @@ class Release:
             self._two.run(loss, kwargs)
             return
         self._one_backward(loss, kwargs)
+        self._check_grads_freed(stepped=True)
 
     def _one_backward(self, loss: Tensor, kwargs: dict[str, Any]) -> None:
         """One backward with the hooks on; then the buckets some of whose params got no grad."""
@@ -451,6 +484,33 @@ class Release:
             for k, n in enumerate(arrived):
                 if 0 < n < self._sizes[k]:
                     self._step(k)
+
+    def _drop_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def _check_grads_freed(self, stepped: bool) -> None:
+        """Refuse grads written after the hooks freed them: DDP's reducer (wrapping the model out of release's sight)."""
+        params = self._params
+        if all(map(operator.is_, map(_grad_of, params), repeat(None))):
+            return
+        name = self._name_of(next(p for p in params if p.grad is not None))
+        self._drop_grads()
+        if stepped:
+            done = (
+                "This step was taken on this process's own grads, before any all-reduce: with several processes "
+                "the params may now differ between them: reload them from a checkpoint."
+            )
+        else:
+            done = "Nothing was stepped."
+        raise RuntimeError(
+            f"fastamp.release: the param {name!r} has a grad again after the released backward: something wrote "
+            "grads after the release hooks freed them, most likely torch.nn.parallel.DistributedDataParallel "
+            "wrapping this model (its reducer copies the all-reduced grads back into .grad when backward ends; "
+            "fastamp.release given the inner module cannot see the wrapper). Gradient release under DDP is not "
+            f"supported: call h.remove() and use the ordinary path (loss.backward(); opt.step()). {done} The grads "
+            "were dropped."
+        )
 
     def _name_of(self, p: Tensor) -> str:
         for name, q in self.model.named_parameters():
@@ -534,6 +594,7 @@ class _TwoPass:
             self.norms[j] = None
         self.phase = 1
         handle._one_backward(loss, {"retain_graph": True})
+        handle._check_grads_freed(stepped=False)
         present = [j for j, key in enumerate(self.keys) if key is not None]
         clip_mul = None
         if scaler is not None:

@@ -295,25 +295,76 @@ def test_release_refuses_before_registering_anything(case, error, match):
     _ordinary(model, opt, 1)  # the ordinary path still works
 
 
-def test_release_refuses_dtensor_params(tmp_path):
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """A gloo process group of one process (CPU), destroyed after the test."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_release_refuses_dtensor_params(gloo_world_of_one):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        model = torch.nn.Linear(4, 4)
-        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
-        model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Replicate()]))
+    mesh = init_device_mesh("cpu", (1,))
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
+    model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Replicate()]))
+    opt = fastamp.AdamW(model.parameters())
+    with pytest.raises(NotImplementedError, match="is a DTensor"):
+        fastamp.release(model, opt)
+    assert _no_hooks(model)
+
+
+def test_release_refuses_fsdp1_and_a_model_holding_ddp_or_fsdp1(gloo_world_of_one):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    cases = {
+        "fsdp1": lambda m: FullyShardedDataParallel(m, device_id=torch.device("cpu")),
+        "fsdp1 inside": lambda m: torch.nn.Sequential(FullyShardedDataParallel(m, device_id=torch.device("cpu"))),
+        "ddp inside": lambda m: torch.nn.ModuleDict({"body": ddp(m)}),
+    }
+    for case, wrap in cases.items():
+        torch.manual_seed(0)
+        model = wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
         opt = fastamp.AdamW(model.parameters())
-        with pytest.raises(NotImplementedError, match="is a DTensor"):
+        where = "the model is" if case == "fsdp1" else "the model's submodule '(0|body)' is"
+        what = "FullyShardedDataParallel .FSDP1." if "fsdp1" in case else "wrapped in DistributedDataParallel"
+        with pytest.raises(NotImplementedError, match=f"{where} .*{what}.*use the ordinary path"):
             fastamp.release(model, opt)
-        assert _no_hooks(model)
-    finally:
-        dist.destroy_process_group()
+        assert _no_hooks(model), case
+        assert opt.__dict__.get("_release") is None, case
+
+
+@pytest.mark.parametrize("clip", ["none", "binding"])
+def test_ddp_around_the_model_given_as_its_inner_module_is_found_at_backward(clip, gloo_world_of_one):
+    """``ddp = DDP(model); release(model, opt)``: DDP's reducer writes its grads back when backward ends.
+
+    One backward (no clip): the step has run on the process's own grads when the written-back grads
+    are found; two (the clip): found after the first, with nothing stepped.
+    """
+    model, opt = _world("adamw", "fp32")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    h = fastamp.release(model, opt, max_norm=CLIPS[clip], bucket_bytes=6000)
+    snap = _snapshot(model, opt)
+    done = "This step was taken on this process's own grads" if clip == "none" else "Nothing was stepped"
+    with pytest.raises(
+        RuntimeError, match=f"has a grad again after the released backward.*DistributedDataParallel.*{done}"
+    ):
+        h.backward(ddp(_batch(0), 0))
+    assert all(p.grad is None for p in model.parameters()), "the written-back grads are dropped"
+    if clip == "none":
+        assert not torch.equal(model.out.weight, snap[0][-2])
+    else:
+        _unchanged(model, opt, snap, "two backwards: refused after the first")
+    h.remove()
 
 
 def test_release_registers_all_its_hooks_or_none(monkeypatch):
