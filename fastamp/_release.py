@@ -136,8 +136,26 @@ def release(
 
     torch.compile: :meth:`Release.backward` is not compiled (it is marked
     ``torch.compiler.disable``: a compiled function that calls it runs it eagerly, a graph
-    break); compile the model's forward. Under compiled autograd the hooks would be traced,
-    and ``step_bucket`` refuses to be traced.
+    break); compile the model. Without a scaler and ``max_norm`` nothing more is needed. With
+    them, the two backwards run the model's compiled backward twice, the first time with
+    ``retain_graph=True``, which a backward compiled with donated buffers (AOTAutograd reuses
+    the memory of saved activations; ``torch._functorch.config.donated_buffer``, on by default
+    in torch 2.13) refuses. A compiled backward first run under release is compiled without
+    them; one compiled first for an ordinary backward (earlier in the process, of this model
+    or of another whose forward has the same code, which share it, or taken from
+    torch.compile's on-disk cache) makes :meth:`Release.backward` raise, with nothing stepped
+    and the grads dropped, saying what to do: set ``torch._functorch.config.donated_buffer =
+    False`` and ``torch.compiler.config.force_disable_caches = True`` before the model's first
+    compiled call. Both, because in torch 2.13 inductor's FX graph cache does not key on
+    donation: with the caches on, a backward compiled with donated buffers can come back under
+    ``donated_buffer=False`` too, or when AOTAutograd's cache misses, and its second run then
+    reads overwritten activations with no error (measured: other grads, other params).
+
+    Compiled autograd (``torch._dynamo.compiled_autograd``) runs it and gives the same bits:
+    the backward graph is captured once, dynamo traces the release hooks into small graphs,
+    breaking the graph at each call it cannot trace (fastamp's C++ planning helpers; about 40
+    breaks and 50 graphs on the first step of a 5-layer model with a bucket per param), and
+    ``step_bucket`` runs eagerly between them. It costs compile time and buys nothing here.
     """
     from fastamp.optim.engine.base import FusedOptimizer
 
@@ -439,6 +457,10 @@ class Release:
         Raises after backward, dropping them, if grads were written back after the hooks freed
         them (DDP around the model, see :func:`release`).
 
+        If the first of the two backwards raises, its grads are dropped (nothing was stepped):
+        a compiled backward with donated buffers raises there, saying what to do (see
+        :func:`release`).
+
         Marked ``torch.compiler.disable`` (on the handle): a compiled function that calls it
         runs it eagerly.
         """
@@ -593,7 +615,15 @@ class _TwoPass:
             self.keys[j] = None
             self.norms[j] = None
         self.phase = 1
-        handle._one_backward(loss, {"retain_graph": True})
+        try:
+            handle._one_backward(loss, {"retain_graph": True})
+        except BaseException as e:
+            # the first backward steps nothing: without its grads everything is as before h.backward
+            self.phase = 0
+            handle._drop_grads()
+            if isinstance(e, RuntimeError) and "donated buffers" in str(e):
+                raise RuntimeError(_DONATED_BUFFERS) from e
+            raise
         handle._check_grads_freed(stepped=False)
         present = [j for j, key in enumerate(self.keys) if key is not None]
         clip_mul = None
@@ -848,3 +878,15 @@ def _by_dtype(grads: list[Tensor], with_index: bool = False) -> dict:
 
 
 _MISSING = object()
+
+_DONATED_BUFFERS = (
+    "fastamp.release: torch.compile compiled this model's backward with donated buffers (AOTAutograd reuses the "
+    "memory of saved activations; torch._functorch.config.donated_buffer, on by default), which cannot run with "
+    "retain_graph=True, and release with a scaler or max_norm runs two backwards over one graph, the first with "
+    "retain_graph=True. It was compiled for an ordinary backward first (in this process, of this model or of "
+    "another whose forward has the same code, which share it, or taken from torch.compile's cache). Set torch._functorch.config.donated_buffer = False and "
+    "torch.compiler.config.force_disable_caches = True before the model's first compiled call (then "
+    "torch._dynamo.reset() and compile again if it ran already): with torch's caches on, a backward compiled with "
+    "donated buffers can come back even so, and then gives wrong grads without an error. Or release without "
+    "scaler and max_norm (one backward). Nothing was stepped; the grads were dropped"
+)

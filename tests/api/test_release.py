@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_bits_equal, assert_same_state, save_load, state_snapshot
+from helpers import COMPILE_BACKENDS, assert_bits_equal, assert_same_state, save_load, state_snapshot
 
 import fastamp
 from fastamp import reference
@@ -571,6 +571,85 @@ def test_a_compiled_function_runs_h_backward_eagerly():
         train_step(_batch(0 if step == 0 else 2 * step))
     _assert_same(m1, o1, m2, o2, "compiled caller")
     h.remove()
+
+
+def _tiny_compiled_world(backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    opt = fastamp.AdamW(model.parameters(), lr=1e-2, master_weights="remainder")
+    return model, opt, torch.compile(model, backend=backend)
+
+
+def _tiny_loss(compiled, step):
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+    return compiled(x).float().square().mean()
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_a_compiled_model_with_two_backwards_matches_or_refuses_donated_buffers(backend):
+    """torch.compile(model) with max_norm (two backwards, the first with retain_graph=True) on bf16.
+
+    A compiled backward first run under release has no donated buffers: the same bits as the compiled
+    ordinary loop (which shares it: one graph for modules of the same code). One first run by an ordinary
+    backward has them and cannot run twice: refused with nothing stepped, and the way out the error names
+    works. Caches off: a cached backward would decide.
+    """
+    import torch._functorch.config
+
+    with torch.compiler.config.patch(force_disable_caches=True):
+        torch._dynamo.reset()
+        m1, o1, c1 = _tiny_compiled_world(backend)
+        m2, o2, c2 = _tiny_compiled_world(backend)
+        h = fastamp.release(m2, o2, max_norm=1e-3)
+        for step in range(3):
+            h.backward(_tiny_loss(c2, step))
+            assert all(p.grad is None for p in m2.parameters())
+            _tiny_loss(c1, step).backward()
+            torch.nn.utils.clip_grad_norm_(list(m1.parameters()), 1e-3)
+            o1.step()
+            o1.zero_grad(set_to_none=True)
+        _assert_same(m1, o1, m2, o2, "compiled, compiled first under release")
+        h.remove()
+
+        torch._dynamo.reset()
+        m3, o3, c3 = _tiny_compiled_world(backend)
+        _tiny_loss(c3, 0).backward()  # its backward compiled for one run: donated buffers
+        o3.step()
+        o3.zero_grad(set_to_none=True)
+        h3 = fastamp.release(m3, o3, max_norm=1e-3)
+        snap = _snapshot(m3, o3)
+        with pytest.raises(RuntimeError, match=r"donated buffers .*donated_buffer = False and .*force_disable_caches"):
+            h3.backward(_tiny_loss(c3, 1))
+        _unchanged(m3, o3, snap, "refused")
+        assert all(p.grad is None for p in m3.parameters())
+        with torch._functorch.config.patch(donated_buffer=False):
+            torch._dynamo.reset()
+            c3 = torch.compile(m3, backend=backend)
+            h3.backward(_tiny_loss(c3, 1))
+        assert not torch.equal(m3[0].weight, snap[0][0])
+        h3.remove()
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow  # ~20 s: dynamo compiles the hooks' graphs piecewise on the first step
+def test_compiled_autograd_runs_the_release_hooks_with_the_same_bits():
+    """Under compiled autograd the hooks are traced with graph breaks and step_bucket runs eagerly: eager's bits."""
+    from torch._dynamo import compiled_autograd
+
+    m1, o1 = _world("adamw", "bf16-remainder")
+    m2, o2 = _world("adamw", "bf16-remainder")
+    h = fastamp.release(m2, o2, max_norm=1e-3, bucket_bytes=BUCKETS["everything"])  # fewer hook graphs to compile
+    torch._dynamo.reset()
+    for step in (0, 2):
+        m1(_batch(step), step).backward()
+        torch.nn.utils.clip_grad_norm_(list(m1.parameters()), 1e-3)
+        o1.step()
+        o1.zero_grad(set_to_none=True)
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            h.backward(m2(_batch(step), step))
+    _assert_same(m1, o1, m2, o2, "compiled autograd")
+    h.remove()
+    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------ part 2: the loss scaler and global clipping
