@@ -449,7 +449,7 @@ class Release:
         optimizer's params already there: a previous ``loss.backward()`` outside the handle,
         gradient accumulation (not supported under release), or a backward that failed
         midway; and, with a scaler, a step whose scaler already unscaled, clipped or stepped
-        ``opt`` since its last ``update()``.
+        ``opt`` since its last ``update()`` (the error says how to end that iteration).
         ``opt``'s hyperparameters are validated before backward runs; a grad that a step
         cannot take (e.g. a wrong dtype) raises from inside backward, after the buckets before
         it were stepped.
@@ -460,6 +460,11 @@ class Release:
         If the first of the two backwards raises, its grads are dropped (nothing was stepped):
         a compiled backward with donated buffers raises there, saying what to do (see
         :func:`release`).
+
+        The scaler's own calls are refused on an optimizer under release (``scaler.step(opt)``,
+        ``unscale_``, ``clip_grad_norm_``), before anything changes, and a leftover
+        ``scaler.update()`` raises saying that ``h.backward`` made the update: each step is
+        ``h.backward(loss)`` alone.
 
         Marked ``torch.compiler.disable`` (on the handle): a compiled function that calls it
         runs it eagerly.
@@ -599,10 +604,17 @@ class _TwoPass:
         if scaler is not None:
             state = scaler._per_optimizer_states[id(opt)]
             if state["stage"] is not OptState.READY or scaler._clip_grad_scale(opt, state) is not None:
+                if state["found_inf_per_device"]:
+                    fix = "call scaler.update() first"
+                else:
+                    # update() would raise (no inf checks recorded): a new_scale ends the iteration without them
+                    fix = (
+                        "scaler.update() cannot end this iteration, whose scaler calls found no grads (no inf checks "
+                        "were recorded): call scaler.update(new_scale=scaler.get_scale()), which keeps the scale"
+                    )
                 raise RuntimeError(
                     "fastamp.release: the scaler already unscaled, clipped or stepped this optimizer since its last "
-                    "update(); h.backward does all of that itself: call scaler.update() first (or drop the extra "
-                    "scaler calls)"
+                    f"update(); h.backward does all of that itself: {fix} (and drop the extra scaler calls)"
                 )
             loss = scaler.scale(loss)
             scale = scaler._scale
@@ -655,6 +667,8 @@ class _TwoPass:
                 # an overflow seen only by the second backward backs the scale off too
                 state["found_inf_per_device"] = {self.device: torch.maximum(self.found, self.late)}
             scaler.update()
+            # names this handle in the error of a leftover scaler.update() (see Scaler.update)
+            scaler._updated_by_release = True
 
     def _hand_over(self, state: dict[str, Any], scale: Tensor) -> None:
         """The scaler's state after ``clip_grad_norm_`` (or a check) and what its ``step`` hands the optimizer."""

@@ -1137,12 +1137,65 @@ def test_release_refuses_a_bad_scaler_or_clip_before_registering_anything(case, 
     assert opt.__dict__.get("_release") is None
 
 
+def test_a_leftover_scaler_call_of_the_ordinary_loop_is_refused_at_once_and_changes_nothing():
+    """A loop ported from ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` that kept a scaler call.
+
+    Each call on the released optimizer raises before touching anything; a leftover ``update()`` raises
+    naming h.backward; the next h.backward goes on. An iteration stuck outside release (``scaler.step`` with no
+    grads records no inf check, and ``update()`` then refuses to end it) is ended by the way the refusal names.
+    """
+    model, opt, scaler = _amp_world("adamw", "fp16-master-scaler")
+    h = fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
+    h.backward(_amp_loss(model, 0))
+    snap = _snapshot(model, opt)
+    scale, tracker = scaler._scale.clone(), scaler._growth_tracker.clone()
+    for name, call in (
+        ("step", lambda: scaler.step(opt)),
+        ("step", torch.compile(lambda: scaler.step(opt), backend="eager")),  # the traced entry leaves it to eager
+        ("unscale_", lambda: scaler.unscale_(opt)),
+        ("clip_grad_norm_", lambda: scaler.clip_grad_norm_(opt, 1.0)),
+    ):
+        with pytest.raises(
+            RuntimeError, match=rf"Scaler.{name}: the optimizer is under gradient release.*drop scaler\.{name}"
+        ):
+            call()
+    assert not scaler._per_optimizer_states, "nothing recorded for the iteration"
+    with pytest.raises(
+        AssertionError, match=r"No inf checks were recorded prior to update\. .*h.backward of fastamp.release"
+    ):
+        scaler.update()
+    _unchanged(model, opt, snap, "refused")
+    assert_bits_equal(scaler._scale, scale, "scale")
+    assert_bits_equal(scaler._growth_tracker, tracker, "growth tracker")
+    h.backward(_amp_loss(model, 2))
+    assert not torch.equal(model.out.weight, snap[0][-2]), "h.backward goes on"
+
+    h.remove()
+    scaler.step(opt)  # the ordinary path with no grads: no inf check recorded, and update() refuses to end it
+    with pytest.raises(AssertionError, match=r"No inf checks were recorded prior to update\.$"):
+        scaler.update()
+    h = fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
+    with pytest.raises(
+        RuntimeError, match=r"call scaler.update\(new_scale=scaler.get_scale\(\)\), which keeps the scale"
+    ):
+        h.backward(_amp_loss(model, 4))
+    scale = scaler.get_scale()
+    scaler.update(new_scale=scaler.get_scale())
+    assert scaler.get_scale() == scale
+    snap = _snapshot(model, opt)
+    h.backward(_amp_loss(model, 4))
+    assert not torch.equal(model.out.weight, snap[0][-2])
+    h.remove()
+
+
 def test_backward_with_a_scaler_refuses_a_scaler_already_used_this_iteration():
     model, opt, scaler = _amp_world("adamw", "fp16-master-scaler")
     h = fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
     h.backward(_amp_loss(model, 0))
     snap = _snapshot(model, opt)
-    scaler._per_optimizer_states[id(opt)]["stage"] = fastamp.OptState.UNSCALED  # as after scaler.unscale_(opt)
+    state = scaler._per_optimizer_states[id(opt)]  # as after scaler.unscale_(opt), which records its check
+    state["stage"] = fastamp.OptState.UNSCALED
+    state["found_inf_per_device"] = {torch.device("cpu"): torch.zeros(())}
     with pytest.raises(RuntimeError, match=r"already unscaled, clipped or stepped .* call scaler.update\(\) first"):
         h.backward(_amp_loss(model, 2))
     _unchanged(model, opt, snap, "refused")
