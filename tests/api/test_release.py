@@ -710,6 +710,25 @@ SR_CONFIGS = {
 }
 
 
+# q8 moments (SGD's momentum, Lion's and AdamW's moments as 8-bit codes) with every master kind under the scaler;
+# lowbit_min_numel=0 puts even the biases and the LayerNorm in q8 (one partial block each); the default keeps the
+# small tensors unquantised, so that a bucket steps both kinds
+Q8_CONFIGS = {
+    "bf16-remainder-q8-scaler": (
+        torch.bfloat16,
+        {"master_weights": "remainder", "state_format": "q8", "lowbit_min_numel": 0, "seed": 2},
+        "on",
+    ),
+    "bf16-sr-q8-scaler": (torch.bfloat16, {**_SR, "state_format": "q8", "seed": 4}, "on"),
+    "fp16-master-q8-scaler": (
+        torch.float16,
+        {"master_weights": True, "state_format": "q8", "lowbit_min_numel": 0, "seed": 2},
+        "on",
+    ),
+    "bf16-remainder-q8": (torch.bfloat16, {"master_weights": "remainder", "state_format": "q8", "seed": 2}, None),
+}
+
+
 # the CUDA runs only: fp16 params with an fp32 LayerNorm in the middle of the list, so that the native CUDA check
 # pass's dtype groups (fp32 first) order the partials unlike the list
 MIXED_CONFIGS = {
@@ -718,7 +737,7 @@ MIXED_CONFIGS = {
 
 
 def _config(config: str):
-    for table in (AMP_CONFIGS, SR_CONFIGS):
+    for table in (AMP_CONFIGS, SR_CONFIGS, Q8_CONFIGS):
         if config in table:
             return table[config]
     return MIXED_CONFIGS[config]
@@ -888,6 +907,35 @@ def test_release_with_stochastic_rounding_matches_the_ordinary_loop_bit_for_bit(
     if resume_at is not None:
         saved = o2.state_dict()["state"]
         assert all(st["rng"] is not o2.state[p]["rng"] for p, st in zip(model.parameters(), saved.values()))
+    h.remove()
+
+
+Q8_CASES = [  # (rule, config, clip): SGD and Lion under the scaler and the binding clip; every rule in one backward
+    *[
+        (rule, config, "binding")
+        for rule in ("sgd", "lion")
+        for config in ("bf16-remainder-q8-scaler", "bf16-sr-q8-scaler", "fp16-master-q8-scaler")
+    ],
+    *[(rule, "bf16-remainder-q8", "none") for rule in RULES],
+]
+
+
+@pytest.mark.slow  # ~5 s a case, 9 cases
+@pytest.mark.parametrize("rule, config, clip", Q8_CASES)
+def test_release_with_q8_moments_matches_the_ordinary_loop_bit_for_bit(rule, config, clip):
+    """STEPS steps of q8 state, compared after every step: with the scaler, overflows injected and the clip binding;
+    without a scaler and clip (one backward per step), every rule."""
+    *_, o2, s2, h = _amp_run(rule, config, clip, "middle")
+    model = h.model
+    assert len(h.buckets) > 2
+    q8 = {name for name, p in model.named_parameters() if any(k.endswith("_q") for k in o2.state[p])}
+    assert {"l2.weight", "branch.weight"} <= q8  # the branch's codes too (no grad on odd steps)
+    small = "lowbit_min_numel" in _config(config)[1]
+    assert ("out.bias" in q8) == small, q8
+    if clip == "binding":
+        assert float(h.total_norm) > 1e-3  # the clip bound
+    if rule != "lion":
+        assert float(o2.state[model.branch.weight]["step"]) < float(o2.state[model.out.weight]["step"])
     h.remove()
 
 
