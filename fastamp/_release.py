@@ -144,12 +144,14 @@ def release(
     them; one compiled first for an ordinary backward (earlier in the process, of this model
     or of another whose forward has the same code, which share it, or taken from
     torch.compile's on-disk cache) makes :meth:`Release.backward` raise, with nothing stepped
-    and the grads dropped, saying what to do: set ``torch._functorch.config.donated_buffer =
-    False`` and ``torch.compiler.config.force_disable_caches = True`` before the model's first
-    compiled call. Both, because in torch 2.13 inductor's FX graph cache does not key on
-    donation: with the caches on, a backward compiled with donated buffers can come back under
-    ``donated_buffer=False`` too, or when AOTAutograd's cache misses, and its second run then
-    reads overwritten activations with no error (measured: other grads, other params).
+    and the grads dropped, saying what to do. Safe in every case: whenever a compiled model is
+    released with a scaler or ``max_norm``, set ``torch._functorch.config.donated_buffer =
+    False`` and ``torch.compiler.config.force_disable_caches = True`` before its first compiled
+    call. Both, because in torch 2.13 inductor's FX graph cache does not key on donation: with
+    the caches on, a backward compiled with donated buffers by an ordinary run can be handed
+    back where torch does not check (under ``donated_buffer=False``, or when AOTAutograd's cache
+    misses, even for a backward first run under release), and its second run then reads
+    overwritten activations with no error (measured: other grads, other params).
 
     Compiled autograd (``torch._dynamo.compiled_autograd``) runs it and gives the same bits:
     the backward graph is captured once, dynamo traces the release hooks into small graphs,
