@@ -6,6 +6,8 @@ defining check: q8 + remainder masters equals fp32-master AdamW whose moments ar
 by ``decode(encode(.))`` after every step with the same random bits, bit for bit.
 """
 
+import warnings
+
 import pytest
 import torch
 from helpers import (
@@ -272,11 +274,43 @@ def test_torch_adamw_loads_the_fp32_export_of_bf16_remainder_q8_as_it_is(fused):
     assert all(float(t_opt.state[q]["step"]) == 4.0 and bool(q.isfinite().all()) for q in model32)
     back = [torch.nn.Parameter(q.detach().bfloat16()) for q in model32]
     o2 = _make(back)
-    o2.load_state_dict(save_load(t_opt.state_dict()))
+    # torch kept the exported masters but stepped the params: they are stale, dropped with a warning
+    with pytest.warns(UserWarning, match=f"{len(back)} fp32 master\\(s\\) were exported .* at another step count"):
+        o2.load_state_dict(save_load(t_opt.state_dict()))
     assert "rng" not in o2.param_groups[0]
     counters = [o2.state[p]["rng"] for p in back if "rng" in o2.state[p]]
     assert [p.numel() >= 64 for p in back] == ["rng" in o2.state[p] for p in back]  # the params with q8 codes
     assert counters[0].tolist() == [5, 3] and all(c is counters[0] for c in counters)  # one per group again
+    # the masters are re-made from the params torch trained: a step of lr 0 leaves them as they are
+    before = [p.detach().clone() for p in back]
+    o2.param_groups[0]["lr"] = 0.0
+    set_grads(back, heavy_tailed_grads(back, 5))
+    o2.step()
+    for p, b in zip(back, before):
+        assert_bits_equal(p.detach(), b)
+
+
+def test_fp32_export_loaded_back_without_steps_elsewhere_keeps_its_masters():
+    """The export's masters are kept when nothing stepped the state since (native -> fp32 -> native is exact)."""
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 3)
+    sd = save_load(opt.state_dict(format="fp32"))
+    assert sd["param_groups"][0]["master_steps"] == [3.0] * len(ps)
+    ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt2 = _make(ps2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt2.load_state_dict(sd)
+    assert "master_steps" not in opt2.param_groups[0]
+    for p, q in zip(ps, ps2):
+        assert_bits_equal(master_of(opt2, q), master_of(opt, p))
+    bad = save_load(opt.state_dict(format="fp32"))
+    bad["param_groups"][0]["master_steps"] = [3.0]
+    before = state_snapshot(opt2)
+    with pytest.raises(ValueError, match="'master_steps' must hold one step count \\(or None\\) per param"):
+        opt2.load_state_dict(bad)
+    assert_same_state(before, state_snapshot(opt2))
 
 
 def test_fp32_export_keeps_differing_counters_per_param_and_a_bad_group_counter_is_refused():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from copy import deepcopy
@@ -32,6 +33,10 @@ _INT_STATE: dict[str, tuple[torch.dtype, Callable[[Tensor], tuple[int, ...]]]] =
 _CODES, _SCALE = "_q", "_scale"
 # The key of a param group's random-bit counter in ``state_dict(format="fp32")`` (per param otherwise)
 GROUP_RNG = "rng"
+# The key of a param group's step counts at which ``state_dict(format="fp32")`` exported its fp32
+# masters (one int per param of the group, None without a master): torch's optimizers keep such group
+# keys but never update a master, so a count that moved since says the master is stale.
+GROUP_MASTER_STEPS = "master_steps"
 
 
 def _q8_entry(opt_name: str, where: str, p: Tensor, key: str, value: Any, saved: dict[str, Any]) -> Tensor:
@@ -145,11 +150,16 @@ def load_state_dict(
         validate_group(sg, f"loaded param group {gi}")
         if GROUP_RNG in sg:
             sg[GROUP_RNG] = _group_counter(opt_name, sg[GROUP_RNG], f"loaded param group {gi}")
+        _master_steps(opt_name, sg, f"loaded param group {gi}")
 
     id_map = dict(
         zip(chain.from_iterable(s["params"] for s in saved_groups), chain.from_iterable(g["params"] for g in groups))
     )
     group_of = {pid: sg for sg in saved_groups for pid in sg["params"]}
+    exported_at = {
+        pid: at for sg in saved_groups for pid, at in zip(sg["params"], sg.pop(GROUP_MASTER_STEPS, None) or ())
+    }
+    stale = 0
     new_state: dict[Any, Any] = defaultdict(dict)
     steps: dict[Tensor, float] = {}
     for k, v in state_dict["state"].items():
@@ -228,7 +238,19 @@ def load_state_dict(
                 entry[key] = value.to(device=p.device, copy=True)
             else:
                 entry[key] = deepcopy(value)
+        at = exported_at.get(k)
+        if at is not None and "master_param" in entry and steps.get(p) != at:
+            del entry["master_param"]  # stepped since the export by an optimizer that keeps no master
+            stale += 1
         new_state[p] = entry
+    if stale:
+        warnings.warn(
+            f"{opt_name}.load_state_dict: {stale} fp32 master(s) were exported (state_dict(format='fp32')) at "
+            "another step count than the state now holds: the state was stepped elsewhere (e.g. by "
+            "torch.optim.AdamW, which keeps but never updates them). They are dropped: the next step re-makes "
+            "each from its param (load the params trained there into the model).",
+            stacklevel=3,
+        )
 
     for g, sg in zip(groups, saved_groups):
         sg["params"] = g["params"]
@@ -239,6 +261,36 @@ def load_state_dict(
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
     return steps
+
+
+def _master_steps(opt_name: str, sg: dict[str, Any], where: str) -> None:
+    """Check a saved group's ``master_steps`` (``state_dict(format="fp32")``): one int or None per param."""
+    value = sg.get(GROUP_MASTER_STEPS)
+    if value is None:
+        return
+    ok = isinstance(value, (list, tuple)) and len(value) == len(sg["params"])
+    ok = ok and all(x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool)) for x in value)
+    if not ok:
+        raise ValueError(
+            f"{opt_name}.load_state_dict: {where}: {GROUP_MASTER_STEPS!r} must hold one step count (or None) per "
+            f"param of the group, got {value!r:.80}"
+        )
+
+
+def _master_steps_to_groups(sd: dict[str, Any]) -> None:
+    """Record in each group the step count of each param whose fp32 master the export holds (one host read a group)."""
+    for group in sd["param_groups"]:
+        sts = [sd["state"].get(i) for i in group["params"]]
+        with_master = [i for i, st in enumerate(sts) if isinstance(st, dict) and "master_param" in st and "step" in st]
+        if not with_master:
+            continue
+        counts = torch.stack(
+            [torch.as_tensor(sts[i]["step"], dtype=torch.float64).reshape(()).cpu() for i in with_master]
+        )
+        recorded: list[float | None] = [None] * len(sts)
+        for i, c in zip(with_master, counts.tolist()):
+            recorded[i] = c
+        group[GROUP_MASTER_STEPS] = recorded
 
 
 def _counters_to_groups(sd: dict[str, Any]) -> None:
@@ -323,6 +375,11 @@ class _StateDictExport:
                 export back gives the counter to every param that draws random bits, so
                 native -> fp32 -> native resumes bit-exactly. A group whose params on several
                 devices have different counters keeps them per param (as ``"native"`` does).
+                Each group also records the step count of each param whose master it exports
+                (``group["master_steps"]``, one number or None per param): torch keeps those masters
+                but never updates them, so a state dict that comes back from torch after steps
+                there loads without them (a warning says how many): the next step re-makes each
+                master from its param, which should then hold the weights trained there.
 
         Without ``format="fp32"`` (both formats ``"fp32"``), each param's state holds its own copy of
         the group's counter as ``rng`` (int64 ``[seed, counter]``), which loads into any optimizer.
@@ -383,6 +440,8 @@ class _StateDictExport:
                     master = reference.ulp8_decode(p, corr)  # the master the next step would use
                 st["master_param"] = master
                 sd["state"][idx] = st
+        if master_format == moment_format == "fp32":
+            _master_steps_to_groups(sd)
         return sd
 
     def _after_load(self) -> None:
