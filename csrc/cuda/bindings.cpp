@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -309,29 +310,49 @@ const char* state_format_name(StateFormat f) {
   return f == StateFormat::kQ8 ? "q8 (uint8)" : (f == StateFormat::kBFloat16 ? "bfloat16" : "float32");
 }
 
-// State tensor states[flat], which is `key` (+ "_codes" / "_scales" for q8) of params[i]: on the
-// device, dense, contiguous, of the call's state dtype, and `numel` elements (codes, dense
-// states) or a 1-D tensor of ceil(numel / 32) scale bytes.
-void* check_optim_state(const char* key, const char* suffix, size_t flat, int64_t i, const at::Tensor& t,
-                        const at::Device& device, at::ScalarType dtype, int64_t numel, bool scales) {
+// The name of state j's list `s` (of `per`) in messages: the per-rule ops' names, the state's key
+// plus "s" (exp_avgs, momentum_buffers) or, for q8, "_codes" / "_scales" (exp_avg_sq_codes).
+std::string state_list_name(const char* key, int per, int s) {
+  return std::string(key) + (per == 1 ? "s" : (s == 0 ? "_codes" : "_scales"));
+}
+
+// What the states list holds, for the message of a wrong count: "expected 2 exp_avgs, 2
+// exp_avg_sqs; amsgrad needs 2 max_exp_avg_sqs (each its n tensors, in this order)".
+std::string expected_states(const OptimRuleInfo& info, int num_states, int per, size_t n, bool amsgrad) {
+  if (num_states == 0) return "expected no state tensors (momentum 0 keeps none)";
+  std::string text = "expected";
+  for (int j = 0; j < num_states; ++j) {
+    for (int s = 0; s < per; ++s) {
+      const bool amsgrad_list = amsgrad && j == 2;
+      text += (j == 0 && s == 0) ? " " : (amsgrad_list && s == 0 ? "; amsgrad needs " : ", ");
+      text += std::to_string(n) + " " + state_list_name(info.keys[j], per, s);
+    }
+  }
+  return text + " (the lists one after another, each one tensor per param)";
+}
+
+// State tensor states[flat], which is tensor i of the list `name`: on the device, dense, contiguous,
+// of the call's state dtype, and `numel` elements (codes, dense states) or a 1-D tensor of
+// ceil(numel / 32) scale bytes.
+void* check_optim_state(const std::string& name, size_t flat, int64_t i, const at::Tensor& t, const at::Device& device,
+                        at::ScalarType dtype, int64_t numel, bool scales) {
   constexpr const char* op = "optim_";
-  TORCH_CHECK(t.defined(), "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i, "]) is undefined");
-  TORCH_CHECK(t.layout() == at::kStrided, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i,
-              "]) must be strided (dense), got ", t.layout());
-  TORCH_CHECK(t.device() == device, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i, "]) is on ",
-              t.device(), " but expected ", device);
-  TORCH_CHECK(t.is_contiguous(), "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i,
-              "]) must be contiguous");
-  TORCH_CHECK(t.scalar_type() == dtype, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i, "]) must be ",
-              dtype, " like states[0] (one state format per call), got ", t.scalar_type());
+  TORCH_CHECK(t.defined(), "fastamp::", op, ": states[", flat, "]: ", name, "[", i, "] is undefined");
+  TORCH_CHECK(t.layout() == at::kStrided, "fastamp::", op, ": states[", flat, "]: ", name, "[", i,
+              "] must be strided (dense), got ", t.layout());
+  TORCH_CHECK(t.device() == device, "fastamp::", op, ": states[", flat, "]: ", name, "[", i, "] is on ", t.device(),
+              " but expected ", device);
+  TORCH_CHECK(t.is_contiguous(), "fastamp::", op, ": states[", flat, "]: ", name, "[", i, "] must be contiguous");
+  TORCH_CHECK(t.scalar_type() == dtype, "fastamp::", op, ": states[", flat, "]: ", name, "[", i, "] must be ", dtype,
+              " like states[0] (one state format per call), got ", t.scalar_type());
   if (scales) {
     const int64_t blocks = (numel + 31) / 32;
-    TORCH_CHECK(t.dim() == 1 && t.numel() == blocks, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i,
-                "]) must be 1-D with ", blocks, " scale bytes (one per block of 32 of the ", numel,
+    TORCH_CHECK(t.dim() == 1 && t.numel() == blocks, "fastamp::", op, ": states[", flat, "]: ", name, "[", i,
+                "] must be 1-D with ", blocks, " scale bytes (one per block of 32 of the ", numel,
                 " elements of params[", i, "]), got shape ", t.sizes());
   } else {
-    TORCH_CHECK(t.numel() == numel, "fastamp::", op, ": states[", flat, "] (", key, suffix, "[", i, "]) has ",
-                t.numel(), " elements but params[", i, "] has ", numel);
+    TORCH_CHECK(t.numel() == numel, "fastamp::", op, ": states[", flat, "]: ", name, "[", i, "] has ", t.numel(),
+                " elements but params[", i, "] has ", numel);
   }
   return numel > 0 ? t.data_ptr() : nullptr;
 }
@@ -359,8 +380,11 @@ void optim_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
   if (info->id == OptimRule::kAdamW) num_states = (flags & optim_flags::kAmsgrad) != 0 ? 3 : 2;
   if (info->id == OptimRule::kSgd) num_states = hyper[0] != 0.0 ? 1 : 0;
   TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
-  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " masters, got ",
-              masters.size());
+  // int16 masters are the remainders of bf16 params: messages call them so
+  const char* masters_name =
+      !masters.empty() && masters[0].defined() && masters[0].scalar_type() == at::kShort ? "remainders" : "masters";
+  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " ", masters_name,
+              ", got ", masters.size());
   TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
               ": params[0] must be a CUDA tensor, got device ", params[0].device());
   const at::Device device = params[0].device();
@@ -379,8 +403,9 @@ void optim_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
   const int per = state_streams(format);
   const size_t want = n * static_cast<size_t>(per * num_states);
   TORCH_CHECK(states.size() == want, "fastamp::", op, ": rule '", info->name, "' keeps ", num_states,
-              " state(s) with these hyper and flags, ", per, " list(s) of ", n, " tensors each in ",
-              state_format_name(format), ": expected ", want, " state tensors, got ", states.size());
+              " state(s) with these hyper and flags in ", state_format_name(format), ": ",
+              expected_states(*info, num_states, per, n, (flags & optim_flags::kAmsgrad) != 0), ": ", want,
+              " state tensors, got ", states.size());
   TORCH_CHECK(optim_compiled(info->id, format), "fastamp::", op, ": this build has no CUDA kernel of rule '",
               info->name, "' with ", state_format_name(format), " states (csrc/cuda/optim_combos.h)");
 
@@ -402,14 +427,18 @@ void optim_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
     TORCH_CHECK(masters[0].defined(), "fastamp::", op, ": masters[0] is undefined");
     master_type = masters[0].scalar_type();
     TORCH_CHECK(master_type == at::kFloat || master_type == at::kShort || master_type == at::kChar, "fastamp::", op,
-                ": masters must be float32 (fp32 master weights), int16 (remainders of bfloat16 params) or int8 "
-                "(ulp8 corrections of bfloat16 / float16 params), got ",
+                ": masters[0] must be float32 (fp32 master weights) or an integer correction (remainders[0] must be "
+                "int16 for bfloat16 params; ulp8 corrections int8, for bfloat16 / float16 params), got ",
                 master_type);
     call.master = master_type == at::kFloat   ? MasterKind::kFloat32
                   : master_type == at::kShort ? MasterKind::kRemainder
                                               : MasterKind::kUlp8;
   }
 
+  std::vector<std::string> list_names;  // of the states list's lists, in order
+  for (int j = 0; j < num_states; ++j) {
+    for (int s = 0; s < per; ++s) list_names.push_back(state_list_name(info->keys[j], per, s));
+  }
   std::vector<OptimTensorRef> refs;
   refs.reserve(n);
   for (size_t k = 0; k < n; ++k) {
@@ -425,23 +454,22 @@ void optim_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
     r.grad = numel > 0 ? grads[k].data_ptr() : nullptr;
     if (call.master != MasterKind::kNone) {
       const at::Tensor& m = masters[k];
-      check_list_tensor(op, "masters", i, m, device, numel);
-      TORCH_CHECK(m.scalar_type() == master_type, "fastamp::", op, ": masters[", i, "] must be ", master_type,
-                  " like masters[0], got ", m.scalar_type());
+      check_list_tensor(op, masters_name, i, m, device, numel);
+      TORCH_CHECK(m.scalar_type() == master_type, "fastamp::", op, ": ", masters_name, "[", i, "] must be ",
+                  call.master == MasterKind::kRemainder ? "int16" : c10::toString(master_type), " like ", masters_name,
+                  "[0], got ", m.scalar_type());
       TORCH_CHECK(call.master != MasterKind::kRemainder || p.scalar_type() == at::kBFloat16, "fastamp::", op,
-                  ": int16 remainder masters need bfloat16 params, but params[", i, "] is ", p.scalar_type());
+                  ": int16 remainder masters need bfloat16 params: params[", i, "] must be bfloat16, got ",
+                  p.scalar_type());
       TORCH_CHECK(call.master != MasterKind::kUlp8 || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
                   "fastamp::", op, ": int8 ulp8 masters need bfloat16 or float16 params, but params[", i, "] is ",
                   p.scalar_type());
       r.master = numel > 0 ? m.data_ptr() : nullptr;
     }
-    for (int j = 0; j < num_states; ++j) {
-      for (int s = 0; s < per; ++s) {
-        const size_t flat = static_cast<size_t>(j * per + s) * n + k;
-        const char* suffix = per == 1 ? "" : (s == 0 ? "_codes" : "_scales");
-        r.states[j * per + s] = check_optim_state(info->keys[j], suffix, flat, i, states[flat], device, state_type,
-                                                  numel, per == 2 && s == 1);
-      }
+    for (int l = 0; l < num_states * per; ++l) {
+      const size_t flat = static_cast<size_t>(l) * n + k;
+      r.states[l] =
+          check_optim_state(list_names[l], flat, i, states[flat], device, state_type, numel, per == 2 && l % 2 == 1);
     }
     r.numel = numel;
     r.param_dtype = pdt;

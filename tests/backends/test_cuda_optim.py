@@ -325,22 +325,25 @@ def test_refusals_name_the_problem_and_change_nothing():
         return None
 
     # states of adamw q8, 2 params: [m codes 0, m codes 1, m scales 0, m scales 1, v codes 0, ...]
-    _refusal(r"states\[3\] \(exp_avg_scales\[1\]\) must be 1-D with 2 scale bytes",
+    _refusal(r"states\[3\]: exp_avg_scales\[1\] must be 1-D with 2 scale bytes",
              _set(3, 3, torch.zeros(3, dtype=torch.uint8, device=DEV)))  # fmt: skip
-    _refusal(r"states\[4\] \(exp_avg_sq_codes\[0\]\) must be Byte like states\[0\]",
+    _refusal(r"states\[4\]: exp_avg_sq_codes\[0\] must be Byte like states\[0\]",
              _set(3, 4, torch.zeros(70, dtype=torch.int8, device=DEV)))  # fmt: skip
-    _refusal(r"states\[0\] \(exp_avg_codes\[0\]\) must be contiguous",
+    _refusal(r"states\[0\]: exp_avg_codes\[0\] must be contiguous",
              _set(3, 0, torch.zeros(140, dtype=torch.uint8, device=DEV)[::2]))  # fmt: skip
-    _refusal(r"states\[1\] \(exp_avg\[1\]\) has 70 elements but params\[1\] has 33",
+    _refusal(r"states\[1\]: exp_avgs\[1\] has 70 elements but params\[1\] has 33",
              _set(3, 1, torch.zeros(70, device=DEV)), fmt="fp32")  # fmt: skip
-    _refusal(r"states\[2\] \(exp_avg_sq\[0\]\) is on cpu", _set(3, 2, torch.zeros(70)), fmt="fp32")
+    _refusal(r"states\[2\]: exp_avg_sqs\[0\] is on cpu", _set(3, 2, torch.zeros(70)), fmt="fp32")
     _refusal(r"SR_PARAM / SR_STATE need rng", nothing, flags=SR_STATE, rng=False)
-    _refusal(r"int16 remainder masters need bfloat16 params, but params\[0\] is",
+    _refusal(r"int16 remainder masters need bfloat16 params: params\[0\] must be bfloat16",
              _set(0, 0, torch.zeros(70, device=DEV)))  # fmt: skip
     _refusal(r"int8 ulp8 masters need bfloat16 or float16 params", _set(0, 1, torch.zeros(33, device=DEV)),
              master="ulp8")  # fmt: skip
-    _refusal(r"masters\[1\] must be Short like masters\[0\]", _set(2, 1, torch.zeros(33, device=DEV)))
-    _refusal(r"rule 'adamw' keeps 3 state\(s\) with these hyper and flags", lambda a: a.__setitem__(10, AMSGRAD))
+    _refusal(r"remainders\[1\] must be int16 like remainders\[0\]", _set(2, 1, torch.zeros(33, device=DEV)))
+    _refusal(r"rule 'adamw' keeps 3 state\(s\) .*amsgrad needs 2 max_exp_avg_sq_codes, 2 max_exp_avg_sq_scales",
+             lambda a: a.__setitem__(10, AMSGRAD))  # fmt: skip
+    _refusal(r"expected 2 momentum_buffers \(", lambda a: a[3].pop(), rule="sgd", fmt="fp32")
+    _refusal(r"masters\[0\] must be float32 .*got Int", _set(2, 0, torch.zeros(70, dtype=torch.int32, device=DEV)))
     _refusal(r"unknown rule 'adam'", lambda a: a.__setitem__(8, "adam"))
     _refusal(r"rule 'lion' takes hyper \[beta1, beta2\], got 3 values", lambda a: a[9].append(0.5), rule="lion")
     _refusal(r"flags 4 are not a combination of rule 'adamw'", lambda a: a.__setitem__(10, NESTEROV))

@@ -207,12 +207,12 @@ def test_refusals_name_the_problem_and_change_nothing():
     gen = torch.Generator().manual_seed(8)
     # optim_'s states list: exp_avg codes, exp_avg scales, exp_avg_sq codes, exp_avg_sq scales (state[2:])
     cases = {
-        "states\\[1\\] \\(exp_avg_scales\\[0\\]\\) must be 1-D with 3 scale bytes": (
+        "states\\[1\\]: exp_avg_scales\\[0\\] must be 1-D with 3 scale bytes": (
             3,
             torch.zeros(2, dtype=torch.uint8, device=DEV),
         ),
-        "states\\[2\\] \\(exp_avg_sq_codes\\[0\\]\\) must be Byte": (4, torch.zeros(70, dtype=torch.int8, device=DEV)),
-        "states\\[0\\] \\(exp_avg_codes\\[0\\]\\) must be contiguous": (
+        "states\\[2\\]: exp_avg_sq_codes\\[0\\] must be Byte": (4, torch.zeros(70, dtype=torch.int8, device=DEV)),
+        "states\\[0\\]: exp_avg_codes\\[0\\] must be contiguous": (
             2,
             torch.zeros(140, dtype=torch.uint8, device=DEV)[::2],
         ),
