@@ -6,11 +6,18 @@ against torch's headers. Skipped only where ``nvcc`` (or a C++ compiler for the 
 is missing. Both archs are compiled in one nvcc call per file and the files in parallel.
 """
 
+import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: each worker compiles for itself
+    fcntl = None
 
 import pytest
 
@@ -113,30 +120,62 @@ def _communicate(proc):
     return proc.returncode, out
 
 
-def compile_cu_files(make_dir):
+def _compile_all(out_dir: Path) -> dict:
+    procs = {
+        src.name: subprocess.Popen(
+            [*_nvcc_cmd(src, out_dir / (src.stem + ".o")), "-Xptxas", "-v"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for src in CU_FILES
+    }
+    return {name: (*_communicate(proc), out_dir / (Path(name).stem + ".o")) for name, proc in procs.items()}
+
+
+def _sources_key() -> str:
+    """A hash of every CUDA source and header and of the nvcc command: what a compile's results depend on."""
+    h = hashlib.sha256(" ".join(_nvcc_cmd(Path("x.cu"), Path("x.o"))).encode())
+    for path in sorted([*(ROOT / "csrc").glob("*.h"), *CUDA_DIR.iterdir()]):
+        if path.is_file():
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compile_cu_files(make_dir, shared: Path | None = None):
     """Compile every .cu for sm_80 + sm_90 with ``-Xptxas -v``, once per test session, in parallel.
 
     ``make_dir()`` gives the folder for the objects. Returns {file name: (returncode, nvcc +
     ptxas output, object path)}. This module checks the
     objects, tests/tools/test_cuda_ptxas.py the ptxas report of the same compile (one compile of each
-    file for both, not two).
+    file for both, not two). ``shared``: a folder every pytest-xdist worker of the session sees; the
+    first worker compiles into it under a lock and the others read its results (one compile per
+    session, not one per worker: on 2 cores two would take twice as long and run into TIMEOUT_S).
     """
-    if not _CU_RESULTS:
-        out_dir = make_dir()
-        procs = {
-            src.name: subprocess.Popen(
-                [*_nvcc_cmd(src, out_dir / (src.stem + ".o")), "-Xptxas", "-v"],
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for src in CU_FILES
-        }
-        for name, proc in procs.items():
-            rc, out = _communicate(proc)
-            _CU_RESULTS[name] = (rc, out, out_dir / (Path(name).stem + ".o"))
+    if _CU_RESULTS:
+        return _CU_RESULTS
+    if shared is None or fcntl is None:
+        _CU_RESULTS.update(_compile_all(make_dir()))
+        return _CU_RESULTS
+    root = shared / f"cuda_objs-{_sources_key()}"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = root / "results.json"
+        if done.exists():
+            data = json.loads(done.read_text())
+            _CU_RESULTS.update({name: (rc, out, root / (Path(name).stem + ".o")) for name, (rc, out) in data.items()})
+        else:
+            results = _compile_all(root)
+            done.write_text(json.dumps({name: [rc, out] for name, (rc, out, _) in results.items()}))
+            _CU_RESULTS.update(results)
     return _CU_RESULTS
+
+
+def xdist_shared(tmp_path_factory) -> Path | None:
+    """The session's folder shared by its pytest-xdist workers (the parent of each worker's base temp), or None."""
+    return tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else None
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +190,7 @@ def compiled(tmp_path_factory):
     bind_proc = None
     if bind_cmd is not None:
         bind_proc = subprocess.Popen(bind_cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    results = dict(compile_cu_files(lambda: tmp_path_factory.mktemp("cuda_objs")))
+    results = dict(compile_cu_files(lambda: tmp_path_factory.mktemp("cuda_objs"), xdist_shared(tmp_path_factory)))
     results["bindings.cpp"] = (bind_skip, "", None) if bind_proc is None else (*_communicate(bind_proc), None)
     return results
 

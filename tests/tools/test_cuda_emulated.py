@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import assert_bits_equal
+from test_cuda_compile import optim_combos
 
 from fastamp import reference as R
 from fastamp.reference import q8
@@ -452,12 +453,16 @@ def check_steps(driver, tmp_path, rule, fmt, master, flags, hyper=None, steps=2,
                 assert_bits_equal(x, y, f"{rule} {fmt} {master} flags {flags} step {step}: {name}[{i}] (n={x.numel()})")
 
 
+_NAMES = {"kAdamW": "adamw", "kSgd": "sgd", "kLion": "lion", "kFloat32": "fp32", "kBFloat16": "bf16", "kQ8": "q8"}
+COMBOS = [(_NAMES[r], _NAMES[f]) for r, f in optim_combos()]
+
+
 @pytest.mark.parametrize("master", ["none", "fp32", "remainder", "ulp8"])
-@pytest.mark.parametrize("fmt", ["fp32", "bf16", "q8"])
-@pytest.mark.parametrize("rule", ["adamw", "sgd", "lion"])
+@pytest.mark.parametrize("rule, fmt", COMBOS)
 def test_emulated_kernel_matches_reference(driver, tmp_path, rule, fmt, master):
-    """Every (rule, state format, master format): two steps, one flag set each in turn (the rule's own flag
-    with the full set), shared or per-tensor step-scalar rows, misaligned tensors, a non-finite grad."""
+    """Every (rule, state format) of optim_combos.h with every master format: two steps, one flag set each in
+    turn (the rule's own flag with the full set), shared or per-tensor step-scalar rows, misaligned tensors,
+    a non-finite grad."""
     k = (RULE_IDS[rule] * 12 + FORMAT_IDS[fmt] * 4 + MASTER_IDS[master]) % len(FLAG_SETS)
     flags = FLAG_SETS[k] | (RULE_FLAGS[rule] if k == 1 else 0)
     check_steps(driver, tmp_path, rule, fmt, master, flags, rows=k % 2 == 1, seed=k)
@@ -487,13 +492,17 @@ def test_emulated_many_tiny_tensors(driver, tmp_path):
 
 
 def test_emulated_launcher_refuses_what_the_kernels_cannot_take(driver, tmp_path):
-    """SR flags without rng, a state count the rule does not keep: cudaErrorInvalidValue, nothing written."""
-    params, masters, states, grads = make_call("adamw", "bf16", "none", 0, HYPER["adamw"], [70], 8)
-    before = [t.clone() for t in params + states]
-    sc = step_scalars("adamw", 1)
-    for flags in (SR_STATE, AMSGRAD):
-        code = run_emulated(driver, tmp_path, params, grads, masters, states, sc, None, None, 0, "adamw",
-                            HYPER["adamw"], flags, "bf16")  # fmt: skip
-        assert code == 1
+    """SR flags without rng, a state count the rule does not keep, a (rule, format) not built:
+    cudaErrorInvalidValue, nothing written."""
+    cases = [("adamw", "bf16", SR_STATE), ("adamw", "bf16", AMSGRAD)]
+    cases += [(r, f, 0) for r in ("adamw", "sgd", "lion") for f in ("fp32", "bf16", "q8") if (r, f) not in COMBOS]
+    assert len(cases) > 2
+    for rule, fmt, flags in cases:
+        params, masters, states, grads = make_call(rule, fmt, "none", 0, HYPER[rule], [70], 8)
+        before = [t.clone() for t in params + states]
+        sc = step_scalars(rule, 1)
+        code = run_emulated(driver, tmp_path, params, grads, masters, states, sc, None, None, 0, rule, HYPER[rule],
+                            flags, fmt)  # fmt: skip
+        assert code == 1, (rule, fmt, flags)
         for a, b in zip(params + states, before):
-            assert_bits_equal(a, b, f"flags {flags}: refused call")
+            assert_bits_equal(a, b, f"{rule} {fmt} flags {flags}: refused call")

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cuda_compile import NVCC, ROOT, compile_cu_files, optim_instances, requires_nvcc
+from test_cuda_compile import NVCC, ROOT, compile_cu_files, optim_instances, requires_nvcc, xdist_shared
 
 pytestmark = pytest.mark.slow  # every test reads the session-wide nvcc compile (~45 s)
 RESULTS = ROOT / "benchmarks" / "results" / "cuda_ptxas.md"
@@ -101,7 +101,7 @@ def readable(mangled):
 def ptxas(tmp_path_factory):
     if NVCC is None:
         pytest.skip("nvcc not found")
-    compiled = compile_cu_files(lambda: tmp_path_factory.mktemp("cuda_objs"))
+    compiled = compile_cu_files(lambda: tmp_path_factory.mktemp("cuda_objs"), xdist_shared(tmp_path_factory))
     return {name: (rc, out, parse_ptxas(out)) for name, (rc, out, _obj) in compiled.items()}
 
 
