@@ -416,6 +416,7 @@ void optim_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
   for (size_t k = 0; k < hyper.size(); ++k) call.hyper[k] = hyper[k];
   call.flags = flags;
   call.scalar_stride = check_step_scalars(op, step_scalars, device, n, info->scalars);
+  call.step_scalars = step_scalars.data_ptr<float>();
   call.found_inf = optional_found_inf(op, found_inf, device);
   call.rng = optional_rng(op, rng, device);
   TORCH_CHECK(call.rng != nullptr || (flags & (optim_flags::kSrParam | optim_flags::kSrState)) == 0, "fastamp::", op,
