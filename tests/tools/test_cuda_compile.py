@@ -263,6 +263,19 @@ def test_objects_hold_both_archs_and_every_kernel(compiled):
     assert b"optim_kernel" not in obj.read_bytes(), "optim.cu only hands a call to its rule's file"
 
 
+def test_binding_fills_every_field_of_the_optim_call():
+    """optim_cuda sets each field of launchers.h's OptimCall (the GPU tests are the first to run it; a field
+    left at its zero, as step_scalars once was, reads address 0 on the device)."""
+    header = (CUDA_DIR / "launchers.h").read_text()
+    body = header.split("struct OptimCall {", 1)[1].split("};", 1)[0]
+    fields = re.findall(r"^\s+[\w:<>\s\*]+?\b(\w+)(?:\[\d+\])?;", body, flags=re.M)
+    assert {"rule", "format", "master", "step_scalars", "found_inf", "rng", "rng_base"} <= set(fields), fields
+    binding = (CUDA_DIR / "bindings.cpp").read_text()
+    fn = binding.split("void optim_cuda(", 1)[1].split("\n}\n", 1)[0]
+    unset = [f for f in fields if not re.search(rf"\bcall\.{f}(\[\w+\])? =", fn)]
+    assert not unset, f"optim_cuda does not set OptimCall's {unset}"
+
+
 def test_kernel_sources_include_no_torch_header():
     pattern = re.compile(r'#\s*include\s*[<"](torch|ATen|c10|caffe2)/')
     for path in [*CU_FILES, *CUDA_DIR.glob("*.cuh"), *CUDA_DIR.glob("*.h")]:
