@@ -162,3 +162,35 @@ def test_coerce_follows_the_schema():
     assert isinstance(registry.coerce("sgd_", ((), (), (), (), 0, None, None, 0, 0, 0, 0, 0, 0))[0], list)
     with pytest.raises(TypeError, match="expected 10 arguments, got 2"):
         registry.coerce("update_scale_", (1, 2))
+
+
+def test_as_optim_runs_a_per_rule_op_as_optim():
+    """registry.as_optim, the kernel of a per-rule op on a device with optim_'s kernel but not the op's own
+    (native CUDA), is the reference's per-rule op bit for bit: here on the CPU, every dense rule x format."""
+    import torch
+    from _matrix import RULE_FORMATS, clone_state, make_state, per_rule_call, per_rule_covers
+    from helpers import assert_bits_equal
+
+    from fastamp import reference
+    from fastamp.ops import registry
+
+    if not registry.NATIVE_LOADED:
+        pytest.skip(f"fastamp._C does not load: {registry.NATIVE_ERROR}")
+    done = set()
+    for rule, fmt in RULE_FORMATS:
+        if not per_rule_covers(fmt):
+            continue
+        h = rule.hypers[sorted(rule.hypers)[0]]
+        st = make_state(rule, fmt, fmt.param_dtypes[0], torch.float32, h, [5, 70], 3)
+        ref = clone_state(st)
+        scalars = rule.step_scalars(h, 0, None, "cpu")
+        rng = torch.tensor([1, 2], dtype=torch.int64)
+        op, args = per_rule_call(rule, fmt, st, scalars, None, rng, 3, h)
+        _, ref_args = per_rule_call(rule, fmt, ref, scalars, None, rng, 3, h)
+        registry.as_optim(op)(*args)
+        getattr(reference, op)(*ref_args)
+        for key in st:
+            for i, (a, b) in enumerate(zip(st[key], ref[key])):
+                assert_bits_equal(a, b, f"{op} {fmt.name}: {key}[{i}]")
+        done.add(op)
+    assert done == {"adamw_", "adamw_bf16_", "sgd_", "lion_"}, done
