@@ -1,5 +1,5 @@
-// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu, adamw.cu, sgd.cu, lion.cu,
-// adamw_q8.cu).
+// Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu; optim.cu and the instances of
+// optim.cuh's kernel, optim_<rule>.cu).
 //
 // Raw device pointers, 64-bit sizes, a dtype enum and a stream: no torch, ATen or c10
 // header, so the kernels compile with bare nvcc (tests/tools/test_cuda_compile.py) and the torch
