@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastamp.ops import backends, legacy, registry
+from fastamp.ops import backends, registry
 from fastamp.ops import validate as V
 from fastamp.reference.optim import AMSGRAD, MAXIMIZE, to_optim
 
@@ -203,42 +203,50 @@ _DIRECT = (
 )
 
 
-def _bridged_direct(*args):
-    """``optim_`` on the per-rule direct calls (fastamp/ops/legacy.py), declining as a direct call does."""
-    try:
-        return legacy.run(args, _DIRECT.__getitem__)
-    except NotImplementedError:
-        raise
-    except RuntimeError:  # arguments it cannot map: the torch.ops path and the checks name the problem
-        return NotImplemented
+def _cpu_only(direct):
+    """``direct`` declining (NotImplemented) a call on CUDA tensors."""
+
+    def call(*args):
+        params = args[0]
+        if len(params) and params[0].is_cuda:
+            return NotImplemented
+        return direct(*args)
+
+    return call
 
 
-if _NATIVE is not None and "optim_" not in _DIRECT and "adamw_" in _DIRECT:
-    # an extension without a generic kernel: optim_ runs on the per-rule direct calls
-    _DIRECT["optim_"] = _bridged_direct
+if "optim_" in _DIRECT and registry.bridged("native", "cuda"):
+    # the native CUDA optim_ is the bridge onto the per-rule ops (fastamp/ops/legacy.py), a Python
+    # kernel: its direct call would redispatch into Python and turn the bridge's refusals into errors
+    _DIRECT["optim_"] = _cpu_only(_DIRECT["optim_"])
 # The direct call a table stands in for: a table runs only while _DIRECT holds it, so a test
 # that routes _DIRECT through a spy (tests/helpers.spy_kernels) sees every kernel call.
-_TABLE_DIRECT = _DIRECT.get("adamw_")
-_TABLE_RUN = getattr(_NATIVE, "adamw_table_run", None)
+_TABLE_DIRECT = _DIRECT.get("optim_")
+_TABLE_RUN = getattr(_NATIVE, "optim_table_run", None)
 
 
-def _adamw_table(
-    params: list[Tensor],
-    masters: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor],
-    amsgrad: bool,
-):
-    """A persistent table of these lists for :func:`adamw_`'s ``_table`` (native CPU), or None.
+def _optim_table(params: list[Tensor], masters: list[Tensor], states: list[Tensor], rule: str, flags: int):
+    """A persistent table of these lists for :func:`optim_`'s ``_table`` (native CPU), or None.
 
-    None where the extension has no tables or declines the tensors (not plain dense CPU
-    tensors, or anything the op would refuse): the caller then passes the lists alone.
+    ``rule`` and ``flags`` as :func:`optim_` takes them (AMSGRAD decides AdamW's states; an SGD
+    table keeps a momentum buffer where ``states`` is not empty). None where the extension has no
+    tables or declines the tensors (not plain dense CPU tensors, or anything the op would refuse):
+    the caller then passes the lists alone.
     """
     if _TABLE_RUN is None or torch.compiler.is_compiling():
         return None
-    table = _NATIVE.adamw_table(params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
+    table = _NATIVE.optim_table(params, masters, states, rule, flags)
     return None if table is NotImplemented else table
+
+
+def _run_table(table, dev, backend, grads, step_scalars, found_inf, rng, rng_base, rule, hyper, flags) -> bool:
+    """Whether ``table`` (:func:`_optim_table`) ran ``optim_`` on these arguments (False: it declined, nothing written)."""
+    return (
+        _DIRECT.get("optim_") is _TABLE_DIRECT
+        and not torch.compiler.is_compiling()
+        and backends.resolve("optim_", dev, backend) == "native"
+        and _TABLE_RUN(table, grads, step_scalars, found_inf, rng, rng_base, rule, hyper, flags) is not NotImplemented
+    )
 
 
 def _scatter_rows(counts: Tensor, absmax: Tensor, idx: list[int], c: Tensor, a: Tensor) -> None:
@@ -332,24 +340,21 @@ def adamw_(
     each param's own step count); any other shape is refused. Skips everything on device
     when ``found_inf`` is non-zero. No host sync.
 
-    ``_table`` (private, for the optimizers' launch plans): what :func:`_adamw_table` made of
-    these ``params``, ``masters`` and moments. The native kernel then takes the table's
-    tensors, checked in one pass (see csrc/cpu/adamw_table.h), instead of the lists; the
-    lists are used whenever the table declines.
+    ``_table`` (private, for the optimizers' launch plans): what :func:`_optim_table` made of
+    these ``params``, ``masters`` and moments (``states = exp_avgs + exp_avg_sqs (+
+    max_exp_avg_sqs)``, rule ``"adamw"``). The native kernel then takes the table's tensors,
+    checked in one pass (see csrc/cpu/optim_table.h), instead of the lists; the lists are used
+    whenever the table declines.
     """
     op = "adamw_"
     if len(params) == 0:
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
-    if (
-        _table is not None
-        and _DIRECT.get(op) is _TABLE_DIRECT
-        and not torch.compiler.is_compiling()
-        and backends.resolve(op, dev, backend) == "native"
-        and _TABLE_RUN(_table, grads, step_scalars, found_inf, beta1, beta2, eps, amsgrad, maximize)
-        is not NotImplemented
-    ):
+    flags = (MAXIMIZE if maximize else 0) | (AMSGRAD if amsgrad else 0)
+    hyper = [float(beta1), float(beta2), float(eps)]
+    if _table is not None and _run_table(_table, dev, backend, grads, step_scalars, found_inf, None, 0, "adamw", hyper,
+                                         flags):  # fmt: skip
         return
     tensors = (params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf)
     args = registry.coerce(op, tensors + (beta1, beta2, eps, amsgrad, maximize))
@@ -604,23 +609,17 @@ def optim_(
     ``NESTEROV``, ``SR_PARAM``, ``SR_STATE`` of :mod:`fastamp.reference.optim`. Skips
     everything on the device when ``found_inf`` is non-zero. No host sync.
 
-    ``_table`` (private, for the optimizers' launch plans): what :func:`_adamw_table` made of
-    an AdamW launch's fp32 tensors; the native kernel then takes the table's tensors, checked in
-    one pass (csrc/cpu/adamw_table.h), whenever it does not decline.
+    ``_table`` (private, for the optimizers' launch plans): what :func:`_optim_table` made of
+    these ``params``, ``masters`` and ``states``; the native kernel then takes the table's tensors,
+    checked in one pass (csrc/cpu/optim_table.h), whenever it does not decline.
     """
     op = "optim_"
     if len(params) == 0:
         return
     dev = params[0].device
     V.optim_rule(op, rule, hyper, flags)
-    if (
-        _table is not None
-        and _DIRECT.get("adamw_") is _TABLE_DIRECT
-        and not torch.compiler.is_compiling()
-        and backends.resolve(op, dev, backend) == "native"
-        and _TABLE_RUN(_table, grads, step_scalars, found_inf, *hyper, bool(flags & AMSGRAD), bool(flags & MAXIMIZE))
-        is not NotImplemented
-    ):
+    if _table is not None and _run_table(_table, dev, backend, grads, step_scalars, found_inf, rng, rng_base, rule,
+                                         hyper, flags):  # fmt: skip
         return
     args = registry.coerce(
         op, (params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule, hyper, flags)

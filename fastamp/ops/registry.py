@@ -159,11 +159,11 @@ RELEASE_OPS: dict[str, OpDef] = {
 
 # The rules on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
 # fastamp.reference.adamw_q8_, sgd_q8_, lion_q8_), defined in the native and Triton namespaces
-# and as opaque reference ops (reference_op). adamw_q8_ has kernels of its own on every backend
-# (csrc/cpu and csrc/cuda adamw_q8, kernels/adamw_q8.py). sgd_q8_ and lion_q8_ have native CPU
-# kernels (csrc/cpu/one_state.cpp); on the other backends they are the rule's dense kernel
-# composed with the codec (fastamp.reference.one_state_q8: composed_q8, registered for CUDA by
-# _load_native and for Triton by kernels/sgd.py). They stay out of OPS, whose ops every backend
+# and as opaque reference ops (reference_op). adamw_q8_ has kernels of its own on the CUDA and
+# Triton backends (csrc/cuda adamw_q8, kernels/adamw_q8.py); sgd_q8_ and lion_q8_ there are the
+# rule's dense kernel composed with the codec (fastamp.reference.one_state_q8: composed_q8,
+# registered for CUDA by _load_native and for Triton by kernels/sgd.py). On the native CPU backend
+# all three run as optim_ (FORWARDED: csrc/cpu/optim.cpp). They stay out of OPS, whose ops every backend
 # registers with one kernel per device: a native build may lack a CUDA kernel
 # (native_has_kernel says).
 Q8_OPS: dict[str, OpDef] = {
@@ -363,6 +363,14 @@ def _load_native() -> None:
         if native_has_kernel("adamw_", key.lower()) and not native_has_kernel("optim_", key.lower()):
             lib.impl("optim_", bridge(lambda name: getattr(torch.ops.fastamp, name)), key)
             BRIDGED.add(("native", key.lower()))
+    # the reverse: a device whose native optim_ kernel replaced the per-rule ones (the CPU) runs the
+    # per-rule ops that callers still name as optim_
+    for key in ("CPU", "CUDA"):
+        if native_has_kernel("optim_", key.lower()) and ("native", key.lower()) not in BRIDGED:
+            for op in PER_RULE_OPS:
+                if not native_has_kernel(op, key.lower()):
+                    lib.impl(op, forward(op), key)
+                    FORWARDED.add((op, key.lower()))
 
 
 # (backend, device type) pairs whose optim_ runs on the per-rule ops (fastamp/ops/legacy.py)
@@ -378,6 +386,25 @@ def bridge(op_of: Callable[[str], Callable]) -> Callable:
         legacy.run(args, op_of)
 
     return optim_
+
+
+# The per-rule optimizer ops, each a set of optim_'s arguments (fastamp.reference.optim.to_optim).
+PER_RULE_OPS = ("adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_", "lion_q8_")
+
+# (op, device type) pairs of native per-rule ops whose kernel is optim_'s (forward)
+FORWARDED: set[tuple[str, str]] = set()
+
+
+def forward(op: str) -> Callable:
+    """A kernel of the per-rule ``op`` that runs ``fastamp::optim_`` (the device's generic kernel) on its arguments."""
+
+    def kernel(*args) -> None:
+        from fastamp.reference.optim import to_optim
+
+        torch.ops.fastamp.optim_(*coerce("optim_", to_optim(op, args)))
+
+    kernel.__name__ = op
+    return kernel
 
 
 def bridged(backend: str, device_type: str) -> bool:

@@ -880,10 +880,13 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     def _table_of(self, run: _Run, args: tuple, kw: dict[str, Any]) -> Any:
         """The run's persistent kernel table (made at its first native launch), or None.
 
-        Runs whose params are copied contiguous each step (strided params) or are DTensor
-        shards take the lists each time.
+        A table of ``optim_``'s tensors (:func:`fastamp.functional._optim_table`) for a run of any
+        op: ``optim_`` itself or a per-rule op (as ``optim_`` takes its arguments,
+        :func:`fastamp.reference.optim.to_optim`). Runs whose params are copied contiguous each step
+        (strided params) or are DTensor shards take the lists each time.
         """
         from fastamp.ops import backends
+        from fastamp.reference.optim import to_optim
 
         table = run.table
         if table is None:
@@ -891,9 +894,17 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             if (
                 not run.strided
                 and not run.dtensor
-                and backends.resolve(run.op, run.params[0].device, self.backend) == "native"
+                and backends.resolve("optim_", run.params[0].device, self.backend) == "native"
             ):
-                table = functional._adamw_table(args[0], args[2], args[3], args[4], args[5], kw["amsgrad"]) or False
+                # args: the op's positional arguments, all of them (the engine's _kernel_args)
+                try:
+                    generic = tuple(args) if run.op == "optim_" else to_optim(run.op, tuple(args))
+                except (TypeError, ValueError):
+                    generic = None
+                if generic is not None:
+                    params, _, masters, states = generic[:4]
+                    rule, flags = generic[8], generic[10]
+                    table = functional._optim_table(list(params), list(masters), list(states), rule, flags) or False
             run.table = table
         return table or None
 
