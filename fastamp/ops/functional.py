@@ -249,6 +249,42 @@ def _run_table(table, dev, backend, grads, step_scalars, found_inf, rng, rng_bas
     )
 
 
+def _optim_launch(args: tuple, backend: str, table=None) -> None:
+    """``optim_(*args)`` on the already resolved ``backend``, for a launch the optimizer engine validated.
+
+    What the engine's launch plans call: no argument checks and no backend resolution per call (the
+    plan resolved it, see ``FusedOptimizer._backends_of``); ``table`` as :func:`optim_`'s ``_table``
+    (:func:`_optim_table_for`). A native kernel that refuses the input (which the engine's checks should
+    have made impossible) is answered by :mod:`fastamp.ops.validate`'s message where it has one, else by
+    the kernel's error.
+    """
+    if (
+        table is not None
+        and backend == "native"
+        and _DIRECT.get("optim_") is _TABLE_DIRECT
+        and not torch.compiler.is_compiling()
+        and _TABLE_RUN(table, *args[1:2], *args[4:]) is not NotImplemented
+    ):
+        return
+    if _native_fast_path("optim_", backend, args) is not _NOT_RUN:
+        return
+    if backend == "native":
+        V.optim("optim_", args[0][0].device, *args, strict=True)
+    backends.get_impl("optim_", backend)(*args)
+
+
+def _optim_table_for(args: tuple):
+    """A persistent native table for ``optim_`` launches with these (positional) arguments, or None.
+
+    Every rule and every master and state format (csrc/cpu/optim_table.h): :func:`_optim_table` of the
+    launch's params, masters and states.
+    """
+    params, _, masters, states = args[:4]
+    if len(params) == 0:
+        return None
+    return _optim_table(list(params), list(masters), list(states), args[8], args[10])
+
+
 def _scatter_rows(counts: Tensor, absmax: Tensor, idx: list[int], c: Tensor, a: Tensor) -> None:
     if not idx:
         return
