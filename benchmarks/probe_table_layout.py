@@ -1,8 +1,8 @@
-"""What the memory layout of an optimizer's tensors costs the native adamw_ table (issue 21).
+"""What the memory layout of an optimizer's tensors costs the native optim_ table (issue 21).
 
-The native CPU ``adamw_`` runs a repeated step through a persistent table
-(``fastamp._C.adamw_table`` / ``adamw_table_run``, csrc/cpu/adamw.cpp): one pass of checks over
-every tensor, then the kernel. At many small tensors both are bound by memory latency. This probe
+The native CPU ``optim_`` runs a repeated step through a persistent table
+(``fastamp._C.optim_table`` / ``optim_table_run``, csrc/cpu/optim.cpp): one pass of checks over
+every tensor, then the kernel (here AdamW). At many small tensors both are bound by memory latency. This probe
 times the table alone, fp32 params + m + v, in four layouts:
 
 - ``separate``: every param, m, v and grad its own allocation (what an optimizer does today);
@@ -55,9 +55,9 @@ def _lists(layout: str, n: int, m: int):
 
 
 def _run(table, grads, scalars, found_inf):
-    got = _C.adamw_table_run(table, grads, scalars, found_inf, 0.9, 0.999, 1e-8, False, False)
+    got = _C.optim_table_run(table, grads, scalars, found_inf, None, 0, "adamw", [0.9, 0.999, 1e-8], 0)
     if got is not None:
-        raise RuntimeError(f"adamw_table_run declined ({got!r}): the probe's tensors do not fit the table")
+        raise RuntimeError(f"optim_table_run declined ({got!r}): the probe's tensors do not fit the table")
 
 
 def probe(n: int, m: int, reps: int) -> dict[str, dict[str, float]]:
@@ -66,7 +66,7 @@ def probe(n: int, m: int, reps: int) -> dict[str, dict[str, float]]:
     for layout in LAYOUTS:
         params, ms, vs, grads = _lists(layout, n, m)
         rows = len(params)
-        table = _C.adamw_table(params, [], ms, vs, [], False)
+        table = _C.optim_table(params, [], [*ms, *vs], "adamw", 0)
         scalars = torch.tensor([[1e-3, 1.0, 0.99, 1.0]]).expand(rows, 4).contiguous()
         _run(table, grads(), scalars, torch.zeros(1))
         flat = torch.cat([p.flatten() for p in params])
@@ -95,7 +95,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=11, help="timed calls per layout and measure (median)")
     args = parser.parse_args()
     res = probe(args.n, args.m, args.reps)
-    print(f"# adamw_ table, fp32, {args.n} x {args.m}, torch threads {torch.get_num_threads()}, medians of {args.reps}")
+    print(
+        f"# optim_ table (AdamW), fp32, {args.n} x {args.m}, torch threads {torch.get_num_threads()}, medians of {args.reps}"
+    )
     print("| layout | checks ms | checks + kernel ms |")
     print("|---|---|---|")
     for layout, t in res.items():

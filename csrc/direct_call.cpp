@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/adamw_table.h"
+#include "cpu/optim_table.h"
 #include "host_prefetch.h"
 #include "op_signatures.h"
 #include "plain_keys.h"
@@ -250,233 +250,56 @@ PyObject* unscale_check_stats_(PyObject*, PyObject* const* args, Py_ssize_t narg
   return unscale_common(args, nargs, true);
 }
 
-// adamw_(params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars,
-// found_inf, beta1, beta2, eps, amsgrad, maximize) and adamw_bf16_(..., found_inf, rng,
-// rng_base, beta1, ...).
-PyObject* adamw_common(PyObject* const* args, Py_ssize_t nargs, bool bf16) {
-  FASTAMP_DIRECT_BEGIN
-  if (nargs != (bf16 ? 15 : 13)) return declined();
-  Borrowed b;
-  b.reserve(list_size(args[0]) * 6 + 3);
-  std::pair<size_t, size_t> lists[6];
-  for (int k = 0; k < 6; ++k) {
-    if (!b.add_list(args[k], &lists[k])) return declined();
+bool as_str(PyObject* o, c10::string_view* out) {
+  if (!PyUnicode_Check(o)) return false;
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(o, &size);
+  if (data == nullptr) {
+    PyErr_Clear();
+    return false;
   }
-  std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
-  if (!b.add_one(args[6], false, &step_scalars) || !b.add_one(args[7], true, &found_inf)) return declined();
-  int at = 8;
-  int64_t rng_base = 0;
-  if (bf16 && (!b.add_one(args[at++], true, &rng) || !as_int(args[at++], &rng_base))) return declined();
-  double beta1 = 0, beta2 = 0, eps = 0;
-  bool amsgrad = false, maximize = false;
-  if (!as_double(args[at], &beta1) || !as_double(args[at + 1], &beta2) || !as_double(args[at + 2], &eps) ||
-      !as_bool(args[at + 3], &amsgrad) || !as_bool(args[at + 4], &maximize)) {
-    return declined();
-  }
-  const c10::DispatchKeySet ks = b.dispatch_keys();
-  Void done;
-  Ran ran = Ran::kDeclined;
-  if (bf16) {
-    static auto op = handle<signature::adamw_bf16_>("fastamp::adamw_bf16_");
-    ran = run_kernel(
-        [&] {
-          op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.list(lists[4]),
-                        b.list(lists[5]), b.one(step_scalars), b.optional(found_inf), b.optional(rng), rng_base, beta1,
-                        beta2, eps, amsgrad, maximize);
-          return Void{};
-        },
-        &done);
-  } else {
-    static auto op = handle<signature::adamw_>("fastamp::adamw_");
-    ran = run_kernel(
-        [&] {
-          op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.list(lists[4]),
-                        b.list(lists[5]), b.one(step_scalars), b.optional(found_inf), beta1, beta2, eps, amsgrad,
-                        maximize);
-          return Void{};
-        },
-        &done);
-  }
-  if (ran != Ran::kYes) return finish(ran, nullptr);
-  Py_RETURN_NONE;
-  FASTAMP_DIRECT_END
+  *out = c10::string_view(data, static_cast<size_t>(size));
+  return true;
 }
 
-PyObject* adamw_(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return adamw_common(args, nargs, false); }
-
-PyObject* adamw_bf16_(PyObject*, PyObject* const* args, Py_ssize_t nargs) { return adamw_common(args, nargs, true); }
-
-// The arguments sgd_ and lion_ share: (params, grads, masters, state, step_scalars, found_inf,
-// rng, rng_base, ...the rule's hyperparameters), and their q8 twins with the state as two lists
-// (codes, scales): kLists = 4 or 5 lists first. False when the shortcut must decline them.
-template <int kLists>
-struct OneStateArgs {
-  std::pair<size_t, size_t> lists[kLists];
-  std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
-  int64_t rng_base = 0;
-};
-
-template <int kLists>
-bool parse_one_state(PyObject* const* args, Borrowed* b, OneStateArgs<kLists>* a) {
-  b->reserve(list_size(args[0]) * kLists + 3);
-  for (int k = 0; k < kLists; ++k) {
-    if (!b->add_list(args[k], &a->lists[k])) return false;
+// A list or tuple of Python floats (or ints, which the schema's float[] takes too).
+bool as_doubles(PyObject* seq, std::vector<double>* out) {
+  if (!PyList_Check(seq) && !PyTuple_Check(seq)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  out->resize(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyBool_Check(items[i]) || !as_double(items[i], &(*out)[static_cast<size_t>(i)])) return false;
   }
-  return b->add_one(args[kLists], false, &a->step_scalars) && b->add_one(args[kLists + 1], true, &a->found_inf) &&
-         b->add_one(args[kLists + 2], true, &a->rng) && as_int(args[kLists + 3], &a->rng_base);
+  return true;
 }
 
-// sgd_(params, grads, masters, momentum_buffers, step_scalars, found_inf, rng, rng_base,
-// momentum, dampening, weight_decay, nesterov, maximize).
-PyObject* sgd_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  FASTAMP_DIRECT_BEGIN
-  if (nargs != 13) return declined();
-  Borrowed b;
-  OneStateArgs<4> a;
-  double momentum = 0, dampening = 0, weight_decay = 0;
-  bool nesterov = false, maximize = false;
-  if (!parse_one_state(args, &b, &a) || !as_double(args[8], &momentum) || !as_double(args[9], &dampening) ||
-      !as_double(args[10], &weight_decay) || !as_bool(args[11], &nesterov) || !as_bool(args[12], &maximize)) {
-    return declined();
-  }
-  const c10::DispatchKeySet ks = b.dispatch_keys();
-  static auto op = handle<signature::sgd_>("fastamp::sgd_");
-  Void done;
-  const Ran ran = run_kernel(
-      [&] {
-        op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
-                      b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base, momentum,
-                      dampening, weight_decay, nesterov, maximize);
-        return Void{};
-      },
-      &done);
-  if (ran != Ran::kYes) return finish(ran, nullptr);
-  Py_RETURN_NONE;
-  FASTAMP_DIRECT_END
-}
-
-// lion_(params, grads, masters, exp_avgs, step_scalars, found_inf, rng, rng_base, beta1, beta2,
-// maximize).
-PyObject* lion_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// optim_(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule, hyper, flags).
+PyObject* optim_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_BEGIN
   if (nargs != 11) return declined();
   Borrowed b;
-  OneStateArgs<4> a;
-  double beta1 = 0, beta2 = 0;
-  bool maximize = false;
-  if (!parse_one_state(args, &b, &a) || !as_double(args[8], &beta1) || !as_double(args[9], &beta2) ||
-      !as_bool(args[10], &maximize)) {
-    return declined();
-  }
-  const c10::DispatchKeySet ks = b.dispatch_keys();
-  static auto op = handle<signature::lion_>("fastamp::lion_");
-  Void done;
-  const Ran ran = run_kernel(
-      [&] {
-        op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
-                      b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base, beta1, beta2,
-                      maximize);
-        return Void{};
-      },
-      &done);
-  if (ran != Ran::kYes) return finish(ran, nullptr);
-  Py_RETURN_NONE;
-  FASTAMP_DIRECT_END
-}
-
-// sgd_q8_(params, grads, masters, momentum_buffer_codes, momentum_buffer_scales, step_scalars,
-// found_inf, rng, rng_base, momentum, dampening, weight_decay, nesterov, maximize, sr_param, sr_codes).
-PyObject* sgd_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  FASTAMP_DIRECT_BEGIN
-  if (nargs != 16) return declined();
-  Borrowed b;
-  OneStateArgs<5> a;
-  double momentum = 0, dampening = 0, weight_decay = 0;
-  bool nesterov = false, maximize = false, sr_param = false, sr_codes = false;
-  if (!parse_one_state(args, &b, &a) || !as_double(args[9], &momentum) || !as_double(args[10], &dampening) ||
-      !as_double(args[11], &weight_decay) || !as_bool(args[12], &nesterov) || !as_bool(args[13], &maximize) ||
-      !as_bool(args[14], &sr_param) || !as_bool(args[15], &sr_codes)) {
-    return declined();
-  }
-  const c10::DispatchKeySet ks = b.dispatch_keys();
-  // CPU only: on CUDA the op runs as optim_, a Python kernel (fastamp.ops.registry.as_optim)
-  if (ks.has_backend(c10::BackendComponent::CUDABit)) return declined();
-  static auto op = handle<signature::sgd_q8_>("fastamp::sgd_q8_");
-  Void done;
-  const Ran ran = run_kernel(
-      [&] {
-        op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
-                      b.list(a.lists[4]), b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base,
-                      momentum, dampening, weight_decay, nesterov, maximize, sr_param, sr_codes);
-        return Void{};
-      },
-      &done);
-  if (ran != Ran::kYes) return finish(ran, nullptr);
-  Py_RETURN_NONE;
-  FASTAMP_DIRECT_END
-}
-
-// lion_q8_(params, grads, masters, exp_avg_codes, exp_avg_scales, step_scalars, found_inf, rng,
-// rng_base, beta1, beta2, maximize, sr_param, sr_codes).
-PyObject* lion_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  FASTAMP_DIRECT_BEGIN
-  if (nargs != 14) return declined();
-  Borrowed b;
-  OneStateArgs<5> a;
-  double beta1 = 0, beta2 = 0;
-  bool maximize = false, sr_param = false, sr_codes = false;
-  if (!parse_one_state(args, &b, &a) || !as_double(args[9], &beta1) || !as_double(args[10], &beta2) ||
-      !as_bool(args[11], &maximize) || !as_bool(args[12], &sr_param) || !as_bool(args[13], &sr_codes)) {
-    return declined();
-  }
-  const c10::DispatchKeySet ks = b.dispatch_keys();
-  // CPU only: on CUDA the op runs as optim_, a Python kernel (fastamp.ops.registry.as_optim)
-  if (ks.has_backend(c10::BackendComponent::CUDABit)) return declined();
-  static auto op = handle<signature::lion_q8_>("fastamp::lion_q8_");
-  Void done;
-  const Ran ran = run_kernel(
-      [&] {
-        op.redispatch(ks, b.list(a.lists[0]), b.list(a.lists[1]), b.list(a.lists[2]), b.list(a.lists[3]),
-                      b.list(a.lists[4]), b.one(a.step_scalars), b.optional(a.found_inf), b.optional(a.rng), a.rng_base,
-                      beta1, beta2, maximize, sr_param, sr_codes);
-        return Void{};
-      },
-      &done);
-  if (ran != Ran::kYes) return finish(ran, nullptr);
-  Py_RETURN_NONE;
-  FASTAMP_DIRECT_END
-}
-
-// adamw_q8_(params, grads, masters, exp_avg_codes, exp_avg_scales, exp_avg_sq_codes,
-// exp_avg_sq_scales, step_scalars, found_inf, rng, rng_base, beta1, beta2, eps, maximize,
-// sr_param, sr_codes).
-PyObject* adamw_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  FASTAMP_DIRECT_BEGIN
-  if (nargs != 17) return declined();
-  Borrowed b;
-  b.reserve(list_size(args[0]) * 7 + 3);
-  std::pair<size_t, size_t> lists[7];
-  for (int k = 0; k < 7; ++k) {
+  b.reserve(list_size(args[0]) * 3 + list_size(args[3]) + 3);
+  std::pair<size_t, size_t> lists[4];
+  for (int k = 0; k < 4; ++k) {
     if (!b.add_list(args[k], &lists[k])) return declined();
   }
   std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
-  int64_t rng_base = 0;
-  double beta1 = 0, beta2 = 0, eps = 0;
-  bool maximize = false, sr_param = false, sr_codes = false;
-  if (!b.add_one(args[7], false, &step_scalars) || !b.add_one(args[8], true, &found_inf) ||
-      !b.add_one(args[9], true, &rng) || !as_int(args[10], &rng_base) || !as_double(args[11], &beta1) ||
-      !as_double(args[12], &beta2) || !as_double(args[13], &eps) || !as_bool(args[14], &maximize) ||
-      !as_bool(args[15], &sr_param) || !as_bool(args[16], &sr_codes)) {
+  int64_t rng_base = 0, flags = 0;
+  c10::string_view rule;
+  std::vector<double> hyper;
+  if (!b.add_one(args[4], false, &step_scalars) || !b.add_one(args[5], true, &found_inf) ||
+      !b.add_one(args[6], true, &rng) || !as_int(args[7], &rng_base) || !as_str(args[8], &rule) ||
+      !as_doubles(args[9], &hyper) || !as_int(args[10], &flags)) {
     return declined();
   }
   const c10::DispatchKeySet ks = b.dispatch_keys();
-  static auto op = handle<signature::adamw_q8_>("fastamp::adamw_q8_");
+  static auto op = handle<signature::optim_>("fastamp::optim_");
   Void done;
   const Ran ran = run_kernel(
       [&] {
-        op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.list(lists[4]),
-                      b.list(lists[5]), b.list(lists[6]), b.one(step_scalars), b.optional(found_inf), b.optional(rng),
-                      rng_base, beta1, beta2, eps, maximize, sr_param, sr_codes);
+        op.redispatch(ks, b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]), b.one(step_scalars),
+                      b.optional(found_inf), b.optional(rng), rng_base, rule, hyper, flags);
         return Void{};
       },
       &done);
@@ -485,63 +308,64 @@ PyObject* adamw_q8_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_END
 }
 
-// adamw_table(params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad) -> capsule | NotImplemented:
-// a persistent table of adamw_'s tensors (csrc/cpu/adamw_table.h) for an optimizer's launch
-// plan; NotImplemented where the shortcut declines a tensor or the op refuses one.
-constexpr const char* kAdamWTableName = "fastamp.adamw_table";
+// optim_table(params, masters, states, rule, flags) -> capsule | NotImplemented: a persistent table
+// of optim_'s tensors (csrc/cpu/optim_table.h) for an optimizer's launch plan; NotImplemented where
+// the shortcut declines a tensor or the op refuses one.
+constexpr const char* kOptimTableName = "fastamp.optim_table";
 
-void free_adamw_table(PyObject* capsule) {
-  cpu::AdamWTableDeleter()(static_cast<cpu::AdamWTable*>(PyCapsule_GetPointer(capsule, kAdamWTableName)));
+void free_optim_table(PyObject* capsule) {
+  cpu::OptimTableDeleter()(static_cast<cpu::OptimTable*>(PyCapsule_GetPointer(capsule, kOptimTableName)));
 }
 
-PyObject* adamw_table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* optim_table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_BEGIN
-  if (nargs != 6) return declined();
+  if (nargs != 5) return declined();
   Borrowed b;
-  b.reserve(list_size(args[0]) * 5);
-  std::pair<size_t, size_t> lists[5];
-  for (int k = 0; k < 5; ++k) {
+  b.reserve(list_size(args[0]) * 2 + list_size(args[2]));
+  std::pair<size_t, size_t> lists[3];
+  for (int k = 0; k < 3; ++k) {
     if (!b.add_list(args[k], &lists[k])) return declined();
   }
-  bool amsgrad = false;
-  if (!as_bool(args[5], &amsgrad)) return declined();
+  c10::string_view rule;
+  int64_t flags = 0;
+  if (!as_str(args[3], &rule) || !as_int(args[4], &flags)) return declined();
   if (b.dispatch_keys() != c10::DispatchKeySet(c10::DispatchKey::CPU)) return declined();
-  cpu::AdamWTablePtr table;
+  cpu::OptimTablePtr table;
   try {
-    table = cpu::adamw_table_new(b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), b.list(lists[3]),
-                                 b.list(lists[4]), amsgrad);
+    table = cpu::optim_table_new(b.list(lists[0]), b.list(lists[1]), b.list(lists[2]), rule, flags);
   } catch (const c10::Error&) {
     return declined();
   }
-  PyObject* capsule = PyCapsule_New(table.get(), kAdamWTableName, &free_adamw_table);
+  PyObject* capsule = PyCapsule_New(table.get(), kOptimTableName, &free_optim_table);
   if (capsule != nullptr) table.release();
   return capsule;
   FASTAMP_DIRECT_END
 }
 
-// adamw_table_run(table, grads, step_scalars, found_inf, beta1, beta2, eps, amsgrad, maximize)
-// -> None | NotImplemented: adamw_(the table's tensors, grads, ...) when everything fits it.
-PyObject* adamw_table_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// optim_table_run(table, grads, step_scalars, found_inf, rng, rng_base, rule, hyper, flags)
+// -> None | NotImplemented: optim_(the table's tensors, grads, ...) when everything fits it.
+PyObject* optim_table_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   FASTAMP_DIRECT_BEGIN
-  if (nargs != 9 || !PyCapsule_IsValid(args[0], kAdamWTableName)) return declined();
-  auto* table = static_cast<cpu::AdamWTable*>(PyCapsule_GetPointer(args[0], kAdamWTableName));
+  if (nargs != 9 || !PyCapsule_IsValid(args[0], kOptimTableName)) return declined();
+  auto* table = static_cast<cpu::OptimTable*>(PyCapsule_GetPointer(args[0], kOptimTableName));
   Borrowed b;
-  b.reserve(static_cast<size_t>(cpu::adamw_table_size(*table)) + 2);
+  b.reserve(static_cast<size_t>(cpu::optim_table_size(*table)) + 3);
   std::pair<size_t, size_t> grads;
-  std::ptrdiff_t step_scalars = 0, found_inf = -1;
-  double beta1 = 0, beta2 = 0, eps = 0;
-  bool amsgrad = false, maximize = false;
+  std::ptrdiff_t step_scalars = 0, found_inf = -1, rng = -1;
+  int64_t rng_base = 0, flags = 0;
+  c10::string_view rule;
+  std::vector<double> hyper;
   if (!b.add_list(args[1], &grads) || !b.add_one(args[2], false, &step_scalars) ||
-      !b.add_one(args[3], true, &found_inf) || !as_double(args[4], &beta1) || !as_double(args[5], &beta2) ||
-      !as_double(args[6], &eps) || !as_bool(args[7], &amsgrad) || !as_bool(args[8], &maximize)) {
+      !b.add_one(args[3], true, &found_inf) || !b.add_one(args[4], true, &rng) || !as_int(args[5], &rng_base) ||
+      !as_str(args[6], &rule) || !as_doubles(args[7], &hyper) || !as_int(args[8], &flags)) {
     return declined();
   }
   if (b.dispatch_keys() != c10::DispatchKeySet(c10::DispatchKey::CPU)) return declined();
   bool ran = false;
   const Ran status = run_kernel(
       [&] {
-        return cpu::adamw_table_run(*table, b.list(grads), b.one(step_scalars), b.optional(found_inf), beta1, beta2,
-                                    eps, amsgrad, maximize);
+        return cpu::optim_table_run(*table, b.list(grads), b.one(step_scalars), b.optional(found_inf), b.optional(rng),
+                                    rng_base, rule, hyper, flags);
       },
       &ran);
   if (status != Ran::kYes) return finish(status, nullptr);
@@ -560,22 +384,10 @@ PyMethodDef fastamp_direct_methods[] = {
     {"unscale_check_stats_",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::unscale_check_stats_)), METH_FASTCALL,
      "torch.ops.fastamp.unscale_check_stats_ without the dispatcher's per-tensor work, or NotImplemented"},
-    {"adamw_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_)), METH_FASTCALL,
-     "torch.ops.fastamp.adamw_ without the dispatcher's per-tensor work, or NotImplemented"},
-    {"adamw_bf16_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_bf16_)), METH_FASTCALL,
-     "torch.ops.fastamp.adamw_bf16_ without the dispatcher's per-tensor work, or NotImplemented"},
-    {"sgd_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::sgd_)), METH_FASTCALL,
-     "torch.ops.fastamp.sgd_ without the dispatcher's per-tensor work, or NotImplemented"},
-    {"lion_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::lion_)), METH_FASTCALL,
-     "torch.ops.fastamp.lion_ without the dispatcher's per-tensor work, or NotImplemented"},
-    {"adamw_q8_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_q8_)), METH_FASTCALL,
-     "torch.ops.fastamp.adamw_q8_ without the dispatcher's per-tensor work, or NotImplemented"},
-    {"sgd_q8_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::sgd_q8_)), METH_FASTCALL,
-     "torch.ops.fastamp.sgd_q8_ without the dispatcher's per-tensor work, or NotImplemented"},
-    {"lion_q8_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::lion_q8_)), METH_FASTCALL,
-     "torch.ops.fastamp.lion_q8_ without the dispatcher's per-tensor work, or NotImplemented"},
-    {"adamw_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_table)), METH_FASTCALL,
-     "a persistent table of adamw_'s params and states for an optimizer's launch plan, or NotImplemented"},
-    {"adamw_table_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::adamw_table_run)),
-     METH_FASTCALL, "adamw_ on a table's tensors and new grads when they fit it, or NotImplemented"},
+    {"optim_", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::optim_)), METH_FASTCALL,
+     "torch.ops.fastamp.optim_ without the dispatcher's per-tensor work, or NotImplemented"},
+    {"optim_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::optim_table)), METH_FASTCALL,
+     "a persistent table of optim_'s params, masters and states for an optimizer's launch plan, or NotImplemented"},
+    {"optim_table_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::optim_table_run)),
+     METH_FASTCALL, "optim_ on a table's tensors and new grads when they fit it, or NotImplemented"},
     {nullptr, nullptr, 0, nullptr}};

@@ -215,3 +215,21 @@ def spy_kernels(monkeypatch, wrap):
     monkeypatch.setattr(backends, "get_impl", lambda op, backend: wrap(op, backend, real(op, backend)))
     direct = functional._DIRECT
     monkeypatch.setattr(functional, "_DIRECT", {op: wrap(op, "native", fn) for op, fn in direct.items()})
+
+
+# ---- the generic optimizer op ----------------------------------------------------------------------
+
+
+def optim_args(op: str, args) -> tuple:
+    """``op``'s positional arguments as ``optim_`` takes them (the schema's types): ``op`` a per-rule
+    optimizer op (``adamw_``, ``adamw_bf16_``, ``adamw_q8_``, ``sgd_``, ``sgd_q8_``, ``lion_``, ``lion_q8_``),
+    mapped by :func:`fastamp.reference.optim.to_optim`."""
+    from fastamp.ops import registry
+    from fastamp.reference.optim import to_optim
+
+    return registry.coerce("optim_", to_optim(op, tuple(args)))
+
+
+def native_optim(op: str):
+    """``torch.ops.fastamp.optim_`` taking ``op``'s positional arguments (see :func:`optim_args`)."""
+    return lambda *args: torch.ops.fastamp.optim_(*optim_args(op, args))

@@ -1,4 +1,4 @@
-// Argument checks shared by the CPU optimizer ops (adamw_, adamw_bf16_, sgd_, lion_); private to
+// Argument checks of the CPU optimizer op optim_ and its tables (cpu/optim.cpp); private to
 // csrc/cpu/. Every message reads "fastamp::<op>: what is wrong, got ...".
 #pragma once
 
@@ -6,8 +6,6 @@
 
 #include <cstdint>
 #include <optional>
-
-#include "fastamp_math.h"
 
 namespace fastamp {
 namespace cpu {
@@ -66,14 +64,6 @@ inline void check_rng(const char* op, const std::optional<at::Tensor>& rng) {
   TORCH_CHECK(rng->scalar_type() == at::kLong && rng->numel() == 2 && rng->is_contiguous(), "fastamp::", op,
               ": rng must be a contiguous int64 tensor of 2 elements [seed, counter], got dtype ", rng->scalar_type(),
               " and shape ", rng->sizes());
-}
-
-// math::sr_stream_key of stream 4 * (rng_base + i) + k (reference.sr_random16 keeps the low
-// 32 bits of the stream, as this uint32 arithmetic does).
-inline uint32_t rng_key(const at::Tensor& rng, int64_t rng_base, size_t i, uint32_t k) {
-  const int64_t* r = rng.data_ptr<int64_t>();
-  const uint32_t stream = static_cast<uint32_t>((static_cast<uint64_t>(rng_base) + static_cast<uint64_t>(i)) * 4u) + k;
-  return math::sr_stream_key(static_cast<uint64_t>(r[0]), static_cast<uint64_t>(r[1]), stream);
 }
 
 }  // namespace cpu

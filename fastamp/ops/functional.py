@@ -16,9 +16,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastamp.ops import backends, legacy, registry
+from fastamp.ops import backends, registry
 from fastamp.ops import validate as V
-from fastamp.reference.optim import AMSGRAD, MAXIMIZE, SR_PARAM, SR_STATE, to_optim
+from fastamp.reference.optim import AMSGRAD, MAXIMIZE, to_optim
 
 __all__ = [
     "optim_",
@@ -203,68 +203,51 @@ _DIRECT = (
 )
 
 
-_PER_RULE_DIRECT = dict(_DIRECT)
-
-
-def _bridged_direct(*args):
-    """``optim_`` on the per-rule direct calls (fastamp/ops/legacy.py), declining as a direct call does.
-
-    Only on a device whose native kernels lack ``optim_`` (:func:`registry.bridged`): elsewhere it
-    declines at once and ``torch.ops.fastamp.optim_`` runs the device's generic kernel.
-    """
-    params = args[0]
-    if params and not registry.bridged("native", params[0].device.type):
-        return NotImplemented
-    try:
-        return legacy.run(args, _PER_RULE_DIRECT.__getitem__)
-    except NotImplementedError:
-        raise
-    except RuntimeError:  # arguments it cannot map: the torch.ops path and the checks name the problem
-        return NotImplemented
-
-
-if _NATIVE is not None and "optim_" not in _DIRECT and "adamw_" in _DIRECT:
-    # an extension without a generic kernel: optim_ runs on the per-rule direct calls
-    _DIRECT["optim_"] = _bridged_direct
 # The direct call a table stands in for: a table runs only while _DIRECT holds it, so a test
 # that routes _DIRECT through a spy (tests/helpers.spy_kernels) sees every kernel call.
-_TABLE_DIRECT = _DIRECT.get("adamw_")
-_TABLE_RUN = getattr(_NATIVE, "adamw_table_run", None)
+_TABLE_DIRECT = _DIRECT.get("optim_")
+_TABLE_RUN = getattr(_NATIVE, "optim_table_run", None)
 
 
-def _adamw_table(
-    params: list[Tensor],
-    masters: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    max_exp_avg_sqs: list[Tensor],
-    amsgrad: bool,
-):
-    """A persistent table of these lists for :func:`adamw_`'s ``_table`` (native CPU), or None.
+def _optim_table(params: list[Tensor], masters: list[Tensor], states: list[Tensor], rule: str, flags: int):
+    """A persistent table of these lists for :func:`optim_`'s ``_table`` (native CPU), or None.
 
-    None where the extension has no tables or declines the tensors (not plain dense CPU
-    tensors, or anything the op would refuse): the caller then passes the lists alone.
+    ``rule`` and ``flags`` as :func:`optim_` takes them (AMSGRAD decides AdamW's states; an SGD
+    table keeps a momentum buffer where ``states`` is not empty). None where the extension has no
+    tables or declines the tensors (not plain dense CPU tensors, or anything the op would refuse):
+    the caller then passes the lists alone.
     """
     if _TABLE_RUN is None or torch.compiler.is_compiling():
         return None
-    table = _NATIVE.adamw_table(params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
+    table = _NATIVE.optim_table(params, masters, states, rule, flags)
     return None if table is NotImplemented else table
+
+
+def _run_table(table, dev, backend, grads, step_scalars, found_inf, rng, rng_base, rule, hyper, flags) -> bool:
+    """Whether ``table`` (:func:`_optim_table`) ran ``optim_`` on these arguments (False: it declined, nothing written)."""
+    return (
+        _DIRECT.get("optim_") is _TABLE_DIRECT
+        and not torch.compiler.is_compiling()
+        and backends.resolve("optim_", dev, backend) == "native"
+        and _TABLE_RUN(table, grads, step_scalars, found_inf, rng, rng_base, rule, hyper, flags) is not NotImplemented
+    )
 
 
 def _optim_launch(args: tuple, backend: str, table=None) -> None:
     """``optim_(*args)`` on the already resolved ``backend``, for a launch the optimizer engine validated.
 
     What the engine's launch plans call: no argument checks and no backend resolution per call (the
-    plan resolved it, see ``FusedOptimizer._backends_of``); ``table`` as :func:`optim_`'s ``_table``.
-    A native kernel that refuses the input (which the engine's checks should have made impossible) is
-    answered by :mod:`fastamp.ops.validate`'s message where it has one, else by the kernel's error.
+    plan resolved it, see ``FusedOptimizer._backends_of``); ``table`` as :func:`optim_`'s ``_table``
+    (:func:`_optim_table_for`). A native kernel that refuses the input (which the engine's checks should
+    have made impossible) is answered by :mod:`fastamp.ops.validate`'s message where it has one, else by
+    the kernel's error.
     """
     if (
         table is not None
-        and _DIRECT.get("adamw_") is _TABLE_DIRECT
+        and backend == "native"
+        and _DIRECT.get("optim_") is _TABLE_DIRECT
         and not torch.compiler.is_compiling()
-        and _TABLE_RUN(table, args[1], args[4], args[5], *args[9], bool(args[10] & AMSGRAD), bool(args[10] & MAXIMIZE))
-        is not NotImplemented
+        and _TABLE_RUN(table, *args[1:2], *args[4:]) is not NotImplemented
     ):
         return
     if _native_fast_path("optim_", backend, args) is not _NOT_RUN:
@@ -277,18 +260,13 @@ def _optim_launch(args: tuple, backend: str, table=None) -> None:
 def _optim_table_for(args: tuple):
     """A persistent native table for ``optim_`` launches with these (positional) arguments, or None.
 
-    Today's tables hold ``adamw``'s fp32 launches (fp32 or no masters, fp32 states, no random
-    bits): :func:`_adamw_table`; every other launch takes its lists each time.
+    Every rule and every master and state format (csrc/cpu/optim_table.h): :func:`_optim_table` of the
+    launch's params, masters and states.
     """
-    params, grads, masters, states, scalars, found_inf, rng, rng_base, rule, hyper, flags = args
-    if rule != "adamw" or flags & (SR_PARAM | SR_STATE) or len(params) == 0:
+    params, _, masters, states = args[:4]
+    if len(params) == 0:
         return None
-    if (len(masters) and masters[0].dtype != torch.float32) or (len(states) and states[0].dtype != torch.float32):
-        return None
-    n = len(params)
-    amsgrad = bool(flags & AMSGRAD)
-    vmax = states[2 * n : 3 * n] if amsgrad else []
-    return _adamw_table(list(params), list(masters), states[:n], states[n : 2 * n], vmax, amsgrad)
+    return _optim_table(list(params), list(masters), list(states), args[8], args[10])
 
 
 def _scatter_rows(counts: Tensor, absmax: Tensor, idx: list[int], c: Tensor, a: Tensor) -> None:
@@ -382,24 +360,21 @@ def adamw_(
     each param's own step count); any other shape is refused. Skips everything on device
     when ``found_inf`` is non-zero. No host sync.
 
-    ``_table`` (private, for the optimizers' launch plans): what :func:`_adamw_table` made of
-    these ``params``, ``masters`` and moments. The native kernel then takes the table's
-    tensors, checked in one pass (see csrc/cpu/adamw_table.h), instead of the lists; the
-    lists are used whenever the table declines.
+    ``_table`` (private, for the optimizers' launch plans): what :func:`_optim_table` made of
+    these ``params``, ``masters`` and moments (``states = exp_avgs + exp_avg_sqs (+
+    max_exp_avg_sqs)``, rule ``"adamw"``). The native kernel then takes the table's tensors,
+    checked in one pass (see csrc/cpu/optim_table.h), instead of the lists; the lists are used
+    whenever the table declines.
     """
     op = "adamw_"
     if len(params) == 0:
         return
     dev = params[0].device
     V.adam_hyper(op, beta1, beta2, eps)
-    if (
-        _table is not None
-        and _DIRECT.get(op) is _TABLE_DIRECT
-        and not torch.compiler.is_compiling()
-        and backends.resolve(op, dev, backend) == "native"
-        and _TABLE_RUN(_table, grads, step_scalars, found_inf, beta1, beta2, eps, amsgrad, maximize)
-        is not NotImplemented
-    ):
+    flags = (MAXIMIZE if maximize else 0) | (AMSGRAD if amsgrad else 0)
+    hyper = [float(beta1), float(beta2), float(eps)]
+    if _table is not None and _run_table(_table, dev, backend, grads, step_scalars, found_inf, None, 0, "adamw", hyper,
+                                         flags):  # fmt: skip
         return
     tensors = (params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf)
     args = registry.coerce(op, tensors + (beta1, beta2, eps, amsgrad, maximize))
@@ -654,23 +629,17 @@ def optim_(
     ``NESTEROV``, ``SR_PARAM``, ``SR_STATE`` of :mod:`fastamp.reference.optim`. Skips
     everything on the device when ``found_inf`` is non-zero. No host sync.
 
-    ``_table`` (private, for the optimizers' launch plans): what :func:`_adamw_table` made of
-    an AdamW launch's fp32 tensors; the native kernel then takes the table's tensors, checked in
-    one pass (csrc/cpu/adamw_table.h), whenever it does not decline.
+    ``_table`` (private, for the optimizers' launch plans): what :func:`_optim_table` made of
+    these ``params``, ``masters`` and ``states``; the native kernel then takes the table's tensors,
+    checked in one pass (csrc/cpu/optim_table.h), whenever it does not decline.
     """
     op = "optim_"
     if len(params) == 0:
         return
     dev = params[0].device
     V.optim_rule(op, rule, hyper, flags)
-    if (
-        _table is not None
-        and _DIRECT.get("adamw_") is _TABLE_DIRECT
-        and not torch.compiler.is_compiling()
-        and backends.resolve(op, dev, backend) == "native"
-        and _TABLE_RUN(_table, grads, step_scalars, found_inf, *hyper, bool(flags & AMSGRAD), bool(flags & MAXIMIZE))
-        is not NotImplemented
-    ):
+    if _table is not None and _run_table(_table, dev, backend, grads, step_scalars, found_inf, rng, rng_base, rule,
+                                         hyper, flags):  # fmt: skip
         return
     args = registry.coerce(
         op, (params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule, hyper, flags)

@@ -159,13 +159,10 @@ RELEASE_OPS: dict[str, OpDef] = {
 
 # The rules on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
 # fastamp.reference.adamw_q8_, sgd_q8_, lion_q8_), defined in the native and Triton namespaces
-# and as opaque reference ops (reference_op). Native: CPU kernels of their own
-# (csrc/cpu/adamw_q8.cpp, one_state.cpp); on CUDA they run as optim_ (as_optim, registered by
-# _load_native: the generic kernel fuses the codec for every rule). Triton: adamw_q8_ has a
-# kernel of its own (kernels/adamw_q8.py); sgd_q8_ and lion_q8_ are the rule's dense kernel
-# composed with the codec (fastamp.reference.one_state_q8: composed_q8, kernels/sgd.py). They
-# stay out of OPS, whose ops every backend registers with one kernel per device: a native build
-# may lack a CUDA kernel (native_has_kernel says).
+# and as opaque reference ops (reference_op). Native: no kernels of their own; on the CPU and CUDA
+# they run as optim_ (as_optim, registered by _load_native: the generic kernel fuses the codec for
+# every rule). Triton: see kernels/. They stay out of OPS, whose ops every backend registers with one
+# kernel per device.
 Q8_OPS: dict[str, OpDef] = {
     "adamw_q8_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
@@ -362,13 +359,9 @@ def _load_native() -> None:
     for key in ("CPU", "CUDA"):
         dt = key.lower()
         if not native_has_kernel("optim_", dt):
-            # a device whose native kernels lack optim_: it runs on the per-rule ops (fastamp/ops/legacy.py)
-            if native_has_kernel("adamw_", dt):
-                lib.impl("optim_", bridge(lambda name: getattr(torch.ops.fastamp, name)), key)
-                BRIDGED.add(("native", dt))
             continue
         # a device with the generic kernel: a per-rule op without a kernel of its own runs as optim_
-        # (the optimizers' launches still name the per-rule ops)
+        # (callers may still name the per-rule ops)
         for op in PER_RULE_OPS:
             if not native_has_kernel(op, dt):
                 lib.impl(op, as_optim(op), key)
@@ -402,6 +395,10 @@ def bridge(op_of: Callable[[str], Callable]) -> Callable:
         legacy.run(args, op_of)
 
     return optim_
+
+
+# The per-rule optimizer ops, each a set of optim_'s arguments (fastamp.reference.optim.to_optim).
+PER_RULE_OPS = ("adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_", "lion_q8_")
 
 
 def bridged(backend: str, device_type: str) -> bool:

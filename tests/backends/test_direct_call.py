@@ -3,7 +3,8 @@
 ``functional``'s native fast path calls the kernels through it instead of ``torch.ops`` (no
 per-tensor IValue, vector copy or autograd-fallback visit). What it must keep:
 
-* the same kernel, so bit-identical results to ``torch.ops.fastamp.<op>`` for every op;
+* the same kernel, so bit-identical results to ``torch.ops.fastamp.<op>`` for every op (the
+  optimizer ops as the one generic ``optim_``, each case a per-rule op's arguments mapped onto it);
 * decline (``NotImplemented``) with nothing written whenever the dispatcher could do
   something else or the kernel refuses: tensor subclasses, dispatch modes, non-dense
   tensors, grad mode with a tensor that requires grad, non-tensor items, bad input;
@@ -12,7 +13,7 @@ per-tensor IValue, vector copy or autograd-fallback visit). What it must keep:
 
 import pytest
 import torch
-from helpers import assert_bits_equal
+from helpers import assert_bits_equal, optim_args
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastamp import functional
@@ -117,7 +118,8 @@ def _unscale_args(stats=False):
     return args
 
 
-CASES = {
+# the per-rule ops' cases run as optim_ (helpers.optim_args); the others as themselves
+PER_RULE = {
     "adamw_": [lambda: _adamw_args(), lambda: _adamw_args(torch.bfloat16, master=True), lambda: _adamw_args(found=1.0)],
     "adamw_bf16_": [lambda: _bf16_args(), lambda: _bf16_args(rem=False), lambda: _bf16_args(rng=False)],
     "sgd_": [lambda: _sgd_args(), lambda: _sgd_args(master=False)],
@@ -125,8 +127,21 @@ CASES = {
     "adamw_q8_": [lambda: _q8_args(), lambda: _q8_args("ulp8"), lambda: _q8_args("none", sr=False)],
     "sgd_q8_": [lambda: _one_state_q8_args("sgd"), lambda: _one_state_q8_args("sgd", master=False, sr=False)],
     "lion_q8_": [lambda: _one_state_q8_args("lion"), lambda: _one_state_q8_args("lion", master=False)],
+}
+OTHER = {
     "unscale_check_": [lambda: _unscale_args()],
     "unscale_check_stats_": [lambda: _unscale_args(stats=True)],
+}
+
+
+def _as_optim(rule_op, make):
+    return lambda: list(optim_args(rule_op, make()))
+
+
+# case name -> (op of fastamp._C, argument makers)
+CASES = {
+    **{name: ("optim_", [_as_optim(name, m) for m in makers]) for name, makers in PER_RULE.items()},
+    **{name: (name, makers) for name, makers in OTHER.items()},
 }
 
 
@@ -161,15 +176,16 @@ def _assert_same(got, want, what):
         assert_bits_equal(a, b, f"{what} tensor {i}")
 
 
-@pytest.mark.parametrize("op", list(CASES))
-def test_direct_call_is_bit_identical_to_torch_ops(op):
-    for make in CASES[op]:
+@pytest.mark.parametrize("case", list(CASES))
+def test_direct_call_is_bit_identical_to_torch_ops(case):
+    op, makers = CASES[case]
+    for make in makers:
         args = make()
         direct, dispatched = _clone(args), _clone(args)
         out = getattr(_C, op)(*direct)
         assert out is not NotImplemented
         ref = getattr(torch.ops.fastamp, op)(*dispatched)
-        _assert_same(direct, dispatched, op)
+        _assert_same(direct, dispatched, case)
         if op.startswith("unscale"):
             assert_bits_equal(out, ref, "sum of squares")
         else:
@@ -190,11 +206,11 @@ def test_declines_what_the_dispatcher_would_route_elsewhere():
     args = _adamw_args()
     # a tensor subclass anywhere
     args[1][2] = args[1][2].as_subclass(_Sub)
-    _declines("adamw_", args)
+    _declines("optim_", list(optim_args("adamw_", args)))
     # a list item that is not a tensor
     args = _adamw_args()
     args[3][1] = 1.0
-    _declines("adamw_", args)
+    _declines("optim_", list(optim_args("adamw_", args)))
     # sparse grad, conjugated view
     args = _unscale_args()
     args[0][1] = args[0][1].to_sparse()
@@ -205,22 +221,24 @@ def test_declines_what_the_dispatcher_would_route_elsewhere():
     # a meta tensor (another device)
     args = _adamw_args()
     args[4][0] = torch.empty(SIZES[0], device="meta")
-    _declines("adamw_", args)
-    # a wrong argument type, a wrong argument count
-    args = _sgd_args()
-    args[11] = 1
-    _declines("sgd_", args)
-    assert _C.sgd_(*_sgd_args()[:-1]) is NotImplemented
+    _declines("optim_", list(optim_args("adamw_", args)))
+    # a wrong argument type (flags a bool, the rule not a str, a hyperparameter not a number), a wrong
+    # argument count
+    for k, value in ((10, True), (8, 3), (9, [0.9, "0.1", 0.01])):
+        args = list(optim_args("sgd_", _sgd_args()))
+        args[k] = value
+        _declines("optim_", args)
+    assert _C.optim_(*optim_args("sgd_", _sgd_args())[:-1]) is NotImplemented
 
 
 def test_declines_grad_mode_with_requires_grad_only():
-    args = _adamw_args()
+    args = list(optim_args("adamw_", _adamw_args()))
     for p in args[0]:
         p.requires_grad_(True)
     with torch.enable_grad():
-        _declines("adamw_", args)
+        _declines("optim_", args)
     with torch.no_grad():
-        assert _C.adamw_(*args) is None
+        assert _C.optim_(*args) is None
 
 
 @pytest.mark.parametrize(
@@ -243,9 +261,11 @@ def test_declines_grad_mode_with_requires_grad_only():
     ],
 )
 def test_declines_bad_input_and_writes_nothing(op, break_it):
-    args = CASES[op][0]()
+    """Each op's case broken (in its own argument list), then called as _C's op of it."""
+    direct_op = CASES[op][0]
+    args = (PER_RULE[op] if op in PER_RULE else OTHER[op])[0]()
     break_it(args)
-    _declines(op, args)
+    _declines(direct_op, list(optim_args(op, args)) if op in PER_RULE else args)
 
 
 def test_functional_still_raises_the_clear_message():
@@ -270,8 +290,8 @@ class _Log(TorchDispatchMode):
 
 def test_a_dispatch_mode_still_sees_the_op():
     args = _adamw_args()
-    assert _C.adamw_(*_clone(args)) is None
+    assert _C.optim_(*optim_args("adamw_", _clone(args))) is None
     with _Log() as log:
-        assert _C.adamw_(*_clone(args)) is NotImplemented
+        assert _C.optim_(*optim_args("adamw_", _clone(args))) is NotImplemented
         functional.adamw_(*args[:8], beta1=0.9, beta2=0.999, eps=1e-8, backend="native")
-    assert any("fastamp.adamw_" in o for o in log.ops), log.ops
+    assert any("fastamp.optim_" in o for o in log.ops), log.ops

@@ -2,7 +2,7 @@
 
 Every instruction-set path the machine supports is tested (``FASTAMP_CPU_ISA`` lowers the
 one the kernels pick; ``torch.ops.fastamp.cpu_isa()`` says which runs). Agreement:
-found_inf, written grads, update_scale_ and every tensor adamw_ writes are bit-exact
+found_inf, written grads, update_scale_ and every tensor AdamW writes (the generic ``optim_``) are bit-exact
 (NaN compared as NaN, whatever its payload); the sum of squares is within
 ``tolerances.SUMSQ_RTOL`` of the reference and bit-identical across thread counts and
 instruction sets (fixed chunks, fixed 16-lane fp64 layout).
@@ -14,12 +14,12 @@ import math
 import pytest
 import tolerances
 import torch
-from helpers import assert_bits_equal, clone_lists, native_cpu_isas
+from helpers import assert_bits_equal, clone_lists, native_cpu_isas, native_optim, optim_args
 
 from fastamp import functional, reference
 from fastamp.ops import registry
 
-if not all(registry.native_has_kernel(op, "cpu") for op in ("unscale_check_", "update_scale_", "adamw_")):
+if not all(registry.native_has_kernel(op, "cpu") for op in ("unscale_check_", "update_scale_", "optim_")):
     pytest.skip("fastamp._C has no CPU kernels (not built)", allow_module_level=True)
 
 OPS = torch.ops.fastamp
@@ -327,7 +327,7 @@ def test_update_scale_through_functional():
     assert s.item() == 4.0 and gt.item() == 0 and h.item() == 0
 
 
-# ---- adamw_ ----
+# ---- AdamW (optim_) ----
 
 ADAM_SIZES = [0, 1, 7, 16, 17, 33, 257, CHUNK + 9]
 
@@ -355,7 +355,7 @@ def test_adamw_many_tiny_tensors_and_thread_counts(monkeypatch):
         for threads in (1, 2):
             torch.set_num_threads(threads)
             st = clone_lists(base)
-            OPS.adamw_(*st, ss, None, 0.9, 0.999, 1e-8, False, False)
+            native_optim("adamw_")(*st, ss, None, 0.9, 0.999, 1e-8, False, False)
             outs.append(st)
     finally:
         torch.set_num_threads(old)
@@ -432,4 +432,4 @@ def test_opcheck_adamw(found):
     st = _adamw_state(torch.bfloat16, torch.float16, True, True, seed=16, sizes=[5, 17])
     ss = torch.tensor([1e-3, 0.1, 0.99, 0.5])
     fi = None if found is None else torch.tensor([found])
-    torch.library.opcheck(OPS.adamw_.default, (*st, ss, fi, 0.9, 0.999, 1e-8, True, False))
+    torch.library.opcheck(OPS.optim_.default, optim_args("adamw_", (*st, ss, fi, 0.9, 0.999, 1e-8, True, False)))

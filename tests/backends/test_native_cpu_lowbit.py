@@ -1,8 +1,8 @@
 """The C++ CPU backend's low-bit ops against the reference, bit for bit.
 
-``adamw_bf16_`` (int16 master remainders, stochastic rounding, fp32/bf16 moments), ``sgd_``
-(fp32 / remainder / no master, stochastic rounding) and ``unscale_check_stats_`` run in
-``csrc/cpu`` on every instruction-set path the machine supports (``FASTAMP_CPU_ISA`` lowers
+AdamW as ``adamw_bf16_`` takes it (int16 master remainders, stochastic rounding, fp32/bf16
+moments) and SGD as ``sgd_`` (fp32 / remainder / no master, stochastic rounding), both through the
+generic ``optim_`` (``helpers.native_optim``), and ``unscale_check_stats_`` run in ``csrc/cpu`` on every instruction-set path the machine supports (``FASTAMP_CPU_ISA`` lowers
 the one the kernels pick). Agreement: every tensor written is bit-exact with
 ``fastamp.reference`` (NaN compared as NaN whatever its payload), counts are equal
 integers, absmax is bit-exact; the sum of squares returned by ``unscale_check_stats_`` is
@@ -16,12 +16,12 @@ import math
 import pytest
 import tolerances
 import torch
-from helpers import assert_bits_equal, bits, clone_lists, native_cpu_isas
+from helpers import assert_bits_equal, bits, clone_lists, native_cpu_isas, native_optim, optim_args
 
 from fastamp import functional, reference
 from fastamp.ops import registry
 
-if not all(registry.native_has_kernel(op, "cpu") for op in ("adamw_bf16_", "sgd_", "unscale_check_stats_")):
+if not all(registry.native_has_kernel(op, "cpu") for op in ("optim_", "unscale_check_stats_")):
     pytest.skip("fastamp._C has no CPU kernels for the low-bit ops (not built)", allow_module_level=True)
 
 OPS = torch.ops.fastamp
@@ -68,7 +68,7 @@ def _bf16_state_from_masters(masters):
     return list(params), list(rems)
 
 
-# ---- adamw_bf16_ ----
+# ---- AdamW as adamw_bf16_ takes it (optim_) ----
 
 
 def _adamw_bf16_state(gdt, rem, mdt, amsgrad, seed, sizes=SIZES, grad_scale=64.0, edge=True):
@@ -96,7 +96,7 @@ def test_adamw_bf16_ties_are_split_exactly(isa):
     nat = [params, [z.clone() for z in zeros], rems, [z.clone() for z in zeros], [z.clone() for z in zeros], []]
     ref = clone_lists(nat)
     ss = torch.tensor([0.0, 1.0, 0.5, 1.0])
-    OPS.adamw_bf16_(*nat, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
+    native_optim("adamw_bf16_")(*nat, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
     reference.adamw_bf16_(*ref, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
     assert_lists_same(nat, ref, _ADAM_NAMES, "halved")
     ties = (reference.join_master(nat[0][1], nat[2][1]).view(torch.int32) & 0xFFFF) == 0x8000
@@ -118,8 +118,8 @@ def test_adamw_bf16_remainder_trajectory_equals_fp32_master(isa):
         grads = [(torch.randn(n, generator=gen) * 2.0**-step % 7).bfloat16() for n in sizes]
         ss = reference.adamw_step_scalars(1e-3, torch.tensor(float(step)), 0.9, 0.999, 0.1)
         fp32_state[1] = rem_state[1] = grads
-        OPS.adamw_(*fp32_state, ss, None, 0.9, 0.999, 1e-8, False, False)
-        OPS.adamw_bf16_(*rem_state, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
+        native_optim("adamw_")(*fp32_state, ss, None, 0.9, 0.999, 1e-8, False, False)
+        native_optim("adamw_bf16_")(*rem_state, ss, None, None, 0, 0.9, 0.999, 1e-8, False, False)
         for i in range(len(sizes)):
             assert_bits_equal(
                 reference.join_master(rem_state[0][i], rem_state[2][i]), fp32_state[2][i], f"master {step}"
@@ -136,7 +136,9 @@ def test_adamw_bf16_stochastic_rounding_streams(isa):
 
     def run(counter, rng_base):
         st = clone_lists(base)
-        OPS.adamw_bf16_(*st, ss, None, torch.tensor([99, counter]), rng_base, 0.9, 0.999, 1e-8, False, False)
+        native_optim("adamw_bf16_")(
+            *st, ss, None, torch.tensor([99, counter]), rng_base, 0.9, 0.999, 1e-8, False, False
+        )
         return st
 
     a, b, c, d = run(1, 0), run(1, 0), run(2, 0), run(1, 1)
@@ -173,7 +175,7 @@ def test_adamw_bf16_stochastic_rounding_streams(isa):
     assert abs(up.mean().item() - frac.mean().item()) < 0.02, (up.mean().item(), frac.mean().item())
 
 
-# ---- sgd_ ----
+# ---- SGD as sgd_ takes it (optim_) ----
 
 _SGD_NAMES = ("params", "grads", "masters", "momentum_buffers")
 
@@ -205,7 +207,7 @@ def test_sgd_remainder_trajectory_equals_fp32_master(isa):
         a[1] = b[1] = grads
         ss = reference.sgd_step_scalars(1e-2, torch.tensor(step))
         for st in (a, b):
-            OPS.sgd_(*st, ss, None, None, 0, 0.9, 0.0, 1e-4, True, False)
+            native_optim("sgd_")(*st, ss, None, None, 0, 0.9, 0.0, 1e-4, True, False)
         for i in range(len(sizes)):
             assert_bits_equal(reference.join_master(b[0][i], b[2][i]), a[2][i], f"master {step}")
             assert_bits_equal(b[3][i], a[3][i], f"buffer {step}")
@@ -226,7 +228,7 @@ def test_sgd_mixed_dtypes_in_one_call(isa):
     ref = clone_lists(nat)
     ss = reference.sgd_step_scalars(0.05, torch.tensor(4))
     rng = torch.tensor([3, 4])
-    OPS.sgd_(*nat, ss, torch.zeros(1), rng, 0, 0.9, 0.0, 0.0, False, False)
+    native_optim("sgd_")(*nat, ss, torch.zeros(1), rng, 0, 0.9, 0.0, 0.0, False, False)
     reference.sgd_(*ref, ss, torch.zeros(1), rng, 0, 0.9, 0.0, 0.0, False, False)
     assert_lists_same(nat, ref, _SGD_NAMES, "mixed")
 
@@ -422,7 +424,7 @@ def test_opcheck_adamw_bf16(found):
         ss = torch.tensor([1e-3, 0.1, 0.99, 0.5])
         fi = None if found is None else torch.tensor([found])
         args = (*st, ss, fi, torch.tensor([1, 2]), 0, 0.9, 0.999, 1e-8, True, False)
-        torch.library.opcheck(OPS.adamw_bf16_.default, args)
+        torch.library.opcheck(OPS.optim_.default, optim_args("adamw_bf16_", args))
 
 
 @pytest.mark.parametrize("found", [None, 1.0])
@@ -436,7 +438,7 @@ def test_opcheck_sgd(found):
         fi = None if found is None else torch.tensor([found])
         rng = torch.tensor([1, 2]) if use_rng else None
         args = (*st, torch.tensor([0.1, 1.0, 0.0]), fi, rng, 0, 0.9, 0.0, 0.01, True, False)
-        torch.library.opcheck(OPS.sgd_.default, args)
+        torch.library.opcheck(OPS.optim_.default, optim_args("sgd_", args))
 
 
 def test_opcheck_unscale_check_stats():

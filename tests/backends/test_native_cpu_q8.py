@@ -1,6 +1,7 @@
-"""The C++ CPU kernel of ``adamw_q8_`` (8-bit block-scaled moments) against the reference, byte for byte.
+"""The C++ CPU kernel of AdamW on 8-bit block-scaled moments against the reference, byte for byte.
 
-``torch.ops.fastamp.adamw_q8_`` and ``fastamp.reference.adamw_q8_`` run side by side over
+The generic ``torch.ops.fastamp.optim_`` with ``adamw_q8_``'s arguments (``helpers.native_optim``)
+and ``fastamp.reference.adamw_q8_`` run side by side over
 several steps on copies of the same state; every tensor the op writes (params, masters, codes,
 scales) must be bit-identical (NaN compared as NaN whatever its payload, as elsewhere), on every
 instruction-set path the machine supports (``FASTAMP_CPU_ISA``) and 1 and 2 threads.
@@ -10,16 +11,16 @@ import math
 
 import pytest
 import torch
-from helpers import assert_bits_equal, clone_lists, num_threads, run_flushing_denormals
+from helpers import assert_bits_equal, clone_lists, native_optim, num_threads, run_flushing_denormals
 
 from fastamp import reference
 from fastamp.ops import registry
 from fastamp.reference import q8
 
-if not registry.native_has_kernel("adamw_q8_", "cpu"):
-    pytest.skip("fastamp._C has no CPU kernel for adamw_q8_ (not built)", allow_module_level=True)
+if not registry.native_has_kernel("optim_", "cpu") or registry.bridged("native", "cpu"):
+    pytest.skip("fastamp._C has no CPU kernel of optim_ (not built)", allow_module_level=True)
 
-OPS = torch.ops.fastamp
+ADAMW_Q8 = native_optim("adamw_q8_")
 CHUNK = 16384  # csrc/cpu/multi_tensor.h kChunkElems
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -93,7 +94,7 @@ def _run_both(state, grads_per_step, sc_per_step, rng_counter0=0, found_inf=None
     rng_r = rng_n.clone()
     for step, (grads, sc) in enumerate(zip(grads_per_step, sc_per_step)):
         rng_n[1] = rng_r[1] = rng_counter0 + step
-        for impl, st, rng in ((OPS.adamw_q8_, nat, rng_n), (reference.adamw_q8_, ref, rng_r)):
+        for impl, st, rng in ((ADAMW_Q8, nat, rng_n), (reference.adamw_q8_, ref, rng_r)):
             with num_threads(threads):
                 impl(st[0], grads, st[1], st[2], st[3], st[4], st[5], sc, found_inf, rng, rng_base, betas[0],
                      betas[1], EPS, maximize, sr_param, sr_codes)  # fmt: skip
@@ -206,7 +207,7 @@ def test_thread_float_mode_does_not_change_bytes(isa):
 
     def step(st):
         with num_threads(1):
-            OPS.adamw_q8_(st[0], grads, st[1], st[2], st[3], st[4], st[5], _scalars(3), None, torch.tensor([5, 2]), 0,
+            ADAMW_Q8(st[0], grads, st[1], st[2], st[3], st[4], st[5], _scalars(3), None, torch.tensor([5, 2]), 0,
                           *BETAS, EPS, False, False, True)  # fmt: skip
 
     step(plain)
@@ -281,10 +282,10 @@ def test_found_inf_writes_nothing(isa, found):
     state = _lists(tensors)
     # one real step first, so the state is not all default bytes
     grads = [_grad(t[0].numel(), gen, torch.float32, True) for t in tensors]
-    OPS.adamw_q8_(state[0], grads, state[1], state[2], state[3], state[4], state[5], _scalars(1), None,
+    ADAMW_Q8(state[0], grads, state[1], state[2], state[3], state[4], state[5], _scalars(1), None,
                   torch.tensor([1, 0]), 0, *BETAS, EPS, False, False, True)  # fmt: skip
     before = clone_lists(state)
-    OPS.adamw_q8_(state[0], grads, state[1], state[2], state[3], state[4], state[5], _scalars(2),
+    ADAMW_Q8(state[0], grads, state[1], state[2], state[3], state[4], state[5], _scalars(2),
                   torch.tensor([found]), torch.tensor([1, 1]), 0, *BETAS, EPS, False, False, True)  # fmt: skip
     _assert_same(state, before, "skipped step")
     # found_inf == 0 runs the step
@@ -293,7 +294,7 @@ def test_found_inf_writes_nothing(isa, found):
 
 
 def test_empty_lists_and_empty_tensors(isa):
-    OPS.adamw_q8_([], [], [], [], [], [], [], _scalars(1), None, None, 0, *BETAS, EPS, False, False, False)
+    ADAMW_Q8([], [], [], [], [], [], [], _scalars(1), None, None, 0, *BETAS, EPS, False, False, False)
     gen = torch.Generator().manual_seed(8)
     tensors = [_state(0, (0,), torch.float32, "none", gen), _state(40, (40,), torch.float32, "none", gen)]
     grads = [[torch.zeros(0), _grad(40, gen, torch.float32, False)]]
@@ -314,7 +315,7 @@ def _good(n=70):
 
 
 def _call(a):
-    OPS.adamw_q8_(a["params"], a["grads"], a["masters"], a["cm"], a["sm"], a["cv"], a["sv"], a["sc"], a["found_inf"],
+    ADAMW_Q8(a["params"], a["grads"], a["masters"], a["cm"], a["sm"], a["cv"], a["sv"], a["sc"], a["found_inf"],
                   a["rng"], 0, *BETAS, EPS, False, a["sr_param"], a["sr_codes"])  # fmt: skip
 
 
@@ -326,8 +327,14 @@ def _bad_cases():
 
     return {
         "grads count": (set_("grads", []), "got 1 params but 0 grads"),
-        "codes count": (set_("cm", []), "got 1 params but 0 exp_avg_codes"),
-        "scales count": (set_("sv", []), "got 1 params but 0 exp_avg_sq_scales"),
+        "codes count": (
+            set_("cm", []),
+            r"keeps 2 state\(s\) \(exp_avg, exp_avg_sq\), 2 list\(s\) of 1 tensors each: 4 state tensors, got 3",
+        ),
+        "scales count": (
+            set_("sv", []),
+            r"keeps 2 state\(s\) \(exp_avg, exp_avg_sq\), 2 list\(s\) of 1 tensors each: 4 state tensors, got 3",
+        ),
         "masters count": (lambda a: a["masters"].append(a["masters"][0].clone()), "masters must be empty or have one"),
         "param dtype": (
             lambda a: a.__setitem__("params", [a["params"][0].to(torch.int32)]),
@@ -336,7 +343,11 @@ def _bad_cases():
         "grad dtype": (set_("grads", [torch.zeros(n, dtype=torch.float64)]), "grads[0] must be float32"),
         "grad numel": (set_("grads", [torch.zeros(n + 1)]), "grads[0] has 71 elements"),
         "grad strided": (set_("grads", [torch.zeros(2 * n)[::2]]), "grads[0] must be contiguous"),
-        "codes dtype": (set_("cm", [torch.zeros(n, dtype=torch.int8)]), "exp_avg_codes[0] must have dtype Byte"),
+        "codes dtype": (
+            set_("cm", [torch.zeros(n, dtype=torch.int8)]),
+            r"states must be float32, bfloat16 or uint8 \(q8 codes and scales\), got Char",
+        ),
+        "sq codes dtype": (set_("cv", [torch.zeros(n, dtype=torch.int8)]), "exp_avg_sq_codes[0] must have dtype Byte"),
         "codes strided": (
             set_("cv", [torch.zeros(2 * n, dtype=torch.uint8)[::2]]),
             "exp_avg_sq_codes[0] must be contig",
@@ -360,10 +371,10 @@ def _bad_cases():
             lambda a: a.__setitem__("params", [a["params"][0].float()]),
             "int16 remainder masters need bfloat16 params",
         ),
-        "sr without rng": (set_("rng", None), "sr_codes / sr_param need rng"),
+        "sr without rng": (set_("rng", None), "SR_PARAM / SR_STATE need rng"),
         "sr_param without rng": (
             lambda a: (a.__setitem__("rng", None), a.__setitem__("sr_codes", False), a.__setitem__("sr_param", True)),
-            "sr_codes / sr_param need rng",
+            "SR_PARAM / SR_STATE need rng",
         ),
         "rng dtype": (set_("rng", torch.tensor([1.0, 2.0])), "rng must be a contiguous int64 tensor"),
         "step_scalars shape": (set_("sc", torch.zeros(3)), "step_scalars must be a contiguous float32"),
@@ -377,7 +388,7 @@ def test_refusals_name_the_problem_and_change_nothing(case):
     a = _good()
     mutate(a)
     before = [[t.clone() for t in a[k]] for k in ("params", "masters", "cm", "sm", "cv", "sv")]
-    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(RuntimeError, match="fastamp::optim_: .*" + message.replace("[", r"\[").replace("]", r"\]")):
         _call(a)
     after = [a[k] for k in ("params", "masters", "cm", "sm", "cv", "sv")]
     _assert_same(after, before, case)

@@ -1,6 +1,7 @@
-"""The C++ CPU kernels of ``sgd_q8_`` and ``lion_q8_`` (one q8 state) against the reference, byte for byte.
+"""The C++ CPU kernel of SGD and Lion on one q8 state against the reference, byte for byte.
 
-``torch.ops.fastamp.<op>`` and ``fastamp.reference.<op>`` (the rule's dense reference on the
+The generic ``torch.ops.fastamp.optim_`` with ``sgd_q8_``'s / ``lion_q8_``'s arguments
+(``helpers.native_optim``) and ``fastamp.reference.<op>`` (the rule's dense reference on the
 decoded state, encoded again: ``fastamp.reference.one_state_q8``) run side by side over several
 steps on copies of the same state. Every tensor the op writes (params, masters, codes, scales)
 must be bit-identical (NaN compared as NaN whatever its payload), on every instruction-set path
@@ -12,16 +13,15 @@ import math
 
 import pytest
 import torch
-from helpers import assert_bits_equal, clone_lists, num_threads, run_flushing_denormals
+from helpers import assert_bits_equal, clone_lists, native_optim, num_threads, run_flushing_denormals
 
 from fastamp import reference
 from fastamp.ops import registry
 from fastamp.reference import q8
 
-if not registry.native_has_kernel("sgd_q8_", "cpu"):
-    pytest.skip("fastamp._C has no CPU kernel for sgd_q8_ (not built)", allow_module_level=True)
+if not registry.native_has_kernel("optim_", "cpu") or registry.bridged("native", "cpu"):
+    pytest.skip("fastamp._C has no CPU kernel of optim_ (not built)", allow_module_level=True)
 
-OPS = torch.ops.fastamp
 CHUNK = 16384  # csrc/cpu/multi_tensor.h kChunkElems
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # a partial block, whole blocks, one element, and tensors over several chunks (the RNG counter
@@ -83,7 +83,7 @@ def _run_both(rule, state, grads_per_step, found_inf=None, sr_param=False, sr_co
         if rows and sc.dim() == 1:
             sc = sc.expand(n, 3).contiguous()
         rng = torch.tensor([11, step], dtype=torch.int64)
-        for impl, st in ((getattr(OPS, op), nat), (getattr(reference, op), ref)):
+        for impl, st in ((native_optim(op), nat), (getattr(reference, op), ref)):
             with num_threads(threads):
                 impl(st[0], grads, *st[1:], sc, found_inf, rng.clone(), 3, *hyper, sr_param, sr_codes)
     return nat, ref
@@ -175,7 +175,7 @@ def test_found_inf_writes_nothing(isa, rule, found):
     state = _lists([_state(n, torch.bfloat16, "remainder", gen) for n in (100, CHUNK + 5)])
     grads = [_grad(p.numel(), gen, torch.float32) for p in state[0]]
     before = clone_lists(state)
-    getattr(OPS, op)(state[0], grads, *state[1:], scalars(torch.tensor(1.0)), torch.tensor([found]),
+    native_optim(op)(state[0], grads, *state[1:], scalars(torch.tensor(1.0)), torch.tensor([found]),
                      torch.tensor([1, 1]), 0, *hyper, False, True)  # fmt: skip
     _assert_same(state, before, "skipped step")
     nat, ref = _run_both(rule, state, [grads], found_inf=torch.tensor([0.0]), sr_codes=True)
@@ -196,7 +196,7 @@ def test_thread_float_mode_does_not_change_bytes(isa):
 
     def step(st):
         with num_threads(1):
-            getattr(OPS, op)(st[0], grads, *st[1:], scalars(None), None, torch.tensor([5, 2]), 0, *hyper, False, True)
+            native_optim(op)(st[0], grads, *st[1:], scalars(None), None, torch.tensor([5, 2]), 0, *hyper, False, True)
 
     step(plain)
     run_flushing_denormals(lambda: step(flushed))
@@ -206,7 +206,7 @@ def test_thread_float_mode_does_not_change_bytes(isa):
 def test_empty_lists_and_empty_tensors(isa):
     for rule in ("sgd", "lion"):
         op, hyper, scalars = RULES[rule]
-        getattr(OPS, op)([], [], [], [], [], scalars(torch.tensor(0.0)), None, None, 0, *hyper, False, False)
+        native_optim(op)([], [], [], [], [], scalars(torch.tensor(0.0)), None, None, 0, *hyper, False, False)
         gen = torch.Generator().manual_seed(8)
         tensors = [_state(0, torch.float32, "none", gen), _state(40, torch.float32, "none", gen)]
         nat, ref = _run_both(rule, _lists(tensors), [[torch.zeros(0), _grad(40, gen, torch.float32)]])
@@ -223,9 +223,19 @@ def _bad_cases():
         return lambda a: a.__setitem__(key, val)
 
     return {
-        "codes count": (set_("codes", []), "got 1 params but 0 {codes}"),
-        "scales count": (set_("scales", []), "got 1 params but 0 {scales}"),
-        "codes dtype": (set_("codes", [torch.zeros(n, dtype=torch.int8)]), "{codes}[0] must have dtype Byte"),
+        "codes count": (
+            set_("codes", []),
+            r"keeps 1 state\(s\) \({state}\), 2 list\(s\) of 1 tensors each: 2 state tensors, got 1",
+        ),
+        "scales count": (
+            set_("scales", []),
+            r"keeps 1 state\(s\) \({state}\), 2 list\(s\) of 1 tensors each: 2 state tensors, got 1",
+        ),
+        "codes dtype": (
+            set_("codes", [torch.zeros(n, dtype=torch.int8)]),
+            r"states must be float32, bfloat16 or uint8 \(q8 codes and scales\), got Char",
+        ),
+        "scales dtype int8": (set_("scales", [torch.zeros(3, dtype=torch.int8)]), "{scales}[0] must have dtype Byte"),
         "codes numel": (set_("codes", [torch.zeros(n - 1, dtype=torch.uint8)]), "{codes}[0] has 69 elements"),
         "codes strided": (set_("codes", [torch.zeros(2 * n, dtype=torch.uint8)[::2]]), "{codes}[0] must be contig"),
         "scales length": (set_("scales", [torch.zeros(2, dtype=torch.uint8)]), "{scales}[0] must be 1-D with 3"),
@@ -234,7 +244,7 @@ def _bad_cases():
             lambda a: a.__setitem__("params", [a["params"][0].float()]),
             "int16 remainder masters need bfloat16 params",
         ),
-        "sr without rng": (set_("rng", None), "sr_codes / sr_param need rng"),
+        "sr without rng": (set_("rng", None), "SR_PARAM / SR_STATE need rng"),
         "grad numel": (set_("grads", [torch.zeros(n + 1)]), "grads[0] has 71 elements"),
         "step_scalars shape": (set_("sc", torch.zeros(4)), "step_scalars must be"),
     }
@@ -252,9 +262,9 @@ def test_refusals_name_the_problem_and_change_nothing(rule, case):
              sc=scalars(torch.tensor(1.0)), rng=torch.tensor([1, 2]))  # fmt: skip
     mutate(a)
     before = [[t.clone() for t in a[k]] for k in ("params", "masters", "codes", "scales")]
-    message = message.format(codes=names[rule][0], scales=names[rule][1])
-    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        getattr(OPS, op)(a["params"], a["grads"], a["masters"], a["codes"], a["scales"], a["sc"], None, a["rng"], 0,
+    message = message.format(codes=names[rule][0], scales=names[rule][1], state=names[rule][0][: -len("_codes")])
+    with pytest.raises(RuntimeError, match="fastamp::optim_: .*" + message.replace("[", r"\[").replace("]", r"\]")):
+        native_optim(op)(a["params"], a["grads"], a["masters"], a["codes"], a["scales"], a["sc"], None, a["rng"], 0,
                          *hyper, False, True)  # fmt: skip
     for k, old in zip(("params", "masters", "codes", "scales"), before):
         for x, y in zip(a[k], old):
@@ -262,8 +272,10 @@ def test_refusals_name_the_problem_and_change_nothing(rule, case):
 
 
 def test_sgd_q8_refuses_zero_momentum():
+    """SGD without a momentum keeps no state: q8 lists for it are refused (the codes hold the momentum buffer)."""
     gen = torch.Generator().manual_seed(0)
     p, masters, codes, scales = _state(40, torch.float32, "none", gen)
-    with pytest.raises(RuntimeError, match="momentum must be non-zero"):
-        OPS.sgd_q8_([p], [torch.ones(40)], [], [codes], [scales], reference.sgd_step_scalars(0.1, torch.tensor(0.0)),
-                    None, None, 0, 0.0, 0.0, 0.0, False, False, False, False)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"fastamp::optim_: rule 'sgd' with these settings keeps 0 state\(s\)"):
+        torch.ops.fastamp.optim_([p], [torch.ones(40)], [], [codes, scales],
+                                 reference.sgd_step_scalars(0.1, torch.tensor(0.0)), None, None, 0, "sgd",
+                                 [0.0, 0.0, 0.0], 0)  # fmt: skip

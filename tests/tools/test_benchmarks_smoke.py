@@ -421,7 +421,7 @@ def test_q8_rules_bench_times_every_row_and_compares_with_its_dense_step(capsys)
 
 
 def test_table_layout_probe_times_every_layout_on_the_same_bits(capsys, monkeypatch):
-    pytest.importorskip("fastamp._C", reason="the probe times the native adamw_ table")
+    pytest.importorskip("fastamp._C", reason="the probe times the native optim_ table")
     import probe_table_layout
 
     res = probe_table_layout.probe(40, 64, reps=1)  # raises where a layout's params differ in one bit
