@@ -14,7 +14,8 @@ fake:
   CPU and a CUDA kernel of one op have the same C++ signature, which the dispatcher checks
   when ``_C`` loads by aborting, is made a compile error by csrc/op_signatures.h.
 * ``fastamp_triton::<op>``: the Triton launchers of ``fastamp.kernels``; each kernel module
-  calls :func:`register_triton` when it is imported (Triton is never imported here).
+  calls :func:`register_triton` when it is imported (Triton is never imported here). The per-rule
+  optimizer ops are registered there as the generic ``optim_`` kernel on their arguments.
 
 :data:`OPTIM_OPS`, in the same form, holds the optimizers' step-scalar ops for torch.compile
 (``fastamp_optim::<op>``, see :mod:`fastamp.optim.engine.traced`): their kernels are the eager
@@ -159,13 +160,12 @@ RELEASE_OPS: dict[str, OpDef] = {
 
 # The rules on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
 # fastamp.reference.adamw_q8_, sgd_q8_, lion_q8_), defined in the native and Triton namespaces
-# and as opaque reference ops (reference_op). adamw_q8_ has kernels of its own on every backend
-# (csrc/cpu and csrc/cuda adamw_q8, kernels/adamw_q8.py). sgd_q8_ and lion_q8_ have native CPU
-# kernels (csrc/cpu/one_state.cpp); on the other backends they are the rule's dense kernel
-# composed with the codec (fastamp.reference.one_state_q8: composed_q8, registered for CUDA by
-# _load_native and for Triton by kernels/sgd.py). They stay out of OPS, whose ops every backend
-# registers with one kernel per device: a native build may lack a CUDA kernel
-# (native_has_kernel says).
+# and as opaque reference ops (reference_op). adamw_q8_ has native kernels of its own (csrc/cpu
+# and csrc/cuda adamw_q8). sgd_q8_ and lion_q8_ have native CPU kernels (csrc/cpu/one_state.cpp);
+# on CUDA they are the rule's dense kernel composed with the codec (fastamp.reference.one_state_q8:
+# composed_q8, registered by _load_native). On Triton all three are the generic optim_ kernel on
+# their arguments (kernels/optim.py). They stay out of OPS, whose ops every backend registers with
+# one kernel per device: a native build may lack a CUDA kernel (native_has_kernel says).
 Q8_OPS: dict[str, OpDef] = {
     "adamw_q8_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
@@ -201,8 +201,9 @@ Q8_OPS: dict[str, OpDef] = {
 
 # The one optimizer op: an update rule x a master format x a state format (semantics:
 # fastamp.reference.optim_, whose docstring defines every argument). Defined in the native and
-# Triton namespaces and as an opaque reference op (reference_op). A backend without a kernel of
-# its own runs it on its per-rule ops above (fastamp/ops/legacy.py; BRIDGED says where).
+# Triton namespaces and as an opaque reference op (reference_op). Triton has a generic kernel of
+# it (kernels/optim.py); a backend without one runs it on its per-rule ops above
+# (fastamp/ops/legacy.py; BRIDGED says where).
 GENERIC_OPS: dict[str, OpDef] = {
     "optim_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] states, Tensor step_scalars, "
