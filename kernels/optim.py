@@ -324,8 +324,12 @@ def _optim_impl(
     flags: int,
     *,
     direct: bool = False,
+    op: str = "optim_",
+    names: Optional[dict] = None,
 ) -> None:
-    op = "optim_"
+    """``optim_``'s launches (``direct``: see ``_common.call_launcher``). ``op``: the op the guards'
+    messages name (a per-rule op run as optim_), ``names``: the names its lists have there."""
+    names = names or {}
     if len(params) == 0:
         return
     dev = params[0].device
@@ -354,7 +358,7 @@ def _optim_impl(
     p_dtypes = tuple(d for d in m_params if d in s_params)
     head = [("params", params, p_dtypes, True), ("grads", grads, GRAD_DTYPES, False)]
     if masters:
-        head.append(("masters", masters, (master_dtype,), True))
+        head.append((names.get("masters", "masters"), masters, (master_dtype,), True))
 
     def columns() -> list:
         # each state's column(s) apart (the launch table's columns), for a call being planned
@@ -365,7 +369,7 @@ def _optim_impl(
                 lists.append((f"{d.key}_codes", states[at : at + n], (state_dtype,), True))
                 lists.append((f"{d.key}_scales", states[at + n : at + 2 * n], (state_dtype,), True, num_blocks))
             else:
-                lists.append((d.key, states[at : at + n], (state_dtype,), True))
+                lists.append((names.get(d.key, d.key), states[at : at + n], (state_dtype,), True))
         return lists
 
     scalars, found_inf, rng, stride = C.checked_scalars(op, dev, params, step_scalars, len(r.scalars), found_inf, rng)
@@ -436,9 +440,20 @@ def optim_(*args) -> None:
 PER_RULE_OPS = ("adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_", "lion_q8_")
 
 
+# what the per-rule ops call their lists (the guards' messages name them so): the dense ops a state's
+# list by its key in the plural, adamw_bf16_ its masters "remainders"; the q8 ops' names are optim_'s
+_LIST_NAMES = {
+    "adamw_": {"exp_avg": "exp_avgs", "exp_avg_sq": "exp_avg_sqs", "max_exp_avg_sq": "max_exp_avg_sqs"},
+    "adamw_bf16_": {"masters": "remainders", "exp_avg": "exp_avgs", "exp_avg_sq": "exp_avg_sqs",
+                    "max_exp_avg_sq": "max_exp_avg_sqs"},
+    "sgd_": {"momentum_buffer": "momentum_buffers"},
+    "lion_": {"exp_avg": "exp_avgs"},
+}  # fmt: skip
+
+
 def _per_rule(name: str):
     def impl(*args) -> None:
-        _optim_impl(*registry.coerce("optim_", ref.to_optim(name, args)))
+        _optim_impl(*registry.coerce("optim_", ref.to_optim(name, args)), op=name, names=_LIST_NAMES.get(name))
 
     registered = registry.register_triton(name, impl)
 
