@@ -31,9 +31,15 @@ Criterion: a configuration passes when the mean over seeds of its final validati
 within +0.5% of its reference's (``baseline`` for the bf16 rows, ``fastamp-fp16`` for the fp16
 ones) and every seed's within +1.0% of the same seed's reference. ``pure-bf16`` must fail it.
 
-The ulp8 rows run ``adamw_q8_`` on the torch reference backend while the native kernel lacks
-ulp8 masters (:func:`fastamp.functional.adamw_q8_` picks it under AUTO): the same bits by the
-backend contract, but their wall time per run says nothing about the kernels' speed.
+A run is judged on its own: ``--configs`` names the configurations to run, and the script adds
+what their verdict needs, each one's reference and, whenever a configuration is judged, the
+pure-bf16 negative control (and its reference), saying so in the log and the report. (The
+committed ``convergence_q8-cpu-ulp8`` results predate this: their control ran in
+``convergence_q8-cpu``, so their verdict reads "inconclusive".)
+
+The ulp8 rows of those results ran ``adamw_q8_`` on the torch reference backend, before the
+native CPU kernel had ulp8 masters: the same bits by the backend contract, but their wall time
+per run says nothing about the kernels' speed.
 
 ``--optimizer lion`` runs the same study with ``fastamp.optim.Lion`` (betas (0.9, 0.99); Lion
 wants a 3-10x smaller lr and a larger weight decay than AdamW: pass ``--lr`` / ``--weight-decay``)
@@ -151,6 +157,24 @@ CONFIGS = (
            "fp16 params, int8 ulp8 master corrections (stochastic), q8 moments, fastamp.Scaler, injected overflows"),
 )  # fmt: skip
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
+CONTROL = next(c.name for c in CONFIGS if c.control)
+
+
+def with_verdict_configs(names: list[str], unsupported: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """``names`` and what their verdict needs, in :data:`CONFIGS` order; and the added ones.
+
+    Each config's reference, and the negative control (with its reference) whenever a config is
+    judged: without the control the verdict cannot say whether the study could see a loss of
+    precision at all. Configs in ``unsupported`` (the optimizer's) are neither kept nor added.
+    """
+    names = [n for n in names if n not in unsupported]
+    need = set(names)
+    if any(CONFIG_BY_NAME[n].reference is not None for n in names):
+        need.add(CONTROL)
+    need |= {CONFIG_BY_NAME[n].reference for n in need if CONFIG_BY_NAME[n].reference is not None}
+    ordered = [c.name for c in CONFIGS if c.name in need and c.name not in unsupported]
+    return ordered, [n for n in ordered if n not in names]
+
 
 # --optimizer: the class, its name in the report, its fixed hyperparameters (report text), and
 # the configs it cannot run
@@ -544,6 +568,15 @@ def setup_lines(meta: dict[str, Any]) -> list[str]:
 def write_report(path_stem: str, payload: dict[str, Any]) -> None:
     """The Markdown report (``write_outputs`` writes the JSON)."""
     meta, rows = payload["meta"], payload["configs"]
+    added = meta.get("added_for_verdict") or []
+    added_lines = (
+        [
+            "- added to the configurations asked for, so that the verdict stands on this run alone: "
+            f"{', '.join(added)} (each judged row's reference; the negative control)"
+        ]
+        if added
+        else []
+    )
     table = []
     for name, r in rows.items():
         row: dict[str, object] = {"config": name, "dtype": r["dtype"]}
@@ -575,6 +608,7 @@ def write_report(path_stem: str, payload: dict[str, Any]) -> None:
         f"- criterion: mean final val loss <= reference x {1 + MEAN_TOL:g} and each seed <= same-seed reference x "
         f"{1 + SEED_TOL:g}; the pure-bf16 control must fail it",
         f"- q8 threshold lowbit_min_numel = 4096: {meta['q8_coverage']}",
+        *added_lines,
         f"- wall time of the study: {meta['wall_s']:.0f} s",
         "",
         "## Final validation loss",
@@ -708,7 +742,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rs = parse_run_args(argv, __doc__, "configs", list(CONFIG_BY_NAME), 40, (8, 2), with_optimizer=True)
     steps, seeds, lr, n_evals = rs.steps, rs.seeds, rs.lr, rs.n_evals
     opt_name, opt_hyper, unsupported = OPTIMIZERS[rs.optimizer]
-    cfgs = [CONFIG_BY_NAME[n] for n in rs.names if n not in unsupported]
+    names, added = with_verdict_configs(rs.names, unsupported)
+    cfgs = [CONFIG_BY_NAME[n] for n in names]
+    if added:
+        common.log(f"[convergence_q8] added for a self-contained verdict: {', '.join(added)}")
     bf16_spec, fp16_spec = (QUICK_MODEL, QUICK_MODEL) if rs.quick else (BF16_MODEL, FP16_MODEL)
     n_val = QUICK_VAL_WINDOWS if rs.quick else VAL_WINDOWS
 
@@ -747,7 +784,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         q8_coverage=coverage,
         criterion={"mean_tol": MEAN_TOL, "seed_tol": SEED_TOL},
     )
-    meta.update(optimizer=opt_name, optimizer_hyper=opt_hyper)
+    meta.update(optimizer=opt_name, optimizer_hyper=opt_hyper, added_for_verdict=added)
     payload = {"meta": meta, "configs": rows, "verdict": verdict(rows, steps, seeds, rs.quick, opt_name)}
     write_outputs(rs, "convergence_q8", payload, write_report)
     common.log(payload["verdict"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import sys
 from itertools import repeat
 from typing import Any
 
@@ -30,6 +31,7 @@ from fastamp.scaler.device_scalars import (
 )
 
 _grad_of = operator.attrgetter("grad")
+_requires_grad_of = operator.attrgetter("requires_grad")
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
@@ -62,9 +64,10 @@ def release(
         h.remove()  # the ordinary path again
 
     Args:
-        model: the module whose params ``optimizer`` updates (not wrapped in DDP).
+        model: the module whose params ``optimizer`` updates (not wrapped in DDP or FSDP).
         optimizer: a fastamp optimizer (:class:`fastamp.AdamW`, :class:`fastamp.SGD`,
-            :class:`fastamp.Lion`) holding exactly the model's trainable params.
+            :class:`fastamp.Lion`) holding exactly the model's trainable params (and any
+            frozen ones: see below).
         scaler: a :class:`fastamp.Scaler`: each ``h.backward(loss)`` is then
             ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` (with
             ``max_norm``: ``scaler.clip_grad_norm_(opt, max_norm)`` before the step), bit for
@@ -88,15 +91,34 @@ def release(
     CUDA device (native, Triton and torch backends); params spread over several devices are
     refused.
 
-    Refused before anything is registered, with an error that says what to do instead: a
-    scaler that is not a ``fastamp.Scaler``, or one with ``track_stats`` or a
-    ``process_group``; a ``max_norm`` that is not a number >= 0, or ``norm_type`` other than
-    2; with a scaler or ``max_norm``, params not all on one CPU or CUDA device or of a dtype
-    other than fp32/fp16/bf16; an optimizer that is not a fastamp fused optimizer; a model
-    param with ``requires_grad`` missing from the optimizer, or an optimizer param not in
-    the model; a DDP-wrapped model; DTensor (FSDP2) params; an optimizer already under
-    release. :meth:`Release.backward` refuses a step that finds a grad already there
-    (gradient accumulation, or a ``loss.backward()`` outside the handle).
+    Refused before anything is registered (release() registers all its hooks or none), with an
+    error that says what to do instead: a scaler that is not a ``fastamp.Scaler``, or one with
+    ``track_stats`` or a ``process_group``; a ``max_norm`` that is not a number >= 0, or
+    ``norm_type`` other than 2; with a scaler or ``max_norm``, params not all on one CPU or CUDA
+    device or of a dtype other than fp32/fp16/bf16; an optimizer that is not a fastamp fused
+    optimizer; a model param with ``requires_grad`` missing from the optimizer, or an optimizer
+    param not in the model; a model that is, or holds, a ``DistributedDataParallel`` or an FSDP1
+    ``torch.distributed.fsdp.FullyShardedDataParallel`` module; DTensor (FSDP2) params; an
+    optimizer already under release. :meth:`Release.backward` refuses a step that finds a grad
+    already there (gradient accumulation, or a ``loss.backward()`` outside the handle).
+
+    DDP around the model given as its inner module (``ddp = DDP(model); release(model, opt)``)
+    leaves no mark on the model: :meth:`Release.backward` finds the grads that DDP's reducer
+    writes back into ``.grad`` when backward ends, drops them and raises. With a scaler or
+    ``max_norm`` that happens after the first backward, before anything is stepped; without
+    them the step has already run on the process's own (not all-reduced) grads.
+
+    Frozen params and params added later: a param of the optimizer with ``requires_grad=False``
+    gets no hook (torch refuses one) and, getting no grad, is not stepped, as in ``opt.step()``.
+    Each :meth:`Release.backward` first checks, in a few steps per param group, whether the
+    param groups changed (a group added or removed, a param appended to or removed from a
+    group's list: ``opt.add_param_group`` to unfreeze a layer) or a frozen param now requires
+    grad; if so it runs release()'s checks on the params as they are now (refusing as release()
+    does, with nothing run) and buckets and hooks them again, so training goes on as
+    ``opt.step()`` would. Not noticed: a param replaced in place inside a group's list (same
+    length), and a hooked param frozen later, which simply gets no grad and is not stepped (its
+    bucket is then stepped when backward ends rather than when its other grads arrive); call
+    ``h.remove()`` and ``fastamp.release(...)`` again after such changes.
 
     Bit-identity with ``loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)``: a
     param is written only after every backward node that reads it has run (its grad is
@@ -114,8 +136,28 @@ def release(
 
     torch.compile: :meth:`Release.backward` is not compiled (it is marked
     ``torch.compiler.disable``: a compiled function that calls it runs it eagerly, a graph
-    break); compile the model's forward. Under compiled autograd the hooks would be traced,
-    and ``step_bucket`` refuses to be traced.
+    break); compile the model. Without a scaler and ``max_norm`` nothing more is needed. With
+    them, the two backwards run the model's compiled backward twice, the first time with
+    ``retain_graph=True``, which a backward compiled with donated buffers (AOTAutograd reuses
+    the memory of saved activations; ``torch._functorch.config.donated_buffer``, on by default
+    in torch 2.13) refuses. A compiled backward first run under release is compiled without
+    them; one compiled first for an ordinary backward (earlier in the process, of this model
+    or of another whose forward has the same code, which share it, or taken from
+    torch.compile's on-disk cache) makes :meth:`Release.backward` raise, with nothing stepped
+    and the grads dropped, saying what to do. Safe in every case: whenever a compiled model is
+    released with a scaler or ``max_norm``, set ``torch._functorch.config.donated_buffer =
+    False`` and ``torch.compiler.config.force_disable_caches = True`` before its first compiled
+    call. Both, because in torch 2.13 inductor's FX graph cache does not key on donation: with
+    the caches on, a backward compiled with donated buffers by an ordinary run can be handed
+    back where torch does not check (under ``donated_buffer=False``, or when AOTAutograd's cache
+    misses, even for a backward first run under release), and its second run then reads
+    overwritten activations with no error (measured: other grads, other params).
+
+    Compiled autograd (``torch._dynamo.compiled_autograd``) runs it and gives the same bits:
+    the backward graph is captured once, dynamo traces the release hooks into small graphs,
+    breaking the graph at each call it cannot trace (fastamp's C++ planning helpers; about 40
+    breaks and 50 graphs on the first step of a 5-layer model with a bucket per param), and
+    ``step_bucket`` runs eagerly between them. It costs compile time and buys nothing here.
     """
     from fastamp.optim.engine.base import FusedOptimizer
 
@@ -128,12 +170,7 @@ def release(
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fastamp.release: model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise NotImplementedError(
-            "fastamp.release: the model is wrapped in DistributedDataParallel, whose reducer all-reduces grads in "
-            "its own buckets and copies them back into .grad after the hooks a release would use; gradient "
-            "release under DDP is not supported: use the ordinary path (loss.backward(); opt.step())"
-        )
+    _refuse_wrappers(model)
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0:
         raise ValueError(f"fastamp.release: bucket_bytes must be an int >= 0, got {bucket_bytes!r}")
     if optimizer.__dict__.get("_release") is not None:
@@ -141,35 +178,74 @@ def release(
             "fastamp.release: this optimizer is already under gradient release (a handle that was not removed); "
             "call h.remove() on it first"
         )
+    params, frozen = _param_sets(model, optimizer, scaler is not None or max_norm is not None)
+    return Release(model, optimizer, params, frozen, bucket_bytes, scaler, max_norm)
+
+
+def _refuse_wrappers(model: torch.nn.Module) -> None:
+    """Refuse a model that is, or holds, a DDP or FSDP1 module: they own the grads that release would step."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    # a model can hold an FSDP1 module only once its module is imported: no import (and its cost) otherwise
+    fsdp = getattr(
+        sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel"), "FullyShardedDataParallel", None
+    )
+    for name, module in model.named_modules():
+        where = "the model is" if not name else f"the model's submodule {name!r} is"
+        if isinstance(module, ddp):
+            raise NotImplementedError(
+                f"fastamp.release: {where} wrapped in DistributedDataParallel, whose reducer all-reduces grads in "
+                "its own buckets and copies them back into .grad after the hooks a release would use; gradient "
+                "release under DDP is not supported: use the ordinary path (loss.backward(); opt.step()) without "
+                "fastamp.release (giving release the inner module does not help: h.backward finds the grads DDP "
+                "writes back and raises)"
+            )
+        if fsdp is not None and isinstance(module, fsdp):
+            raise NotImplementedError(
+                f"fastamp.release: {where} a torch.distributed.fsdp.FullyShardedDataParallel (FSDP1) module, which "
+                "flattens its params into sharded FlatParameters and reduce-scatters their grads in its own "
+                "post-backward hooks; gradient release under FSDP is not supported (nor FSDP2's DTensor params): "
+                "use the ordinary path (loss.backward(); opt.step()) without fastamp.release"
+            )
+
+
+def _param_sets(model: torch.nn.Module, optimizer: Any, two_pass: bool) -> tuple[list[Tensor], list[Tensor]]:
+    """The optimizer's params that require grad and those that do not (frozen), in the model's order.
+
+    Raises, changing nothing, where :func:`release` refuses a param; run again by
+    :meth:`Release.backward` when the optimizer's params changed.
+    """
     names = {}
     for name, p in model.named_parameters():
         names.setdefault(id(p), name)
-    in_opt: dict[int, tuple[int, int]] = {}
+    in_opt: set[int] = set()
     for gi, group in enumerate(optimizer.param_groups):
         for i, p in enumerate(group["params"]):
-            in_opt[id(p)] = (gi, i)
+            in_opt.add(id(p))
             if id(p) not in names:
                 raise ValueError(
                     f"fastamp.release: param {i} of param group {gi} of the optimizer (shape {tuple(p.shape)}) is not "
                     "a param of the model; release needs the optimizer to hold exactly the model's trainable params"
                 )
-    order = []
+    params: list[Tensor] = []
+    # held by the optimizer but frozen: they get no grad, so no hook (torch refuses one) and no step, as in
+    # opt.step(); h.backward watches them and takes one in once it requires grad
+    frozen: list[Tensor] = []
     for name, p in model.named_parameters():
         if id(p) in in_opt:
-            order.append(p)
+            (params if p.requires_grad else frozen).append(p)
         elif p.requires_grad:
             raise ValueError(
                 f"fastamp.release: the model's param {name!r} (shape {tuple(p.shape)}) requires grad but is not in "
                 "the optimizer; its grad would never be freed: add it to the optimizer or set requires_grad=False"
             )
-    for p in order:
+    for p in params:
         if is_dtensor(p):
             raise NotImplementedError(
                 f"fastamp.release: the model's param {names[id(p)]!r} is a DTensor (FSDP2); gradient release of "
                 "sharded params is not supported yet: use the ordinary path"
             )
-    if scaler is not None or max_norm is not None:
-        for p in order:
+    if two_pass:
+        for p in params:
             if p.device.type not in ("cpu", "cuda"):
                 raise NotImplementedError(
                     f"fastamp.release: the model's param {names[id(p)]!r} is on {p.device}; gradient release with a "
@@ -177,10 +253,10 @@ def release(
                     "(scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, max_norm); scaler.step(opt); "
                     "scaler.update()), or release without scaler and max_norm"
                 )
-            if p.device != order[0].device:
+            if p.device != params[0].device:
                 raise NotImplementedError(
                     f"fastamp.release: the model's param {names[id(p)]!r} is on {p.device} but "
-                    f"{names[id(order[0])]!r} is on {order[0].device}; gradient release with a loss scaler or "
+                    f"{names[id(params[0])]!r} is on {params[0].device}; gradient release with a loss scaler or "
                     "max_norm runs on one device (its skip decision and clip coefficient are folded on that "
                     "device): use the ordinary path (scaler.scale(loss).backward(); scaler.clip_grad_norm_(opt, "
                     "max_norm); scaler.step(opt); scaler.update()), or release without scaler and max_norm"
@@ -190,7 +266,7 @@ def release(
                     f"fastamp.release: the model's param {names[id(p)]!r} is {p.dtype}; gradient release with a "
                     "loss scaler or max_norm takes float32, float16 and bfloat16 params: use the ordinary path"
                 )
-    return Release(model, optimizer, order, bucket_bytes, scaler, max_norm)
+    return params, frozen
 
 
 _CHECK_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -251,40 +327,88 @@ class Release:
         model: torch.nn.Module,
         optimizer: Any,
         params: list[Tensor],
+        frozen: list[Tensor],
         bucket_bytes: int,
         scaler: Any = None,
         max_norm: float | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
-        buckets: list[list[Tensor]] = []
-        size = bucket_bytes + 1  # start a bucket at the first param
-        for p in reversed(params):
-            nbytes = p.numel() * p.element_size()
-            if not buckets or size + nbytes > bucket_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(p)
-            size += nbytes
-        self.buckets: list[tuple[Tensor, ...]] = [tuple(b) for b in buckets]
-        self._params = [p for b in self.buckets for p in b]
-        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
-        self._sizes = [len(b) for b in self.buckets]
-        self._arrived = [0] * len(self.buckets)
-        self._active = False
+        self.bucket_bytes = bucket_bytes
         self.scaler = scaler
         self.max_norm = max_norm
         self.total_norm: Tensor | None = None
         self.mismatches: Tensor | None = None
-        self._two = None
-        if scaler is not None or max_norm is not None:
-            self._two = _TwoPass(self, optimizer, params)
-            if scaler is not None:
-                self.mismatches = torch.zeros((), dtype=torch.int64, device=params[0].device if params else "cpu")
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in self._params]
+        self._active = False
+        self._handles: list[Any] | None = None
+        self._install(params, frozen)
         optimizer._release = self
         # dynamo is imported here, not by ``import fastamp`` (it costs about half of that import)
         self.backward = torch.compiler.disable(self._backward)
+
+    def _install(self, params: list[Tensor], frozen: list[Tensor]) -> None:
+        """Bucket ``params`` and hook each of them, replacing the hooks there were: all of it or, if it raises, none."""
+        buckets: list[list[Tensor]] = []
+        size = self.bucket_bytes + 1  # start a bucket at the first param
+        for p in reversed(params):
+            nbytes = p.numel() * p.element_size()
+            if not buckets or size + nbytes > self.bucket_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(p)
+            size += nbytes
+        two = None
+        if self.scaler is not None or self.max_norm is not None:
+            two = _TwoPass(self, self.optimizer, params)
+        hooked = [p for b in buckets for p in b]
+        handles = []
+        try:
+            for p in hooked:
+                handles.append(p.register_post_accumulate_grad_hook(self._hook))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        for handle in self._handles or ():
+            handle.remove()
+        self._handles = handles
+        self.buckets: list[tuple[Tensor, ...]] = [tuple(b) for b in buckets]
+        self._params = hooked
+        self._bucket_of = {id(p): k for k, b in enumerate(self.buckets) for p in b}
+        self._sizes = [len(b) for b in self.buckets]
+        self._arrived = [0] * len(self.buckets)
+        self._frozen = frozen
+        # the lists themselves (not their ids, which a new list could reuse) and their lengths, to notice at
+        # each h.backward, in a few steps per group, a group added or removed or a param appended or removed
+        self._groups_seen = [(g["params"], len(g["params"])) for g in self.optimizer.param_groups]
+        self._two = two
+        if self.scaler is not None:
+            if self.mismatches is None:
+                self.mismatches = torch.zeros((), dtype=torch.int64, device=two.device)
+            elif self.mismatches.device != two.device:
+                self.mismatches = self.mismatches.to(two.device)
+
+    def _params_changed(self) -> bool:
+        """Whether the optimizer's param set, or a frozen param's requires_grad, changed since the hooks were set."""
+        groups = self.optimizer.param_groups
+        seen = self._groups_seen
+        if len(groups) != len(seen):
+            return True
+        for group, (held, n) in zip(groups, seen):
+            if group["params"] is not held or len(held) != n:
+                return True
+        return any(map(_requires_grad_of, self._frozen))
+
+    def _rebuild(self) -> None:
+        """The buckets and hooks of the optimizer's params as they are now, checked as :func:`release` checks them."""
+        try:
+            params, frozen = _param_sets(self.model, self.optimizer, self._two is not None)
+        except (ValueError, NotImplementedError) as e:
+            raise type(e)(
+                f"{e} (the optimizer's params changed since fastamp.release(); h.backward checked them as release() "
+                "does and ran nothing)"
+            ) from None
+        self._install(params, frozen)
 
     def _hook(self, p: Tensor) -> None:
         if not self._active:
@@ -319,13 +443,30 @@ class Release:
         hands an amp-aware optimizer) and frees its grads; then ``scaler.update()``. The only
         keyword taken then is ``retain_graph`` (for the second backward). No host sync.
 
+        First, if ``opt``'s param groups changed or a frozen param of it now requires grad,
+        the params are checked as :func:`release` checks them and bucketed and hooked again
+        (see there).
+
         Refuses (before backward runs, changing nothing) a step that finds a grad of the
         optimizer's params already there: a previous ``loss.backward()`` outside the handle,
         gradient accumulation (not supported under release), or a backward that failed
         midway; and, with a scaler, a step whose scaler already unscaled, clipped or stepped
-        ``opt`` since its last ``update()``. ``opt``'s hyperparameters are validated before
-        backward runs; a grad that a step cannot take (e.g. a wrong dtype) raises from inside
-        backward, after the buckets before it were stepped.
+        ``opt`` since its last ``update()`` (the error says how to end that iteration).
+        ``opt``'s hyperparameters are validated before backward runs; a grad that a step
+        cannot take (e.g. a wrong dtype) raises from inside backward, after the buckets before
+        it were stepped.
+
+        Raises after backward, dropping them, if grads were written back after the hooks freed
+        them (DDP around the model, see :func:`release`).
+
+        If the first of the two backwards raises, its grads are dropped (nothing was stepped):
+        a compiled backward with donated buffers raises there, saying what to do (see
+        :func:`release`).
+
+        The scaler's own calls are refused on an optimizer under release (``scaler.step(opt)``,
+        ``unscale_``, ``clip_grad_norm_``), before anything changes, and a leftover
+        ``scaler.update()`` raises saying that ``h.backward`` made the update: each step is
+        ``h.backward(loss)`` alone.
 
         Marked ``torch.compiler.disable`` (on the handle): a compiled function that calls it
         runs it eagerly.
@@ -335,6 +476,8 @@ class Release:
     def _backward(self, loss: Tensor, **kwargs: Any) -> None:
         if self._handles is None:
             raise RuntimeError("fastamp.release: this handle was removed; call loss.backward() and opt.step() instead")
+        if self._params_changed():
+            self._rebuild()
         params = self._params
         if not all(map(operator.is_, map(_grad_of, params), repeat(None))):
             held = next(i for i, p in enumerate(params) if p.grad is not None)
@@ -352,6 +495,7 @@ class Release:
             self._two.run(loss, kwargs)
             return
         self._one_backward(loss, kwargs)
+        self._check_grads_freed(stepped=True)
 
     def _one_backward(self, loss: Tensor, kwargs: dict[str, Any]) -> None:
         """One backward with the hooks on; then the buckets some of whose params got no grad."""
@@ -369,6 +513,33 @@ class Release:
             for k, n in enumerate(arrived):
                 if 0 < n < self._sizes[k]:
                     self._step(k)
+
+    def _drop_grads(self) -> None:
+        for p in self._params:
+            p.grad = None
+
+    def _check_grads_freed(self, stepped: bool) -> None:
+        """Refuse grads written after the hooks freed them: DDP's reducer (wrapping the model out of release's sight)."""
+        params = self._params
+        if all(map(operator.is_, map(_grad_of, params), repeat(None))):
+            return
+        name = self._name_of(next(p for p in params if p.grad is not None))
+        self._drop_grads()
+        if stepped:
+            done = (
+                "This step was taken on this process's own grads, before any all-reduce: with several processes "
+                "the params may now differ between them: reload them from a checkpoint."
+            )
+        else:
+            done = "Nothing was stepped."
+        raise RuntimeError(
+            f"fastamp.release: the param {name!r} has a grad again after the released backward: something wrote "
+            "grads after the release hooks freed them, most likely torch.nn.parallel.DistributedDataParallel "
+            "wrapping this model (its reducer copies the all-reduced grads back into .grad when backward ends; "
+            "fastamp.release given the inner module cannot see the wrapper). Gradient release under DDP is not "
+            f"supported: call h.remove() and use the ordinary path (loss.backward(); opt.step()). {done} The grads "
+            "were dropped."
+        )
 
     def _name_of(self, p: Tensor) -> str:
         for name, q in self.model.named_parameters():
@@ -435,10 +606,17 @@ class _TwoPass:
         if scaler is not None:
             state = scaler._per_optimizer_states[id(opt)]
             if state["stage"] is not OptState.READY or scaler._clip_grad_scale(opt, state) is not None:
+                if state["found_inf_per_device"]:
+                    fix = "call scaler.update() first"
+                else:
+                    # update() would raise (no inf checks recorded): a new_scale ends the iteration without them
+                    fix = (
+                        "scaler.update() cannot end this iteration, whose scaler calls found no grads (no inf checks "
+                        "were recorded): call scaler.update(new_scale=scaler.get_scale()), which keeps the scale"
+                    )
                 raise RuntimeError(
                     "fastamp.release: the scaler already unscaled, clipped or stepped this optimizer since its last "
-                    "update(); h.backward does all of that itself: call scaler.update() first (or drop the extra "
-                    "scaler calls)"
+                    f"update(); h.backward does all of that itself: {fix} (and drop the extra scaler calls)"
                 )
             loss = scaler.scale(loss)
             scale = scaler._scale
@@ -451,7 +629,16 @@ class _TwoPass:
             self.keys[j] = None
             self.norms[j] = None
         self.phase = 1
-        handle._one_backward(loss, {"retain_graph": True})
+        try:
+            handle._one_backward(loss, {"retain_graph": True})
+        except BaseException as e:
+            # the first backward steps nothing: without its grads everything is as before h.backward
+            self.phase = 0
+            handle._drop_grads()
+            if isinstance(e, RuntimeError) and "donated buffers" in str(e):
+                raise RuntimeError(_DONATED_BUFFERS) from e
+            raise
+        handle._check_grads_freed(stepped=False)
         present = [j for j, key in enumerate(self.keys) if key is not None]
         clip_mul = None
         if scaler is not None:
@@ -482,6 +669,8 @@ class _TwoPass:
                 # an overflow seen only by the second backward backs the scale off too
                 state["found_inf_per_device"] = {self.device: torch.maximum(self.found, self.late)}
             scaler.update()
+            # names this handle in the error of a leftover scaler.update() (see Scaler.update)
+            scaler._updated_by_release = True
 
     def _hand_over(self, state: dict[str, Any], scale: Tensor) -> None:
         """The scaler's state after ``clip_grad_norm_`` (or a check) and what its ``step`` hands the optimizer."""
@@ -705,3 +894,15 @@ def _by_dtype(grads: list[Tensor], with_index: bool = False) -> dict:
 
 
 _MISSING = object()
+
+_DONATED_BUFFERS = (
+    "fastamp.release: torch.compile compiled this model's backward with donated buffers (AOTAutograd reuses the "
+    "memory of saved activations; torch._functorch.config.donated_buffer, on by default), which cannot run with "
+    "retain_graph=True, and release with a scaler or max_norm runs two backwards over one graph, the first with "
+    "retain_graph=True. It was compiled for an ordinary backward first (in this process, of this model or of "
+    "another whose forward has the same code, which share it, or taken from torch.compile's cache). Set torch._functorch.config.donated_buffer = False and "
+    "torch.compiler.config.force_disable_caches = True before the model's first compiled call (then "
+    "torch._dynamo.reset() and compile again if it ran already): with torch's caches on, a backward compiled with "
+    "donated buffers can come back even so, and then gives wrong grads without an error. Or release without "
+    "scaler and max_norm (one backward). Nothing was stepped; the grads were dropped"
+)

@@ -187,6 +187,21 @@ def native_cpu_isas() -> list:
 COMPILE_BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 
 
+def spy_optim(monkeypatch, record):
+    """Call ``record(params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule=, hyper=, flags=)``
+    at every launch of fastamp's optimizers (each one ``optim_``, through ``fastamp.functional._optim_launch``),
+    then run it."""
+    from fastamp import functional
+
+    real = functional._optim_launch
+
+    def spy(args, backend, table=None):
+        record(*args[:8], rule=args[8], hyper=args[9], flags=args[10])
+        return real(args, backend, table)
+
+    monkeypatch.setattr(functional, "_optim_launch", spy)
+
+
 def spy_kernels(monkeypatch, wrap):
     """Route every native/Triton/torch kernel a fastamp op reaches through ``wrap(op, backend, impl)``.
 

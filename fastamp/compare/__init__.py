@@ -39,8 +39,17 @@ Regimes:
   ``fastamp-bf16-sr`` the same without masters, ``stochastic_rounding=True, seed=0``.
   ``fastamp-bf16-10B`` remainder masters + bf16 moments with stochastic rounding (10 bytes per
                       param: param 2, remainder 2, moments 2 + 2, grad 2).
-  ``fastamp-bf16-q8`` ``master_weights="ulp8", state_format="q8"``: 8-bit block-scaled moments and an
-                      int8 master correction (7.06 bytes per param with the grad at large tensors). gpt only.
+  ``fastamp-bf16-remainder-q8`` ``master_weights="remainder", state_format="q8"``: the exact int16
+                      remainder master and 8-bit block-scaled moments (8.06 bytes per param with the
+                      grad at large tensors). gpt only, as the other q8 rows.
+  ``fastamp-bf16-ulp8-q8`` ``master_weights="ulp8", state_format="q8"``: an int8 master correction and
+                      8-bit moments (7.06). Named ``fastamp-bf16-q8`` before the other q8 rows came.
+  ``fastamp-bf16-sr-q8`` ``stochastic_rounding=True, state_format="q8"``: no master, 8-bit moments (6.06).
+  ``fastamp-fp16-ulp8-q8`` ``fastamp-fp16`` (fp16 params, ``fastamp.Scaler``) with
+                      ``master_weights="ulp8", state_format="q8"`` (7.06).
+                      Tensors under 4,096 elements keep fp32 moments in every q8 row (and an exact
+                      master under ulp8): the report's training-state table gives the B/param of
+                      the model and of its large tensors, which the 7B projection uses.
   ``half-fp16-fastamp`` ``model.half()`` (BatchNorm / LayerNorm in fp16 too) with everything
                       else as ``fastamp-fp16``: isolates what ``cast_model`` changes.
   ``pure-fp16``       plain ``model.half()`` (BatchNorm and LayerNorm included), torch AdamW on the
@@ -48,8 +57,10 @@ Regimes:
   ``pure-bf16``       the same in bf16.
 
 Which regimes run: on CPU by default (``MODEL_REGIMES``) gpt runs every regime but
-``half-fp16-fastamp``, cnn every one without fp16 or release, cnn-raw12 ``fp32``, ``fastamp-fp16`` and
-``half-fp16-fastamp`` (the BatchNorm point): fp16 CNN steps are the costly ones on a CPU.
+``half-fp16-fastamp`` (the four q8 rows included: a q8 step of the transformer costs about what
+the other bf16 rows' does), cnn every one without fp16, release or q8, cnn-raw12 ``fp32``,
+``fastamp-fp16`` and ``half-fp16-fastamp`` (the BatchNorm point): fp16 CNN steps are the costly
+ones on a CPU.
 ``--full`` (and the default on CUDA, ``FULL_MODEL_REGIMES``) adds the other fp16 CNN rows;
 ``--regimes`` runs the given ones on every model.
 
@@ -96,8 +107,10 @@ from fastamp.compare.plots import plot
 from fastamp.compare.progress import JobProgress, eta_seconds
 from fastamp.compare.regimes import (
     BN_DEMO_REGIMES,
+    FASTAMP_OPTIONS,
     FULL_MODEL_REGIMES,
     MODEL_REGIMES,
+    Q8_REGIMES,
     REGIME_INFO,
     REGIMES,
     build_regime,
@@ -122,9 +135,11 @@ from fastamp.compare.train import _step_count as _step_count  # private; the tes
 __all__ = [
     "BN_DEMO_REGIMES",
     "CONVERGENCE_RTOL",
+    "FASTAMP_OPTIONS",
     "FULL_MODEL_REGIMES",
     "MODELS",
     "MODEL_REGIMES",
+    "Q8_REGIMES",
     "REGIMES",
     "REGIME_INFO",
     "SCALE_PAIRS",

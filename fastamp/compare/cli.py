@@ -20,7 +20,7 @@ from fastamp.compare.machine import cpu_features_line
 from fastamp.compare.memory import CpuPeakMeter, CudaPeakMeter
 from fastamp.compare.models import SmallCNN, TinyGPT
 from fastamp.compare.progress import JobProgress
-from fastamp.compare.regimes import FULL_MODEL_REGIMES, MODEL_REGIMES, REGIMES
+from fastamp.compare.regimes import FULL_MODEL_REGIMES, MODEL_REGIMES, REGIMES, renamed
 from fastamp.compare.report import report_lines, summarise
 from fastamp.compare.train import MEMORY_STEP, MIN_STEPS, PROFILED_STEPS, RegimeResult, RegimeRun
 
@@ -163,7 +163,7 @@ def _parse(argv: list[str] | None):
     regimes = None if args.regimes is None else [r.strip() for r in args.regimes.split(",")]
     for r in regimes or ():
         if r not in REGIMES:
-            raise SystemExit(f"fastamp-compare: unknown regime {r!r}; expected some of {','.join(REGIMES)}")
+            raise SystemExit(f"fastamp-compare: unknown regime {r!r}{renamed(r)}; expected some of {','.join(REGIMES)}")
     if regimes is not None and args.full:
         raise SystemExit("fastamp-compare: --full and --regimes choose the regimes both; give one of them")
     size = args.size or ("large" if device.type == "cuda" else "small")

@@ -51,6 +51,26 @@ def live_bytes(*objs: Any) -> int:
     return total
 
 
+def param_bytes(params: list[torch.Tensor], opt: torch.optim.Optimizer) -> int:
+    """Bytes of the distinct storages that belong to ``params``: each param, its grad and its optimizer state.
+
+    A storage that another param's optimizer state holds too (the group's rng counter that
+    fastamp's params share) is left out: it does not grow with the params.
+    """
+    holders: dict[tuple, int] = {}
+    for st in opt.state.values():
+        keys = {_storage_key(t) for t in st.values() if isinstance(t, torch.Tensor)} if isinstance(st, dict) else ()
+        for key in keys:
+            holders[key] = holders.get(key, 0) + 1
+    seen = set()
+    for p in params:
+        own = [p] + ([p.grad] if p.grad is not None else [])
+        state = opt.state.get(p, {})
+        own += [t for t in state.values() if isinstance(t, torch.Tensor) and holders.get(_storage_key(t), 0) == 1]
+        seen.update(key for key in map(_storage_key, own) if key[1] != 0)
+    return sum(key[2] for key in seen)
+
+
 # What torch's profiler writes straight to the process's stderr (C++, not Python warnings) each
 # time it starts and stops: kineto's "USDT: ... profiler_start" / "profiler_stop" (and
 # "STAGE:" lines in older kinetos), and c10's one-time note that blocks allocated before

@@ -68,7 +68,15 @@ def summarise(results: list[RegimeResult]) -> list[dict[str, Any]]:
                     "peak_mem": _fmt_bytes(r.peak_mem_bytes),
                     "peak_mem_bytes": r.peak_mem_bytes,
                     "state_bytes_per_param": _fmt(r.state_bytes / r.n_params, 3) if r.n_params else "-",
-                    "state_7b_gb": _fmt(r.state_bytes / r.n_params * PROJECTION_PARAMS / 1e9, 1) if r.n_params else "-",
+                    "large_state_bytes_per_param": (
+                        _fmt(r.large_state_bytes / r.large_params, 3) if r.large_params else "-"
+                    ),
+                    "large_param_share": f"{100 * r.large_params / r.n_params:.1f}%" if r.n_params else "-",
+                    "state_7b_gb": (
+                        _fmt(r.large_state_bytes / r.large_params * PROJECTION_PARAMS / 1e9, 1)
+                        if r.large_params
+                        else "-"
+                    ),
                     "mem_vs_fp32": (
                         f"{r.peak_mem_bytes / base.peak_mem_bytes:.2f}x"
                         if base is not None and math.isfinite(r.peak_mem_bytes) and base.peak_mem_bytes > 0
@@ -120,7 +128,10 @@ _PAIRS = (
     ("fastamp-bf16-remainder", "torch-amp-bf16"),
     ("fastamp-bf16-sr", "torch-amp-bf16"),
     ("fastamp-bf16-10B", "torch-amp-bf16"),
-    ("fastamp-bf16-q8", "torch-amp-bf16"),
+    ("fastamp-bf16-remainder-q8", "torch-amp-bf16"),
+    ("fastamp-bf16-ulp8-q8", "torch-amp-bf16"),
+    ("fastamp-bf16-sr-q8", "torch-amp-bf16"),
+    ("fastamp-fp16-ulp8-q8", "torch-amp-fp16"),
     ("half-fp16-fastamp", "fastamp-fp16"),
 )
 
@@ -415,22 +426,30 @@ def _ratio(x: float) -> str:
 
 _STATE_COLS = [
     ("regime", "regime"),
-    ("state_bytes_per_param", "B/param (measured)"),
+    ("state_bytes_per_param", "B/param, whole model (measured)"),
+    ("large_param_share", "params in tensors >= 4,096"),
+    ("large_state_bytes_per_param", "B/param, tensors >= 4,096 (measured)"),
     ("state_7b_gb", "GB for 7B params (projection)"),
 ]
 
 
 def state_lines(rows: list[dict[str, Any]], models: list[str]) -> list[str]:
     """Training state per param of each regime, measured here, and what it would be for a 7B-param model."""
+    from fastamp.compare.train import LARGE_NUMEL
+
     out = [
         "## Training state per parameter, and a 7B-parameter projection",
         "",
         "Measured: the bytes of the distinct live storages of the params, their grads, the buffers, the optimizer "
         "state and the scaler right after the memory step, divided by the param count (no activations, no "
-        "autocast copies: those are in the peak). Projection: that B/param x 7e9, in GB (1e9 bytes), i.e. the "
-        "training state of a 7B model trained the same way. A projection, not a measurement: a small model's "
-        "B/param carries its small fp32 tensors (LayerNorms, biases) at a larger share than a 7B model would; "
-        "`benchmarks/bench_memory.py` measures large tensors and the 8-bit optimizers of other libraries.",
+        "autocast copies: those are in the peak); then the same for the params of at least "
+        f"{LARGE_NUMEL:,} elements alone (each param, its grad and its own optimizer state; the size from which "
+        "fastamp's 8-bit formats apply). Projection: the second B/param x 7e9, in GB (1e9 bytes), i.e. the "
+        "training state of a 7B model, whose tensors are that large, trained the same way. A projection, not a "
+        "measurement: it leaves out a 7B model's small tensors (norms, biases) and everything but params, grads "
+        "and optimizer state. The whole-model B/param is higher where the model's small tensors keep more state per "
+        "param (fp32 moments below 4,096 elements, fp32 LayerNorms); `benchmarks/bench_memory.py` measures large "
+        "tensors and the 8-bit optimizers of other libraries.",
         "",
     ]
     for model_name in models:

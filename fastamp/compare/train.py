@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from fastamp._harness import sync, unscale_and_clip
 from fastamp.compare.hotspots import OpProfile, profile_step
-from fastamp.compare.memory import CpuPeakMeter, CudaPeakMeter, live_bytes
+from fastamp.compare.memory import CpuPeakMeter, CudaPeakMeter, live_bytes, param_bytes
 from fastamp.compare.models import bn_running_var_max
 from fastamp.compare.regimes import build_regime
 
@@ -47,6 +47,11 @@ MIN_STEPS = FIRST_TIMED_BLOCK + 2
 # is nearer the step's own time than the median; not the minimum, which would pick the
 # cheaper steps an fp16 scaler skips (about 7% of the steps here).
 STEP_QUANTILE = 0.25
+# The params the 7B projection is measured on: those of at least this many elements, the size
+# from which fastamp's 8-bit formats apply (AdamW's lowbit_min_numel default). A 7B model is made
+# of such tensors; a small model also has its biases, norms and small embeddings, whose state is
+# larger per param (fp32 moments, fp32 LayerNorm params).
+LARGE_NUMEL = 4096
 
 
 @dataclass
@@ -58,6 +63,10 @@ class RegimeResult:
     # and the param elements: the training state per param (no activations), measured
     state_bytes: float = float("nan")
     n_params: int = 0
+    # the same for the params of at least LARGE_NUMEL elements alone (each param, its grad, its own
+    # optimizer state): what the 7B projection is computed from
+    large_state_bytes: float = float("nan")
+    large_params: int = 0
     # the step time the table shows: the lower quartile (STEP_QUANTILE) of the timed steps, by ``clock``
     step_ms: float = float("nan")
     step_wall_ms: float = float("nan")
@@ -256,6 +265,10 @@ class RegimeRun:
                         self.result.peak_mem_bytes = float(meter.peak)
                         self.result.state_bytes = float(live_bytes(self.model, self.opt, self.scaler))
                         self.result.n_params = sum(p.numel() for p in self.model.parameters())
+                        large = [p for p in self.model.parameters() if p.numel() >= LARGE_NUMEL]
+                        if large:
+                            self.result.large_state_bytes = float(param_bytes(large, self.opt))
+                            self.result.large_params = sum(p.numel() for p in large)
                     elif step in PROFILED_STEPS and self.profile_ops:
                         self.profiles.append(profile_step(lambda s=step: self._one_step(s), dev))
                     else:

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from fastamp.ops import backends, legacy, registry
 from fastamp.ops import validate as V
-from fastamp.reference.optim import AMSGRAD, MAXIMIZE, to_optim
+from fastamp.reference.optim import AMSGRAD, MAXIMIZE, SR_PARAM, SR_STATE, to_optim
 
 __all__ = [
     "optim_",
@@ -203,10 +203,13 @@ _DIRECT = (
 )
 
 
+_PER_RULE_DIRECT = dict(_DIRECT)
+
+
 def _bridged_direct(*args):
     """``optim_`` on the per-rule direct calls (fastamp/ops/legacy.py), declining as a direct call does."""
     try:
-        return legacy.run(args, _DIRECT.__getitem__)
+        return legacy.run(args, _PER_RULE_DIRECT.__getitem__)
     except NotImplementedError:
         raise
     except RuntimeError:  # arguments it cannot map: the torch.ops path and the checks name the problem
@@ -239,6 +242,46 @@ def _adamw_table(
         return None
     table = _NATIVE.adamw_table(params, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, amsgrad)
     return None if table is NotImplemented else table
+
+
+def _optim_launch(args: tuple, backend: str, table=None) -> None:
+    """``optim_(*args)`` on the already resolved ``backend``, for a launch the optimizer engine validated.
+
+    What the engine's launch plans call: no argument checks and no backend resolution per call (the
+    plan resolved it, see ``FusedOptimizer._backends_of``); ``table`` as :func:`optim_`'s ``_table``.
+    A native kernel that refuses the input (which the engine's checks should have made impossible) is
+    answered by :mod:`fastamp.ops.validate`'s message where it has one, else by the kernel's error.
+    """
+    if (
+        table is not None
+        and _DIRECT.get("adamw_") is _TABLE_DIRECT
+        and not torch.compiler.is_compiling()
+        and _TABLE_RUN(table, args[1], args[4], args[5], *args[9], bool(args[10] & AMSGRAD), bool(args[10] & MAXIMIZE))
+        is not NotImplemented
+    ):
+        return
+    if _native_fast_path("optim_", backend, args) is not _NOT_RUN:
+        return
+    if backend == "native":
+        V.optim("optim_", args[0][0].device, *args, strict=True)
+    backends.get_impl("optim_", backend)(*args)
+
+
+def _optim_table_for(args: tuple):
+    """A persistent native table for ``optim_`` launches with these (positional) arguments, or None.
+
+    Today's tables hold ``adamw``'s fp32 launches (fp32 or no masters, fp32 states, no random
+    bits): :func:`_adamw_table`; every other launch takes its lists each time.
+    """
+    params, grads, masters, states, scalars, found_inf, rng, rng_base, rule, hyper, flags = args
+    if rule != "adamw" or flags & (SR_PARAM | SR_STATE) or len(params) == 0:
+        return None
+    if (len(masters) and masters[0].dtype != torch.float32) or (len(states) and states[0].dtype != torch.float32):
+        return None
+    n = len(params)
+    amsgrad = bool(flags & AMSGRAD)
+    vmax = states[2 * n : 3 * n] if amsgrad else []
+    return _adamw_table(list(params), list(masters), states[:n], states[n : 2 * n], vmax, amsgrad)
 
 
 def _scatter_rows(counts: Tensor, absmax: Tensor, idx: list[int], c: Tensor, a: Tensor) -> None:

@@ -3,7 +3,8 @@
 Every scale-like value (init_scale, new_scale, a loaded scale, the factors and bounds) must
 be a real number, finite, > 0 and still so in fp32, because the scale is an fp32 tensor:
 1e39 would be inf there and 0 would make every step overflow forever. Each check raises
-before anything is changed, naming the method (``where``) and the argument.
+before anything is changed, naming the method (``where``) and the argument. Also the
+refusal of an optimizer under gradient release, whose scaler calls ``h.backward`` makes.
 """
 
 from __future__ import annotations
@@ -204,3 +205,18 @@ def _check_new_scale(new_scale: Any, device_type: str | None) -> float:
     if new_scale.requires_grad is True:
         raise AssertionError(reason)
     return _positive_fp32(where, "new_scale", new_scale.item())
+
+
+def _refuse_released(optimizer: Any, name: str) -> None:
+    """Refuse ``scaler.<name>(optimizer)`` on an optimizer under :func:`fastamp.release`, before anything changes.
+
+    Its grads are gone once ``h.backward`` returns: a leftover call of the ordinary loop would find
+    none, record no inf check, and leave an iteration that ``update()`` refuses to end.
+    """
+    if getattr(optimizer, "_release", None) is not None:
+        raise RuntimeError(
+            f"fastamp.Scaler.{name}: the optimizer is under gradient release (fastamp.release): h.backward(loss) "
+            "already scales the loss, checks and clips the grads, steps the optimizer, calls scaler.update() and "
+            f"frees the grads; drop scaler.{name}(...) and scaler.update() from the loop (each step is "
+            "h.backward(loss) alone), or call h.remove() to go back to the ordinary loop"
+        )

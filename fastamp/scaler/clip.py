@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.amp.grad_scaler import OptState
 
+from fastamp.scaler.checks import _refuse_released
 from fastamp.scaler.compiled import _eager_under_compile, _traced_clip_grad_norm_
 from fastamp.scaler.device_scalars import (
     _clip_coef,
@@ -58,6 +59,7 @@ class _ClipMixin:
             return torch.nn.utils.clip_grad_norm_(
                 _params_with_grads(optimizer), max_norm, norm_type, error_if_nonfinite=error_if_nonfinite
             )
+        _refuse_released(optimizer, "clip_grad_norm_")
         self._check_scale_growth_tracker("clip_grad_norm_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:

@@ -105,6 +105,11 @@ _WHY = {
         "norm_type != 2 or error_if_nonfinite=True (a host read of the norm)",
         "clip with the 2-norm and error_if_nonfinite=False",
     ),
+    "released": (
+        "the optimizer is under gradient release (fastamp.release), whose h.backward makes the scaler's calls "
+        "itself; the eager call refuses it",
+        "drop the scaler calls (each step is h.backward(loss) alone)",
+    ),
     "new_scale": ("update(new_scale) checks new_scale on the host", "call update(new_scale) outside the function"),
 }
 
@@ -246,6 +251,8 @@ def _eager_reason(scaler, optimizer) -> str | None:
     Read from Python state dynamo guards: the optimizer's type and attributes, the params'
     grads (type, dtype, layout, contiguity), the scaler's settings.
     """
+    if getattr(optimizer, "_release", None) is not None:
+        return "released"
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return "ordinary"
     if getattr(type(optimizer), "_kernel_args", None) is None:  # not a fastamp.optim optimizer

@@ -39,6 +39,7 @@ from fastamp.scaler.checks import (
     _growth_factor,
     _growth_interval,
     _hysteresis,
+    _refuse_released,
     _scale_bounds,
 )
 from fastamp.scaler.clip import _ClipMixin
@@ -188,6 +189,8 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
         # grads-untouched path; step() hands it to an amp-aware optimizer as its grad_scale
         # (scale / clip_coef, on device). Valid only while that state dict is the current one.
         self._per_optimizer_clip_scales: dict[int, tuple[dict[str, Any], Tensor]] = {}
+        # set by fastamp.release's h.backward after the update() it makes, cleared by every other one
+        self._updated_by_release = False
         self._init_diagnostics(track_stats)
 
     # ------------------------------------------------------------------ lazy state
@@ -284,6 +287,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
         """
         if not self._enabled:
             return
+        _refuse_released(optimizer, "unscale_")
         self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         self._check_can_unscale(optimizer_state)
@@ -342,6 +346,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        _refuse_released(optimizer, "step")
         self._check_scale_growth_tracker("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
@@ -444,7 +449,13 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
             self._scale.fill_(_clamp(value, self._min_scale, self._max_scale))
         else:
             if len(found_infs) == 0:
-                raise AssertionError("No inf checks were recorded prior to update.")
+                hint = ""
+                if getattr(self, "_updated_by_release", False) and not self._per_optimizer_states:
+                    hint = (
+                        " This scaler's last update() was made by h.backward of fastamp.release, which calls it "
+                        "itself: drop this scaler.update() from the loop."
+                    )
+                raise AssertionError("No inf checks were recorded prior to update." + hint)
             functional.update_scale_(
                 _scale,
                 _growth_tracker,
@@ -464,6 +475,7 @@ class Scaler(_ClipMixin, _DiagnosticsMixin, torch.amp.GradScaler):
             self._skipped_steps.add_(skipped.to(torch.int64))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._per_optimizer_clip_scales = {}
+        self._updated_by_release = False
         if found_infs:
             self._health.on_update(self)
 

@@ -7,12 +7,12 @@ import warnings
 import pytest
 import tolerances
 import torch
-from helpers import save_load, set_grads
+from helpers import save_load, set_grads, spy_optim
 
 import fastamp
 from fastamp.optim import AdamW
 
-CPU_BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "adamw_", "cpu")[0]]
+CPU_BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "optim_", "cpu")[0]]
 SHAPES = [(7, 5), (13,), (3, 4, 2), (1,)]
 
 
@@ -282,13 +282,11 @@ def test_bf16_small_lr_param_moves_where_torch_freezes(backend):
 
 def test_mixed_dtypes_in_one_group_one_call_per_dtype_group(monkeypatch):
     calls = []
-    real = fastamp.functional.adamw_
 
     def spy(params, grads, masters, *args, **kwargs):
         calls.append((params[0].dtype, grads[0].dtype, len(masters) > 0, len(params)))
-        return real(params, grads, masters, *args, **kwargs)
 
-    monkeypatch.setattr(fastamp.functional, "adamw_", spy)
+    spy_optim(monkeypatch, spy)
     params = [
         torch.randn(3, dtype=dt, requires_grad=True)
         for dt in (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16, torch.float16)

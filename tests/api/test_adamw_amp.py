@@ -10,7 +10,7 @@ from helpers import cuda_syncs_raise, requires_cuda
 import fastamp
 from fastamp.optim import AdamW
 
-CPU_BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "adamw_", "cpu")[0]]
+CPU_BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "optim_", "cpu")[0]]
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 

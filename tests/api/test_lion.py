@@ -14,7 +14,7 @@ from helpers import assert_bits_equal, save_load, set_grads
 import fastamp
 from fastamp.optim import Lion
 
-BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "lion_", "cpu")[0]]
+BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "optim_", "cpu")[0]]
 SHAPES = [(37, 5), (300,), (1,)]
 
 

@@ -23,7 +23,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import fastamp
 from fastamp.optim import SGD, AdamW
 
-BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "adamw_", "cpu")[0]]
+BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "optim_", "cpu")[0]]
 
 N = 20
 SHAPES = [(1 + i % 5, 2 + i % 3) if i % 2 else (3 + i,) for i in range(N)]

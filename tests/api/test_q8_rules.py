@@ -39,9 +39,9 @@ def _params(dtype=torch.bfloat16, seed=0):
 
 
 RULES = {
-    "sgd": (SGD, "sgd_q8_", "momentum_buffer", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
-    "nesterov": (SGD, "sgd_q8_", "momentum_buffer", dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
-    "lion": (Lion, "lion_q8_", "exp_avg", dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
+    "sgd": (SGD, "optim_", "momentum_buffer", dict(lr=0.05, momentum=0.9, dampening=0.1, weight_decay=0.01)),
+    "nesterov": (SGD, "optim_", "momentum_buffer", dict(lr=0.05, momentum=0.9, nesterov=True, maximize=True)),
+    "lion": (Lion, "optim_", "exp_avg", dict(lr=1e-3, betas=(0.9, 0.99), weight_decay=0.1)),
 }
 
 

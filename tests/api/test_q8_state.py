@@ -6,9 +6,12 @@ defining check: q8 + remainder masters equals fp32-master AdamW whose moments ar
 by ``decode(encode(.))`` after every step with the same random bits, bit for bit.
 """
 
+import warnings
+
 import pytest
 import torch
 from helpers import (
+    COMPILE_BACKENDS,
     assert_bits_equal,
     assert_same_state,
     heavy_tailed_grads,
@@ -25,7 +28,7 @@ from fastamp import reference
 from fastamp.optim import AdamW
 from fastamp.reference import q8
 
-BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "adamw_q8_", "cpu")[0]]
+BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "optim_", "cpu")[0]]
 SHAPES = [(96, 40), (33,), (7, 5), (4097,)]
 
 
@@ -110,26 +113,78 @@ def test_fp32_and_fp16_params_get_q8_moments_with_their_own_streams():
     assert opt16.state[ps16[0]]["exp_avg_q"].dtype == torch.uint8
 
 
-def test_fp16_scaler_skip_changes_no_state_byte():
-    ps = _params(torch.float16)
-    opt = AdamW(ps, lr=1e-3, state_format="q8", lowbit_min_numel=0)
-    scaler = fastamp.Scaler(init_scale=2.0**10)
-    scaler.scale(torch.ones(()))  # the grads below are set by hand, already scaled
-    set_grads(ps, heavy_tailed_grads(ps, 1, scale=2.0**10))
+# The master kinds q8 moments go with (issue 22's configurations, and fp32 masters), each skipped on an overflow
+SKIP_CONFIGS = {
+    "fp32-fp16": (torch.float16, {}),
+    "remainder-bf16": (torch.bfloat16, {"master_weights": "remainder"}),
+    "ulp8-bf16": (torch.bfloat16, {"master_weights": "ulp8"}),
+    "ulp8-fp16": (torch.float16, {"master_weights": "ulp8"}),
+    "sr-bf16": (torch.bfloat16, {"stochastic_rounding": True}),
+}
+
+
+def _scaled_grads(ps, step, scale):
+    """Heavy-tailed grads with magnitudes in [2^-8, 2^4] (or 0), times ``scale``, in the params' dtype.
+
+    In that range fp16 holds ``g * 2^9`` and ``g * 2^10`` exactly scaled (no overflow, no
+    subnormal), so a run whose scale backed off unscales to the same grads as one whose did not.
+    """
+    out = []
+    for g in heavy_tailed_grads([torch.empty(p.shape) for p in ps], step):
+        g = g.sign() * g.abs().clamp(2.0**-8, 2.0**4)
+        out.append((g * scale).to(ps[0].dtype))
+    return out
+
+
+def _scaler_step(opt, ps, scaler, grads):
+    set_grads(ps, grads)
+    scaler.scale(torch.ones(()))  # the grads above are set by hand, already scaled
     scaler.step(opt)
     scaler.update()
+
+
+# Triton runs interpreted here (~10 s a case): the fp16 case, the one a scaler is there for; its q8 kernel's
+# skip is checked for every master kind at the op level (tests/backends/test_triton_q8.py)
+@pytest.mark.parametrize(
+    "backend, config", [(b, c) for b in BACKENDS for c in SKIP_CONFIGS if b != "triton" or c == "ulp8-fp16"]
+)
+def test_an_overflow_skipped_by_the_scaler_changes_no_byte_and_the_run_goes_on_as_without_it(backend, config):
+    """An inf in one grad, found by fastamp.Scaler: the step is skipped on the device (the ordinary path, not
+    release). Every state byte (q8 codes and scales, masters, dense moments of the small tensors), every param
+    byte, the step counts and the group's rng counter stay as they were; the next applied step then writes the
+    bytes of a twin run that never saw the overflow."""
+    dtype, kw = SKIP_CONFIGS[config]
+    runs = []
+    for _ in range(2):
+        ps = _params(dtype)
+        opt = AdamW(ps, lr=2e-3, weight_decay=0.1, state_format="q8", lowbit_min_numel=64, seed=5, backend=backend,
+                    **kw)  # fmt: skip
+        runs.append((ps, opt, fastamp.Scaler(init_scale=2.0**10)))
+    for ps, opt, scaler in runs:
+        for step in (1, 2):
+            _scaler_step(opt, ps, scaler, _scaled_grads(ps, step, scaler.get_scale()))
+            assert not scaler.last_step_skipped
+    (ps, opt, scaler), (twin_ps, twin, twin_scaler) = runs
+    assert {k for p in ps for k in opt.state[p]} >= {"exp_avg_q", "exp_avg_sq_scale", "exp_avg", "rng"}
     before = state_snapshot(opt)
     params_before = [p.detach().clone() for p in ps]
-    grads = heavy_tailed_grads(ps, 2)
+    grads = _scaled_grads(ps, 3, scaler.get_scale())
     grads[0].view(-1)[5] = float("inf")
-    set_grads(ps, grads)
-    scaler.scale(torch.ones(()))
-    scaler.step(opt)
-    scaler.update()
-    assert scaler.last_step_skipped
+    _scaler_step(opt, ps, scaler, grads)
+    assert scaler.last_step_skipped and scaler.get_scale() == 2.0**9
     assert_same_state(before, state_snapshot(opt))
     for p, q in zip(ps, params_before):
-        assert_bits_equal(p.detach(), q)
+        assert_bits_equal(p.detach(), q, "param")
+    assert all(float(opt.state[p]["step"]) == 2 for p in ps)
+    assert int(opt.state[ps[0]]["rng"][1]) == 2
+    # the next applied step: as if the overflow had never happened (same grads once unscaled)
+    for run_ps, run_opt, run_scaler in ((ps, opt, scaler), (twin_ps, twin, twin_scaler)):
+        _scaler_step(run_opt, run_ps, run_scaler, _scaled_grads(run_ps, 3, run_scaler.get_scale()))
+        assert not run_scaler.last_step_skipped
+    assert_same_state(state_snapshot(twin), state_snapshot(opt))
+    for p, q in zip(ps, twin_ps):
+        assert_bits_equal(p.detach(), q.detach(), "param after the skip")
+    assert int(opt.state[ps[0]]["rng"][1]) == 3 and not torch.equal(ps[0].detach(), params_before[0])
 
 
 def _run(opt, ps, steps, start=1):
@@ -164,8 +219,9 @@ def test_fp32_export_matches_torch_layout_and_round_trips_bit_exactly():
     _run(opt, ps, 3)
     sd32 = opt.state_dict(format="fp32")
     for i, st in sd32["state"].items():
-        assert sorted(k for k in st if k != "rng") == ["exp_avg", "exp_avg_sq", "master_param", "step"]
+        assert sorted(st) == ["exp_avg", "exp_avg_sq", "master_param", "step"]  # the counter is the group's
         assert st["exp_avg"].dtype == torch.float32 and st["exp_avg"].shape == ps[i].shape
+    assert sd32["param_groups"][0]["rng"] == [5, 3] and "rng" not in opt.param_groups[0]
     # native -> fp32 -> native: the same bytes
     ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     opt2 = _make(ps2)
@@ -180,15 +236,97 @@ def test_fp32_export_matches_torch_layout_and_round_trips_bit_exactly():
     o32 = AdamW(p32, lr=1e-3, state_format="q8", lowbit_min_numel=0, state_rounding="nearest")
     _run(o32, p32, 2)
     t_opt = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in p32], lr=1e-3)
-    exported = o32.state_dict(format="fp32")
-    for st in exported["state"].values():
-        st.pop("rng", None)
-    t_opt.load_state_dict(exported)
+    t_opt.load_state_dict(o32.state_dict(format="fp32"))
     for i, p in enumerate(t_opt.param_groups[0]["params"]):
         assert_bits_equal(
             t_opt.state[p]["exp_avg"],
             q8.q8_decode_m(o32.state[p32[i]]["exp_avg_q"], o32.state[p32[i]]["exp_avg_scale"]),
         )
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_torch_adamw_loads_the_fp32_export_of_bf16_remainder_q8_as_it_is(fused):
+    """``state_dict(format="fp32")`` of bf16 params with remainder masters and q8 moments: torch.optim.AdamW over an
+    fp32 copy of the model loads it untouched (nothing stripped by hand), holds the decoded moments and the exact
+    masters, steps, and its own state dict, the group's rng counter included, loads back into fastamp."""
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 3)
+    sd = save_load(opt.state_dict(format="fp32"))
+    model32 = [torch.nn.Parameter(master_of(opt, p).clone()) for p in ps]
+    t_opt = torch.optim.AdamW(model32, lr=1.0, fused=fused)
+    t_opt.load_state_dict(sd)
+    assert t_opt.param_groups[0]["lr"] == 2e-3 and t_opt.param_groups[0]["rng"] == [5, 3]
+    for i, (p, q) in enumerate(zip(ps, model32)):
+        st, ts = opt.state[p], t_opt.state[q]
+        assert sorted(ts) == ["exp_avg", "exp_avg_sq", "master_param", "step"], sorted(ts)
+        if "exp_avg_q" in st:
+            m, v = q8.q8_decode_m(st["exp_avg_q"], st["exp_avg_scale"]), q8.q8_decode_v(st["exp_avg_sq_q"],
+                                                                                       st["exp_avg_sq_scale"])  # fmt: skip
+        else:
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+        assert_bits_equal(ts["exp_avg"], m, f"param {i} exp_avg")
+        assert_bits_equal(ts["exp_avg_sq"], v, f"param {i} exp_avg_sq")
+        assert_bits_equal(ts["master_param"], master_of(opt, p), f"param {i} master")
+        assert float(ts["step"]) == 3.0
+    set_grads(model32, heavy_tailed_grads(model32, 4))
+    t_opt.step()
+    assert all(float(t_opt.state[q]["step"]) == 4.0 and bool(q.isfinite().all()) for q in model32)
+    back = [torch.nn.Parameter(q.detach().bfloat16()) for q in model32]
+    o2 = _make(back)
+    # torch kept the exported masters but stepped the params: they are stale, dropped with a warning
+    with pytest.warns(UserWarning, match=f"{len(back)} fp32 master\\(s\\) were exported .* at another step count"):
+        o2.load_state_dict(save_load(t_opt.state_dict()))
+    assert "rng" not in o2.param_groups[0]
+    counters = [o2.state[p]["rng"] for p in back if "rng" in o2.state[p]]
+    assert [p.numel() >= 64 for p in back] == ["rng" in o2.state[p] for p in back]  # the params with q8 codes
+    assert counters[0].tolist() == [5, 3] and all(c is counters[0] for c in counters)  # one per group again
+    # the masters are re-made from the params torch trained: a step of lr 0 leaves them as they are
+    before = [p.detach().clone() for p in back]
+    o2.param_groups[0]["lr"] = 0.0
+    set_grads(back, heavy_tailed_grads(back, 5))
+    o2.step()
+    for p, b in zip(back, before):
+        assert_bits_equal(p.detach(), b)
+
+
+def test_fp32_export_loaded_back_without_steps_elsewhere_keeps_its_masters():
+    """The export's masters are kept when nothing stepped the state since (native -> fp32 -> native is exact)."""
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 3)
+    sd = save_load(opt.state_dict(format="fp32"))
+    assert sd["param_groups"][0]["master_steps"] == [3.0] * len(ps)
+    ps2 = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt2 = _make(ps2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt2.load_state_dict(sd)
+    assert "master_steps" not in opt2.param_groups[0]
+    for p, q in zip(ps, ps2):
+        assert_bits_equal(master_of(opt2, q), master_of(opt, p))
+    bad = save_load(opt.state_dict(format="fp32"))
+    bad["param_groups"][0]["master_steps"] = [3.0]
+    before = state_snapshot(opt2)
+    with pytest.raises(ValueError, match="'master_steps' must hold one step count \\(or None\\) per param"):
+        opt2.load_state_dict(bad)
+    assert_same_state(before, state_snapshot(opt2))
+
+
+def test_fp32_export_keeps_differing_counters_per_param_and_a_bad_group_counter_is_refused():
+    ps = _params()
+    opt = _make(ps)
+    _run(opt, ps, 2)
+    opt.state[ps[3]]["rng"] = torch.tensor([5, 9])  # as a group whose params on another device missed steps
+    sd = opt.state_dict(format="fp32")
+    assert "rng" not in sd["param_groups"][0]
+    assert sd["state"][0]["rng"].tolist() == [5, 2] and sd["state"][3]["rng"].tolist() == [5, 9]
+    sd = opt.state_dict(format="fp32")
+    sd["param_groups"][0]["rng"] = [5]
+    before = state_snapshot(opt)
+    with pytest.raises(ValueError, match=r"loaded param group 0: 'rng' must be \[seed, counter\], two ints"):
+        opt.load_state_dict(sd)
+    assert_same_state(before, state_snapshot(opt))
 
 
 def test_torch_state_dict_loads_and_format_switch_converts():
@@ -312,6 +450,28 @@ def test_compiled_ulp8_step_equals_eager(dtype):
         assert_bits_equal(a.detach(), b.detach(), "param")
 
 
+@pytest.mark.parametrize("compile_backend", COMPILE_BACKENDS)
+def test_compiled_sr_q8_step_equals_eager(compile_backend, fresh_dynamo):
+    """No master, bf16 params rounded stochastically, q8 codes rounded stochastically: a compiled step draws the
+    random bits eager draws (the group's counter read at run time) and writes the same bytes, step after step."""
+    ps_e, ps_c = _params(), _params()
+    kw = dict(lr=2e-3, weight_decay=0.1, stochastic_rounding=True, state_format="q8", lowbit_min_numel=64, seed=5)
+    eager, comp = AdamW(ps_e, **kw), AdamW(ps_c, **kw)
+    step = torch.compile(comp.step, backend=compile_backend, fullgraph=True)
+    for s in range(1, 5):
+        set_grads(ps_e, heavy_tailed_grads(ps_e, s))
+        set_grads(ps_c, heavy_tailed_grads(ps_c, s))
+        eager.step()
+        step()
+        assert_same_state(state_snapshot(eager), state_snapshot(comp))
+        for a, b in zip(ps_e, ps_c):
+            assert_bits_equal(a.detach(), b.detach(), f"step {s} param")
+    assert comp._compiled["ran"] and not eager._compiled["ran"]  # the traced step ran, not an eager fallback
+    st = comp.state[ps_c[0]]
+    assert "exp_avg_q" in st and int(st["rng"][1]) == 4
+    assert not {"master_param", "master_remainder", "master_ulp8"} & {k for p in ps_c for k in comp.state[p]}
+
+
 class _Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -392,7 +552,7 @@ def test_ulp8_masters_run_on_the_native_kernel_under_auto(monkeypatch):
     ps = _params(torch.float16)
     opt = AdamW(ps, lr=1e-3, master_weights="ulp8", state_format="q8", lowbit_min_numel=0, seed=1)
     _run(opt, ps, 1)
-    assert ran == [("adamw_q8_", "native")]
+    assert ran == [("optim_", "native")]
     assert all(opt.state[p]["master_ulp8"].dtype == torch.int8 for p in ps)
 
 

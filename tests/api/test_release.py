@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from helpers import assert_bits_equal, save_load
+from helpers import COMPILE_BACKENDS, assert_bits_equal, assert_same_state, save_load, state_snapshot
 
 import fastamp
 from fastamp import reference
@@ -295,25 +295,171 @@ def test_release_refuses_before_registering_anything(case, error, match):
     _ordinary(model, opt, 1)  # the ordinary path still works
 
 
-def test_release_refuses_dtensor_params(tmp_path):
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """A gloo process group of one process (CPU), destroyed after the test."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        yield dist
+    finally:
+        dist.destroy_process_group()
+
+
+def test_release_refuses_dtensor_params(gloo_world_of_one):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        model = torch.nn.Linear(4, 4)
-        model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
-        model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Replicate()]))
+    mesh = init_device_mesh("cpu", (1,))
+    model = torch.nn.Linear(4, 4)
+    model.weight = torch.nn.Parameter(distribute_tensor(model.weight.detach(), mesh, [Replicate()]))
+    model.bias = torch.nn.Parameter(distribute_tensor(model.bias.detach(), mesh, [Replicate()]))
+    opt = fastamp.AdamW(model.parameters())
+    with pytest.raises(NotImplementedError, match="is a DTensor"):
+        fastamp.release(model, opt)
+    assert _no_hooks(model)
+
+
+def test_release_refuses_fsdp1_and_a_model_holding_ddp_or_fsdp1(gloo_world_of_one):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    ddp = torch.nn.parallel.DistributedDataParallel
+    cases = {
+        "fsdp1": lambda m: FullyShardedDataParallel(m, device_id=torch.device("cpu")),
+        "fsdp1 inside": lambda m: torch.nn.Sequential(FullyShardedDataParallel(m, device_id=torch.device("cpu"))),
+        "ddp inside": lambda m: torch.nn.ModuleDict({"body": ddp(m)}),
+    }
+    for case, wrap in cases.items():
+        torch.manual_seed(0)
+        model = wrap(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)))
         opt = fastamp.AdamW(model.parameters())
-        with pytest.raises(NotImplementedError, match="is a DTensor"):
+        where = "the model is" if case == "fsdp1" else "the model's submodule '(0|body)' is"
+        what = "FullyShardedDataParallel .FSDP1." if "fsdp1" in case else "wrapped in DistributedDataParallel"
+        with pytest.raises(NotImplementedError, match=f"{where} .*{what}.*use the ordinary path"):
             fastamp.release(model, opt)
-        assert _no_hooks(model)
-    finally:
-        dist.destroy_process_group()
+        assert _no_hooks(model), case
+        assert opt.__dict__.get("_release") is None, case
+
+
+@pytest.mark.parametrize("clip", ["none", "binding"])
+def test_ddp_around_the_model_given_as_its_inner_module_is_found_at_backward(clip, gloo_world_of_one):
+    """``ddp = DDP(model); release(model, opt)``: DDP's reducer writes its grads back when backward ends.
+
+    One backward (no clip): the step has run on the process's own grads when the written-back grads
+    are found; two (the clip): found after the first, with nothing stepped.
+    """
+    model, opt = _world("adamw", "fp32")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    h = fastamp.release(model, opt, max_norm=CLIPS[clip], bucket_bytes=6000)
+    snap = _snapshot(model, opt)
+    done = "This step was taken on this process's own grads" if clip == "none" else "Nothing was stepped"
+    with pytest.raises(
+        RuntimeError, match=f"has a grad again after the released backward.*DistributedDataParallel.*{done}"
+    ):
+        h.backward(ddp(_batch(0), 0))
+    assert all(p.grad is None for p in model.parameters()), "the written-back grads are dropped"
+    if clip == "none":
+        assert not torch.equal(model.out.weight, snap[0][-2])
+    else:
+        _unchanged(model, opt, snap, "two backwards: refused after the first")
+    h.remove()
+
+
+def test_release_registers_all_its_hooks_or_none(monkeypatch):
+    model, opt = _world("adamw", "bf16-remainder")
+    real = torch.Tensor.register_post_accumulate_grad_hook
+    calls = []
+
+    def third_fails(self, hook):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("no room for this hook")
+        return real(self, hook)
+
+    monkeypatch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", third_fails)
+    with pytest.raises(RuntimeError, match="no room for this hook"):
+        fastamp.release(model, opt)
+    assert len(calls) == 3
+    assert _no_hooks(model)
+    assert opt.__dict__.get("_release") is None
+    monkeypatch.undo()
+    fastamp.release(model, opt).remove()
+
+
+def test_a_frozen_param_held_by_the_optimizer_is_not_stepped_until_unfrozen():
+    """As ``opt.step()``: a param with requires_grad=False gets no grad and no step; unfrozen, it is taken in."""
+    m1, o1 = _world("adamw", "bf16-remainder")
+    m2, o2 = _world("adamw", "bf16-remainder")
+    for m in (m1, m2):
+        m.l2.requires_grad_(False)
+    h = fastamp.release(m2, o2, bucket_bytes=6000)
+    assert all(p is not m2.l2.weight and p is not m2.l2.bias for b in h.buckets for p in b)
+    assert not m2.l2.weight._post_accumulate_grad_hooks
+    for step in range(PART1_STEPS + 4):
+        if step == 4:
+            for m in (m1, m2):
+                m.l2.requires_grad_(True)
+        _ordinary(m1, o1, step)
+        _released(m2, h, step)
+        if step == 3:
+            assert "exp_avg" not in o2.state[m2.l2.weight], "frozen: never stepped"
+    _assert_same(m1, o1, m2, o2, "unfrozen at step 4")
+    assert float(o2.state[m2.l2.weight]["step"]) == PART1_STEPS
+    assert any(p is m2.l2.weight for b in h.buckets for p in b)
+    h.remove()
+    assert _no_hooks(m2)
+
+
+@pytest.mark.parametrize("config, clip", [("bf16-remainder", "none"), ("fp16-master-scaler", "binding")])
+def test_params_added_to_the_optimizer_after_release_are_taken_in(config, clip):
+    """Unfreezing a layer with ``opt.add_param_group`` mid-training: stepped, and in the clip's norm, as in the ordinary loop.
+
+    The steady state notices no change (the same buckets); removing a group whose params still require grad is
+    refused as release() refuses a model param missing from the optimizer, with nothing run.
+    """
+    max_norm = CLIPS[clip]
+    worlds = []
+    for _ in range(2):
+        model, _, scaler = _amp_world("adamw", config)
+        model.branch.requires_grad_(False)
+        opt = RULES["adamw"](
+            [p for n, p in model.named_parameters() if not n.startswith("branch")], **_config(config)[1]
+        )
+        worlds.append((model, opt, scaler))
+    (m1, o1, s1), (m2, o2, s2) = worlds
+    h = fastamp.release(m2, o2, scaler=s2, max_norm=max_norm, bucket_bytes=6000)
+    first = h.buckets
+    for step in range(12):
+        if step == 5:
+            assert h.buckets is first, "nothing changed: nothing re-bucketed"
+            for m, o in ((m1, o1), (m2, o2)):
+                m.branch.requires_grad_(True)
+                o.add_param_group({"params": list(m.branch.parameters())})
+        norm = _amp_ordinary(m1, o1, s1, max_norm, step)
+        h.backward(_amp_loss(m2, step, s1 is not None))
+        assert all(p.grad is None for p in m2.parameters()), f"step {step}: a grad left"
+        if norm is not None:
+            assert_bits_equal(h.total_norm, norm, f"step {step}: the clip's total norm")
+        for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+            assert_bits_equal(b, a, f"step {step}: param {name}")
+        _assert_same_scaler(s1, s2, f"step {step}")
+    assert h.buckets is not first and any(p is m2.branch.weight for b in h.buckets for p in b)
+    assert "exp_avg" in o2.state[m2.branch.weight]
+    _assert_same(m1, o1, m2, o2, "a group added at step 5")
+    o2.param_groups.pop()
+    params, state = [p.detach().clone() for p in m2.parameters()], state_snapshot(o2)
+    with pytest.raises(ValueError, match="'branch.weight' .* requires grad but is not in the optimizer.*ran nothing"):
+        h.backward(_amp_loss(m2, 12, s1 is not None))
+    for p, q in zip(m2.parameters(), params):
+        assert_bits_equal(p, q, "refused")
+    assert_same_state(state_snapshot(o2), state)
+    assert all(p.grad is None for p in m2.parameters())
+    m2.branch.requires_grad_(False)  # as the message says: now it may stay out of the optimizer
+    h.backward(_amp_loss(m2, 12, s1 is not None))
+    assert not any(p is m2.branch.weight for b in h.buckets for p in b)
+    h.remove()
 
 
 def test_backward_refuses_a_grad_already_there_and_changes_nothing():
@@ -427,6 +573,85 @@ def test_a_compiled_function_runs_h_backward_eagerly():
     h.remove()
 
 
+def _tiny_compiled_world(backend):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+    opt = fastamp.AdamW(model.parameters(), lr=1e-2, master_weights="remainder")
+    return model, opt, torch.compile(model, backend=backend)
+
+
+def _tiny_loss(compiled, step):
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+    return compiled(x).float().square().mean()
+
+
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_a_compiled_model_with_two_backwards_matches_or_refuses_donated_buffers(backend):
+    """torch.compile(model) with max_norm (two backwards, the first with retain_graph=True) on bf16.
+
+    A compiled backward first run under release has no donated buffers: the same bits as the compiled
+    ordinary loop (which shares it: one graph for modules of the same code). One first run by an ordinary
+    backward has them and cannot run twice: refused with nothing stepped, and the way out the error names
+    works. Caches off: a cached backward would decide.
+    """
+    import torch._functorch.config
+
+    with torch.compiler.config.patch(force_disable_caches=True):
+        torch._dynamo.reset()
+        m1, o1, c1 = _tiny_compiled_world(backend)
+        m2, o2, c2 = _tiny_compiled_world(backend)
+        h = fastamp.release(m2, o2, max_norm=1e-3)
+        for step in range(3):
+            h.backward(_tiny_loss(c2, step))
+            assert all(p.grad is None for p in m2.parameters())
+            _tiny_loss(c1, step).backward()
+            torch.nn.utils.clip_grad_norm_(list(m1.parameters()), 1e-3)
+            o1.step()
+            o1.zero_grad(set_to_none=True)
+        _assert_same(m1, o1, m2, o2, "compiled, compiled first under release")
+        h.remove()
+
+        torch._dynamo.reset()
+        m3, o3, c3 = _tiny_compiled_world(backend)
+        _tiny_loss(c3, 0).backward()  # its backward compiled for one run: donated buffers
+        o3.step()
+        o3.zero_grad(set_to_none=True)
+        h3 = fastamp.release(m3, o3, max_norm=1e-3)
+        snap = _snapshot(m3, o3)
+        with pytest.raises(RuntimeError, match=r"donated buffers .*donated_buffer = False and .*force_disable_caches"):
+            h3.backward(_tiny_loss(c3, 1))
+        _unchanged(m3, o3, snap, "refused")
+        assert all(p.grad is None for p in m3.parameters())
+        with torch._functorch.config.patch(donated_buffer=False):
+            torch._dynamo.reset()
+            c3 = torch.compile(m3, backend=backend)
+            h3.backward(_tiny_loss(c3, 1))
+        assert not torch.equal(m3[0].weight, snap[0][0])
+        h3.remove()
+        torch._dynamo.reset()
+
+
+@pytest.mark.slow  # ~20 s: dynamo compiles the hooks' graphs piecewise on the first step
+def test_compiled_autograd_runs_the_release_hooks_with_the_same_bits():
+    """Under compiled autograd the hooks are traced with graph breaks and step_bucket runs eagerly: eager's bits."""
+    from torch._dynamo import compiled_autograd
+
+    m1, o1 = _world("adamw", "bf16-remainder")
+    m2, o2 = _world("adamw", "bf16-remainder")
+    h = fastamp.release(m2, o2, max_norm=1e-3, bucket_bytes=BUCKETS["everything"])  # fewer hook graphs to compile
+    torch._dynamo.reset()
+    for step in (0, 2):
+        m1(_batch(step), step).backward()
+        torch.nn.utils.clip_grad_norm_(list(m1.parameters()), 1e-3)
+        o1.step()
+        o1.zero_grad(set_to_none=True)
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            h.backward(m2(_batch(step), step))
+    _assert_same(m1, o1, m2, o2, "compiled autograd")
+    h.remove()
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------ part 2: the loss scaler and global clipping
 
 
@@ -485,6 +710,25 @@ SR_CONFIGS = {
 }
 
 
+# q8 moments (SGD's momentum, Lion's and AdamW's moments as 8-bit codes) with every master kind under the scaler;
+# lowbit_min_numel=0 puts even the biases and the LayerNorm in q8 (one partial block each); the default keeps the
+# small tensors unquantised, so that a bucket steps both kinds
+Q8_CONFIGS = {
+    "bf16-remainder-q8-scaler": (
+        torch.bfloat16,
+        {"master_weights": "remainder", "state_format": "q8", "lowbit_min_numel": 0, "seed": 2},
+        "on",
+    ),
+    "bf16-sr-q8-scaler": (torch.bfloat16, {**_SR, "state_format": "q8", "seed": 4}, "on"),
+    "fp16-master-q8-scaler": (
+        torch.float16,
+        {"master_weights": True, "state_format": "q8", "lowbit_min_numel": 0, "seed": 2},
+        "on",
+    ),
+    "bf16-remainder-q8": (torch.bfloat16, {"master_weights": "remainder", "state_format": "q8", "seed": 2}, None),
+}
+
+
 # the CUDA runs only: fp16 params with an fp32 LayerNorm in the middle of the list, so that the native CUDA check
 # pass's dtype groups (fp32 first) order the partials unlike the list
 MIXED_CONFIGS = {
@@ -493,7 +737,7 @@ MIXED_CONFIGS = {
 
 
 def _config(config: str):
-    for table in (AMP_CONFIGS, SR_CONFIGS):
+    for table in (AMP_CONFIGS, SR_CONFIGS, Q8_CONFIGS):
         if config in table:
             return table[config]
     return MIXED_CONFIGS[config]
@@ -663,6 +907,35 @@ def test_release_with_stochastic_rounding_matches_the_ordinary_loop_bit_for_bit(
     if resume_at is not None:
         saved = o2.state_dict()["state"]
         assert all(st["rng"] is not o2.state[p]["rng"] for p, st in zip(model.parameters(), saved.values()))
+    h.remove()
+
+
+Q8_CASES = [  # (rule, config, clip): SGD and Lion under the scaler and the binding clip; every rule in one backward
+    *[
+        (rule, config, "binding")
+        for rule in ("sgd", "lion")
+        for config in ("bf16-remainder-q8-scaler", "bf16-sr-q8-scaler", "fp16-master-q8-scaler")
+    ],
+    *[(rule, "bf16-remainder-q8", "none") for rule in RULES],
+]
+
+
+@pytest.mark.slow  # ~5 s a case, 9 cases
+@pytest.mark.parametrize("rule, config, clip", Q8_CASES)
+def test_release_with_q8_moments_matches_the_ordinary_loop_bit_for_bit(rule, config, clip):
+    """STEPS steps of q8 state, compared after every step: with the scaler, overflows injected and the clip binding;
+    without a scaler and clip (one backward per step), every rule."""
+    *_, o2, s2, h = _amp_run(rule, config, clip, "middle")
+    model = h.model
+    assert len(h.buckets) > 2
+    q8 = {name for name, p in model.named_parameters() if any(k.endswith("_q") for k in o2.state[p])}
+    assert {"l2.weight", "branch.weight"} <= q8  # the branch's codes too (no grad on odd steps)
+    small = "lowbit_min_numel" in _config(config)[1]
+    assert ("out.bias" in q8) == small, q8
+    if clip == "binding":
+        assert float(h.total_norm) > 1e-3  # the clip bound
+    if rule != "lion":
+        assert float(o2.state[model.branch.weight]["step"]) < float(o2.state[model.out.weight]["step"])
     h.remove()
 
 
@@ -912,12 +1185,65 @@ def test_release_refuses_a_bad_scaler_or_clip_before_registering_anything(case, 
     assert opt.__dict__.get("_release") is None
 
 
+def test_a_leftover_scaler_call_of_the_ordinary_loop_is_refused_at_once_and_changes_nothing():
+    """A loop ported from ``scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` that kept a scaler call.
+
+    Each call on the released optimizer raises before touching anything; a leftover ``update()`` raises
+    naming h.backward; the next h.backward goes on. An iteration stuck outside release (``scaler.step`` with no
+    grads records no inf check, and ``update()`` then refuses to end it) is ended by the way the refusal names.
+    """
+    model, opt, scaler = _amp_world("adamw", "fp16-master-scaler")
+    h = fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
+    h.backward(_amp_loss(model, 0))
+    snap = _snapshot(model, opt)
+    scale, tracker = scaler._scale.clone(), scaler._growth_tracker.clone()
+    for name, call in (
+        ("step", lambda: scaler.step(opt)),
+        ("step", torch.compile(lambda: scaler.step(opt), backend="eager")),  # the traced entry leaves it to eager
+        ("unscale_", lambda: scaler.unscale_(opt)),
+        ("clip_grad_norm_", lambda: scaler.clip_grad_norm_(opt, 1.0)),
+    ):
+        with pytest.raises(
+            RuntimeError, match=rf"Scaler.{name}: the optimizer is under gradient release.*drop scaler\.{name}"
+        ):
+            call()
+    assert not scaler._per_optimizer_states, "nothing recorded for the iteration"
+    with pytest.raises(
+        AssertionError, match=r"No inf checks were recorded prior to update\. .*h.backward of fastamp.release"
+    ):
+        scaler.update()
+    _unchanged(model, opt, snap, "refused")
+    assert_bits_equal(scaler._scale, scale, "scale")
+    assert_bits_equal(scaler._growth_tracker, tracker, "growth tracker")
+    h.backward(_amp_loss(model, 2))
+    assert not torch.equal(model.out.weight, snap[0][-2]), "h.backward goes on"
+
+    h.remove()
+    scaler.step(opt)  # the ordinary path with no grads: no inf check recorded, and update() refuses to end it
+    with pytest.raises(AssertionError, match=r"No inf checks were recorded prior to update\.$"):
+        scaler.update()
+    h = fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
+    with pytest.raises(
+        RuntimeError, match=r"call scaler.update\(new_scale=scaler.get_scale\(\)\), which keeps the scale"
+    ):
+        h.backward(_amp_loss(model, 4))
+    scale = scaler.get_scale()
+    scaler.update(new_scale=scaler.get_scale())
+    assert scaler.get_scale() == scale
+    snap = _snapshot(model, opt)
+    h.backward(_amp_loss(model, 4))
+    assert not torch.equal(model.out.weight, snap[0][-2])
+    h.remove()
+
+
 def test_backward_with_a_scaler_refuses_a_scaler_already_used_this_iteration():
     model, opt, scaler = _amp_world("adamw", "fp16-master-scaler")
     h = fastamp.release(model, opt, scaler=scaler, max_norm=1.0)
     h.backward(_amp_loss(model, 0))
     snap = _snapshot(model, opt)
-    scaler._per_optimizer_states[id(opt)]["stage"] = fastamp.OptState.UNSCALED  # as after scaler.unscale_(opt)
+    state = scaler._per_optimizer_states[id(opt)]  # as after scaler.unscale_(opt), which records its check
+    state["stage"] = fastamp.OptState.UNSCALED
+    state["found_inf_per_device"] = {torch.device("cpu"): torch.zeros(())}
     with pytest.raises(RuntimeError, match=r"already unscaled, clipped or stepped .* call scaler.update\(\) first"):
         h.backward(_amp_loss(model, 2))
     _unchanged(model, opt, snap, "refused")

@@ -11,7 +11,7 @@ from helpers import save_load, set_grads
 import fastamp
 from fastamp.optim import SGD
 
-BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "sgd_", "cpu")[0]]
+BACKENDS = [b for b in fastamp.backends.BACKENDS if fastamp.backends.available(b, "optim_", "cpu")[0]]
 SHAPES = [(7, 5), (13,), (1,)]
 
 

@@ -17,7 +17,7 @@ import fastamp
 from fastamp.optim import SGD, AdamW
 from fastamp.optim.engine import plan as _plan
 
-NATIVE = fastamp.backends.available("native", "adamw_", "cpu")[0]
+NATIVE = fastamp.backends.available("native", "optim_", "cpu")[0]
 PATHS = ["python"] + (["native"] if _plan._plan_grads is not None else [])
 
 

@@ -21,7 +21,7 @@ import torch
 import fastamp
 from fastamp.optim import SGD, AdamW, Lion
 
-BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "adamw_", "cpu")[0]]
+BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "optim_", "cpu")[0]]
 
 CONFIGS = {
     "adamw": (AdamW, dict(lr=0.01, weight_decay=0.1)),

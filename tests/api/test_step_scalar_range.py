@@ -28,7 +28,7 @@ from fastamp.optim import SGD, AdamW
 FP32_MAX = float(torch.finfo(torch.float32).max)
 # fp64 values from here on round to fp32 inf (halfway to 2**128; ties-to-even goes up)
 FP32_OVERFLOW = 2.0**128 - 2.0**103
-BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "adamw_", "cpu")[0]]
+BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "optim_", "cpu")[0]]
 STEP_SIZE = "step size lr / \\(1 - beta1\\)"
 DECAY = "decay factor 1 - lr \\* weight_decay"
 

@@ -23,7 +23,7 @@ from torch import nn
 import fastamp
 from fastamp.optim import SGD, AdamW, Lion
 
-BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "adamw_", "cpu")[0]]
+BACKENDS = [b for b in ("native", "torch") if fastamp.backends.available(b, "optim_", "cpu")[0]]
 
 
 def _close_adamw(a, b, msg):

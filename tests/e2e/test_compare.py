@@ -1,5 +1,6 @@
 """Tests of ``fastamp.compare`` (the fastamp-compare main job): data, models, measurement, a tiny run."""
 
+import copy
 import csv
 import math
 import os
@@ -688,15 +689,119 @@ def test_the_op_profile_names_what_took_the_time():
     assert "cnn: bf16 1.25x, fp16 0.017x" in note and "aten::convolution_backward in cnn/fastamp-fp16" in note
 
 
-def test_the_q8_row_keeps_8_bit_moments_and_an_int8_master_on_its_large_tensors():
+# regime -> (the master state key of a large bf16/fp16 tensor or None, that of a small one or None)
+_Q8_MASTERS = {
+    "fastamp-bf16-remainder-q8": ("master_remainder", "master_remainder"),
+    "fastamp-bf16-ulp8-q8": ("master_ulp8", "master_remainder"),  # below lowbit_min_numel: the exact master
+    "fastamp-bf16-sr-q8": (None, None),
+    "fastamp-fp16-ulp8-q8": ("master_ulp8", "master_param"),
+}
+
+
+@pytest.mark.parametrize("regime", compare.Q8_REGIMES)
+def test_the_q8_rows_keep_8_bit_moments_and_the_master_they_name_on_their_large_tensors(regime):
     model = compare.TinyGPT(64, 8, 1, 64, 2)  # the head, 64 x 64, reaches lowbit_min_numel (4,096)
-    opt, scaler, autocast_dtype, _ = compare.build_regime("fastamp-bf16-q8", model, 1e-3, torch.device("cpu"))
-    assert scaler is None and autocast_dtype == torch.bfloat16
+    opt, scaler, autocast_dtype, _ = compare.build_regime(regime, model, 1e-3, torch.device("cpu"))
+    dtype = compare.REGIME_INFO[regime][0]
+    assert autocast_dtype == dtype and model.head.weight.dtype == dtype
+    assert isinstance(scaler, fastamp.Scaler) if dtype == torch.float16 else scaler is None
     for p in model.parameters():
         p.grad = torch.ones_like(p)
-    opt.step()
-    big = opt.state[model.head.weight]
-    assert big["exp_avg_q"].dtype == torch.uint8 and big["master_ulp8"].dtype == torch.int8, set(big)
-    small = opt.state[model.head.bias] if model.head.bias is not None else opt.state[model.ln_f.weight]
-    assert small["exp_avg"].dtype == torch.float32 and "master_ulp8" not in small
-    assert "fastamp-bf16-q8" in compare.MODEL_REGIMES["gpt"] and "fastamp-bf16-q8" not in compare.MODEL_REGIMES["cnn"]
+    if scaler is not None:  # grads set by hand: the step unscales them by 2^-16
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    big, small = opt.state[model.head.weight], opt.state[model.head.bias]
+    assert big["exp_avg_q"].dtype == big["exp_avg_sq_scale"].dtype == torch.uint8 and "exp_avg" not in big, set(big)
+    assert small["exp_avg"].dtype == torch.float32 and "exp_avg_q" not in small, set(small)
+    masters = {"master_param", "master_remainder", "master_ulp8"}
+    for st, key in zip((big, small), _Q8_MASTERS[regime]):
+        assert masters & set(st) == ({key} if key else set()), set(st)
+    assert ("rng" in big) and (big["rng"].dtype == torch.int64)  # stochastic q8 codes (and SR params)
+
+
+def test_the_default_run_has_every_fastamp_config_and_torch_fp32_and_amp_on_the_gpt():
+    fastamp_rows = [r for r in compare.REGIMES if r.startswith("fastamp")]
+    assert set(compare.Q8_REGIMES) == set(_Q8_MASTERS) and set(compare.Q8_REGIMES) <= set(fastamp_rows)
+    assert set(fastamp_rows) | {"fp32", "torch-amp-fp16", "torch-amp-bf16"} <= set(compare.MODEL_REGIMES["gpt"])
+    assert not set(compare.Q8_REGIMES) & set(compare.FULL_MODEL_REGIMES["cnn"])  # the CNN's tensors are small
+    with pytest.raises(SystemExit, match=r"unknown regime 'fastamp-bf16-q8' \(renamed: fastamp-bf16-ulp8-q8\)"):
+        compare.main(["--regimes", "fastamp-bf16-q8", "--device", "cpu"])
+
+
+def _layout_bytes(p, options):
+    """``fastamp/reference/layout.py``'s bytes of ``p``, its grad and its AdamW state under a regime's options.
+
+    AdamW's rules: q8 moments from ``lowbit_min_numel`` (4,096) elements, fp32 below; an fp32 param is its own
+    master; below the threshold ulp8 falls back to the exact master (bf16 remainder, fp16 fp32); stochastic
+    rounding keeps no master for bf16.
+    """
+    from fastamp.reference import layout
+
+    n, bf16 = p.numel(), p.dtype == torch.bfloat16
+    big = options.get("state_format") == "q8" and n >= 4096
+    mw = options.get("master_weights")
+    if p.dtype == torch.float32:
+        master = "none"
+    elif mw == "ulp8":
+        master = "ulp8" if big else ("remainder" if bf16 else "fp32")
+    elif mw == "remainder":
+        master = "remainder" if bf16 else "fp32"
+    else:
+        master = "none" if bf16 and options.get("stochastic_rounding") else "fp32"
+    size = p.element_size()
+    return layout.state_bytes_per_param(master, "q8" if big else "fp32", numel=n, param_bytes=size, grad_bytes=size) * n
+
+
+# issue 22's bytes per param (bf16 or fp16 params and grads, large tensors), to be met within 0.01
+_Q8_BYTES = {
+    "fastamp-bf16-remainder-q8": 8.06,
+    "fastamp-bf16-ulp8-q8": 7.06,
+    "fastamp-bf16-sr-q8": 6.06,
+    "fastamp-fp16-ulp8-q8": 7.06,
+}
+
+
+@pytest.mark.parametrize("regime", compare.Q8_REGIMES)
+def test_the_q8_rows_measure_the_bytes_per_param_layout_py_predicts(regime):
+    data = compare.TextData(16, 4, torch.device("cpu"))
+    torch.manual_seed(0)
+    base = compare.TinyGPT(len(data.vocab), 16, 2, 64, 2)  # the CPU default's GPT: 8 of its 26 tensors >= 4,096
+    r = compare.train_regime("gpt", regime, base, data, torch.device("cpu"), 3, 3e-3, 1.0, growth_interval=2)
+    model = copy.deepcopy(base)
+    compare.build_regime(regime, model, 3e-3, torch.device("cpu"))
+    params = list(model.parameters())
+    large = [p for p in params if p.numel() >= 4096]
+    assert r.n_params == sum(p.numel() for p in params) and r.large_params == sum(p.numel() for p in large)
+    options = compare.FASTAMP_OPTIONS[regime]
+    whole = sum(_layout_bytes(p, options) for p in params) / r.n_params
+    big = sum(_layout_bytes(p, options) for p in large) / r.large_params
+    # measured: every live storage (+ the 0-dim step counts, the shared rng counter, the scaler: < 0.002 B/param)
+    assert abs(r.state_bytes / r.n_params - whole) < 0.01, (r.state_bytes / r.n_params, whole)
+    assert abs(r.large_state_bytes / r.large_params - big) < 0.01, (r.large_state_bytes / r.large_params, big)
+    assert abs(big - _Q8_BYTES[regime]) < 0.01
+    row = compare.summarise([r])[0]
+    assert float(row["state_7b_gb"]) == pytest.approx(7 * float(row["large_state_bytes_per_param"]), abs=0.05)
+    assert abs(float(row["state_7b_gb"]) - 7 * _Q8_BYTES[regime]) < 0.1
+
+
+def test_the_q8_rows_and_torch_fp32_and_amp_are_in_the_7b_table_and_the_convergence_checks(tmp_path):
+    regimes = ["fp32", "torch-amp-fp16", "torch-amp-bf16", *compare.Q8_REGIMES]
+    args = ["--size", "tiny", "--model", "gpt", "--regimes", ",".join(regimes), "--steps", "9"]
+    done = compare.run(args + ["--no-progress", "--no-plot", "--out", str(tmp_path)])
+    assert done.ok and [r.regime for r in done.results] == regimes
+    report = (tmp_path / "compare-cpu.md").read_text()
+    table = report.split("## Training state per parameter, and a 7B-parameter projection")[1].split("## Where")[0]
+    assert "projection" in table and "(measured)" in table
+    for regime in ("fp32", "torch-amp-fp16", "torch-amp-bf16"):
+        assert f"| {regime} | 16.0" in table and "| 112.0 |" in table, regime
+    for regime, nbytes in _Q8_BYTES.items():
+        line = next(v for v in table.splitlines() if v.startswith(f"| {regime} |"))
+        gb = float(line.rstrip(" |").rsplit("|", 1)[1])  # from the tiny GPT's tensors >= 4,096 elements
+        assert abs(gb - 7 * nbytes) < 0.1, line
+        reference = "torch-amp-fp16" if regime.startswith("fastamp-fp16") else "torch-amp-bf16"
+        assert f"- gpt: {regime} final val loss " in report and f" vs {reference} " in report, regime
+    scales = report.split("## Loss scale")[1].split("## Pitfall")[0]
+    assert "| fastamp-fp16-ulp8-q8 | fastamp.Scaler |" in scales

@@ -96,7 +96,8 @@ def test_quick_lion_runs_the_rows_lion_takes_and_skips_every_injected_overflow(t
     payload = convergence_q8.main(["--quick", "--optimizer", "lion", "--configs",
                                    "baseline,sr-q8,ulp8-q8,fastamp-fp16,fp16-q8", "--out", str(tmp_path)])  # fmt: skip
     rows = payload["configs"]
-    assert list(rows) == ["baseline", "sr-q8", "fastamp-fp16", "fp16-q8"]  # ulp8 is AdamW's
+    assert list(rows) == ["baseline", "sr-q8", "pure-bf16", "fastamp-fp16", "fp16-q8"]  # ulp8 is AdamW's
+    assert payload["meta"]["added_for_verdict"] == ["pure-bf16"]  # the control, for a verdict of this run alone
     assert payload["meta"]["optimizer"] == "Lion"
     md = (tmp_path / "convergence_q8-cpu-quick-lion.md").read_text()
     assert "Lion's 8-bit formats" in md and "betas (0.9, 0.99)" in md
@@ -106,3 +107,36 @@ def test_quick_lion_runs_the_rows_lion_takes_and_skips_every_injected_overflow(t
     for r in rows.values():
         vals = [v for _, v in r["val_curves"][0]]
         assert vals[-1] < vals[0] - 0.5
+
+
+def test_the_configs_a_verdict_needs_are_added_to_those_asked_for():
+    """Each judged config's reference, and the negative control (with its reference) whenever one is judged."""
+    add = convergence_q8.with_verdict_configs
+    # the committed ulp8 results' command (their control ran in another file): the control is added now
+    assert add(["baseline", "ulp8-q8", "fastamp-fp16", "fp16-ulp8-q8"]) == (
+        ["baseline", "ulp8-q8", "pure-bf16", "fastamp-fp16", "fp16-ulp8-q8"],
+        ["pure-bf16"],
+    )
+    assert add(["fp16-q8"]) == (
+        ["baseline", "pure-bf16", "fastamp-fp16", "fp16-q8"],
+        ["baseline", "pure-bf16", "fastamp-fp16"],
+    )
+    assert add(["pure-bf16"]) == (["baseline", "pure-bf16"], ["baseline"])
+    assert add(["baseline", "fastamp-fp16"]) == (["baseline", "fastamp-fp16"], [])  # nothing judged, nothing added
+    assert add(list(convergence_q8.CONFIG_BY_NAME)) == (list(convergence_q8.CONFIG_BY_NAME), [])
+    assert add(["ulp8-q8", "sr-q8"], ("ulp8-q8", "fp16-ulp8-q8")) == (
+        ["baseline", "sr-q8", "pure-bf16"],
+        ["baseline", "pure-bf16"],
+    )
+
+
+def test_a_subset_run_judges_itself_with_the_control_it_adds(tmp_path):
+    payload = convergence_q8.main(["--quick", "--steps", "10", "--evals", "1", "--configs", "ulp8-q8",
+                                   "--out", str(tmp_path), "--tag", "subset"])  # fmt: skip
+    rows = payload["configs"]
+    assert list(rows) == ["baseline", "ulp8-q8", "pure-bf16"]
+    assert payload["meta"]["added_for_verdict"] == ["baseline", "pure-bf16"]
+    assert rows["pure-bf16"]["control"] is True and isinstance(rows["pure-bf16"]["pass"], bool)
+    assert "did not run" not in payload["verdict"] and "negative control pure-bf16" in payload["verdict"]
+    md = (tmp_path / "convergence_q8-subset.md").read_text()
+    assert "- added to the configurations asked for, so that the verdict stands on this run alone: baseline, " in md

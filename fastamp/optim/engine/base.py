@@ -10,7 +10,6 @@ and :mod:`._steps`.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -19,7 +18,7 @@ from torch import Tensor
 
 from fastamp import _compile_errors
 from fastamp._dtensor import is_dtensor
-from fastamp.ops import functional, registry
+from fastamp.ops import functional
 from fastamp.optim.engine import rng as _rng
 from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.checks import (
@@ -46,19 +45,8 @@ from fastamp.optim.engine.plan import (
 from fastamp.optim.engine.state_dict import _StateDictExport
 from fastamp.optim.engine.steps import _StepRecords
 from fastamp.optim.formats import moments as _formats
-from fastamp.optim.formats.masters import _MasterWeights
-
-
-@functools.cache
-def _keyword_args(op: str) -> tuple[int, tuple[str, ...]]:
-    """How ``fastamp.functional.<op>`` takes the op's arguments: ``(n positional, names of the rest)``.
-
-    The wrappers take the tensors (and ``rng``, ``rng_base``) by position and the
-    hyperparameters (the op table's float and bool arguments) by keyword, with the schema's names.
-    """
-    args = registry.schema(registry.NATIVE_NS, op).arguments
-    n = next(i for i, a in enumerate(args) if str(a.type) in ("float", "bool"))
-    return n, tuple(a.name for a in args[n:])
+from fastamp.optim.formats.masters import _MASTER_KEY_OF, _MasterWeights
+from fastamp.reference import optim as _R
 
 
 def _select(params: list[Tensor], positions: list[int]) -> list[Tensor]:
@@ -68,10 +56,13 @@ def _select(params: list[Tensor], positions: list[int]) -> list[Tensor]:
 class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRecords, torch.optim.Optimizer):
     """The step loop, master-weight bookkeeping and state_dict shared by fastamp's optimizers.
 
-    A subclass defines its update through a few hooks: ``_validate_group``, ``_kernel_op``,
+    A subclass is an update rule of the one optimizer op ``optim_`` (``_RULE``: a name of
+    :data:`fastamp.reference.optim.RULES`) and defines it through a few hooks: ``_validate_group``,
     ``_init_state`` (its own state: moments, buffers, ``step``), ``_moment_keys``,
-    ``_extra_key``, ``_uses_rng``, ``_hyper``, ``_step_scalars`` and ``_kernel_args`` (the last
-    two serve the eager and the compiled step alike: no optimizer writes its kernel call twice);
+    ``_extra_key``, ``_uses_rng``, ``_hyper``, ``_step_scalars``, ``_rule_hyper`` and
+    ``_rule_flags`` (the op's ``hyper`` list and rule flags); the engine builds every launch's
+    arguments itself (:meth:`_kernel_args`, shared by the eager and the compiled step: no
+    optimizer writes its kernel call);
     ``_COUNT_BEFORE`` says whether ``step`` is incremented before the step scalars are
     computed (AdamW: bias corrections use the new count) or after (SGD: ``is_first`` uses
     the count of applied steps before this one).
@@ -136,6 +127,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     """
 
     _NAME = "FusedOptimizer"
+    _RULE = ""  # the update rule of optim_ (fastamp.reference.optim.RULES)
     _COUNT_BEFORE = True
     _STEP_REQUIRED = False  # a non-empty state must hold a ``step`` (AdamW: bias corrections)
     _step_supports_amp_scaling = True
@@ -155,9 +147,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     # ---- hooks -------------------------------------------------------------------------
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
-        raise NotImplementedError
-
-    def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
         raise NotImplementedError
 
     def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
@@ -181,11 +170,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         """Whether ``p`` keeps its moments as q8 codes (the group's ``state_format``, for params of ``lowbit_min_numel`` or more)."""
         return group["state_format"] == "q8" and p.numel() >= group["lowbit_min_numel"]
 
-    @staticmethod
-    def _q8_flags(group: dict[str, Any], launch: Any) -> tuple[bool, bool]:
-        """``(sr_param, sr_codes)`` of a launch of a one-state q8 op: a bf16 param without a master, the codes."""
-        return launch.kind == "sr", group["state_rounding"] == "stochastic" and launch.rng is not None
-
     def _moment_format(self, group: dict[str, Any], p: Tensor, kind: str) -> Any:
         """The :class:`~fastamp.optim.formats.moments.MomentFormat` ``p``'s moments are kept in (q8 or fp32 here)."""
         return _formats.Q8 if self._q8(group, p) else _formats.FP32
@@ -207,9 +191,37 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         """
         raise NotImplementedError
 
-    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
-        """The positional arguments of ``launch.op`` for one launch (eager and compiled alike)."""
+    def _rule_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+        """The ``hyper`` list of ``optim_`` for the rule (e.g. AdamW's ``(beta1, beta2, eps)``), from the group as read this step."""
         raise NotImplementedError
+
+    def _rule_flags(self, group: dict[str, Any]) -> int:
+        """The rule's flags of ``optim_`` (MAXIMIZE, AMSGRAD, NESTEROV of :mod:`fastamp.reference.optim`)."""
+        return _R.MAXIMIZE if group["maximize"] else 0
+
+    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
+        """The positional arguments of ``optim_`` for one launch (eager and compiled alike).
+
+        The master list is the launch's master key of its kind; the states are its other keys but
+        ``rng``, in the launch's order (the rule's states; q8: codes, then scales, per state).
+        Random bits: SR_PARAM rounds a bf16 param without a master (kind "sr") or, where the
+        launch draws bits, an ulp8 correction; SR_STATE rounds bf16 states or, under
+        ``state_rounding="stochastic"``, q8 codes, where the launch draws bits.
+        """
+        st = launch.state
+        master_key = _MASTER_KEY_OF.get(launch.kind)
+        masters = st[master_key] if master_key is not None else []
+        states = [t for key, tensors in st.items() if key != "rng" and key != master_key for t in tensors]
+        rng = launch.rng
+        flags = self._rule_flags(group)
+        if launch.kind == "sr" or (launch.kind == "ulp8" and rng is not None):
+            flags |= _R.SR_PARAM
+        if rng is not None and states:
+            lowp = states[0].dtype
+            if lowp == torch.bfloat16 or (lowp == torch.uint8 and group["state_rounding"] == "stochastic"):
+                flags |= _R.SR_STATE
+        return (launch.params, launch.grads, masters, states, scalars, launch.found_inf, rng, launch.rng_base,
+                self._RULE, self._rule_hyper(group), flags)  # fmt: skip
 
     # ---- construction / pickling ---------------------------------------------------------
     def _init_fused(self, params: Any, defaults: dict[str, Any], backend: Any) -> None:
@@ -386,7 +398,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 if st and self._check_state(gi, i, p, st, group, kind, moment_keys):
                     untrusted.append((gi, i, p, st["step"]))
                 items.append((pos, p, g))
-                needed.add((self._kernel_op(group, p, kind), p.device))
+                needed.add(("optim_", p.device))
             work.append((group, items))
         check_no_shared_memory(self._NAME, self.param_groups)
         for op, dev in sorted(needed, key=str):
@@ -456,7 +468,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                     if sr_ids is None:
                         sr_ids = self._rng_ids()
                     sr_id = sr_ids[id(p)]
-                op = self._kernel_op(group, p, kind)
+                op = "optim_"
                 counted = "step" in st
                 key = (op, p.dtype, g.dtype, kind, use_rng, counted) + self._extra_key(group, p, st, kind)
                 run = bucket.runs.get(key)
@@ -533,7 +545,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             closure (Callable, optional): a closure that reevaluates the model and returns
                 the loss (not allowed when a grad scaler drives the step, as in torch).
         """
-        from fastamp.ops import backends
 
         if torch.compiler.is_compiling():
             return _traced.traced_step(self, closure)
@@ -568,9 +579,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             if grads is None:
                 raise RuntimeError(f"{self._NAME}: internal error: a new launch plan does not fit its own step")
             self._plan = plan
-        else:
-            for op, dev in plan.needed:
-                backends.resolve(op, dev, self.backend)
         try:
             self._execute(plan, grads, amp)
         except BaseException:
@@ -639,7 +647,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         Args:
             params: params of this optimizer, each at most once (any groups).
         """
-        from fastamp.ops import backends
 
         if torch.compiler.is_compiling():
             raise NotImplementedError(
@@ -680,9 +687,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             entry[2] = plan
             # planning may have replaced state dicts of the table (dropping every plan)
             self.__dict__.setdefault("_bucket_plans", {})[key] = entry
-        else:
-            for op, dev in plan.needed:
-                backends.resolve(op, dev, self.backend)
         try:
             self._execute(plan, grads, amp)
         except BaseException:
@@ -811,7 +815,19 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 "pass cycle_momentum=False to the scheduler, or call opt.step() outside the compiled function"
             )
 
+    def _backends_of(self, plan: _Plan) -> dict[torch.device, str]:
+        """The backend of each device's launches: resolved when the plan is made, again only when the forced
+        backend (``FASTAMP_BACKEND``, :func:`fastamp.backends.set_backend`) changed since (one read a step)."""
+        from fastamp.ops import backends
+
+        forced = backends.get_backend()
+        if plan.chosen is None or plan.forced != forced:
+            plan.chosen = {dev: backends.resolve(op, dev, self.backend) for op, dev in plan.needed}
+            plan.forced = forced
+        return plan.chosen
+
     def _execute(self, plan: _Plan, grads_per_group: list[list[Tensor | None]], amp: AmpInputs) -> None:
+        chosen = self._backends_of(plan)
         rng_inc: dict[torch.device, Tensor] = {}
         pending = self.__dict__.get("_rng_pending")  # inside bucket_step(): the counters advance when it ends
         for gi, (gp, grads) in enumerate(zip(plan.groups, grads_per_group)):
@@ -850,11 +866,9 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                                 found_inf, part.rng, part.rng_base,
                             )  # fmt: skip
                             args = self._kernel_args(group, launch, scalars)
-                            n, names = _keyword_args(part.op)
-                            kw = dict(zip(names, args[n:]))
-                            if part is run and run.op == "adamw_":
-                                kw["_table"] = self._table_of(run, args, kw)
-                            getattr(functional, part.op)(*args[:n], **kw, backend=self.backend)
+                            backend = chosen[dev]
+                            table = self._table_of(run, args, backend) if part is run else None
+                            functional._optim_launch(args, backend, table)
                         for p, tmp in run.copy_back:
                             p.copy_(tmp)
                     finally:
@@ -877,23 +891,18 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 gp.versions = list(map(_version_of, gp.remainder))
                 self._param_versions.update(zip(map(id, gp.remainder), gp.versions))
 
-    def _table_of(self, run: _Run, args: tuple, kw: dict[str, Any]) -> Any:
+    def _table_of(self, run: _Run, args: tuple, backend: str) -> Any:
         """The run's persistent kernel table (made at its first native launch), or None.
 
         Runs whose params are copied contiguous each step (strided params) or are DTensor
-        shards take the lists each time.
+        shards take the lists each time; so does every run the native backend has no table
+        for (fastamp.functional._optim_table_for says which).
         """
-        from fastamp.ops import backends
-
         table = run.table
         if table is None:
             table = False
-            if (
-                not run.strided
-                and not run.dtensor
-                and backends.resolve(run.op, run.params[0].device, self.backend) == "native"
-            ):
-                table = functional._adamw_table(args[0], args[2], args[3], args[4], args[5], kw["amsgrad"]) or False
+            if not run.strided and not run.dtensor and backend == "native":
+                table = functional._optim_table_for(args) or False
             run.table = table
         return table or None
 

@@ -522,10 +522,14 @@ class _GroupPlan:
 class _Plan:
     """How ``step()`` launches the kernels, cached across steps while it fits (see ``_gather``)."""
 
-    __slots__ = ("groups", "state", "n_state", "needed")
+    __slots__ = ("groups", "state", "n_state", "needed", "chosen", "forced")
 
     def __init__(self) -> None:
         self.groups: list[_GroupPlan] = []
         self.state: Any = None
         self.n_state = 0
         self.needed: set[tuple[str, torch.device]] = set()
+        # the backend of each device's launches, resolved once per plan (see FusedOptimizer._backends_of),
+        # and the forced backend (fastamp.backends.get_backend) it was resolved under
+        self.chosen: dict[torch.device, str] | None = None
+        self.forced: str | None = None

@@ -21,7 +21,8 @@ record: a plan (of a step or of a bucket) looks at the whole group and, where it
 states hold different counter tensors (a state dict loaded from per-param counters, an
 ``rng`` assigned by hand), makes them one: the first one's seed (in group order) and the
 largest counter, so that no param draws bits it has drawn before. ``state_dict()`` gives each
-param its own copy. The group's ``seed`` is read when its counter is created (a later change
+param its own copy; ``state_dict(format="fp32")`` (torch's per-param layout) gives it to the group
+instead, ``group["rng"] = [seed, counter]``, and a load hands it back to the params that use it. The group's ``seed`` is read when its counter is created (a later change
 does not reseed it; a cleared state or a new group starts a new counter with its seed).
 A compiled step reads each group's counter through the first param of its launches: a
 counter replaced by hand in another param's state is merged by the next eager step or load.

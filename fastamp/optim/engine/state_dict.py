@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from copy import deepcopy
@@ -30,6 +31,12 @@ _INT_STATE: dict[str, tuple[torch.dtype, Callable[[Tensor], tuple[int, ...]]]] =
 
 
 _CODES, _SCALE = "_q", "_scale"
+# The key of a param group's random-bit counter in ``state_dict(format="fp32")`` (per param otherwise)
+GROUP_RNG = "rng"
+# The key of a param group's step counts at which ``state_dict(format="fp32")`` exported its fp32
+# masters (one int per param of the group, None without a master): torch's optimizers keep such group
+# keys but never update a master, so a count that moved since says the master is stale.
+GROUP_MASTER_STEPS = "master_steps"
 
 
 def _q8_entry(opt_name: str, where: str, p: Tensor, key: str, value: Any, saved: dict[str, Any]) -> Tensor:
@@ -103,7 +110,9 @@ def load_state_dict(
     an fp32 0-dim tensor on the param's device; other state is copied to the param's
     device as is. ``state_dtype(p, group, key)``, when given, names the dtype a key of
     ``fp32_state_keys`` is stored in instead (bf16 moments). ``master_remainder`` must be an
-    int16 tensor of the param's shape, ``rng`` an int64 ``[seed, counter]`` pair. A saved group
+    int16 tensor of the param's shape, ``rng`` an int64 ``[seed, counter]`` pair; a group's ``rng``
+    (``state_dict(format="fp32")``: two ints) goes to each of its params that draws random bits
+    and has no counter of its own, and leaves the group. A saved group
     without one of the engine's options (:data:`CARRIED_OPTIONS`; a torch state dict has none)
     takes the live group's value, ``maximize`` False, and the rule's own from
     ``group_defaults(live_group)``. The whole dict is checked before anything changes. Load pre/post hooks
@@ -139,11 +148,18 @@ def load_state_dict(
         for k, v in (group_defaults(groups[gi]) if group_defaults else {}).items():
             sg.setdefault(k, v)
         validate_group(sg, f"loaded param group {gi}")
+        if GROUP_RNG in sg:
+            sg[GROUP_RNG] = _group_counter(opt_name, sg[GROUP_RNG], f"loaded param group {gi}")
+        _master_steps(opt_name, sg, f"loaded param group {gi}")
 
     id_map = dict(
         zip(chain.from_iterable(s["params"] for s in saved_groups), chain.from_iterable(g["params"] for g in groups))
     )
     group_of = {pid: sg for sg in saved_groups for pid in sg["params"]}
+    exported_at = {
+        pid: at for sg in saved_groups for pid, at in zip(sg["params"], sg.pop(GROUP_MASTER_STEPS, None) or ())
+    }
+    stale = 0
     new_state: dict[Any, Any] = defaultdict(dict)
     steps: dict[Tensor, float] = {}
     for k, v in state_dict["state"].items():
@@ -222,16 +238,107 @@ def load_state_dict(
                 entry[key] = value.to(device=p.device, copy=True)
             else:
                 entry[key] = deepcopy(value)
+        at = exported_at.get(k)
+        if at is not None and "master_param" in entry and steps.get(p) != at:
+            del entry["master_param"]  # stepped since the export by an optimizer that keeps no master
+            stale += 1
         new_state[p] = entry
+    if stale:
+        warnings.warn(
+            f"{opt_name}.load_state_dict: {stale} fp32 master(s) were exported (state_dict(format='fp32')) at "
+            "another step count than the state now holds: the state was stepped elsewhere (e.g. by "
+            "torch.optim.AdamW, which keeps but never updates them). They are dropped: the next step re-makes "
+            "each from its param (load the params trained there into the model).",
+            stacklevel=3,
+        )
 
     for g, sg in zip(groups, saved_groups):
         sg["params"] = g["params"]
         if "param_names" in g and "param_names" not in sg:
             sg["param_names"] = g["param_names"]
     opt.__setstate__({"state": new_state, "param_groups": saved_groups})
+    _counters_from_groups(opt)
     for post_hook in opt._optimizer_load_state_dict_post_hooks.values():
         post_hook(opt)
     return steps
+
+
+def _master_steps(opt_name: str, sg: dict[str, Any], where: str) -> None:
+    """Check a saved group's ``master_steps`` (``state_dict(format="fp32")``): one int or None per param."""
+    value = sg.get(GROUP_MASTER_STEPS)
+    if value is None:
+        return
+    ok = isinstance(value, (list, tuple)) and len(value) == len(sg["params"])
+    ok = ok and all(x is None or (isinstance(x, numbers.Real) and not isinstance(x, bool)) for x in value)
+    if not ok:
+        raise ValueError(
+            f"{opt_name}.load_state_dict: {where}: {GROUP_MASTER_STEPS!r} must hold one step count (or None) per "
+            f"param of the group, got {value!r:.80}"
+        )
+
+
+def _master_steps_to_groups(sd: dict[str, Any]) -> None:
+    """Record in each group the step count of each param whose fp32 master the export holds (one host read a group)."""
+    for group in sd["param_groups"]:
+        sts = [sd["state"].get(i) for i in group["params"]]
+        with_master = [i for i, st in enumerate(sts) if isinstance(st, dict) and "master_param" in st and "step" in st]
+        if not with_master:
+            continue
+        counts = torch.stack(
+            [torch.as_tensor(sts[i]["step"], dtype=torch.float64).reshape(()).cpu() for i in with_master]
+        )
+        recorded: list[float | None] = [None] * len(sts)
+        for i, c in zip(with_master, counts.tolist()):
+            recorded[i] = c
+        group[GROUP_MASTER_STEPS] = recorded
+
+
+def _counters_to_groups(sd: dict[str, Any]) -> None:
+    """torch's per-param layout: each group's random-bit counter, ``[seed, counter]``, moved into the group as ints.
+
+    Left per param in a group whose params hold counters of different values (params on several
+    devices, one of which missed steps): one group value could not give each its own back.
+    """
+    for group in sd["param_groups"]:
+        idxs = [i for i in group["params"] if isinstance(sd["state"].get(i), dict) and "rng" in sd["state"][i]]
+        counters = {id(t): t for t in (sd["state"][i]["rng"] for i in idxs)}
+        if not counters or not all(isinstance(t, Tensor) for t in counters.values()):
+            continue
+        values = {tuple(int(x) for x in t.tolist()) for t in counters.values()}
+        if len(values) != 1:
+            continue
+        group[GROUP_RNG] = list(values.pop())
+        for i in idxs:
+            sd["state"][i] = {k: v for k, v in sd["state"][i].items() if k != "rng"}
+
+
+def _group_counter(opt_name: str, value: Any, where: str) -> list[int]:
+    """A saved group's ``rng`` (``state_dict(format="fp32")``): two ints ``[seed, counter]``, the counter >= 0."""
+    ok = (
+        isinstance(value, (list, tuple))
+        and len(value) == 2
+        and all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in value)
+        and -(2**63) <= value[0] < 2**63
+        and 0 <= value[1] < 2**63
+    )
+    if not ok:
+        raise ValueError(
+            f"{opt_name}.load_state_dict: {where}: 'rng' must be [seed, counter], two ints (int64, the counter >= 0), "
+            f"got {value!r:.80}"
+        )
+    return [int(x) for x in value]
+
+
+def _counters_from_groups(opt: torch.optim.Optimizer) -> None:
+    """Give a loaded group's ``rng`` (``[seed, counter]``) to each of its params that draws random bits and has none."""
+    for group in opt.param_groups:
+        value = group.pop(GROUP_RNG, None)
+        if value is None:
+            continue
+        for p in group["params"]:
+            st = opt.state.get(p)
+            if st and "rng" not in st and opt._uses_rng(group, p, st, opt._kind(group, p)):
+                st["rng"] = torch.tensor(value, dtype=torch.int64, device=p.device)
 
 
 def params_with_state(opt: torch.optim.Optimizer) -> list[Tensor]:
@@ -255,8 +362,27 @@ class _StateDictExport:
             moment_format (str): ``"native"`` (default) keeps the moments as stored (q8 codes
                 ``*_q`` with their ``*_scale``, bf16); ``"fp32"`` decodes them to fp32 tensors shaped
                 like the params (exact), torch.optim's layout; both forms load.
-            format (str, optional): ``"fp32"`` is both of the above: torch.optim.AdamW's layout
-                (fp32 moments) plus exact fp32 masters.
+            format (str, optional): ``"fp32"`` is both of the above: torch.optim's layout (fp32
+                moments) plus exact fp32 masters. Each param's state then holds torch's keys
+                (``step``, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` for AdamW) and
+                ``master_param`` for a param with a master, nothing else: the random-bit counter
+                of stochastic rounding and q8 codes (``rng``, one per group and device, see
+                :mod:`fastamp.optim.engine.rng`) moves to its param group, as
+                ``group["rng"] = [seed, counter]`` (Python ints; reading it is a host sync for a
+                device counter). There :class:`torch.optim.AdamW` keeps it untouched (an unknown
+                group key), and saves it again, while an unknown per-param tensor would be cast
+                to the param's dtype (a float ``[seed, counter]``, rounded in bf16). Loading the
+                export back gives the counter to every param that draws random bits, so
+                native -> fp32 -> native resumes bit-exactly. A group whose params on several
+                devices have different counters keeps them per param (as ``"native"`` does).
+                Each group also records the step count of each param whose master it exports
+                (``group["master_steps"]``, one number or None per param): torch keeps those masters
+                but never updates them, so a state dict that comes back from torch after steps
+                there loads without them (a warning says how many): the next step re-makes each
+                master from its param, which should then hold the weights trained there.
+
+        Without ``format="fp32"`` (both formats ``"fp32"``), each param's state holds its own copy of
+        the group's counter as ``rng`` (int64 ``[seed, counter]``), which loads into any optimizer.
         """
         if format is not None:
             if format not in ("native", "fp32"):
@@ -271,6 +397,8 @@ class _StateDictExport:
                 f"{self._NAME}.state_dict: moment_format must be 'native' or 'fp32', got {moment_format!r}"
             )
         sd = super().state_dict()
+        if master_format == moment_format == "fp32":
+            _counters_to_groups(sd)
         for idx, st in list(sd["state"].items()):
             if isinstance(st, dict) and isinstance(st.get("rng"), Tensor):
                 # the group's counter, one tensor shared by its params (see fastamp.optim.engine.rng): each
@@ -312,6 +440,8 @@ class _StateDictExport:
                     master = reference.ulp8_decode(p, corr)  # the master the next step would use
                 st["master_param"] = master
                 sd["state"][idx] = st
+        if master_format == moment_format == "fp32":
+            _master_steps_to_groups(sd)
         return sd
 
     def _after_load(self) -> None:

@@ -14,6 +14,7 @@ from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.base import FusedOptimizer
 from fastamp.optim.formats import masters as _masters
 from fastamp.optim.formats import moments as _formats
+from fastamp.reference import optim as _R
 
 __all__ = ["AdamW"]
 
@@ -208,7 +209,7 @@ class AdamW(FusedOptimizer):
             needs). It is created at the group's first such step with the ``seed`` of then; a
             param whose state is created later joins it. See :mod:`fastamp.optim.engine.rng` for
             loads of per-param counters (made one: the largest) and ``state_dict()`` (a copy
-            per param).
+            per param; with ``format="fp32"``, in the param group).
         state_dtype (torch.dtype, optional): ``torch.float32`` (default) or
             ``torch.bfloat16``: moments of bf16 params with remainder masters or without a
             master are stored in bf16 (rounded stochastically with ``stochastic_rounding``,
@@ -305,7 +306,12 @@ class AdamW(FusedOptimizer):
     ``state_dict()`` holds the state as stored (plain tensors: ``torch.load(weights_only=True)``
     loads it); ``state_dict(master_format="fp32")`` exports remainder masters as exact fp32
     ``master_param``, ``moment_format="fp32"`` q8 and bf16 moments as fp32 ``exp_avg`` /
-    ``exp_avg_sq``, and ``format="fp32"`` both: torch.optim.AdamW's layout. Native -> fp32 ->
+    ``exp_avg_sq``, and ``format="fp32"`` both: torch.optim.AdamW's layout, each param's state
+    exactly torch's keys plus ``master_param``; the random-bit counter (``rng``) then travels in
+    its param group as ``group["rng"] = [seed, counter]`` (ints; torch keeps an unknown group key
+    as it is, where it would cast a per-param tensor to the param's dtype), and is given back to
+    the params that draw random bits on load. :class:`torch.optim.AdamW` loads this export as it
+    is, and fastamp loads torch's state dict of it back. Native -> fp32 ->
     native is bit-exact (q8 decodes exactly, and encoding a decoded block gives its bytes back). ``load_state_dict`` accepts both forms
     for either master mode, keeps fp32 state fp32 (torch's would cast it to the param dtype),
     validates the whole dict before changing anything, and accepts a
@@ -316,6 +322,7 @@ class AdamW(FusedOptimizer):
     """
 
     _NAME = _NAME
+    _RULE = "adamw"
     _COUNT_BEFORE = True
     _STEP_REQUIRED = True
     _step_supports_amp_scaling = True
@@ -386,13 +393,6 @@ class AdamW(FusedOptimizer):
             return torch.bfloat16
         return torch.float32
 
-    def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
-        if self._q8(group, p):  # DTensor params are refused in the engine's _collect
-            return "adamw_q8_"
-        if kind in ("remainder", "sr") or self._moment_dtype(group, p, kind) == torch.bfloat16:
-            return "adamw_bf16_"
-        return "adamw_"
-
     def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
         if self._q8(group, p) and group["state_rounding"] == "stochastic":
             return True
@@ -410,6 +410,13 @@ class AdamW(FusedOptimizer):
 
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+
+    def _rule_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+        beta1, beta2 = group["betas"]
+        return (float(beta1), float(beta2), float(group["eps"]))
+
+    def _rule_flags(self, group: dict[str, Any]) -> int:
+        return super()._rule_flags(group) | (_R.AMSGRAD if group["amsgrad"] else 0)
 
     def _hyper(self, group: dict[str, Any]) -> dict[str, Any]:
         betas = group["betas"]
@@ -447,25 +454,6 @@ class AdamW(FusedOptimizer):
             float(beta2),
             float(group["weight_decay"]),
         )
-
-    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
-        beta1, beta2 = group["betas"]
-        st = launch.state
-        vmax = st["max_exp_avg_sq"] if group["amsgrad"] else []
-        hyper = (float(beta1), float(beta2), float(group["eps"]), bool(group["amsgrad"]), bool(group["maximize"]))
-        head = (launch.params, launch.grads)
-        if launch.op == "adamw_q8_":
-            masters = {"fp32": "master_param", "remainder": "master_remainder", "ulp8": "master_ulp8"}.get(launch.kind)
-            return (*head, st[masters] if masters else [], st["exp_avg_q"], st["exp_avg_scale"], st["exp_avg_sq_q"],
-                    st["exp_avg_sq_scale"], scalars, launch.found_inf, launch.rng, launch.rng_base, *hyper[:3],
-                    hyper[4], launch.kind == "sr" or (launch.kind == "ulp8" and launch.rng is not None),
-                    group["state_rounding"] == "stochastic" and launch.rng is not None)  # fmt: skip
-        if launch.op == "adamw_bf16_":
-            rem = st["master_remainder"] if launch.kind == "remainder" else []
-            return (*head, rem, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, launch.rng,
-                    launch.rng_base, *hyper)  # fmt: skip
-        masters = st["master_param"] if launch.kind == "fp32" else []
-        return (*head, masters, st["exp_avg"], st["exp_avg_sq"], vmax, scalars, launch.found_inf, *hyper)
 
     # ---- torch.compile (see fastamp.optim.engine.traced) -----------------------------------------
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:

@@ -137,6 +137,7 @@ class Lion(FusedOptimizer):
     """
 
     _NAME = _NAME
+    _RULE = "lion"
     _COUNT_BEFORE = False
     _step_supports_amp_scaling = True
 
@@ -176,11 +177,12 @@ class Lion(FusedOptimizer):
     def _validate_group(self, group: dict[str, Any], where: str, check_tensor_lr: bool = False) -> None:
         _validate_group(group, where, check_tensor_lr, self._lr_checks())
 
-    def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
-        return "lion_q8_" if self._q8(group, p) else "lion_"
-
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("exp_avg",)
+
+    def _rule_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+        beta1, beta2 = group["betas"]
+        return (float(beta1), float(beta2))
 
     def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
         _formats.convert(p, st, "exp_avg", self._moment_format(group, p, kind))
@@ -195,17 +197,6 @@ class Lion(FusedOptimizer):
             raise AssertionError(f"{_NAME}: an lr out of range reached the step: {lr}")
         anchor = torch.empty(0, device=dev)
         return _traced.lion_step_scalars(anchor, grad_scale, _traced.lr_tensor(lr), float(wd))
-
-    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
-        st = launch.state
-        masters = {"fp32": "master_param", "remainder": "master_remainder"}.get(launch.kind)
-        beta1, beta2 = group["betas"]
-        head = (launch.params, launch.grads, st[masters] if masters else [])
-        tail = (scalars, launch.found_inf, launch.rng, launch.rng_base, float(beta1), float(beta2),
-                bool(group["maximize"]))  # fmt: skip
-        if launch.op == "lion_q8_":
-            return (*head, st["exp_avg_q"], st["exp_avg_scale"], *tail, *self._q8_flags(group, launch))
-        return (*head, st["exp_avg"], *tail)
 
     # ---- state_dict ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.base import FusedOptimizer
 from fastamp.optim.formats import masters as _masters
 from fastamp.optim.formats import moments as _formats
+from fastamp.reference import optim as _R
 
 __all__ = ["SGD"]
 
@@ -131,6 +132,7 @@ class SGD(FusedOptimizer):
     """
 
     _NAME = _NAME
+    _RULE = "sgd"
     _COUNT_BEFORE = False
     _step_supports_amp_scaling = True
 
@@ -180,11 +182,14 @@ class SGD(FusedOptimizer):
     def _plan_key(self, group: dict[str, Any]) -> tuple:
         return super()._plan_key(group) + (group["momentum"] != 0,)
 
-    def _kernel_op(self, group: dict[str, Any], p: Tensor, kind: str) -> str:
-        return "sgd_q8_" if group["momentum"] != 0 and self._q8(group, p) else "sgd_"
-
     def _moment_keys(self, group: dict[str, Any]) -> tuple[str, ...]:
         return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+    def _rule_hyper(self, group: dict[str, Any]) -> tuple[float, ...]:
+        return (float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]))
+
+    def _rule_flags(self, group: dict[str, Any]) -> int:
+        return super()._rule_flags(group) | (_R.NESTEROV if group["nesterov"] else 0)
 
     def _init_state(self, p: Tensor, st: dict[str, Any], group: dict[str, Any], kind: str) -> float | None:
         if group["momentum"] == 0:
@@ -209,17 +214,6 @@ class SGD(FusedOptimizer):
         if counts is None:  # no momentum: is_first is not used
             counts = torch.zeros((), dtype=torch.float32, device=dev)
         return _traced.sgd_step_scalars(counts, grad_scale, _traced.lr_tensor(lr))
-
-    def _kernel_args(self, group: dict[str, Any], launch: _traced.Launch, scalars: Tensor) -> tuple:
-        st = launch.state
-        masters = {"fp32": "master_param", "remainder": "master_remainder"}.get(launch.kind)
-        hyper = (float(group["momentum"]), float(group["dampening"]), float(group["weight_decay"]),
-                 bool(group["nesterov"]), bool(group["maximize"]))  # fmt: skip
-        head = (launch.params, launch.grads, st[masters] if masters else [])
-        tail = (scalars, launch.found_inf, launch.rng, launch.rng_base, *hyper)
-        if launch.op == "sgd_q8_":
-            return (*head, st["momentum_buffer_q"], st["momentum_buffer_scale"], *tail, *self._q8_flags(group, launch))
-        return (*head, st["momentum_buffer"] if group["momentum"] != 0 else [], *tail)
 
     # ---- state_dict ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
