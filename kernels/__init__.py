@@ -5,7 +5,8 @@ The launchers check only what their launch tables rely on (``_guards.py``);
 ``fastamp.functional`` runs the user-facing checks of ``fastamp.ops.validate`` before it calls one.
 Each op module (``amp.py``: the loss scaler's ops; ``optim.py``: the one optimizer kernel ``optim_``,
 an update rule of ``rules.py`` x the formats of ``formats.py``, and the per-rule optimizer ops as
-``optim_`` runs them) exposes functions with the same signatures as ``fastamp.reference``.
+``optim_`` runs them) exposes functions with the same signatures as ``fastamp.reference``; each
+registers its ``fastamp_triton`` ops (not the per-rule optimizer ops: no kernels of their own).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ _OP_MODULES = {
     "update_scale_": "amp",
     "unscale_check_stats_": "amp",
     "optim_": "optim",
-    # the per-rule optimizer ops: optim_ on their arguments (kernels/optim.py)
+    # the per-rule optimizer ops: optim_ on their arguments (kernels/optim.py; no op of their own)
     "adamw_": "optim",
     "adamw_bf16_": "optim",
     "adamw_q8_": "optim",

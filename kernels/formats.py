@@ -30,7 +30,6 @@ elements: counted with the per-program control accesses).
 
 import triton
 import triton.language as tl
-
 from fastamp.kernels import _common as C
 
 MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_ULP8 = 0, 1, 2, 3

@@ -27,10 +27,9 @@ block (its absmax is the new scale byte); chunks and blocks start at multiples o
 block is split between programs.
 
 The per-rule ops (``adamw_``, ``adamw_bf16_``, ``adamw_q8_``, ``sgd_``, ``sgd_q8_``, ``lion_``,
-``lion_q8_``) are registered as ``fastamp_triton::<op>`` too, each this kernel on its arguments
-mapped by :func:`fastamp.reference.optim.to_optim`: the optimizers' compiled steps
-(``fastamp/optim/engine/traced.py``) and their backend resolution still name them. No kernel of
-their own.
+``lion_q8_``) have no kernel or op of their own here: ``fastamp.functional`` and the optimizers
+run them as ``optim_``, and ``fastamp.kernels.get_op`` answers for their names with this kernel
+on their arguments (:func:`fastamp.reference.optim.to_optim`).
 
 Agreement with the reference: bit-exact under ``TRITON_INTERPRET=1`` (numpy fp32 arithmetic, one
 rounding per operation in the reference's order; bf16 rounding, the master splits, the q8 and
@@ -324,12 +323,8 @@ def _optim_impl(
     flags: int,
     *,
     direct: bool = False,
-    op: str = "optim_",
-    names: Optional[dict] = None,
 ) -> None:
-    """``optim_``'s launches (``direct``: see ``_common.call_launcher``). ``op``: the op the guards'
-    messages name (a per-rule op run as optim_), ``names``: the names its lists have there."""
-    names = names or {}
+    op = "optim_"
     if len(params) == 0:
         return
     dev = params[0].device
@@ -358,7 +353,7 @@ def _optim_impl(
     p_dtypes = tuple(d for d in m_params if d in s_params)
     head = [("params", params, p_dtypes, True), ("grads", grads, GRAD_DTYPES, False)]
     if masters:
-        head.append((names.get("masters", "masters"), masters, (master_dtype,), True))
+        head.append(("masters", masters, (master_dtype,), True))
 
     def columns() -> list:
         # each state's column(s) apart (the launch table's columns), for a call being planned
@@ -369,7 +364,7 @@ def _optim_impl(
                 lists.append((f"{d.key}_codes", states[at : at + n], (state_dtype,), True))
                 lists.append((f"{d.key}_scales", states[at + n : at + 2 * n], (state_dtype,), True, num_blocks))
             else:
-                lists.append((names.get(d.key, d.key), states[at : at + n], (state_dtype,), True))
+                lists.append((d.key, states[at : at + n], (state_dtype,), True))
         return lists
 
     scalars, found_inf, rng, stride = C.checked_scalars(op, dev, params, step_scalars, len(r.scalars), found_inf, rng)
@@ -435,30 +430,18 @@ def optim_(*args) -> None:
     C.call_launcher(_optim_op, _optim_impl, registry.coerce("optim_", args))
 
 
-# ---- the per-rule ops, as this kernel runs them (see the module docstring) ----
+# ---- the per-rule ops, as this kernel runs them ----
+# fastamp.functional's per-rule ops (adamw_, ..., lion_q8_) run as optim_ on every backend, and the
+# optimizers call optim_ themselves; kernels.get_op still answers for the per-rule names (what
+# backends.available / get_impl report for them on Triton): this kernel on the op's arguments,
+# mapped by reference.to_optim. No op of their own is registered.
 
 PER_RULE_OPS = ("adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_", "lion_q8_")
 
 
-# what the per-rule ops call their lists (the guards' messages name them so): the dense ops a state's
-# list by its key in the plural, adamw_bf16_ its masters "remainders"; the q8 ops' names are optim_'s
-_LIST_NAMES = {
-    "adamw_": {"exp_avg": "exp_avgs", "exp_avg_sq": "exp_avg_sqs", "max_exp_avg_sq": "max_exp_avg_sqs"},
-    "adamw_bf16_": {"masters": "remainders", "exp_avg": "exp_avgs", "exp_avg_sq": "exp_avg_sqs",
-                    "max_exp_avg_sq": "max_exp_avg_sqs"},
-    "sgd_": {"momentum_buffer": "momentum_buffers"},
-    "lion_": {"exp_avg": "exp_avgs"},
-}  # fmt: skip
-
-
 def _per_rule(name: str):
-    def impl(*args) -> None:
-        _optim_impl(*registry.coerce("optim_", ref.to_optim(name, args)), op=name, names=_LIST_NAMES.get(name))
-
-    registered = registry.register_triton(name, impl)
-
     def launcher(*args) -> None:
-        registered(*registry.coerce(name, args))
+        optim_(*ref.to_optim(name, args))
 
     launcher.__name__ = launcher.__qualname__ = name
     launcher.__doc__ = (

@@ -16,7 +16,6 @@ decay on/off) as runtime ints: they compile no new variant.
 
 import triton
 import triton.language as tl
-
 from fastamp.kernels import _common as C
 
 RULE_ADAMW, RULE_SGD, RULE_LION = 0, 1, 2

@@ -15,7 +15,7 @@ fake:
   when ``_C`` loads by aborting, is made a compile error by csrc/op_signatures.h.
 * ``fastamp_triton::<op>``: the Triton launchers of ``fastamp.kernels``; each kernel module
   calls :func:`register_triton` when it is imported (Triton is never imported here). The per-rule
-  optimizer ops are registered there as the generic ``optim_`` kernel on their arguments.
+  optimizer ops have no Triton op: Triton runs them as its generic ``optim_`` kernel.
 
 :data:`OPTIM_OPS`, in the same form, holds the optimizers' step-scalar ops for torch.compile
 (``fastamp_optim::<op>``, see :mod:`fastamp.optim.engine.traced`): their kernels are the eager
@@ -163,9 +163,9 @@ RELEASE_OPS: dict[str, OpDef] = {
 # and as opaque reference ops (reference_op). adamw_q8_ has native kernels of its own (csrc/cpu
 # and csrc/cuda adamw_q8). sgd_q8_ and lion_q8_ have native CPU kernels (csrc/cpu/one_state.cpp);
 # on CUDA they are the rule's dense kernel composed with the codec (fastamp.reference.one_state_q8:
-# composed_q8, registered by _load_native). On Triton all three are the generic optim_ kernel on
-# their arguments (kernels/optim.py). They stay out of OPS, whose ops every backend registers with
-# one kernel per device: a native build may lack a CUDA kernel (native_has_kernel says).
+# composed_q8, registered by _load_native). Triton runs all three as its generic optim_ kernel
+# (kernels/optim.py). They stay out of OPS, whose ops the native backend registers with one kernel
+# per device: a native build may lack a CUDA kernel (native_has_kernel says).
 Q8_OPS: dict[str, OpDef] = {
     "adamw_q8_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "

@@ -33,6 +33,7 @@ if not DEVICES:
 
 from fastamp.kernels import amp as tamp  # noqa: E402
 from fastamp.kernels import optim as toptim  # noqa: E402
+
 from fastamp.ops import registry  # noqa: E402
 from fastamp.reference.optim import to_optim  # noqa: E402
 

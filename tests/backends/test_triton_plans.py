@@ -27,6 +27,7 @@ if not DEVICES:
 from fastamp.kernels import _common as C  # noqa: E402
 from fastamp.kernels import _guards as G  # noqa: E402
 from fastamp.kernels import optim as toptim  # noqa: E402
+
 from fastamp.reference.optim import to_optim  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

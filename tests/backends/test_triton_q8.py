@@ -31,6 +31,7 @@ if not DEVICES:
     pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET is not 1)", allow_module_level=True)
 
 from fastamp.kernels import optim as toptim  # noqa: E402
+
 from fastamp.reference.optim import to_optim  # noqa: E402
 
 CHUNK, BLOCK = toptim.C.chunk_config()
