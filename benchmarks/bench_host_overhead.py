@@ -19,7 +19,8 @@ issue's goal (<= 1.5x) is about. Repetitions are interleaved over every row (med
 spread: min and max over the repetitions).
 
 Part 2, host-only launchers (``--no-launchers`` skips it): the host time per step at 20,000
-tensors of the Triton ``adamw_`` launcher with its kernel launch recorded, not run (as
+tensors of the Triton ``optim_`` launcher (rule AdamW, fp32 moments; the one optimizer kernel of
+kernels/optim.py) with its kernel launch recorded, not run (as
 tests/tools/test_triton_aot.py does: the JIT function is replaced by a recorder and the CPU
 device check is lifted, in a worker process), and of the CUDA launch plan's host side
 (csrc/cuda/launch_plan.h: ``plan_optim`` + ``pack_table`` of AdamW's fp32 table, compiled here with the host
@@ -217,7 +218,7 @@ from test_triton_aot import _install_recorders, _load_kernels
 from pathlib import Path
 mods = _load_kernels(Path({root!r}))
 launched = _install_recorders(mods)
-adamw = mods["adamw"]
+optim = mods["optim"]
 C = mods["_common"]
 native_check, grad_guards, dense = C._plan_grads, C._TensorGuards, getattr(C, "_dense_ptrs", None)
 CHECKS = {{"c": (native_check, grad_guards, dense), "c-guards": (native_check, grad_guards, None),
@@ -235,6 +236,7 @@ class Variant:
         self.params = [torch.zeros(m, dtype=self.dt) for _ in range(n)]
         self.f32 = [[torch.zeros(m) for _ in range(n)] for _ in range(3 if layout == "bf16" else 2)]
         self.masters = self.f32[2] if layout == "bf16" else []
+        self.states = self.f32[0] + self.f32[1]  # optim_'s states: exp_avgs, then exp_avg_sqs (kept, as a plan keeps them)
         self.scalars, self.found = torch.ones(4), torch.zeros(1)
         self.wall, self.cpu = [], []
 
@@ -243,8 +245,8 @@ class Variant:
 
     def call(self, grads):
         C._PLANS, (C._plan_grads, C._TensorGuards, C._dense_ptrs) = self.plans, self.check
-        adamw.adamw_(self.params, grads, self.masters, self.f32[0], self.f32[1], [], self.scalars, self.found,
-                     0.9, 0.999, 1e-8, False, False)
+        optim.optim_(self.params, grads, self.masters, self.states, self.scalars, self.found, None, 0, "adamw",
+                     [0.9, 0.999, 1e-8], 0)
 
 
 variants = [Variant(layout, check) for check in ("c", "c-guards", "python") for layout in ("fp32", "bf16")
@@ -382,7 +384,7 @@ def main(argv=None):
     if not args.no_launchers:
         tri = triton_host(many_n, many_m, max(3, args.reps // 2))
         if "error" in tri:
-            host_rows.append({"launcher": "triton adamw_", "error": tri["error"].strip().splitlines()[-1]})
+            host_rows.append({"launcher": "triton optim_ adamw", "error": tri["error"].strip().splitlines()[-1]})
         for key, r in ({} if "error" in tri else tri).items():
             layout, check = key.split("/")
             check = {"c": "C passes", "c-guards": "C passes, grads by TensorGuards + Python passes"}.get(
@@ -390,7 +392,8 @@ def main(argv=None):
             )
             host_rows.append(
                 {
-                    "launcher": f"triton adamw_ ({layout} params{', fp32 master' if layout == 'bf16' else ''}; {check})",
+                    "launcher": f"triton optim_ adamw ({layout} params{', fp32 master' if layout == 'bf16' else ''}; "
+                    f"{check})",
                     "tensors": many_n,
                     "host ms per step": round(r["median_s"] * 1e3, 2),
                     "spread ms": f"{r['min_s'] * 1e3:.1f}-{r['max_s'] * 1e3:.1f}",

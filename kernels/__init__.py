@@ -3,9 +3,10 @@
 Importing this package never imports Triton; :func:`available` and :func:`get_op` do, lazily.
 The launchers check only what their launch tables rely on (``_guards.py``);
 ``fastamp.functional`` runs the user-facing checks of ``fastamp.ops.validate`` before it calls one.
-Each op module (``amp.py``, ``adamw.py``, ``adamw_bf16.py``, ``sgd.py``: sgd_ and lion_, ``adamw_q8.py``,
-``optim.py``: the generic ``optim_``) exposes functions with the same signatures as
-``fastamp.reference``.
+Each op module (``amp.py``: the loss scaler's ops; ``optim.py``: the one optimizer kernel ``optim_``,
+an update rule of ``rules.py`` x the formats of ``formats.py``, and the per-rule optimizer ops as
+``optim_`` runs them) exposes functions with the same signatures as ``fastamp.reference``; each
+registers its ``fastamp_triton`` ops (not the per-rule optimizer ops: no kernels of their own).
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from typing import Callable
 _OP_MODULES = {
     "unscale_check_": "amp",
     "update_scale_": "amp",
-    "adamw_": "adamw",
-    "adamw_bf16_": "adamw_bf16",
-    "sgd_": "sgd",
-    "lion_": "sgd",
-    "sgd_q8_": "sgd",
-    "lion_q8_": "sgd",
     "unscale_check_stats_": "amp",
-    "adamw_q8_": "adamw_q8",
     "optim_": "optim",
+    # the per-rule optimizer ops: optim_ on their arguments (kernels/optim.py; no op of their own)
+    "adamw_": "optim",
+    "adamw_bf16_": "optim",
+    "adamw_q8_": "optim",
+    "sgd_": "optim",
+    "sgd_q8_": "optim",
+    "lion_": "optim",
+    "lion_q8_": "optim",
 }
 
 

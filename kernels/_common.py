@@ -47,7 +47,7 @@ KIND_BF16 = 2
 KIND_F64 = 3
 # int16 master remainders (bf16 params, see fastamp.reference.split_master); never converted to fp32
 KIND_I16 = 4
-# int8 ulp8 master corrections and uint8 q8 codes / scale bytes (adamw_q8_): raw bytes too
+# int8 ulp8 master corrections and uint8 q8 codes / scale bytes (kernels/formats.py): raw bytes too
 KIND_I8 = 5
 KIND_U8 = 6
 DTYPE_KIND = {torch.float32: KIND_F32, torch.float16: KIND_F16, torch.bfloat16: KIND_BF16, torch.float64: KIND_F64}
@@ -74,18 +74,16 @@ LAUNCH_OPTS = {} if interpreted() else {"enable_fp_fusion": False}
 # 1412 compiles (at 56-96 registers: ptxas's allocator, not the cap) and took 170-190
 # registers with stochastic rounding; 4 per thread in CTAs of 8 warps spilled 4-8 bytes in 2
 # (ptxas held them at 64 registers); 4 per thread in CTAs of 4 warps spills in none.
-# adamw_q8 has the same shape: its uint8 code streams then take 4 bytes per thread (one 32-bit
-# access, 128 contiguous bytes a warp). At 8 per thread (BLOCK 1024, 4 warps: 8-byte code accesses)
-# ptxas spilled 8 bytes in 6 of its 288 compiles with Triton 3.9 (and 4-8 bytes in others with
-# `.maxnreg 128`), 12-172 bytes in its CI cover with Triton 3.2; at 4 it spills in none (72-130
-# registers).
+# The q8 states have the same shape: their uint8 code streams then take 4 bytes per thread (one
+# 32-bit access, 128 contiguous bytes a warp). At 8 per thread (BLOCK 1024, 4 warps: 8-byte code
+# accesses) ptxas spilled 8 bytes in 6 of the 288 compiles of the AdamW-q8 kernel of then with
+# Triton 3.9 (and 4-8 bytes in others with `.maxnreg 128`), 12-172 bytes in its CI cover with
+# Triton 3.2; at 4 it spills in none. The generic kernel (kernels/optim.py: every rule x format)
+# keeps this shape (benchmarks/results/triton_aot.md).
 _GPU_CHUNK = 16384
 _GPU_SHAPES = {
     "unscale_check": (512, 4),
-    "adamw": (512, 4),
-    "adamw_bf16": (512, 4),
-    "sgd": (512, 4),
-    "adamw_q8": (512, 4),
+    "optim": (512, 4),
 }
 _INTERPRETER_CHUNK, _INTERPRETER_BLOCK = 4096, 1024
 
@@ -99,7 +97,7 @@ def chunk_config() -> tuple:
     """
     if interpreted():
         return _INTERPRETER_CHUNK, _INTERPRETER_BLOCK
-    return _GPU_CHUNK, _GPU_SHAPES["adamw"][0]
+    return _GPU_CHUNK, _GPU_SHAPES["optim"][0]
 
 
 def launch_config(kernel: str) -> tuple:
@@ -438,31 +436,9 @@ def split_master(x):
 
 
 @triton.jit
-def adam_moments(g, m, v, beta1, one_minus_beta1, beta2, one_minus_beta2, lerp_small):
-    """AdamW's new ``(exp_avg, exp_avg_sq)`` in fp32, one rounding per operation as the reference.
-
-    ``exp_avg`` is torch.lerp(m, g, 1 - beta1), on the branch :func:`lerp_small` chose on the host.
-    """
-    diff = g - m
-    if lerp_small != 0:
-        mv = m + one_minus_beta1 * diff
-    else:
-        mv = g - diff * beta1
-    vv = v * beta2 + (one_minus_beta2 * g) * g
-    return mv, vv
-
-
-@triton.jit
 def nan_maximum(a, b):
     """torch.maximum: NaN if either is NaN."""
     return tl.where((a != a) | (b != b), a + b, tl.maximum(a, b))
-
-
-@triton.jit
-def adam_param(decayed, d, mv, step_size, bc2_sqrt, eps, RN: tl.constexpr):
-    """The decayed param minus ``step_size * mv / (sqrt(d) / bc2_sqrt + eps)``, correctly rounded divisions."""
-    denom = div_rn(sqrt_rn(d, RN), bc2_sqrt, RN) + eps
-    return decayed - div_rn(step_size * mv, denom, RN)
 
 
 def lerp_small(beta1: float) -> bool:
@@ -930,8 +906,9 @@ def call_launcher(op, impl, args: tuple) -> None:
 
 
 def optimizer_launches(
-    op: str, device: torch.device, lists, key, chunk: int, stride: int, ids_base, static, direct: bool = False
-) -> list:
+    op: str, device: torch.device, lists, key, chunk: int, stride: int, ids_base, static, direct: bool = False,
+    columns=None,
+) -> list:  # fmt: skip
     """The launches of an optimizer call: ``[(group key + (aligned,), n_tensors, table, n_chunks, n_ptr)]``.
 
     ``lists``: the :func:`_guards.guard_lists` specs ``(name, tensors, dtypes, contiguous)`` in
@@ -942,6 +919,9 @@ def optimizer_launches(
     Python work; any other runs every guard and builds the groups and tables anew.
     ``direct``: called by :func:`call_launcher` without the dispatcher: raises
     :class:`Declined` unless the call fits a plan and every tensor is plain.
+    ``columns()``: where a spec of ``lists`` after the grads holds several columns' tensors one
+    after the other (optim_'s states), the specs one per column (in the same order): read only
+    when the call is planned, so that a repeated call makes no per-column copy of the lists.
     """
     grads = lists[1][1]
     persistent = [lists[0][1], *(spec[1] for spec in lists[2:])]
@@ -965,6 +945,9 @@ def optimizer_launches(
             ]
     if direct:
         raise Declined(op)
+    if columns is not None:
+        lists = columns()
+        persistent = [lists[0][1], *(spec[1] for spec in lists[2:])]
     G.guard_lists(op, device, [p.numel() for p in lists[0][1]], lists)
     check_runnable(op, device)
     dense = contiguous(grads)
@@ -995,20 +978,6 @@ def optimizer_launches(
                     for gkey, m, values, sel, n_chunks, n_ptr in launches)  # fmt: skip
     out.keep = dense
     return out
-
-
-def adam_hyper_args(beta1, beta2, eps, found_inf, maximize) -> tuple:
-    """The AdamW kernels' hyperparameter and flag arguments, from ``beta1`` to ``lerp_small``."""
-    return (
-        to_f32(beta1),
-        to_f32(1.0 - beta1),
-        to_f32(beta2),
-        to_f32(1.0 - beta2),
-        to_f32(eps),
-        int(found_inf is not None),
-        int(maximize),
-        int(lerp_small(beta1)),
-    )
 
 
 def checked_scalars(op: str, device: torch.device, params, step_scalars, count: int, found_inf, rng):

@@ -14,7 +14,8 @@ fake:
   CPU and a CUDA kernel of one op have the same C++ signature, which the dispatcher checks
   when ``_C`` loads by aborting, is made a compile error by csrc/op_signatures.h.
 * ``fastamp_triton::<op>``: the Triton launchers of ``fastamp.kernels``; each kernel module
-  calls :func:`register_triton` when it is imported (Triton is never imported here).
+  calls :func:`register_triton` when it is imported (Triton is never imported here). The per-rule
+  optimizer ops have no Triton op: Triton runs them as its generic ``optim_`` kernel.
 
 :data:`OPTIM_OPS`, in the same form, holds the optimizers' step-scalar ops for torch.compile
 (``fastamp_optim::<op>``, see :mod:`fastamp.optim.engine.traced`): their kernels are the eager
@@ -159,10 +160,10 @@ RELEASE_OPS: dict[str, OpDef] = {
 
 # The rules on 8-bit block-scaled moments (the q8 format of fastamp/reference/q8.py; semantics:
 # fastamp.reference.adamw_q8_, sgd_q8_, lion_q8_), defined in the native and Triton namespaces
-# and as opaque reference ops (reference_op). Native: no kernels of their own; on the CPU and CUDA
-# they run as optim_ (as_optim, registered by _load_native: the generic kernel fuses the codec for
-# every rule). Triton: see kernels/. They stay out of OPS, whose ops every backend registers with one
-# kernel per device.
+# and as opaque reference ops (reference_op). No backend has kernels of their own: the native
+# CPU and CUDA run them as optim_ (as_optim, registered by _load_native), Triton as its generic
+# optim_ kernel (kernels/optim.py). They stay out of OPS, whose ops every backend registers with
+# one kernel per device.
 Q8_OPS: dict[str, OpDef] = {
     "adamw_q8_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] exp_avg_codes, "
@@ -198,10 +199,9 @@ Q8_OPS: dict[str, OpDef] = {
 
 # The one optimizer op: an update rule x a master format x a state format (semantics:
 # fastamp.reference.optim_, whose docstring defines every argument). Defined in the native and
-# Triton namespaces and as an opaque reference op (reference_op). A backend without a kernel of
-# its own runs it on its per-rule ops above (fastamp/ops/legacy.py; BRIDGED says where); where a
-# device has its kernel but not a per-rule op's (native CUDA: csrc/cuda/optim.cuh), that op runs
-# as optim_ (as_optim; AS_OPTIM says where).
+# Triton namespaces and as an opaque reference op (reference_op). The native CPU and CUDA and
+# Triton each have one generic kernel of it (csrc/cpu/optim.cpp, csrc/cuda/optim.cuh,
+# kernels/optim.py); the per-rule ops run as optim_ on their arguments (as_optim).
 GENERIC_OPS: dict[str, OpDef] = {
     "optim_": OpDef(
         "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] masters, Tensor(c!)[] states, Tensor step_scalars, "

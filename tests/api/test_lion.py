@@ -52,8 +52,8 @@ _RULE_KWS = {
     "kw1": dict(weight_decay=0.5, maximize=True),
     "kw2": dict(betas=(0.95, 0.98), weight_decay=1.0),
 }
-# Triton under the interpreter (~6 s a case) runs kw0 and kw1: the Lion rule of its one kernel (kernels/sgd.py,
-# RULE=1) has one runtime branch, maximize, which those two take both ways (the decay is a value in the step scalars);
+# Triton under the interpreter (~6 s a case) runs kw0 and kw1: the Lion rule of its one kernel (kernels/optim.py,
+# RULE=2) has one runtime branch, maximize, which those two take both ways (the decay is a value in the step scalars);
 # kw2 only changes the values (betas, decay factor) the same code computes with. Triton's lion_ equals the reference
 # bit for bit in tests/backends (the matrix's "lion" rows, wd-maximize included).
 _RULE_CASES = [

@@ -4,7 +4,9 @@ On a CPU machine the kernels run under ``TRITON_INTERPRET=1`` (set by conftest.p
 anything imports Triton) and must be bit-exact with the reference. On a CUDA machine they
 run on the GPU: found_inf, written grads and the scale update stay bit-exact; AdamW is
 compared within ``tolerances.ADAMW_GPU_RTOL`` (the kernel asks for correctly rounded
-sqrt/division and no FMA contraction, so it is expected to be exact there too).
+sqrt/division and no FMA contraction, so it is expected to be exact there too). The optimizer
+cases run the one optimizer kernel, ``optim_`` (``kernels/optim.py``), on the per-rule ops'
+arguments (``fastamp.reference.optim.to_optim`` maps them).
 """
 
 import itertools
@@ -28,15 +30,27 @@ DEVICES = [d for d in ("cpu", "cuda") if fk.available(d)[0]]
 if not DEVICES:
     pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET is not 1)", allow_module_level=True)
 
-from fastamp.kernels import adamw as tadamw  # noqa: E402
 from fastamp.kernels import amp as tamp  # noqa: E402
-from fastamp.kernels import sgd as tsgd  # noqa: E402
+from fastamp.kernels import optim as toptim  # noqa: E402
+
+from fastamp.ops import registry  # noqa: E402
+from fastamp.reference.optim import to_optim  # noqa: E402
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CHUNK, BLOCK = tamp.C.chunk_config()
 
 # numpy, behind the interpreter, warns on inf*0 and friends; those values are the point here
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _triton_op(op):
+    """The Triton ``optim_`` on the arguments of the per-rule op ``op`` (the reference's ``to_optim``)."""
+    return lambda *args: toptim.optim_(*to_optim(op, args))
+
+
+def _optim_args(op, args):
+    """``optim_``'s arguments (schema types) for the per-rule op ``op``'s ``args``."""
+    return registry.coerce("optim_", to_optim(op, args))
 
 
 def _rand(n, dtype, device, gen, scale=1.0):
@@ -344,7 +358,7 @@ def test_adamw_mixed_dtypes_many_tiny_tensors(device):
     state[5].append(torch.zeros(7, device=device))
     ref = clone_lists(state)
     hyper = (1e-2, 0.1, 0.9, 0.99, 1e-6, True, True)
-    _adamw_steps(tadamw.adamw_, state, device, hyper, found_inf=None)
+    _adamw_steps(_triton_op("adamw_"), state, device, hyper, found_inf=None)
     _adamw_steps(R.adamw_, ref, device, hyper, found_inf=None)
     _compare_adamw(state, ref, device)
 
@@ -374,8 +388,8 @@ def test_opcheck():
     state = _adamw_state(dev, torch.bfloat16, torch.float16, True, True, [3, 6], seed=15)
     scalars = R.adamw_step_scalars(1e-3, torch.tensor(2.0, device=dev), 0.9, 0.999, 0.01)
     torch.library.opcheck(
-        torch.ops.fastamp_triton.adamw_.default,
-        (*state, scalars, torch.zeros(1, device=dev), 0.9, 0.999, 1e-8, True, False),
+        torch.ops.fastamp_triton.optim_.default,
+        _optim_args("adamw_", (*state, scalars, torch.zeros(1, device=dev), 0.9, 0.999, 1e-8, True, False)),
     )
     # lion_: int16 remainders (bf16 params), and no master with stochastic rounding
     params, grads, _, m, _, _ = _adamw_state(dev, torch.bfloat16, torch.float16, False, False, [3, 6], seed=17)
@@ -384,7 +398,8 @@ def test_opcheck():
     rng = torch.tensor([3, 4], device=dev)
     for masters, found in ((rems, torch.zeros(1, device=dev)), ([], None)):
         torch.library.opcheck(
-            torch.ops.fastamp_triton.lion_.default, (params, grads, masters, m, scalars, found, rng, 2, 0.9, 0.99, True)
+            torch.ops.fastamp_triton.optim_.default,
+            _optim_args("lion_", (params, grads, masters, m, scalars, found, rng, 2, 0.9, 0.99, True)),
         )
 
 
@@ -392,9 +407,10 @@ def test_reachable_through_functional():
     dev = DEVICES[0]
     assert backends.get_impl("unscale_check_", "triton") is tamp.unscale_check_
     assert backends.get_impl("update_scale_", "triton") is tamp.update_scale_
-    assert backends.get_impl("adamw_", "triton") is tadamw.adamw_
-    assert backends.get_impl("sgd_", "triton") is tsgd.sgd_
-    assert backends.get_impl("lion_", "triton") is tsgd.lion_
+    assert backends.get_impl("optim_", "triton") is toptim.optim_
+    for op in toptim.PER_RULE_OPS:  # optim_ on their arguments; no op of their own
+        assert backends.get_impl(op, "triton") is getattr(toptim, op)
+        assert not hasattr(torch.ops.fastamp_triton, op)
     grads = _grad_set(dev, seed=16, sizes=[5, BLOCK + 1])
     exp_g, exp_f, exp_s = _run_unscale(R.unscale_check_, grads, 0.25, True, True)
     got = [g.clone() for g in grads]

@@ -9,6 +9,8 @@ statistics stay bit-exact (multiplies, adds and integer operations only); ``adam
 is compared like ``adamw_`` in test_triton.py (its sqrt/division are requested correctly
 rounded, ``tolerances.ADAMW_GPU_RTOL`` otherwise), remainders through the joined master.
 The statistical unbiasedness of stochastic rounding is tested with the optimizers, not here.
+The optimizer cases run the one optimizer kernel, ``optim_`` (``kernels/optim.py``), on the
+per-rule ops' arguments (``fastamp.reference.optim.to_optim`` maps them).
 """
 
 import math
@@ -29,10 +31,11 @@ DEVICES = [d for d in ("cpu", "cuda") if fk.available(d)[0]]
 if not DEVICES:
     pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET is not 1)", allow_module_level=True)
 
-from fastamp.kernels import adamw as tadamw  # noqa: E402
-from fastamp.kernels import adamw_bf16 as tadamw_bf16  # noqa: E402
 from fastamp.kernels import amp as tamp  # noqa: E402
-from fastamp.kernels import sgd as tsgd  # noqa: E402
+from fastamp.kernels import optim as toptim  # noqa: E402
+
+from fastamp.ops import registry  # noqa: E402
+from fastamp.reference.optim import to_optim  # noqa: E402
 
 CHUNK, BLOCK = tamp.C.chunk_config()
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -40,6 +43,21 @@ SIZES = [1, 3, 17, BLOCK + 1, CHUNK + 3]
 
 # numpy, behind the interpreter, warns on inf*0 and friends; those values are the point here
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _triton_op(op):
+    """The Triton ``optim_`` on the arguments of the per-rule op ``op`` (the reference's ``to_optim``)."""
+    return lambda *args: toptim.optim_(*to_optim(op, args))
+
+
+def _optim_args(op, args):
+    """``optim_``'s arguments (schema types) for the per-rule op ``op``'s ``args``."""
+    return registry.coerce("optim_", to_optim(op, args))
+
+
+_ADAMW = _triton_op("adamw_")
+_ADAMW_BF16 = _triton_op("adamw_bf16_")
+_SGD = _triton_op("sgd_")
 
 
 def _from_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -146,8 +164,8 @@ def test_adamw_bf16_remainder_equals_fp32_master(device):
         grads = [(torch.randn(n, generator=gen) * (step > 1)).to(device) for n in sizes]
         scalars = R.adamw_step_scalars(1e-3, torch.tensor(float(step), device=device), 0.9, 0.999, wd)
         fp32_state[1] = rem_state[1] = grads
-        tadamw.adamw_(*fp32_state, scalars, None, 0.9, 0.999, 1e-8, False, False)
-        tadamw_bf16.adamw_bf16_(*rem_state, scalars, None, None, 0, 0.9, 0.999, 1e-8, False, False)
+        _ADAMW(*fp32_state, scalars, None, 0.9, 0.999, 1e-8, False, False)
+        _ADAMW_BF16(*rem_state, scalars, None, None, 0, 0.9, 0.999, 1e-8, False, False)
         for i in range(len(sizes)):
             joined = R.join_master(rem_state[0][i], rem_state[2][i])
             assert_bits_equal(joined, fp32_state[2][i], f"master {i} at step {step}")
@@ -177,16 +195,16 @@ def test_adamw_bf16_stochastic_bits_and_streams(device):
     initial = clone_lists(state)
     alone = [[lst[2]] if lst else [] for lst in clone_lists(state)]
     ref = clone_lists(state)
-    _adamw_bf16_steps(tadamw_bf16.adamw_bf16_, state, device, hyper, None, 77, 10, n_steps=1)
+    _adamw_bf16_steps(_ADAMW_BF16, state, device, hyper, None, 77, 10, n_steps=1)
     _adamw_bf16_steps(R.adamw_bf16_, ref, device, hyper, None, 77, 10, n_steps=1)
     _compare_bf16_adamw(state, ref, device)
-    _adamw_bf16_steps(tadamw_bf16.adamw_bf16_, alone, device, hyper, None, 77, 12, n_steps=1)
+    _adamw_bf16_steps(_ADAMW_BF16, alone, device, hyper, None, 77, 12, n_steps=1)
     for j in (0, 3, 4):
         assert_bits_equal(alone[j][0], state[j][2], f"list {j}: tensor 2 alone with rng_base 12")
     other = [[lst[2]] if lst else [] for lst in initial]
     rng = torch.tensor([77, 999], device=device)
     scalars = R.adamw_step_scalars(1e-2, torch.tensor(1.0, device=device), 0.9, 0.999, 0.0)
-    tadamw_bf16.adamw_bf16_(*other, scalars, None, rng, 12, 0.9, 0.999, 1e-8, False, False)
+    _ADAMW_BF16(*other, scalars, None, rng, 12, 0.9, 0.999, 1e-8, False, False)
     for j in (0, 3, 4):
         assert not torch.equal(other[j][0].view(torch.int16), alone[j][0].view(torch.int16)), "counter must matter"
 
@@ -248,7 +266,7 @@ def test_sgd_many_tiny_tensors_mixed_dtypes(device):
     state = [params, grads, [], bufs]
     ref = clone_lists(state)
     hyper = (0.8, 0.1, 1e-3, False, True)
-    _sgd_steps(tsgd.sgd_, state, device, hyper, None, 5, first_step=3)
+    _sgd_steps(_SGD, state, device, hyper, None, 5, first_step=3)
     _sgd_steps(R.sgd_, ref, device, hyper, None, 5, first_step=3)
     _compare_exact(state, ref, _SGD_NAMES)
 
@@ -395,13 +413,29 @@ def test_opcheck():
     scalars = R.adamw_step_scalars(1e-3, torch.tensor(2.0, device=dev), 0.9, 0.999, 0.01)
     rng = torch.tensor([3, 4], device=dev)
     torch.library.opcheck(
-        torch.ops.fastamp_triton.adamw_bf16_.default,
-        (*state, scalars, torch.zeros(1, device=dev), rng, 2, 0.9, 0.999, 1e-8, True, False),
+        torch.ops.fastamp_triton.optim_.default,
+        _optim_args(
+            "adamw_bf16_", (*state, scalars, torch.zeros(1, device=dev), rng, 2, 0.9, 0.999, 1e-8, True, False)
+        ),
     )
     sgd_state = _sgd_state(dev, torch.bfloat16, torch.float32, "none", 0.9, [3, 6], 82)
     torch.library.opcheck(
-        torch.ops.fastamp_triton.sgd_.default,
-        (*sgd_state, R.sgd_step_scalars(0.1, torch.tensor(1, device=dev)), None, rng, 0, 0.9, 0.1, 0.01, True, False),
+        torch.ops.fastamp_triton.optim_.default,
+        _optim_args(
+            "sgd_",
+            (
+                *sgd_state,
+                R.sgd_step_scalars(0.1, torch.tensor(1, device=dev)),
+                None,
+                rng,
+                0,
+                0.9,
+                0.1,
+                0.01,
+                True,
+                False,
+            ),
+        ),
     )
     grads = [torch.randn(5, device=dev), torch.randn(3, device=dev).half(), torch.randn(4, device=dev).bfloat16()]
     torch.library.opcheck(
@@ -420,8 +454,9 @@ def test_opcheck():
 
 def test_reachable_through_functional():
     dev = DEVICES[0]
-    assert backends.get_impl("adamw_bf16_", "triton") is tadamw_bf16.adamw_bf16_
-    assert backends.get_impl("sgd_", "triton") is tsgd.sgd_
+    assert backends.get_impl("optim_", "triton") is toptim.optim_
+    assert backends.get_impl("adamw_bf16_", "triton") is toptim.adamw_bf16_
+    assert backends.get_impl("sgd_", "triton") is toptim.sgd_
     assert backends.get_impl("unscale_check_stats_", "triton") is tamp.unscale_check_stats_
     # non-contiguous and sparse grads go through functional's copies / values
     grads = _stats_grads(dev, seed=93)[:6]

@@ -5,7 +5,9 @@ call's grad addresses are written into a copy) and skips the dispatcher; these t
 that such a call gives the bits of a launch built from scratch and of the reference, and that
 a call whose tensors changed in any way a table depends on (a replaced, rebound, resized,
 retyped or restrided tensor; grads are new tensors every step, as after a backward) never
-runs with a stale table. Under ``TRITON_INTERPRET=1`` on CPU (conftest.py), on a GPU as is.
+runs with a stale table. Under ``TRITON_INTERPRET=1`` on CPU (conftest.py), on a GPU as is. The
+launcher is the one optimizer kernel's, ``optim_`` (``kernels/optim.py``), here on the arguments of
+the per-rule ops (``fastamp.reference.optim.to_optim`` maps them).
 """
 
 import pytest
@@ -24,9 +26,9 @@ if not DEVICES:
 
 from fastamp.kernels import _common as C  # noqa: E402
 from fastamp.kernels import _guards as G  # noqa: E402
-from fastamp.kernels import adamw as tadamw  # noqa: E402
-from fastamp.kernels import adamw_bf16 as tadamw_bf16  # noqa: E402
-from fastamp.kernels import sgd as tsgd  # noqa: E402
+from fastamp.kernels import optim as toptim  # noqa: E402
+
+from fastamp.reference.optim import to_optim  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -35,7 +37,14 @@ F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 # sizes of the tensors of a call: a multi-chunk one, an empty one, a 2-D one (index 4)
 SIZES = [1, 5, 0, CHUNK + 3, (6, 50), 7]
 OPS = ("adamw_", "adamw_bf16_", "sgd_", "lion_")
-TRITON = {"adamw_": tadamw.adamw_, "adamw_bf16_": tadamw_bf16.adamw_bf16_, "sgd_": tsgd.sgd_, "lion_": tsgd.lion_}
+
+
+def _triton_op(op):
+    """The Triton ``optim_`` on the arguments of the per-rule op ``op``."""
+    return lambda *args: toptim.optim_(*to_optim(op, args))
+
+
+TRITON = {op: _triton_op(op) for op in OPS}
 
 
 def _t(shape, dtype, gen, device, scale=1.0):
@@ -57,8 +66,9 @@ def _state(op, device, seed=0):
         st["vmax"] = [v * 1.5 for v in st["v"]]
     elif op == "adamw_bf16_":
         st["rem"] = [torch.randint(-2000, 2000, p.shape, generator=gen, dtype=torch.int16).to(device) for p in params]
-        st["m"] = [_t(s, BF16 if i % 2 else F32, gen, device, 0.1) for i, s in enumerate(SIZES)]
-        st["v"] = [_t(s, F32, gen, device, 0.1).abs() for s in SIZES]
+        # bf16 moments (optim_ takes one state format per call)
+        st["m"] = [_t(s, BF16, gen, device, 0.1) for s in SIZES]
+        st["v"] = [_t(s, BF16, gen, device, 0.1).abs() for s in SIZES]
     else:
         st["m"] = [_t(s, F32, gen, device, 0.1) for s in SIZES]
     return st
@@ -154,7 +164,7 @@ def test_a_cached_plan_gives_the_bits_of_a_fresh_launch_and_of_the_reference(op,
     cached = _state(op, device)
     fresh, ref = _clone(cached), _clone(cached)
     _run(op, cached, 3)
-    assert guard_calls == [op], "the second and third calls must reuse the first call's plan"
+    assert guard_calls == ["optim_"], "the second and third calls must reuse the first call's plan"
     _run(op, fresh, 3, cached=False)
     assert len(guard_calls) == 4
     _run(op, ref, 3, fn=getattr(R, op))
@@ -248,20 +258,20 @@ def test_a_repeated_call_under_a_dispatch_mode_goes_through_the_dispatcher(devic
     st = _state("adamw_", device)
     _run("adamw_", st, 2)
     with Log():
-        tadamw.adamw_(*_args("adamw_", st, _grads(st, 2)))
-    assert any("fastamp_triton.adamw_" in s for s in seen), seen
+        TRITON["adamw_"](*_args("adamw_", st, _grads(st, 2)))
+    assert any("fastamp_triton.optim_" in s for s in seen), seen
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_only_a_call_that_fits_a_plan_skips_the_dispatcher(device, monkeypatch):
     calls = []
-    real = tadamw._adamw_op
+    real = toptim._optim_op
 
     def counting(*args):
         calls.append(len(args[0]))
         return real(*args)
 
-    monkeypatch.setattr(tadamw, "_adamw_op", counting)
+    monkeypatch.setattr(toptim, "_optim_op", counting)
     C._PLANS.clear()
     st = _state("adamw_", device)
     _run("adamw_", st, 3)
@@ -286,8 +296,8 @@ def test_a_tensor_subclass_goes_through_the_dispatcher(device):
     _run("adamw_", st, 2)
     st["m"][0] = st["m"][0].as_subclass(Sub)  # the same memory: the plan's values still fit
     seen.clear()
-    tadamw.adamw_(*_args("adamw_", st, _grads(st, 2)))
-    assert any("fastamp_triton.adamw_" in s for s in seen), seen
+    TRITON["adamw_"](*_args("adamw_", st, _grads(st, 2)))
+    assert any("fastamp_triton.optim_" in s for s in seen), seen
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -300,18 +310,18 @@ def test_a_lazily_negated_grad_goes_through_the_dispatcher(device, monkeypatch):
     st = _state("adamw_", device)
     twin, control = _clone(st), _clone(st)
     through_ops = []
-    op = tadamw._adamw_op
-    monkeypatch.setattr(tadamw, "_adamw_op", lambda *a: (through_ops.append(1), op(*a)))
+    op = toptim._optim_op
+    monkeypatch.setattr(toptim, "_optim_op", lambda *a: (through_ops.append(1), op(*a)))
     _run("adamw_", twin, 3)  # plain grads throughout
     _run("adamw_", control, 2)
     through_ops.clear()
-    tadamw.adamw_(*_args("adamw_", control, _grads(control, 2)))
+    TRITON["adamw_"](*_args("adamw_", control, _grads(control, 2)))
     assert through_ops == [], "a plain repeated call should take the direct path"
     _run("adamw_", st, 2)  # the cached plan is now st's
     through_ops.clear()
     neg_grads = [torch._neg_view(g.neg()) for g in _grads(st, 2)]  # the same values, lazily negated
     assert all(n.is_neg() for n in neg_grads)
-    tadamw.adamw_(*_args("adamw_", st, neg_grads))
+    TRITON["adamw_"](*_args("adamw_", st, neg_grads))
     assert through_ops == [1], "a negated view must go through torch.ops"
     for key in st:
         for a, b in zip(st[key], twin[key]):
@@ -413,7 +423,7 @@ def test_a_grad_on_a_planned_tensor_changes_nothing_but_the_pass(device, guard_c
     _run("adamw_", st, 3, mutate=give_grads)
     _run("adamw_", ref, 3, fn=R.adamw_)
     assert False in c_pass_calls, "the C pass must notice the new .grad"
-    assert guard_calls == ["adamw_"], "the plan must be kept"
+    assert guard_calls == ["optim_"], "the plan must be kept"
     for p in st["params"]:
         p.grad = None
     _assert_same(st, ref, "cached vs reference")
@@ -434,7 +444,7 @@ def test_a_non_leaf_tensor_is_read_by_the_python_passes_without_a_warning(device
     with torch.no_grad():
         _run("adamw_", st, 3)
     _run("adamw_", ref, 3, fn=R.adamw_)
-    assert guard_calls == ["adamw_"]
+    assert guard_calls == ["optim_"]
     assert "not a leaf" not in capfd.readouterr().err
     with torch.no_grad():
         st["m"][0] = st["m"][0].detach()
@@ -485,8 +495,8 @@ def test_a_grad_unlike_the_guarded_ones_is_read_by_the_python_passes(device, cha
     st = _state("adamw_", device)
     fresh = _clone(st)
     through_ops = []
-    op = tadamw._adamw_op
-    monkeypatch.setattr(tadamw, "_adamw_op", lambda *a: (through_ops.append(1), op(*a)))
+    op = toptim._optim_op
+    monkeypatch.setattr(toptim, "_optim_op", lambda *a: (through_ops.append(1), op(*a)))
     _run("adamw_", st, 3)
     assert guard_checks and all(guard_checks), "the third call's grads must be answered by their guards"
     guard_checks.clear()
@@ -494,13 +504,13 @@ def test_a_grad_unlike_the_guarded_ones_is_read_by_the_python_passes(device, cha
     grads = _grads(st, 3)
     grads[4] = GRAD_CHANGES[change](grads[4])  # the 2-D one
     with torch.no_grad():
-        tadamw.adamw_(*_args("adamw_", st, grads))
+        TRITON["adamw_"](*_args("adamw_", st, grads))
     assert False in guard_checks, "the changed grad must fail its guard"
     assert through_ops == ([] if change == "requires-grad" else [1]), through_ops
     _run("adamw_", fresh, 3, cached=False)
     C._PLANS.clear()
     with torch.no_grad():
-        tadamw.adamw_(*_args("adamw_", fresh, grads))
+        TRITON["adamw_"](*_args("adamw_", fresh, grads))
     _assert_same(st, fresh, f"{change}: cached vs fresh")
 
 

@@ -1,7 +1,8 @@
-"""Tier 2: the Triton kernel of ``adamw_q8_`` (8-bit block-scaled moments) against the reference, byte for byte.
+"""Tier 2: the Triton kernel on 8-bit block-scaled moments (``adamw_q8_``) against the reference, byte for byte.
 
-``fastamp.kernels.adamw_q8.adamw_q8_`` and ``fastamp.reference.adamw_q8_`` run side by side over
-several steps on copies of the same state; every tensor the op writes (params, masters of every
+The Triton ``optim_`` (``fastamp.kernels.optim``, the one optimizer kernel, on ``adamw_q8_``'s
+arguments mapped by ``fastamp.reference.optim.to_optim``) and ``fastamp.reference.adamw_q8_`` run
+side by side over several steps on copies of the same state; every tensor the op writes (params, masters of every
 kind: fp32, int16 remainders, int8 ulp8 corrections; codes and scale bytes) must be bit-identical
 (NaN compared as NaN whatever its payload, as elsewhere). Under ``TRITON_INTERPRET=1`` (CI) that
 holds for every input; on a GPU too, the kernel's sqrt and divisions being the IEEE ones
@@ -29,9 +30,11 @@ DEVICES = [d for d in ("cpu", "cuda") if fk.available(d)[0]]
 if not DEVICES:
     pytest.skip("Triton cannot run here (no GPU and TRITON_INTERPRET is not 1)", allow_module_level=True)
 
-from fastamp.kernels import adamw_q8 as tq8  # noqa: E402
+from fastamp.kernels import optim as toptim  # noqa: E402
 
-CHUNK, BLOCK = tq8.C.chunk_config()
+from fastamp.reference.optim import to_optim  # noqa: E402
+
+CHUNK, BLOCK = toptim.C.chunk_config()
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -52,6 +55,11 @@ MODES = [
     ("ulp8", torch.bfloat16),
     ("ulp8", torch.float16),
 ]
+
+
+def _triton_q8(*args):
+    """The Triton ``optim_`` on ``adamw_q8_``'s arguments."""
+    toptim.optim_(*to_optim("adamw_q8_", args))
 
 
 def _mode_id(x):
@@ -132,7 +140,7 @@ def _run_both(state, grads_per_step, sc_per_step, found_inf=None, sr_param=False
     dev = state[0][0].device
     for step, (grads, sc) in enumerate(zip(grads_per_step, sc_per_step)):
         rng = torch.tensor([11, counter0 + step], device=dev)
-        for impl, st in ((tq8.adamw_q8_, tri), (R.adamw_q8_, ref)):
+        for impl, st in ((_triton_q8, tri), (R.adamw_q8_, ref)):
             impl(st[0], grads, st[1], st[2], st[3], st[4], st[5], sc, found_inf, rng.clone(), rng_base,
                  betas[0], betas[1], EPS, maximize, sr_param, sr_codes)  # fmt: skip
     return tri, ref
@@ -269,7 +277,7 @@ def test_found_inf_skip_writes_nothing(device, found):
         fi = torch.tensor([found], device=device)
         grads = _grads(state[0], gen, 1)[0]
         rng = torch.tensor([1, 1], device=device)
-        for impl, st in ((tq8.adamw_q8_, state), (R.adamw_q8_, ref)):
+        for impl, st in ((_triton_q8, state), (R.adamw_q8_, ref)):
             impl(st[0], grads, *st[1:], _scalars(2, device), fi, rng, 0, *BETAS, EPS, False, True, True)
         _assert_same(state, ref, f"found_inf {found}, {master}")
         if found != 0.0:
@@ -306,18 +314,19 @@ def test_opcheck():
     gen = torch.Generator().manual_seed(8)
     state = _lists([_state(40, (40,), torch.bfloat16, "ulp8", gen), _state(5, (5,), torch.bfloat16, "ulp8", gen)], dev)
     grads = [torch.randn(40, generator=gen).to(dev), torch.randn(5, generator=gen).to(dev)]
+    args = (state[0], grads, *state[1:], _scalars(2, dev), torch.zeros(1, device=dev),
+            torch.tensor([3, 4], device=dev), 2, 0.9, 0.999, 1e-8, False, True, True)  # fmt: skip
     torch.library.opcheck(
-        torch.ops.fastamp_triton.adamw_q8_.default,
-        (state[0], grads, *state[1:], _scalars(2, dev), torch.zeros(1, device=dev),
-         torch.tensor([3, 4], device=dev), 2, 0.9, 0.999, 1e-8, False, True, True),
-    )  # fmt: skip
+        torch.ops.fastamp_triton.optim_.default, registry.coerce("optim_", to_optim("adamw_q8_", args))
+    )
 
 
 def test_reachable_through_functional_and_auto():
     """functional.adamw_q8_ reaches the Triton kernel (backend='triton'; AUTO on a GPU without the native
     CUDA kernel)."""
     dev = DEVICES[0]
-    assert backends.get_impl("adamw_q8_", "triton") is tq8.adamw_q8_
+    assert backends.get_impl("optim_", "triton") is toptim.optim_
+    assert backends.get_impl("adamw_q8_", "triton") is toptim.adamw_q8_
     assert registry.schema(registry.TRITON_NS, "adamw_q8_").arguments[-1].name == "sr_codes"
     gen = torch.Generator().manual_seed(9)
     state = _lists([_state(90, (9, 10), torch.bfloat16, "ulp8", gen)], dev)
@@ -353,15 +362,15 @@ def test_launcher_guards_refuse_and_change_nothing():
             0, torch.zeros(140, dtype=torch.uint8, device=dev)[::2]
         ),
         "params\\[0\\] must be": lambda st: st[0].__setitem__(0, st[0][0].float()),  # int16 remainders need bf16
-        "sr_param / sr_codes need rng": None,
+        "SR_PARAM / SR_STATE need rng": None,  # sr_codes without rng
     }
     for message, mutate in cases.items():
         state = _lists([_state(70, (70,), torch.bfloat16, "remainder", gen)], dev)
         if mutate is not None:
             mutate(state)
         before = clone_lists(state)
-        with pytest.raises(RuntimeError, match=f"fastamp_triton::adamw_q8_: {message}"):
-            tq8.adamw_q8_(state[0], [torch.zeros(70, device=dev)], *state[1:], _scalars(1, dev), None,
-                          None if mutate is None else torch.tensor([1, 2], device=dev), 0, *BETAS, EPS, False,
-                          False, mutate is None)  # fmt: skip
+        with pytest.raises(RuntimeError, match=f"fastamp_triton::optim_: {message}"):
+            _triton_q8(state[0], [torch.zeros(70, device=dev)], *state[1:], _scalars(1, dev), None,
+                       None if mutate is None else torch.tensor([1, 2], device=dev), 0, *BETAS, EPS, False,
+                       False, mutate is None)  # fmt: skip
         _assert_same(state, before, message)

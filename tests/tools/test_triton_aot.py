@@ -7,11 +7,12 @@ reads what came out. For every specialisation it asserts:
 
 * it compiles;
 * 0 spill bytes (ptxas ``-v`` of the very ptxas call Triton makes);
-* on the data streams of the streaming kernels (unscale_check, adamw, adamw_bf16, sgd: the
-  one-state kernel of sgd_ and lion_, one constexpr ``RULE`` each; adamw_q8),
-  compiled for aligned tensors (``ALIGNED=True``), every access site has a vectorised
-  instance of at least 8 bytes (``ld.global.v2/.v4``, ``st.global.v2/.v4``): the full
-  blocks; 4 bytes for the 1-byte streams (q8 codes, ulp8 corrections: 4 elements per thread,
+* on the data streams of the streaming kernels (unscale_check; optim: the one optimizer kernel,
+  every update rule x master format x state format), compiled for aligned tensors
+  (``ALIGNED=True``), every access site has a vectorised instance of at least 8 bytes
+  (``ld.global.v2/.v4``, ``st.global.v2/.v4``), and no unpredicated access narrower than that
+  (the full blocks' accesses; a format's helper serves several streams from one site); 4 bytes
+  for the 1-byte streams (q8 codes, ulp8 corrections: 4 elements per thread,
   :data:`BYTE_STREAM_FUNCS`). The masked tail, the per-program scalars (launch table, step
   scalars, flags) and the q8 scale bytes (one per 32 elements, :data:`BLOCK_SCALE_FUNCS`) stay
   scalar by design;
@@ -20,39 +21,43 @@ reads what came out. For every specialisation it asserts:
   widening ones); no ``fma``/``mad``, no ``.ftz``, no ``.approx``/``.full``, no rcp, rsqrt,
   ex2, lg2 (bit-exactness with the reference).
 
-Which specialisations: the ones the real launchers produce. A worker process (run without
-``TRITON_INTERPRET``, so ``chunk_config()`` and the launch options are the GPU's) loads
-``kernels/`` from this tree, replaces every ``*_kernel`` launched with ``kernel[grid](...)``
-by a recording stand-in, and calls the public launchers (``unscale_check_``,
-``unscale_check_stats_``, ``update_scale_``, ``adamw_``, ``adamw_bf16_``, ``sgd_``, ``lion_``, ``adamw_q8_``) on small
-CPU tensors for every dtype combination and flag they accept, with 16-byte aligned tensors
-and with views whose storage offset breaks the alignment. Each recorded launch goes through
-Triton's own binder (the code ``kernel[grid](...)`` runs: signature, constexprs,
-specialisation attributes and options, ``num_warps`` included), and the distinct results are
-compiled. The recorded set is the whole set (``test_launchers_reach_every_dtype``).
+Which specialisations: the ones the real launchers produce, generated from the tables. A worker
+process (run without ``TRITON_INTERPRET``, so ``chunk_config()`` and the launch options are the
+GPU's) loads ``kernels/`` from this tree, replaces every ``*_kernel`` launched with
+``kernel[grid](...)`` by a recording stand-in, and calls the public launchers
+(``unscale_check_``, ``unscale_check_stats_``, ``update_scale_``, ``optim_``) on small CPU
+tensors: the loss-scaler ops for every grad dtype and flag, ``optim_`` for every combination of
+the rule x format tables (:func:`_optim_combinations`: the rules of
+``fastamp.reference.optim.RULES`` with every subset of their flags, x the master formats and the
+state formats of ``kernels/optim.py`` with the param dtypes each takes, x every grad dtype), with
+16-byte aligned tensors and with views whose storage offset breaks the alignment. Each recorded
+launch goes through Triton's own binder (the code ``kernel[grid](...)`` runs: signature,
+constexprs, specialisation attributes and options, ``num_warps`` included), and the distinct
+results are compiled. The recorded set is exactly what the tables allow
+(``test_launchers_reach_every_combination_of_the_tables``, against a set written from the
+reference's rules of where random bits are drawn).
 
-Budget (CI runs this on 2 CPU cores, in about 3-4 minutes): the launchers produce 930
-distinct specialisations per target (counts, chunk counts, scalar addresses and the runtime
-flags never add one: ``test_no_specialisation_churn``), 0.2-1.5 s of compile each (adamw_q8's
-about 1.7 s). By default the tier compiles a cover of 242, for every kernel but adamw_q8
-(229; its own smaller cover of 13 is :func:`_small_cover`):
+Budget (CI runs this on 2 CPU cores): the launchers produce 2,146 distinct specialisations per
+target, 2,096 of them the optimizer kernel's (counts, chunk counts, scalar addresses and the
+runtime flags never add one: ``test_no_specialisation_churn``), 0.5-4 s of compile each (the q8
+states' the most). By default the tier compiles a cover of 222 (197 of the optimizer kernel's,
+:func:`_optim_cover`; about 6 minutes of CPU per Triton version):
 
-* every dtype combination (per update rule of a kernel with several) with its heaviest flags
-  (the most streams: masters, amsgrad, remainders, stochastic rounding, momentum,
-  statistics; aligned), for sm_80 and sm_90:
-  every dtype's loads, stores and conversions are compiled for both targets, and register
-  pressure grows with the streams;
-* every flag combination, aligned or not, for one dtype combination (the one with the most
-  specialisations) per update rule, for sm_90: every flag value, in every combination.
+* for the optimizer kernel, every format combination with every param dtype it takes, at its
+  heaviest flags (the most streams: states, masters, random bits), aligned, for sm_90, and the
+  heaviest of each for sm_80 too; every grad dtype per rule for both targets; every flag
+  combination, aligned or not, of one dtype and format combination per rule, for sm_90; the
+  heaviest unaligned one per rule and state format;
+* for the others, every dtype with its heaviest flags for sm_80 and sm_90, and every flag
+  combination, aligned or not, of one dtype for sm_90.
 
 The flags select whole streams or a few scalar operations, so the cover holds every kind of
 instruction the full set does. It does not prove the absence of spills everywhere: ptxas's
-allocator is not monotonic in the streams (at 8 elements per thread, 22 of the 1,412
-compiles spilled 4-12 bytes in lighter specialisations the cover does not hold). So the full
-set is compiled whenever a kernel or its launch shape changes: ``FASTAMP_AOT_FULL=1`` (about
-6-11 minutes on 2 cores, 1 on the 16 of the GPU machine), and benchmarks/results/
-triton_aot.md is written from it (``python tests/tools/test_triton_aot.py --full --write
-benchmarks/results/triton_aot``).
+allocator is not monotonic in the streams (at 8 elements per thread, 22 of the 1,412 compiles
+of the kernels of then spilled 4-12 bytes in lighter specialisations a cover did not hold). So
+the full set is compiled whenever a kernel or its launch shape changes: ``FASTAMP_AOT_FULL=1``
+(4,292 compiles, about an hour on 2 cores), and benchmarks/results/triton_aot.md is written from
+it (``python tests/tools/test_triton_aot.py --full --write benchmarks/results/triton_aot``).
 
 Triton versions: the one installed, and any other listed in ``FASTAMP_AOT_TRITON``
 (os.pathsep-separated; a directory holding a ``triton`` package is put first on the worker's
@@ -71,6 +76,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -83,7 +89,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 ARCHS = (80, 90)
-STREAMING = ("_unscale_check_kernel", "_adamw_kernel", "_adamw_bf16_kernel", "_sgd_kernel", "_adamw_q8_kernel")
+STREAMING = ("_unscale_check_kernel", "_optim_kernel")
 KERNELS = (*STREAMING, "_stats_reduce_kernel", "_update_scale_kernel")
 # Pointers a kernel reads or writes once per program (launch table, device scalars, per-chunk
 # results): scalar accesses by design. Every other global access is a data stream.
@@ -102,14 +108,17 @@ CONTROL_PTRS = {
     "growth_tracker_ptr",
     "hysteresis_tracker_ptr",
 }
-# The helpers of adamw_q8's per-block scale bytes (one byte per 32 elements, a [BLOCK // 32]
-# vector per moment and block, each byte read by the threads of its q8 block): one byte wide by
-# design, 1/32 of the elements, not a data stream. Counted with the control accesses.
-BLOCK_SCALE_FUNCS = {"_load_scales", "_store_scales"}
-# The helpers of the 1-byte-per-element streams (adamw_q8's codes, ulp8 corrections): at 4 elements
-# per thread, as every stream, an access is one 4-byte load or store (128 contiguous bytes a warp),
-# so their sites need 4 bytes, the others 8.
-BYTE_STREAM_FUNCS = {"_load_bytes", "_store_bytes"}
+# The helpers of the q8 states' scale bytes (kernels/formats.py; one byte per 32 elements, a
+# [BLOCK // 32] vector per state and block, each byte read by the threads of its q8 block): one byte
+# wide by design, 1/32 of the elements, not a data stream. Counted with the control accesses.
+BLOCK_SCALE_FUNCS = {"load_scales", "store_scales"}
+# The helpers of the 1-byte-per-element streams (q8 codes, ulp8 corrections): at 4 elements per
+# thread, as every stream, an access is one 4-byte load or store (128 contiguous bytes a warp), so
+# their sites need 4 bytes, the others 8.
+BYTE_STREAM_FUNCS = {"load_bytes", "store_bytes"}
+# The update rules (kernels/rules.py) read nothing but their step-scalar row: every access located
+# in that file is a control access.
+CONTROL_FILES = {"rules.py"}
 # constexprs derived from others (or fixed): not flags
 DERIVED = {"CHUNK", "BLOCK", "N_PTR", "N_COL", "HAS_RN", "RN", "RBLOCK"}
 KIND_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "f64", 4: "i16", 5: "i8", 6: "u8"}
@@ -144,10 +153,7 @@ def _load_kernels(root: Path):
     mod = importlib.util.module_from_spec(spec)
     sys.modules["fastamp.kernels"] = mod
     spec.loader.exec_module(mod)
-    return {
-        name: importlib.import_module(f"fastamp.kernels.{name}")
-        for name in ("_common", "amp", "adamw", "adamw_bf16", "sgd", "adamw_q8")
-    }
+    return {name: importlib.import_module(f"fastamp.kernels.{name}") for name in ("_common", "amp", "optim")}
 
 
 def _install_recorders(mods) -> list:
@@ -173,7 +179,7 @@ def _install_recorders(mods) -> list:
     C = mods["_common"]
     # The launchers refuse CPU tensors outside the interpreter; here nothing is executed.
     C.check_runnable = lambda op, device: None
-    for mod in (mods["amp"], mods["adamw"], mods["adamw_bf16"], mods["sgd"], mods["adamw_q8"]):
+    for mod in (mods["amp"], mods["optim"]):
         for name, obj in list(vars(mod).items()):
             if isinstance(obj, JITFunction) and name.endswith("_kernel"):
                 setattr(mod, name, _Recorder(name, obj))
@@ -189,16 +195,77 @@ def _tensor(n, dtype, aligned=True):
     return torch.zeros(n + 1, dtype=dtype)[1:]
 
 
+def _optim_combinations(mods) -> list:
+    """Every ``(rule, hyper, flags, master kind, state format, param dtypes)`` the ``optim_`` launcher
+    takes, generated from the tables: the rules of ``fastamp.reference.optim.RULES`` (each subset of a
+    rule's own flags and SR_PARAM / SR_STATE; the hyperparameters only as far as they change the states
+    a rule keeps: all zeros and all halves), the master formats and state formats of
+    ``kernels/optim.py`` (``MASTERS``, ``STATES``: the param dtypes each takes; the grads any of
+    ``GRAD_DTYPES``). MAXIMIZE and NESTEROV pick operations at run time (see :func:`_record_churn`)."""
+    from fastamp.reference import optim as ref
+
+    K = mods["optim"]
+    out, seen = [], set()
+    for rule, r in ref.RULES.items():
+        optional = r.flags | ref.SR_PARAM | ref.SR_STATE
+        bits = [1 << k for k in range(optional.bit_length()) if optional >> k & 1]
+        for value in (0.0, 0.5):
+            hyper = [value] * len(r.hyper)
+            for chosen in itertools.product((0, 1), repeat=len(bits)):
+                flags = sum(b for b, c in zip(bits, chosen) if c)
+                n_state = len(r.states(hyper, flags))
+                for master, (_, _, m_params) in K.MASTERS.items():
+                    for fmt, (_, _, s_params) in K.STATES.items():
+                        p_dtypes = [d for d in m_params if d in s_params]
+                        key = (rule, flags, n_state, master, fmt)
+                        if (fmt == "none") != (n_state == 0) or not p_dtypes or key in seen:
+                            continue
+                        seen.add(key)
+                        out.append((rule, hyper, flags, master, fmt, p_dtypes))
+    return out
+
+
+def _optim_args(mods, rule, hyper, flags, master, fmt, tensors, scalars=None, found=None, rng_base=0):
+    """``optim_``'s arguments for ``tensors`` (``(n, param dtype, grad dtype, aligned)`` each) in ``master``
+    and ``fmt`` (zeros: recorded, never run)."""
+    import torch
+
+    from fastamp.reference import optim as ref
+
+    K = mods["optim"]
+    r = ref.RULES[rule]
+    defs = r.states(hyper, flags)
+    mdt = K.MASTERS[master][1]
+    sdt = K.STATES[fmt][1]
+    states = []
+    for _ in defs:
+        states += [_tensor(n, sdt, al) for n, _, _, al in tensors]
+        if fmt == "q8":
+            states += [_tensor(-(-n // 32), sdt, al) for n, _, _, al in tensors]
+    k = len(r.scalars)
+    return (
+        [_tensor(n, p, al) for n, p, _, al in tensors],
+        [_tensor(n, g, al) for n, _, g, al in tensors],
+        [_tensor(n, mdt, al) for n, _, _, al in tensors] if mdt is not None else [],
+        states,
+        torch.ones(k) if scalars is None else scalars,
+        found,
+        torch.tensor([1, 2], dtype=torch.int64) if flags & (ref.SR_PARAM | ref.SR_STATE) else None,
+        rng_base,
+        rule,
+        hyper,
+        flags,
+    )
+
+
 def _record_launches(mods, launched):
     """Call every public launcher for every dtype/flag combination it accepts (recorded, not run)."""
-    import itertools
-
     import torch
 
     tensor = _tensor
     n = 5
     floats = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-    amp, adamw, adamw_bf16, sgd = mods["amp"], mods["adamw"], mods["adamw_bf16"], mods["sgd"]
+    amp, optim = mods["amp"], mods["optim"]
 
     # unscale_check_ / unscale_check_stats_: grads of every dtype, aligned and not, in one call
     for write_back, sumsq, stats in itertools.product((False, True), repeat=3):
@@ -213,142 +280,13 @@ def _record_launches(mods, launched):
         torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.zeros(1), 2.0, 0.5, 10
     )
 
-    # adamw_: every (param, grad) dtype pair, aligned and not, in one call per flag combination
-    for master, amsgrad, maximize, beta1, has_found in itertools.product(
-        (False, True), (False, True), (False, True), (0.9, 0.3), (False, True)
-    ):
-        pairs = [(p, g, al) for p in floats for g in floats for al in (True, False)]
-        params = [tensor(n, p, al) for p, _, al in pairs]
-        grads = [tensor(n, g, al) for _, g, al in pairs]
-        f32 = [[tensor(n, torch.float32, al) for _, _, al in pairs] for _ in range(4)]
-        adamw.adamw_(
-            params,
-            grads,
-            f32[0] if master else [],
-            f32[1],
-            f32[2],
-            f32[3] if amsgrad else [],
-            torch.ones(4),
-            torch.zeros(1) if has_found else None,
-            beta1,
-            0.999,
-            1e-8,
-            amsgrad,
-            maximize,
-        )
-
-    # adamw_bf16_: every (grad, exp_avg, exp_avg_sq, max_exp_avg_sq) dtype combination
-    states = (torch.float32, torch.bfloat16)
-    for rem, rng, amsgrad, maximize, beta1, has_found in itertools.product(
-        (False, True), (False, True), (False, True), (False, True), (0.9, 0.3), (False, True)
-    ):
-        combos = [
-            (g, m, v, vm, al)
-            for g in floats
-            for m in states
-            for v in states
-            for vm in (states if amsgrad else (torch.float32,))
-            for al in (True, False)
-        ]
-        adamw_bf16.adamw_bf16_(
-            [tensor(n, torch.bfloat16, al) for *_, al in combos],
-            [tensor(n, g, al) for g, *_, al in combos],
-            [tensor(n, torch.int16, al) for *_, al in combos] if rem else [],
-            [tensor(n, m, al) for _, m, _, _, al in combos],
-            [tensor(n, v, al) for _, _, v, _, al in combos],
-            [tensor(n, vm, al) for _, _, _, vm, al in combos] if amsgrad else [],
-            torch.ones(4),
-            torch.zeros(1) if has_found else None,
-            torch.tensor([1, 2], dtype=torch.int64) if rng else None,
-            0,
-            beta1,
-            0.999,
-            1e-8,
-            amsgrad,
-            maximize,
-        )
-
-    # sgd_: every (param, grad) dtype pair per master kind (remainders: bf16 params only)
-    for master, momentum, nesterov, wd, maximize, rng, has_found in itertools.product(
-        ("none", "fp32", "rem"), (0.0, 0.9), (False, True), (0.0, 0.1), (False, True), (False, True), (False, True)
-    ):
-        p_dtypes = (torch.bfloat16,) if master == "rem" else floats
-        pairs = [(p, g, al) for p in p_dtypes for g in floats for al in (True, False)]
-        if master == "rem":
-            masters = [tensor(n, torch.int16, al) for *_, al in pairs]
-        elif master == "fp32":
-            masters = [tensor(n, torch.float32, al) for *_, al in pairs]
-        else:
-            masters = []
-        sgd.sgd_(
-            [tensor(n, p, al) for p, _, al in pairs],
-            [tensor(n, g, al) for _, g, al in pairs],
-            masters,
-            [tensor(n, torch.float32, al) for *_, al in pairs] if momentum else [],
-            torch.ones(3),
-            torch.zeros(1) if has_found else None,
-            torch.tensor([1, 2], dtype=torch.int64) if rng else None,
-            0,
-            momentum,
-            0.0,
-            wd,
-            nesterov,
-            maximize,
-        )
-
-    # lion_: the same storage as sgd_, its state (exp_avgs) always there; the betas are runtime floats
-    for master, maximize, rng, has_found in itertools.product(
-        ("none", "fp32", "rem"), (False, True), (False, True), (False, True)
-    ):
-        p_dtypes = (torch.bfloat16,) if master == "rem" else floats
-        pairs = [(p, g, al) for p in p_dtypes for g in floats for al in (True, False)]
-        if master == "rem":
-            masters = [tensor(n, torch.int16, al) for *_, al in pairs]
-        elif master == "fp32":
-            masters = [tensor(n, torch.float32, al) for *_, al in pairs]
-        else:
-            masters = []
-        sgd.lion_(
-            [tensor(n, p, al) for p, _, al in pairs],
-            [tensor(n, g, al) for _, g, al in pairs],
-            masters,
-            [tensor(n, torch.float32, al) for *_, al in pairs],
-            torch.ones(3),
-            torch.zeros(1) if has_found else None,
-            torch.tensor([1, 2], dtype=torch.int64) if rng else None,
-            0,
-            0.9,
-            0.99,
-            maximize,
-        )
-
-    # adamw_q8_: every (param, grad) dtype pair per master kind (remainders: bf16 params; ulp8
-    # corrections: bf16 and fp16 params), stochastic param / codes; codes and scale bytes uint8
-    adamw_q8 = mods["adamw_q8"]
-    f3 = floats[:3]
-    q8_masters = {"fp32": torch.float32, "rem": torch.int16, "ulp8": torch.int8}
-    for master, sr_param, sr_codes, maximize, beta1, has_found in itertools.product(
-        ("none", "fp32", "rem", "ulp8"), (False, True), (False, True), (False, True), (0.9, 0.3), (False, True)
-    ):
-        p_dtypes = {"rem": (torch.bfloat16,), "ulp8": (torch.bfloat16, torch.float16)}.get(master, f3)
-        pairs = [(p, g, al) for p in p_dtypes for g in f3 for al in (True, False)]
-        u8 = [[tensor(k, torch.uint8, al) for *_, al in pairs] for k in (n, 1, n, 1)]  # codes, scales (5 -> 1 block)
-        adamw_q8.adamw_q8_(
-            [tensor(n, p, al) for p, _, al in pairs],
-            [tensor(n, g, al) for _, g, al in pairs],
-            [tensor(n, q8_masters[master], al) for *_, al in pairs] if master != "none" else [],
-            *u8,
-            torch.ones(4),
-            torch.zeros(1) if has_found else None,
-            torch.tensor([1, 2], dtype=torch.int64) if (sr_param or sr_codes) else None,
-            0,
-            beta1,
-            0.999,
-            1e-8,
-            maximize,
-            sr_param,
-            sr_codes,
-        )
+    # optim_: every combination of the rule x format tables, each with every (param, grad) dtype pair
+    # its formats take, aligned and not, in one call (one launch per dtype pair and alignment)
+    grads = optim.GRAD_DTYPES
+    for i, (rule, hyper, flags, master, fmt, p_dtypes) in enumerate(_optim_combinations(mods)):
+        tensors = [(n, p, g, al) for p in p_dtypes for g in grads for al in (True, False)]
+        found = torch.zeros(1) if i % 2 else None
+        optim.optim_(*_optim_args(mods, rule, hyper, flags, master, fmt, tensors, found=found))
     return launched
 
 
@@ -357,35 +295,32 @@ def _record_churn(mods, launched):
 
     Tensor counts (1, 2, 17, 40), chunk counts (tensors of 1 to 3 GPU chunks), scalars and
     flags at unaligned addresses, shared and per-tensor step scalars (row stride 0 or k), and
-    the runtime flags and hyperparameters. Each kernel should compile once per update rule.
+    the runtime flags and hyperparameters (MAXIMIZE, NESTEROV, torch.lerp's branch, SGD's weight
+    decay on or off, the found_inf check). Each kernel should compile once per update rule and
+    state format.
     """
     import torch
 
-    amp, adamw, sgd, adamw_q8 = mods["amp"], mods["adamw"], mods["sgd"], mods["adamw_q8"]
+    from fastamp.reference import optim as ref
+
+    amp = mods["amp"]
+    optim = mods["optim"]
     chunk = mods["_common"].chunk_config()[0]
     for i, count in enumerate((1, 2, 17, 40)):
         sizes = [(j * 7919 + i) % (3 * chunk) + 1 for j in range(count)]
-        f32 = [[torch.zeros(n) for n in sizes] for _ in range(5)]
         found = torch.zeros(3)[i % 3 :][:1]  # unaligned for i = 1, 2
-        # shared step scalars, or one row per tensor (the row stride is a runtime argument)
-        scalars = torch.ones(8)[i : i + 4] if i % 2 else torch.ones(count, 4)
-        amp.unscale_check_(f32[0], found, torch.ones(2)[i % 2 :][:1], True, True)
-        adamw.adamw_(
-            f32[0], f32[1], [], f32[2], f32[3], [], scalars, found, (0.9, 0.3)[i % 2], 0.999, 1e-8, False, bool(i % 2)
-        )
-        sgd.sgd_(
-            f32[0], f32[1], [], f32[4], torch.ones(8)[i : i + 3] if i % 2 else torch.ones(count, 3),
-            found if i % 2 else None, None, 0, 0.9, 0.0, 0.01 * (i % 2), bool(i % 2), bool(i % 2),
-        )  # fmt: skip
-        sgd.lion_(
-            f32[0], f32[1], [], f32[4], torch.ones(8)[i : i + 3] if i % 2 else torch.ones(count, 3),
-            found if i % 2 else None, None, 0, (0.9, 0.0)[i % 2], (0.99, 1.0)[i % 2], bool(i % 2),
-        )  # fmt: skip
-        q8 = [[torch.zeros(k, dtype=torch.uint8) for k in ks] for ks in (sizes, [-(-n // 32) for n in sizes])]
-        adamw_q8.adamw_q8_(
-            f32[0], f32[1], [], q8[0], q8[1], [c.clone() for c in q8[0]], [c.clone() for c in q8[1]], scalars,
-            found if i % 2 else None, None, 0, (0.9, 0.3)[i % 2], 0.999, 1e-8, bool(i % 2), False, False,
-        )  # fmt: skip
+        amp.unscale_check_([torch.zeros(n) for n in sizes], found, torch.ones(2)[i % 2 :][:1], True, True)
+        for rule, r in ref.RULES.items():
+            k = len(r.scalars)
+            # shared step scalars, or one row per tensor (the row stride is a runtime argument)
+            scalars = torch.ones(2 * k)[i : i + k] if i % 2 else torch.ones(count, k)
+            # the first never 0 (SGD's momentum: no state then); the others 0 now and then (weight decay off)
+            hyper = [(0.9, 0.3)[i % 2]] + [(0.0, 0.5, 0.99, 0.3)[(i + j) % 4] for j in range(1, len(r.hyper))]
+            flags = (ref.MAXIMIZE | (r.flags & ref.NESTEROV)) if i % 2 else 0
+            for fmt in ("fp32", "q8"):
+                tensors = [(n, torch.float32, torch.float32, True) for n in sizes]
+                args = _optim_args(mods, rule, hyper, flags, "none", fmt, tensors, scalars, found if i % 2 else None)
+                optim.optim_(*args)
     return launched
 
 
@@ -393,30 +328,24 @@ def _count_launches_20k(mods, launched) -> dict:
     """Kernel launches per op for 20,000 tensors of mixed sizes, one dtype group each (recorded)."""
     import torch
 
-    amp, adamw, sgd, adamw_q8 = mods["amp"], mods["adamw"], mods["sgd"], mods["adamw_q8"]
+    from fastamp.reference import optim as ref
+
+    amp, optim = mods["amp"], mods["optim"]
     sizes = [(i * 7919) % 5000 + 1 for i in range(20000)]
-    f32 = [[torch.zeros(n) for n in sizes] for _ in range(4)]
-    bf16 = [torch.zeros(n, dtype=torch.bfloat16) for n in sizes]
-    found, scalars = torch.zeros(1), torch.ones(4)
-    codes = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
-    scales = [torch.zeros(-(-n // 32), dtype=torch.uint8) for n in sizes]
-    q8 = (codes, scales, codes, scales)  # recorded, never run: the two moments may share tensors here
     counts = {}
-    ops = {
-        "unscale_check_": lambda: amp.unscale_check_(f32[0], found, torch.ones(1), True, True),
-        "adamw_": lambda: adamw.adamw_(
-            bf16, f32[0], f32[1], f32[2], f32[3], [], scalars, found, 0.9, 0.999, 1e-8, False, False
-        ),
-        "sgd_": lambda: sgd.sgd_(bf16, f32[0], f32[1], f32[2], scalars[:3], found, None, 0, 0.9, 0, 0, False, False),
-        "lion_": lambda: sgd.lion_(bf16, f32[0], f32[1], f32[2], scalars[:3], found, None, 0, 0.9, 0.99, False),
-        "adamw_q8_": lambda: adamw_q8.adamw_q8_(
-            bf16, f32[0], [], *q8, scalars, found, torch.tensor([1, 2]), 0, 0.9, 0.999, 1e-8, False, True, True
-        ),
-    }
-    for name, call in ops.items():
+    launched.clear()
+    amp.unscale_check_([torch.zeros(n) for n in sizes], torch.zeros(1), torch.ones(1), True, True)
+    counts["unscale_check_"] = len(launched)
+    hypers = {"adamw": [0.9, 0.999, 1e-8], "sgd": [0.9, 0.0, 0.0], "lion": [0.9, 0.99]}
+    sr = ref.SR_PARAM | ref.SR_STATE
+    for rule, master, fmt, flags in (("adamw", "fp32", "fp32", 0), ("sgd", "fp32", "fp32", 0),
+                                     ("lion", "fp32", "fp32", 0), ("adamw", "none", "q8", sr)):  # fmt: skip
+        tensors = [(n, torch.bfloat16, torch.float32, True) for n in sizes]
+        args = _optim_args(mods, rule, hypers[rule], flags, master, fmt, tensors, found=torch.zeros(1))
         launched.clear()
-        call()
-        counts[name] = len(launched)
+        optim.optim_(*args)
+        counts[f"optim_ {rule} {fmt}"] = len(launched)
+        del args
     launched.clear()
     return counts
 
@@ -632,8 +561,11 @@ def _classify(loc, inl, files, source_cache):
     and its site is that helper. An access in the kernel body itself is data only when its
     line loads/stores through a data pointer. A misplaced control access can only be counted
     as data (a false failure, never a pass). The third value is the access width a data site
-    needs: 4 bytes for the 1-byte streams (:data:`BYTE_STREAM_FUNCS`), 8 for every other.
+    needs: 4 bytes for the 1-byte streams (:data:`BYTE_STREAM_FUNCS`), 8 for every other. An access
+    located in a file of :data:`CONTROL_FILES` (the update rules' step-scalar reads) is control.
     """
+    if loc is not None and Path(files.get(loc[0], "")).name in CONTROL_FILES:
+        return _line(loc, files, source_cache)[1], True, 8
     if inl is not None:
         text, where, _ = _line(inl, files, source_cache)
         names = set(re.findall(r"[A-Za-z_]\w*", text))
@@ -684,22 +616,30 @@ def _enclosing_function(lines, lineno):
 
 
 def _summarise(analysis, ptxas):
+    """Per data site (``kind site``) the widest access; a site is scalar when that is narrower than it
+    needs, or when any of its unpredicated accesses is (the full blocks' instances: the masked tail's
+    are predicated). A helper called for several streams (a format's decode for each state) is one
+    site; the second rule holds each stream's own instances to the width."""
     data = [a for a in analysis["accesses"] if not a["control"]]
     sites = defaultdict(list)
     need = {}
+    narrow = set()
     for a in data:
+        name = f"{a['kind']} {a['site']}"
         sites[(a["kind"], a["site"])].append(a["bytes"])
-        need[f"{a['kind']} {a['site']}"] = a.get("need", 8)
+        need[name] = a.get("need", 8)
+        if not a.get("predicated", True) and a["bytes"] < need[name]:
+            narrow.add(name)
     site_best = {f"{k[0]} {k[1]}": max(v) for k, v in sites.items()}
     vec = [a["bytes"] for a in data if a["vector"]]
     return {
         **ptxas,
         "n_data_sites": len(site_best),
-        "n_vector_sites": sum(1 for k, b in site_best.items() if b >= need[k]),
+        "n_vector_sites": sum(1 for k, b in site_best.items() if b >= need[k] and k not in narrow),
         "min_site_bytes": min(site_best.values()) if site_best else None,
         "max_vector_bytes": max(vec) if vec else 0,
         "min_vector_bytes": min(vec) if vec else 0,
-        "scalar_sites": sorted(k for k, b in site_best.items() if b < need[k]),
+        "scalar_sites": sorted(k for k, b in site_best.items() if b < need[k] or k in narrow),
         "bad_fp": analysis["bad_fp"],
     }
 
@@ -712,66 +652,79 @@ def _subset(specs: dict, full: bool) -> list:
     by_kernel = defaultdict(list)
     for key, spec in specs.items():
         by_kernel[spec["kernel"]].append(key)
-    for keys in by_kernel.values():
+    for kernel, keys in by_kernel.items():
+        if kernel == "_optim_kernel":
+            chosen.update(_optim_cover(specs, keys))
+            continue
         groups = defaultdict(list)
         for key in keys:
             flags = specs[key]["flags"]
-            # the update rule (a kernel with several) counts as a dtype: each rule gets its own cover
-            dtypes = tuple(sorted((k, v) for k, v in flags.items() if k.endswith("KIND") or k == "RULE"))
-            groups[dtypes].append(key)
+            groups[tuple(sorted((k, v) for k, v in flags.items() if k.endswith("KIND")))].append(key)
 
         def weight(key):
             flags = specs[key]["flags"]
             return (sum(bool(v) for k, v in flags.items() if not k.endswith("KIND") and k not in DERIVED), key)
 
-        if specs[keys[0]]["kernel"] in _SMALL_COVER:
-            chosen.update(_small_cover(specs, groups, weight))
-            continue
         for members in groups.values():
-            heaviest = max(members, key=weight)
-            chosen.update((heaviest, a) for a in ARCHS)
-        by_rule = defaultdict(list)
-        for d in groups:
-            by_rule[dict(d).get("RULE")].append(d)
-        for ds in by_rule.values():
-            rep = max(ds, key=lambda d: (len(groups[d]), str(d)))
-            chosen.update((key, 90) for key in groups[rep])
+            chosen.update((max(members, key=weight), a) for a in ARCHS)
+        rep = max(groups, key=lambda d: (len(groups[d]), str(d)))
+        chosen.update((key, 90) for key in groups[rep])
     return sorted(chosen)
 
 
-# Kernels whose compiles cost about twice the others' (adamw_q8: the q8 codec of two moments, four
-# master kinds; 144 specialisations per target, ~1.7 s of CPU each) get a smaller default cover, so
-# that the tier's CI time grows by ~10 s per Triton version rather than ~40: see _small_cover.
-# FASTAMP_AOT_FULL=1 compiles them all (benchmarks/results/triton_aot_q8.md).
-_SMALL_COVER = {"_adamw_q8_kernel"}
+def _optim_cover(specs: dict, keys: list) -> set:
+    """The default cover of the generic optimizer kernel (``keys``: its specialisations).
 
+    * every format combination (rule x master format x state format, with or without states) with
+      every param dtype it takes, at its heaviest flags (the most streams: states, masters, random
+      bits), aligned, for sm_90, each with a grad dtype that rotates over the combinations; and the
+      heaviest of each combination for sm_80 too;
+    * every grad dtype per rule at its heaviest, for sm_80 and sm_90;
+    * every flag combination, aligned or not, of one dtype and format combination per rule (the one
+      with the most specialisations), for sm_90;
+    * the heaviest unaligned one (the scalar fallback) per rule and state format, for sm_90.
 
-def _small_cover(specs: dict, groups: dict, weight) -> set:
-    """The default cover of a :data:`_SMALL_COVER` kernel: ``groups`` maps its dtype combinations to their keys.
-
-    * every param dtype with its heaviest flags, for sm_80 and sm_90, each with another grad dtype
-      (grads are loaded by _common's helpers, compiled in every kernel's cover);
-    * for one dtype combination (the one with the most specialisations), for sm_90: every master
-      kind and stochastic param rounding with stochastic codes, and the heaviest specialisation
-      with round-to-nearest codes, aligned; the heaviest unaligned one (the scalar fallback).
-
-    Every master, rounding and alignment path and every dtype's loads, stores and conversions are
-    compiled; the full set (0 spills in all 288 compiles, Triton 3.9 and 3.2) when the kernel changes.
+    So every rule's maths, every format's decode and encode with every dtype it meets, every grad
+    load and every flag are compiled for both targets. The full set when the kernel changes
+    (``FASTAMP_AOT_FULL=1``): ptxas's allocator is not monotonic in the streams.
     """
+    flags = {k: specs[k]["flags"] for k in keys}
+
+    def weight(key):
+        f = flags[key]
+        return (f["N_STATE"] + (f["MASTER"] != 0) + f["SR_P"] + f["SR_S"] + f["ALIGNED"], key)
+
+    def heaviest(ks):
+        return max(ks, key=weight)
+
     chosen = set()
-    per_param = defaultdict(dict)
-    for members in groups.values():
-        flags = specs[members[0]]["flags"]
-        per_param[flags.get("P_KIND")][flags.get("G_KIND")] = members
-    for i, p in enumerate(sorted(per_param)):
-        by_grad = per_param[p]
-        g = sorted(by_grad)[i % len(by_grad)]
-        chosen.update((max(by_grad[g], key=weight), a) for a in ARCHS)
-    rep = max(groups, key=lambda d: (len(groups[d]), str(d)))
-    aligned = [k for k in groups[rep] if specs[k]["flags"].get("ALIGNED")]
-    chosen.update((k, 90) for k in aligned if specs[k]["flags"].get("SR_C"))
-    chosen.add((max((k for k in aligned if not specs[k]["flags"].get("SR_C")), key=weight), 90))
-    chosen.add((max((k for k in groups[rep] if not specs[k]["flags"].get("ALIGNED")), key=weight), 90))
+    aligned = [k for k in keys if flags[k]["ALIGNED"]]
+    by_format = defaultdict(lambda: defaultdict(list))
+    by_grad = defaultdict(list)
+    for k in aligned:
+        f = flags[k]
+        by_format[(f["RULE"], f["MASTER"], f["STATE"], f["N_STATE"] > 0)][f["P_KIND"]].append(k)
+        by_grad[(f["RULE"], f["G_KIND"])].append(k)
+    for i, (_, per_param) in enumerate(sorted(by_format.items())):
+        chosen.add((heaviest([k for ks in per_param.values() for k in ks]), 80))
+        for j, (_, ks) in enumerate(sorted(per_param.items())):
+            grads = sorted({flags[k]["G_KIND"] for k in ks})
+            g = grads[(i + j) % len(grads)]
+            chosen.add((heaviest([k for k in ks if flags[k]["G_KIND"] == g]), 90))
+    for ks in by_grad.values():
+        chosen.update((heaviest(ks), a) for a in ARCHS)
+    groups = defaultdict(list)
+    for k in keys:
+        f = flags[k]
+        groups[(f["RULE"], f["P_KIND"], f["G_KIND"], f["MASTER"], f["STATE"])].append(k)
+    for rule in {d[0] for d in groups}:
+        rep = max((d for d in groups if d[0] == rule), key=lambda d: (len(groups[d]), str(d)))
+        chosen.update((k, 90) for k in groups[rep])
+    unaligned = defaultdict(list)
+    for k in keys:
+        if not flags[k]["ALIGNED"]:
+            unaligned[(flags[k]["RULE"], flags[k]["STATE"])].append(k)
+    chosen.update((heaviest(ks), 90) for ks in unaligned.values())
     return chosen
 
 
@@ -825,7 +778,7 @@ def worker_main(argv) -> int:
     churn = defaultdict(set)
     for name, fn, a, kw in _record_churn(mods, sink):
         src, options, flags = _bind(fn, a, kw, GPUTarget("cuda", ARCHS[-1], 32))
-        churn[_rule_name(name, flags)].add(f"{src.hash()}:{options.num_warps}")
+        churn[_variant_name(name, flags)].add(f"{src.hash()}:{options.num_warps}")
     out["churn"] = {k: len(v) for k, v in churn.items()}
     out["launches_20k"] = _count_launches_20k(mods, sink)
     specs = {}
@@ -884,9 +837,11 @@ def worker_main(argv) -> int:
     return finish()
 
 
-def _rule_name(kernel: str, flags: dict) -> str:
-    """A kernel's name, with its update rule where it has several (``_sgd_kernel[RULE=1]``: lion_)."""
-    return f"{kernel}[RULE={flags['RULE']}]" if "RULE" in flags else kernel
+def _variant_name(kernel: str, flags: dict) -> str:
+    """A kernel's name, with its update rule and state format where it has several (``_optim_kernel[RULE=2,STATE=0]``)."""
+    if "RULE" in flags:
+        return f"{kernel}[RULE={flags['RULE']},STATE={flags['STATE']}]"
+    return kernel
 
 
 def _args_key(fn, args):
@@ -1224,56 +1179,62 @@ def _fail_list(rows, check):
     return bad
 
 
-@pytest.mark.slow  # the tier fixture compiles every specialisation (~1.5 min)
-def test_launchers_reach_every_dtype(tier):
-    """The recorded launches cover every kernel and every dtype combination the launchers accept."""
-    specs = tier["specs"].values()
-    seen = defaultdict(set)
-    aligned = defaultdict(set)
-    per_rule = defaultdict(set)
-    for s in specs:
-        kinds = tuple(v for k, v in s["flags"].items() if k.endswith("KIND"))
-        if s["kernel"] == "_adamw_bf16_kernel" and not s["flags"].get("AMSGRAD"):
-            kinds = kinds[:-1]  # VMAX_KIND is unused (fixed) without amsgrad
-        seen[s["kernel"]].add(kinds)
-        aligned[s["kernel"]].add(s["flags"].get("ALIGNED"))
-        per_rule[(_rule_name(s["kernel"], s["flags"]), s["flags"].get("MASTER"), s["flags"].get("SR"))].add(kinds)
-    assert set(seen) == set(KERNELS), sorted(seen)
-    assert len(seen["_unscale_check_kernel"]) == 3  # f32, f16, bf16 grads
-    assert len(seen["_adamw_kernel"]) == 16  # 4 param x 4 grad dtypes
-    assert len(seen["_sgd_kernel"]) == 16
-    # sgd_ (RULE=0) and lion_ (RULE=1) each: 4 x 4 dtypes without a master (bf16 params rounded
-    # stochastically: 4 grad dtypes) and with fp32 masters, bf16 params x 4 grad dtypes with remainders
-    for rule in ("_sgd_kernel[RULE=0]", "_sgd_kernel[RULE=1]"):
-        counts = {(m, sr): len(per_rule[(rule, m, sr)]) for m in (0, 1, 2) for sr in (False, True)}
-        assert counts == {(0, False): 16, (0, True): 4, (1, False): 16, (1, True): 0, (2, False): 4, (2, True): 0}, (
-            rule,
-            counts,
-        )
-    # 4 grad x 2 exp_avg x 2 exp_avg_sq dtypes, and x 2 max_exp_avg_sq dtypes with amsgrad
-    assert len(seen["_adamw_bf16_kernel"]) == 16 + 32
-    # adamw_q8_: 3 param x 3 grad dtypes; per (master, param dtype): no master (a bf16 param also
-    # rounded stochastically), fp32 masters, remainders (bf16), ulp8 (bf16, fp16; stochastic or not)
-    # with codes rounded either way, each with every grad dtype
-    q8 = defaultdict(set)
-    for s in specs:
-        if s["kernel"] == "_adamw_q8_kernel":
-            f = s["flags"]
-            q8[(f["MASTER"], KIND_NAMES[f["P_KIND"]], f["SR_P"])].add((f["G_KIND"], f["SR_C"]))
-    assert len(seen["_adamw_q8_kernel"]) == 9
-    want = {(0, "f32", False), (0, "f16", False), (0, "bf16", False), (0, "bf16", True), (1, "f32", False),
-            (1, "f16", False), (1, "bf16", False), (2, "bf16", False), (3, "bf16", False), (3, "bf16", True),
-            (3, "f16", False), (3, "f16", True)}  # fmt: skip
-    assert set(q8) == want, sorted(set(q8) ^ want)
-    assert all(len(v) == 6 for v in q8.values()), q8
-    for k in STREAMING:
-        assert aligned[k] == {True, False}, f"{k}: the launchers should use both the aligned and the fallback kernel"
+def _expected_optim_specs() -> set:
+    """The constexprs of every ``_optim_kernel`` specialisation the tables allow, written from the
+    reference's rules: ``(RULE, P_KIND, G_KIND, MASTER, STATE, N_STATE, SR_P, SR_S, ALIGNED)``.
+
+    Random bits are drawn only where the reference draws them: SR_PARAM rounds a bf16 param without
+    a master and an ulp8 correction; SR_STATE rounds bf16 states and q8 codes."""
+    import torch
+    from fastamp.kernels import _common as C
+    from fastamp.kernels import optim as K
+
+    from fastamp.reference import optim as ref
+
+    want = set()
+    for rule, r in ref.RULES.items():
+        for flags in range(ref.ALL_FLAGS + 1):
+            if flags & ~(r.flags | ref.SR_PARAM | ref.SR_STATE):
+                continue
+            for hyper in ([0.0] * len(r.hyper), [0.5] * len(r.hyper)):
+                n_state = len(r.states(hyper, flags))
+                for master, (master_id, _, m_params) in K.MASTERS.items():
+                    for fmt, (state_id, _, s_params) in K.STATES.items():
+                        if (fmt == "none") != (n_state == 0):
+                            continue
+                        for p in (d for d in m_params if d in s_params):
+                            sr_p = bool(flags & ref.SR_PARAM) and (
+                                master == "ulp8" or (master == "none" and p == torch.bfloat16)
+                            )
+                            sr_s = bool(flags & ref.SR_STATE) and fmt in ("bf16", "q8")
+                            for g, aligned in itertools.product(K.GRAD_DTYPES, (True, False)):
+                                want.add((K.RULE_IDS[rule], C.DTYPE_KIND[p], C.DTYPE_KIND[g], master_id, state_id,
+                                          n_state, sr_p, sr_s, aligned))  # fmt: skip
+    return want
+
+
+@pytest.mark.slow  # the tier fixture compiles the cover (a few minutes)
+def test_launchers_reach_every_combination_of_the_tables(tier):
+    """The recorded launches are every specialisation the rule x format tables allow, and no other
+    (random bits only where the reference draws them), and every dtype of the other kernels."""
+    pytest.importorskip("triton")
+    specs = list(tier["specs"].values())
+    assert {s["kernel"] for s in specs} == set(KERNELS), sorted({s["kernel"] for s in specs})
+    names = ("RULE", "P_KIND", "G_KIND", "MASTER", "STATE", "N_STATE", "SR_P", "SR_S", "ALIGNED")
+    got = {tuple(s["flags"][k] for k in names) for s in specs if s["kernel"] == "_optim_kernel"}
+    want = _expected_optim_specs()
+    assert got == want, (f"{len(got - want)} unexpected, e.g. {sorted(got - want)[:5]}; "
+                         f"{len(want - got)} missing, e.g. {sorted(want - got)[:5]}")  # fmt: skip
+    assert sum(s["kernel"] == "_optim_kernel" for s in specs) == len(want), "one specialisation per combination"
+    unscale = {(s["flags"]["KIND"], s["flags"]["ALIGNED"]) for s in specs if s["kernel"] == "_unscale_check_kernel"}
+    assert unscale == {(k, al) for k in (0, 1, 2) for al in (True, False)}  # f32, f16, bf16 grads
 
 
 @pytest.mark.slow
 def test_few_launches_at_20000_tensors(tier):
     """One launch per dtype group, whatever the tensor count (the launch table carries the tensors)."""
-    want = {"unscale_check_": 1, "adamw_": 1, "sgd_": 1, "lion_": 1, "adamw_q8_": 1}
+    want = {"unscale_check_": 1, "optim_ adamw fp32": 1, "optim_ sgd fp32": 1, "optim_ lion fp32": 1,
+            "optim_ adamw q8": 1}  # fmt: skip
     assert tier["launches_20k"] == want, tier["launches_20k"]
 
 
@@ -1281,7 +1242,7 @@ def test_few_launches_at_20000_tensors(tier):
 def test_no_specialisation_churn(tier):
     """Tensor and chunk counts, unaligned scalars and the runtime flags never compile another variant."""
     churn = tier["churn"]
-    want = {"_unscale_check_kernel", "_adamw_kernel", "_sgd_kernel[RULE=0]", "_sgd_kernel[RULE=1]", "_adamw_q8_kernel"}
+    want = {"_unscale_check_kernel"} | {f"_optim_kernel[RULE={r},STATE={s}]" for r in (0, 1, 2) for s in (0, 2)}
     assert set(churn) == want, churn
     assert all(n == 1 for n in churn.values()), f"distinct compiled variants per kernel: {churn}"
 
@@ -1364,10 +1325,23 @@ def test_fp_rules_can_fail():
     # a 4-byte access is enough in a 1-byte stream's helper, not in another's; scale bytes are control
     ptx = ('.loc 1 2 0\nld.global.b32 { %r1 }, [ %rd1 + 0 ];\n.loc 1 4 0\nld.global.b32 { %r2 }, [ %rd2 + 0 ];\n'
            '.loc 1 6 0\nld.global.b8 { %r3 }, [ %rd3 + 0 ];\n.file 1 "/nonexistent/q.py"\n')  # fmt: skip
-    src = ["def _load_bytes(ptr, i):", "    return tl.load(ptr + i)", "def load_raw(ptr, i):",
-           "    return tl.load(ptr + i)", "def _load_scales(ptr, i):", "    return tl.load(ptr + i)"]  # fmt: skip
+    src = ["def load_bytes(ptr, i):", "    return tl.load(ptr + i)", "def load_raw(ptr, i):",
+           "    return tl.load(ptr + i)", "def load_scales(ptr, i):", "    return tl.load(ptr + i)"]  # fmt: skip
     summary = _summarise(_analyse_ptx(ptx, {"/nonexistent/q.py": src}), {"regs": 10})
     assert summary["scalar_sites"] == ["ld load_raw"] and summary["n_data_sites"] == 2, summary
+    # one helper line serving two streams (inlined at f.py:2): a vector access of one does not cover an
+    # unpredicated scalar one of the other; a predicated one (the masked tail) it does. Accesses in
+    # rules.py (the step-scalar row) are control wherever they are inlined.
+    ptx = (".loc 2 1 0, function_name $L0, inlined_at 1 2 0\nld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];\n"
+           ".loc 2 1 0, function_name $L0, inlined_at 1 2 0\n{0}ld.global.b32 { %r5 }, [ %rd2 + 0 ];\n"
+           ".loc 3 1 0, function_name $L1, inlined_at 1 2 0\nld.global.b32 { %r6 }, [ %rd3 + 0 ];\n"
+           '.file 1 "/nonexistent/f.py"\n.file 2 "/nonexistent/h.py"\n.file 3 "/nonexistent/rules.py"\n')  # fmt: skip
+    sources = {"/nonexistent/f.py": ["", "    x = load_state(c_ptr, idx)"], "/nonexistent/h.py": ["return tl.load(p)"],
+               "/nonexistent/rules.py": ["lr = tl.load(scalars_ptr)"]}  # fmt: skip
+    for pred, narrow in (("", ["ld f.py:2"]), ("@%p1 ", [])):
+        analysis = _analyse_ptx(ptx.replace("{0}", pred), sources)
+        assert [a["control"] for a in analysis["accesses"]] == [False, False, True]
+        assert _summarise(analysis, {"regs": 10})["scalar_sites"] == narrow, pred
     assert _parse_ptxas("    704 bytes stack frame, 700 bytes spill stores, 696 bytes spill loads\n"
                         "ptxas info    : Used 255 registers, used 1 barriers") == {
         "regs": 255, "stack": 704, "spill_stores": 700, "spill_loads": 696}  # fmt: skip
@@ -1411,21 +1385,9 @@ def _adamw_state(device, sizes, seed):
 
 
 def _adamw_call(fn, st, scalars, found_inf):
-    fn(
-        st["params"],
-        st["grads"],
-        st["masters"],
-        st["m"],
-        st["v"],
-        [],
-        scalars,
-        found_inf,
-        0.9,
-        0.999,
-        1e-8,
-        False,
-        False,
-    )
+    """AdamW through ``fn`` (the Triton ``optim_``) on the state ``st``: fp32 masters and moments."""
+    fn(st["params"], st["grads"], st["masters"], [*st["m"], *st["v"]], scalars, found_inf, None, 0, "adamw",
+       [0.9, 0.999, 1e-8], 0)  # fmt: skip
 
 
 def _clone(st):
@@ -1447,17 +1409,17 @@ def _assert_same(a, b):
 def test_launches_run_on_the_tensors_device():
     """Tensors on cuda:1 while cuda:0 is current: the kernels run on cuda:1, in its current stream's order."""
     import torch
-    from fastamp.kernels import adamw as tadamw
     from fastamp.kernels import amp as tamp
+    from fastamp.kernels import optim as toptim
 
     dev = torch.device("cuda", 1)
     st = _adamw_state(dev, [3, 5000, 70000], seed=1)
     ref = _clone(st)
     scalars = torch.tensor([1e-3, 0.9, 0.99, 1.0], device=dev)
     with torch.cuda.device(dev):
-        _adamw_call(tadamw.adamw_, ref, scalars, None)
+        _adamw_call(toptim.optim_, ref, scalars, None)
     with torch.cuda.device(0):
-        _adamw_call(tadamw.adamw_, st, scalars, None)
+        _adamw_call(toptim.optim_, st, scalars, None)
     torch.cuda.synchronize(dev)
     _assert_same(st, ref)
     # Ordering: work queued on cuda:1's stream before the call must run before the kernel. A
@@ -1481,7 +1443,7 @@ def test_tables_stay_valid_under_cuda_graph_replay():
     """A table made during capture is written by the graph itself and outlives every cache and pool churn."""
     import torch
     from fastamp.kernels import _common as C
-    from fastamp.kernels import adamw as tadamw
+    from fastamp.kernels import optim as toptim
 
     dev = torch.device("cuda")
     sizes = [3, 5000, 70000, 16384]
@@ -1494,17 +1456,17 @@ def test_tables_stay_valid_under_cuda_graph_replay():
     with torch.cuda.stream(side):
         # compile and load the kernel outside the capture, on other tensors: the captured
         # call below then misses the table cache and builds its table during the capture
-        _adamw_call(tadamw.adamw_, _adamw_state(dev, sizes, seed=3), scalars, found)
+        _adamw_call(toptim.optim_, _adamw_state(dev, sizes, seed=3), scalars, found)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _adamw_call(tadamw.adamw_, st, scalars, found)
+        _adamw_call(toptim.optim_, st, scalars, found)
     C._TABLE_CACHE.clear()
     junk = [torch.full((1 << 12,), -1, dtype=torch.int64).pin_memory() for _ in range(32)]
     junk += [torch.full((1 << 16,), -1, dtype=torch.int64, device=dev) for _ in range(32)]
     del junk
     for _ in range(3):
         graph.replay()
-        _adamw_call(tadamw.adamw_, eager, scalars, found)
+        _adamw_call(toptim.optim_, eager, scalars, found)
     torch.cuda.synchronize()
     _assert_same(st, eager)
