@@ -165,9 +165,9 @@ def _backends() -> dict[str, Any]:
     table = {}
     for dev in devices:
         ops = {}
-        # every op fastamp.backends resolves: the ones every backend has, and the q8 AdamW, kept apart
-        # because a native build may lack its CUDA kernel (the release ops are native-only helpers)
-        for op in (*registry.OPS, *registry.Q8_OPS):
+        # every op fastamp.backends resolves: the ones every backend has, the per-rule q8 ops and the
+        # generic optim_ (the release ops are native-only helpers)
+        for op in (*registry.OPS, *registry.Q8_OPS, *registry.GENERIC_OPS):
             entry = {"backends": {}}
             for b in backends.BACKENDS:
                 ok, why = backends.available(b, op, dev)

@@ -213,23 +213,8 @@ GENERIC_OPS: dict[str, OpDef] = {
     ),
 }
 
-# The q8 ops a backend without a kernel of its own runs as the rule's dense op composed with the
-# codec (fastamp.reference.one_state_q8): op -> its dense op.
-COMPOSED_Q8: dict[str, str] = {"sgd_q8_": "sgd_", "lion_q8_": "lion_"}
-
 # The per-rule optimizer ops: what reference.to_optim maps onto optim_.
 PER_RULE_OPS = ("adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_", "lion_q8_")
-
-
-def composed_q8(dense: Callable) -> Callable:
-    """A kernel of a :data:`COMPOSED_Q8` op (its arguments, all positional): ``dense`` (a backend's kernel of the dense op) composed with the codec."""
-
-    def composed(*args) -> None:
-        from fastamp.reference.optim import one_state_q8
-
-        one_state_q8(dense, *args)
-
-    return composed
 
 
 # The step scalars of a compiled optimizer step: opaque ops, so that inductor does not
@@ -368,8 +353,6 @@ def _load_native() -> None:
                 AS_OPTIM.add((op, dt))
 
 
-# (backend, device type) pairs whose optim_ runs on the per-rule ops (fastamp/ops/legacy.py)
-BRIDGED: set[tuple[str, str]] = set()
 # (per-rule op, device type) pairs of the native ops that run as optim_ (as_optim)
 AS_OPTIM: set[tuple[str, str]] = set()
 
@@ -384,26 +367,6 @@ def as_optim(op: str) -> Callable:
 
     per_rule.__name__ = f"{op}as_optim"
     return per_rule
-
-
-def bridge(op_of: Callable[[str], Callable]) -> Callable:
-    """A kernel of ``optim_`` made of a backend's per-rule ops (``op_of(name)``): see fastamp/ops/legacy.py."""
-
-    def optim_(*args) -> None:
-        from fastamp.ops import legacy
-
-        legacy.run(args, op_of)
-
-    return optim_
-
-
-# The per-rule optimizer ops, each a set of optim_'s arguments (fastamp.reference.optim.to_optim).
-PER_RULE_OPS = ("adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_", "lion_q8_")
-
-
-def bridged(backend: str, device_type: str) -> bool:
-    """Whether ``backend`` runs ``optim_`` on ``device_type`` through its per-rule ops (no generic kernel of its own)."""
-    return (backend, device_type) in BRIDGED
 
 
 def _register(ns: str, op: str, impl: Callable, keys: tuple[str, ...]):

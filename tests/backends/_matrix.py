@@ -10,11 +10,9 @@ A newcomer extends a table by one row:
   CUDA), each with the reason it cannot run here.
 
 Every (update rule, format) pair is one op, ``optim_`` (:func:`fastamp.reference.optim_`):
-:func:`op_call` builds its arguments. A backend without a generic kernel of its own runs it on
-its older per-rule ops (``registry.bridged``; fastamp/ops/legacy.py), which do not cover every
-pair: such a case skips there, naming what is missing (:func:`run_steps`). :func:`per_rule_call`
-keeps those ops' own argument lists, for their refusal messages, and :func:`functional_call`
-goes through ``fastamp.functional``'s per-rule op where one covers the pair (its checks name its
+:func:`op_call` builds its arguments; every backend has one generic kernel of it.
+:func:`per_rule_call` keeps the per-rule ops' own argument lists (they run as ``optim_``), and
+:func:`functional_call` goes through ``fastamp.functional``'s per-rule op where one covers the pair (its checks name its
 lists), else through ``fastamp.functional.optim_``.
 """
 
@@ -536,27 +534,14 @@ def functional_call(backend: Backend, rule: Rule, fmt: Format, st: dict, scalars
 
 
 def run_steps(fn_of_op, rule, fmt, st, h, steps, *, found=None, first=0, grad_mul=1 / 64.0, seed=0, rng_base=3):
-    """``steps`` steps of ``rule`` on ``st`` in place, each op looked up by ``fn_of_op(op name)``.
-
-    A backend that runs ``optim_`` on per-rule ops without one for the pair skips the test, saying so.
-    """
+    """``steps`` steps of ``rule`` on ``st`` in place, each op looked up by ``fn_of_op(op name)``."""
     dev = st["params"][0].device if st["params"] else torch.device("cpu")
     for k in range(first, first + steps):
         scalars = rule.step_scalars(h, k, torch.tensor(grad_mul, device=dev), dev)
         fi = None if found is None else torch.tensor([found], device=dev)
         rng = torch.tensor([0x5EED + seed, 1000 + k], dtype=torch.int64, device=dev)
         op, args = op_call(rule, fmt, st, scalars, fi, rng, rng_base, h)
-        call_or_skip(fn_of_op(op), args)
-
-
-def call_or_skip(fn: Callable, args: tuple) -> None:
-    """``fn(*args)``; where the backend runs ``optim_`` on per-rule ops without one for the pair, skip, saying so."""
-    try:
-        fn(*args)
-    except NotImplementedError as e:
-        if "no per-rule op" not in str(e):
-            raise
-        pytest.skip(f"runs optim_ on per-rule ops, which do not cover this pair: {e}")
+        fn_of_op(op)(*args)
 
 
 def ref_op(op: str) -> Callable:

@@ -106,7 +106,6 @@ def test_native_cuda_kernels_are_built():
     ops = [op for op in (*registry.NATIVE_OPS, *registry.GENERIC_OPS) if op not in registry.PER_RULE_OPS]
     missing = [op for op in ops if not registry.native_has_kernel(op, "cuda")]
     missing += [op for op in registry.PER_RULE_OPS if (op, "cuda") not in registry.AS_OPTIM]
-    assert not registry.bridged("native", "cuda")
     assert not missing, (
         f"no CUDA kernel for {missing}; build info {registry.build_info()!r}: rebuild with a CUDA-enabled torch and nvcc"
     )
