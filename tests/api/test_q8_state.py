@@ -505,14 +505,27 @@ def test_gradient_release_with_q8_equals_the_ordinary_step(rounding):
         assert_bits_equal(p.detach(), q.detach())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rounding", ["stochastic", "nearest"])
-def test_ulp8_master_equals_fp32_master_rounded_through_ulp8_after_every_step(backend, dtype, rounding):
+_ULP8_RULES = {
+    "adamw": (AdamW, dict(lr=3e-3)),
+    "sgd": (fastamp.optim.SGD, dict(lr=0.05, momentum=0.9, weight_decay=0.01)),
+    "sgd-no-momentum": (fastamp.optim.SGD, dict(lr=0.05)),
+    "lion": (fastamp.optim.Lion, dict(lr=3e-4, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize(
+    "backend, rule, dtype, rounding",
+    [(b, "adamw", d, r) for b in BACKENDS for d in (torch.bfloat16, torch.float16) for r in ("stochastic", "nearest")]
+    + [(b, r, torch.bfloat16, "stochastic") for b in BACKENDS for r in ("sgd", "sgd-no-momentum", "lion")]
+    + [("native", r, torch.float16, "nearest") for r in ("sgd", "lion") if "native" in BACKENDS],
+)
+def test_ulp8_master_equals_fp32_master_rounded_through_ulp8_after_every_step(backend, rule, dtype, rounding):
+    """Every rule with an ulp8 master: the fp32-master run whose master is replaced by decode(encode(.)) after each step."""
+    cls, hyper = _ULP8_RULES[rule]
     ps_u, ps_f = _params(dtype), _params(dtype)
-    kw = dict(lr=3e-3, state_format="q8", lowbit_min_numel=0, state_rounding=rounding, seed=4)
-    opt_u = AdamW(ps_u, master_weights="ulp8", backend=backend, **kw)
-    opt_f = AdamW(ps_f, master_weights=True, **kw)
+    kw = dict(state_format="q8", lowbit_min_numel=0, state_rounding=rounding, seed=4, **hyper)
+    opt_u = cls(ps_u, master_weights="ulp8", backend=backend, **kw)
+    opt_f = cls(ps_f, master_weights=True, **kw)
     ids = opt_u._rng_ids()
     for step in range(1, 6):
         grads = heavy_tailed_grads(ps_u, step)
@@ -529,7 +542,9 @@ def test_ulp8_master_equals_fp32_master_rounded_through_ulp8_after_every_step(ba
             hi, corr = reference.ulp8_encode(sf["master_param"], dtype, rand)
             assert_bits_equal(p.detach(), hi, f"step {step} param {k}")
             assert_bits_equal(su["master_ulp8"], corr, f"step {step} param {k} correction")
-            for key in ("exp_avg_q", "exp_avg_scale", "exp_avg_sq_q", "exp_avg_sq_scale"):
+            keys = set(sf) - {"master_param", "rng"}
+            assert set(su) - {"master_ulp8", "rng"} == keys, (set(su), keys)
+            for key in keys:
                 assert_bits_equal(su[key], sf[key], f"step {step} param {k} {key}")
             sf["master_param"].copy_(reference.ulp8_decode(hi, corr))
             assert "master_param" not in su and "master_remainder" not in su
@@ -595,8 +610,11 @@ def test_ulp8_bytes_small_tensors_conversions_and_export():
         (AdamW, {"master_weights": "ulp8"}, ValueError, "needs state_format='q8'"),
         (AdamW, {"master_weights": "ulp8", "state_format": "q8", "stochastic_rounding": True}, ValueError,
          "does not combine with master_weights='ulp8'"),
-        (fastamp.optim.SGD, {"master_weights": "ulp8", "lr": 0.1}, ValueError, "exists only for AdamW"),
-        (fastamp.optim.Lion, {"master_weights": "ulp8"}, ValueError, "exists only for AdamW"),
+        (fastamp.optim.SGD, {"master_weights": "ulp8", "lr": 0.1}, ValueError, "needs state_format='q8'"),
+        (fastamp.optim.Lion, {"master_weights": "ulp8"}, ValueError, "needs state_format='q8'"),
+        (fastamp.optim.Lion, {"master_weights": "ulp8", "state_format": "q8", "stochastic_rounding": True}, ValueError,
+         "does not combine with master_weights='ulp8'"),
+        (fastamp.optim.SGD, {"master_weights": "ulp9", "lr": 0.1}, TypeError, "master_weights must be"),
     ],
 )  # fmt: skip
 def test_ulp8_refusals(cls, kw, err, match):

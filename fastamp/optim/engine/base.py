@@ -161,8 +161,12 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         return (self._q8(group, p),)
 
     def _uses_rng(self, group: dict[str, Any], p: Tensor, st: dict[str, Any], kind: str) -> bool:
-        if self._q8(group, p) and self._moment_keys(group) and group["state_rounding"] == "stochastic":
-            return True
+        if (
+            self._q8(group, p)
+            and group["state_rounding"] == "stochastic"
+            and (self._moment_keys(group) or kind == "ulp8")
+        ):
+            return True  # q8 states or an ulp8 correction (SGD without momentum keeps only the latter)
         return kind == "sr"
 
     @staticmethod

@@ -36,7 +36,7 @@ def master_kind(master_weights: Any, dtype: torch.dtype, stochastic_rounding: bo
     sr = bool(stochastic_rounding) and dtype == torch.bfloat16
     if master_weights is True:
         return "fp32"
-    if master_weights == "ulp8":  # AdamW with q8 moments (which keeps it only for large params)
+    if master_weights == "ulp8":  # with q8 states (the optimizers keep it only for large params)
         return "ulp8"
     if isinstance(master_weights, str):  # "remainder"
         return "remainder" if dtype == torch.bfloat16 else "fp32"
@@ -79,7 +79,12 @@ class _MasterWeights:
     """The master-weight bookkeeping of :class:`~fastamp.optim.engine.base.FusedOptimizer` (see its doc)."""
 
     def _kind(self, group: dict[str, Any], p: Tensor) -> str:
-        return master_kind(group["master_weights"], p.dtype, group["stochastic_rounding"])
+        kind = master_kind(group["master_weights"], p.dtype, group["stochastic_rounding"])
+        if kind == "ulp8" and not self._q8(group, p):
+            # a param below lowbit_min_numel keeps dense states: it gets the exact master of
+            # 'remainder' (a few bytes at these sizes), as the ulp8 configs were measured
+            return "remainder" if p.dtype == torch.bfloat16 else "fp32"
+        return kind
 
     @torch.no_grad()
     def reset_master_weights(self) -> None:

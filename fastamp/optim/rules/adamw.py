@@ -50,7 +50,7 @@ def _validate_group(
     for flag in ("amsgrad", "maximize"):
         if not isinstance(group[flag], bool):
             raise TypeError(f"{_NAME}: {flag} must be a bool, got {group[flag]!r} in {where}")
-    _checks.check_lowbit_options(_NAME, group, where, ("remainder", "ulp8"))
+    _checks.check_lowbit_options(_NAME, group, where)
     sdt = group["state_dtype"]
     if sdt not in (torch.float32, torch.bfloat16):
         raise TypeError(f"{_NAME}: state_dtype must be torch.float32 or torch.bfloat16, got {sdt!r} in {where}")
@@ -71,17 +71,6 @@ def _check_state_format(group: dict[str, Any], where: str) -> None:
     """``state_format``, ``lowbit_min_numel`` and ``state_rounding`` of a group, and how they combine with AdamW's options."""
     _checks.check_state_format(_NAME, group, where)
     fmt = group["state_format"]
-    if group["master_weights"] == "ulp8":
-        if fmt != "q8":
-            raise ValueError(
-                f"{_NAME}: master_weights='ulp8' needs state_format='q8' (the 8-bit master correction is built on "
-                f"the q8 kernels); use master_weights='remainder' or True with dense moments ({where})"
-            )
-        if group["stochastic_rounding"]:
-            raise ValueError(
-                f"{_NAME}: stochastic_rounding=True does not combine with master_weights='ulp8': the param is the "
-                f"master rounded to nearest, and the correction is rounded per state_rounding ({where})"
-            )
     if fmt == "q8":
         if group["amsgrad"]:
             raise ValueError(
@@ -373,14 +362,6 @@ class AdamW(FusedOptimizer):
             "amsgrad": False,
             "state_dtype": torch.float32,
         }
-
-    def _kind(self, group: dict[str, Any], p: Tensor) -> str:
-        kind = _masters.master_kind(group["master_weights"], p.dtype, group["stochastic_rounding"])
-        if kind == "ulp8" and not self._q8(group, p):
-            # a param below lowbit_min_numel keeps dense moments, which the ulp8 kernels do not
-            # take: it gets the exact master of 'remainder' (a few bytes at these sizes)
-            return "remainder" if p.dtype == torch.bfloat16 else "fp32"
-        return kind
 
     def _moment_format(self, group: dict[str, Any], p: Tensor, kind: str) -> _formats.MomentFormat:
         if self._q8(group, p):

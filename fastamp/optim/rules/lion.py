@@ -98,7 +98,8 @@ class Lion(FusedOptimizer):
         weight_decay (float, optional): decoupled weight decay (default: 0); finite, >= 0,
             and ``1 - lr * weight_decay`` finite in fp32.
         maximize (bool, optional): maximize the objective (default: False).
-        master_weights (bool, None or "remainder", optional): as in :class:`fastamp.optim.AdamW`.
+        master_weights (bool, None, "remainder" or "ulp8", optional): as in :class:`fastamp.optim.AdamW`
+            (``"ulp8"``: an int8 correction per param element, with ``state_format="q8"``).
         stochastic_rounding (bool, optional): as in :class:`fastamp.optim.AdamW` (bf16 params
             without a master rounded stochastically).
         seed (int, optional): seed of the counter-based random bits (default 0).

@@ -83,10 +83,11 @@ class SGD(FusedOptimizer):
         nesterov (bool, optional): Nesterov momentum (default: False); needs ``momentum > 0``
             and ``dampening == 0``.
         maximize (bool, optional): maximize the objective (default: False).
-        master_weights (bool, None or "remainder", optional): as in :class:`fastamp.optim.AdamW`:
+        master_weights (bool, None, "remainder" or "ulp8", optional): as in :class:`fastamp.optim.AdamW`:
             ``None``/``True`` fp32 masters for fp16/bf16 params, ``"remainder"`` int16
             remainders for bf16 params (bit-identical master trajectory, 2 bytes instead of
-            4), ``False`` none.
+            4), ``"ulp8"`` an int8 correction in units of the param's ulp (with
+            ``state_format="q8"``; 1 byte), ``False`` none.
         stochastic_rounding (bool, optional): bf16 params without a master are rounded
             stochastically (default False; with ``master_weights=None`` bf16 params then go
             without a master).
