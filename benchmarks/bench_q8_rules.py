@@ -1,10 +1,9 @@
 """Time ``opt.step()`` of SGD (momentum) and Lion with q8 moments beside their dense step and torch's SGD.
 
-Under ``state_format="q8"`` the step runs the rule's q8 op: on the CPU the fused native kernel
-(``sgd_q8_`` / ``lion_q8_`` in csrc/cpu/one_state.cpp: decode, step and encode per block of 32 in
-one pass). Each row is timed in the same interleaved rounds as the dense step of the same
-optimizer and ``torch.optim.SGD`` (foreach, fp32 params: torch's best CPU path for SGD; torch
-has no Lion). bf16 params with remainder masters for fastamp; ``lowbit_min_numel=0``, so the
+Under ``state_format="q8"`` the step runs the rule's q8 op: on the CPU the generic native kernel of
+``optim_`` (csrc/cpu/optim.cpp: decode, step and encode per block of 32 in one pass). Each row is
+timed in the same interleaved rounds as the dense step of the same optimizer and
+``torch.optim.SGD`` (foreach, fp32 params: torch's best CPU path for SGD; torch has no Lion). bf16 params with remainder masters for fastamp; ``lowbit_min_numel=0``, so the
 small tensors of ``20000x256`` hold q8 moments too (the default 4096 would keep them fp32). Reports the best of
 ``--repeats`` per row and the ratio to the dense fastamp step, per shape and thread count.
 

@@ -52,11 +52,16 @@ static_assert((1 << 16) % kChunkElems == 0 && kChunkElems % (1 << 14) == 0,
 struct RuleInfo {
   Rule id;
   const char* name;
-  size_t hyper;                   // len(hyper)
-  int64_t scalars;                // k: the floats of a step-scalar row
-  const char* layout;             // their names
-  int64_t flags;                  // its own flags, besides MAXIMIZE, SR_PARAM, SR_STATE
-  const char* keys[kMaxStates];   // its states' keys (fastamp.reference.optim.RULES)
+  size_t hyper;        // len(hyper)
+  int64_t scalars;     // k: the floats of a step-scalar row
+  const char* layout;  // their names
+  int64_t flags;       // its own flags, besides MAXIMIZE, SR_PARAM, SR_STATE
+  // The names its refusals give the lists, those of its per-rule op (which runs as optim_: the
+  // schemas of fastamp/ops/registry.py), so a message names what the caller passed: int16 masters
+  // (adamw_bf16_'s remainders), the states as a whole, and each state's list.
+  const char* remainders;
+  const char* states_name;
+  const char* lists[kMaxStates];
   const char* codes[kMaxStates];  // and their q8 lists
   const char* scales[kMaxStates];
   ChunkFn (*pick)(Isa, at::ScalarType, at::ScalarType, Master, Fmt);
@@ -69,7 +74,9 @@ const RuleInfo kRules[] = {
      4,
      "[step_size, bc2_sqrt, decay, grad_mul]",
      optim_flags::kAmsgrad,
-     {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"},
+     "remainders",
+     "moments",
+     {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"},
      {"exp_avg_codes", "exp_avg_sq_codes", "max_exp_avg_sq_codes"},
      {"exp_avg_scales", "exp_avg_sq_scales", "max_exp_avg_sq_scales"},
      &pick_adamw},
@@ -79,7 +86,9 @@ const RuleInfo kRules[] = {
      3,
      "[lr, grad_mul, is_first]",
      optim_flags::kNesterov,
-     {"momentum_buffer", nullptr, nullptr},
+     "masters",
+     "momentum_buffers",
+     {"momentum_buffers", nullptr, nullptr},
      {"momentum_buffer_codes", nullptr, nullptr},
      {"momentum_buffer_scales", nullptr, nullptr},
      &pick_sgd},
@@ -89,7 +98,9 @@ const RuleInfo kRules[] = {
      3,
      "[lr, decay, grad_mul]",
      0,
-     {"exp_avg", nullptr, nullptr},
+     "masters",
+     "exp_avgs",
+     {"exp_avgs", nullptr, nullptr},
      {"exp_avg_codes", nullptr, nullptr},
      {"exp_avg_scales", nullptr, nullptr},
      &pick_lion},
@@ -175,17 +186,22 @@ struct Layout {
   Fmt fmt = Fmt::kFp32;
   at::ScalarType state_dtype = at::kFloat;
   int per = 1;  // lists per state: 2 for q8 (codes, scales)
+  const char* masters_name = "masters";
 };
 
-Layout layout_of(const RuleInfo& r, int states, size_t n, at::TensorList params, at::TensorList grads,
-                 at::TensorList masters, at::TensorList state_list) {
+// `hyper`: the call's (empty for a table, whose states decide whether SGD keeps a momentum buffer).
+Layout layout_of(const RuleInfo& r, int states, size_t n, at::TensorList grads, at::TensorList masters,
+                 at::TensorList state_list, at::ArrayRef<double> hyper) {
   Layout l;
   l.rule = &r;
   l.states = states;
   TORCH_CHECK(grads.size() == n, "fastamp::optim_: got ", n, " params but ", grads.size(), " grads");
-  TORCH_CHECK(masters.empty() || masters.size() == n,
-              "fastamp::optim_: masters must be empty or have one tensor per param, got ", masters.size(),
-              " masters for ", n, " params");
+  if (!masters.empty() && masters[0].defined() && masters[0].scalar_type() == at::kShort) {
+    l.masters_name = r.remainders;
+  }
+  TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::optim_: ", l.masters_name,
+              " must be empty or have one tensor per param, got ", masters.size(), " ", l.masters_name, " for ", n,
+              " params");
   if (!masters.empty()) {
     TORCH_CHECK(masters[0].defined(), "fastamp::optim_: masters[0] is undefined");
     l.master_dtype = masters[0].scalar_type();
@@ -201,8 +217,8 @@ Layout layout_of(const RuleInfo& r, int states, size_t n, at::TensorList params,
         break;
       default:
         TORCH_CHECK(false,
-                    "fastamp::optim_: masters must be float32 (fp32 master weights), int16 (remainders of bfloat16 "
-                    "params) or int8 (ulp8 corrections of bfloat16 / float16 params), got ",
+                    "fastamp::optim_: masters must be float32 (fp32 master weights), int8 (ulp8 corrections of "
+                    "bfloat16 / float16 params) or int16 (remainders of bfloat16 params), got ",
                     l.master_dtype);
     }
   }
@@ -221,18 +237,27 @@ Layout layout_of(const RuleInfo& r, int states, size_t n, at::TensorList params,
         l.per = 2;
         break;
       default:
-        TORCH_CHECK(false, "fastamp::optim_: states must be float32, bfloat16 or uint8 (q8 codes and scales), got ",
-                    l.state_dtype);
+        TORCH_CHECK(false, "fastamp::optim_: ", r.states_name,
+                    " must be float32 or bfloat16, or uint8 q8 codes and scales (one state format per call), got ",
+                    r.lists[0], "[0] of ", l.state_dtype);
     }
   }
   const size_t want = n * static_cast<size_t>(l.per * states);
   if (state_list.size() != want) {
-    std::string keys;
-    for (int j = 0; j < states; ++j) keys += std::string(j ? ", " : "") + r.keys[j];
-    TORCH_CHECK(false, "fastamp::optim_: rule '", r.name, "' with these settings keeps ", states, " state(s) (", keys,
+    // the last state short, as the per-rule ops said it: AMSGRAD's max_exp_avg_sqs, SGD's momentum buffers
+    const size_t before = n * static_cast<size_t>(l.per * (states - 1));
+    const size_t got = state_list.size() >= before ? (state_list.size() - before) / static_cast<size_t>(l.per) : 0;
+    TORCH_CHECK(!(r.id == Rule::kAdamW && states == 3 && state_list.size() >= before && state_list.size() < want),
+                "fastamp::optim_: ", "amsgrad needs one max_exp_avg_sqs tensor per param, got ", got,
+                " (after the exp_avgs and exp_avg_sqs of ", n, " params)");
+    TORCH_CHECK(!(r.id == Rule::kSgd && states == 1 && !hyper.empty() && state_list.size() < want),
+                "fastamp::optim_: momentum=", hyper.empty() ? 0.0 : hyper[0],
+                " needs one momentum_buffers tensor per param, got ", got, " for ", n, " params");
+    std::string lists;
+    for (int j = 0; j < states; ++j) lists += std::string(j ? ", " : "") + r.lists[j];
+    TORCH_CHECK(false, "fastamp::optim_: rule '", r.name, "' with these settings keeps ", states, " state(s) (", lists,
                 "), ", l.per, " list(s) of ", n, " tensors each: ", want, " state tensors, got ", state_list.size());
   }
-  (void)params;
   return l;
 }
 
@@ -241,6 +266,11 @@ int64_t check_tensor(const Layout& l, size_t i, size_t n, at::TensorList params,
                      at::TensorList masters, at::TensorList states) {
   const at::Tensor& p = params[i];
   check_list_tensor(kOp, "params", i, p, p, std::nullopt);
+  // params[0] says it for the call (as a per-rule op, of one param dtype, did)
+  if (i == 0) {
+    TORCH_CHECK(is_kernel_float(p.scalar_type()),
+                "fastamp::optim_: params must be float32, float16 or bfloat16, got params[0] of ", p.scalar_type());
+  }
   TORCH_CHECK(is_kernel_float(p.scalar_type()), "fastamp::optim_: params[", i,
               "] must be float32, float16 or bfloat16, got ", p.scalar_type());
   if (!grads.empty()) {
@@ -249,10 +279,10 @@ int64_t check_tensor(const Layout& l, size_t i, size_t n, at::TensorList params,
                 "] must be float32, float16 or bfloat16, got ", grads[i].scalar_type());
   }
   if (l.master != Master::kNone) {
-    check_list_tensor(kOp, "masters", i, masters[i], p, l.master_dtype);
-    TORCH_CHECK(l.master != Master::kRemainder || p.scalar_type() == at::kBFloat16,
-                "fastamp::optim_: int16 remainder masters need bfloat16 params, but params[", i, "] is ",
-                p.scalar_type());
+    check_list_tensor(kOp, l.masters_name, i, masters[i], p, l.master_dtype);
+    TORCH_CHECK(l.master != Master::kRemainder || p.scalar_type() == at::kBFloat16, "fastamp::optim_: int16 ",
+                l.masters_name == std::string("remainders") ? "remainders" : "remainder masters",
+                " need bfloat16 params, but params[", i, "] is ", p.scalar_type());
     TORCH_CHECK(l.master != Master::kUlp8 || p.scalar_type() == at::kBFloat16 || p.scalar_type() == at::kHalf,
                 "fastamp::optim_: int8 (ulp8) masters need bfloat16 or float16 params, but params[", i, "] is ",
                 p.scalar_type());
@@ -262,7 +292,7 @@ int64_t check_tensor(const Layout& l, size_t i, size_t n, at::TensorList params,
       check_list_tensor(kOp, l.rule->codes[j], i, states[(2 * j) * n + i], p, at::kByte);
       check_q8_scales(kOp, l.rule->scales[j], i, states[(2 * j + 1) * n + i], p);
     } else {
-      check_list_tensor(kOp, l.rule->keys[j], i, states[j * n + i], p, l.state_dtype);
+      check_list_tensor(kOp, l.rule->lists[j], i, states[j * n + i], p, l.state_dtype);
     }
   }
   return p.numel();
@@ -398,7 +428,7 @@ void optim_cpu(at::TensorList params, at::TensorList grads, at::TensorList maste
                at::ArrayRef<double> hyper, int64_t flags) {
   const size_t n = params.size();
   const CallChecks call = check_call(n, step_scalars, found_inf, rng, rule, hyper, flags);
-  const Layout l = layout_of(*call.rule, call.args.states, n, params, grads, masters, states);
+  const Layout l = layout_of(*call.rule, call.args.states, n, grads, masters, states, hyper);
   if (n == 0) return;
   // One pass checks every tensor and takes its pointers (nothing is written before it ends). At
   // thousands of small params its time is mostly cache misses on the tensors' TensorImpl and
@@ -462,7 +492,7 @@ OptimTablePtr optim_table_new(at::TensorList params, at::TensorList masters, at:
   OptimTablePtr t(new OptimTable);
   // SGD keeps a momentum buffer where it has states
   const int ns = states_of(r, flags, !states.empty());
-  t->layout = layout_of(r, ns, n, params, params, masters, states);
+  t->layout = layout_of(r, ns, n, params, masters, states, {});
   const Layout& l = t->layout;
   t->flags = flags & optim_flags::kAmsgrad;
   t->n = static_cast<int64_t>(n);

@@ -301,8 +301,16 @@ BAD = {
     "hyper length": (_set(9, [0.9, 0.999]), "rule 'adamw' takes 3 hyperparameters, got 2"),
     "flags of another rule": (_set(10, R.NESTEROV), "flags 4 are not a combination of rule 'adamw'"),
     "grads count": (lambda a: a[1].pop(), "got 2 params but 1 grads"),
-    "states count": (lambda a: a[3].pop(), r"keeps 3 state\(s\) \(exp_avg, exp_avg_sq, max_exp_avg_sq\), 2 list"),
-    "states dtype": (_put_state(0, lambda t: t.to(torch.int8)), "states must be float32, bfloat16 or uint8"),
+    "states count": (
+        lambda a: a[3].extend(a[3][:2]),
+        r"keeps 3 state\(s\) \(exp_avgs, exp_avg_sqs, max_exp_avg_sqs\), 2 list\(s\) of 2 tensors each: 12 state "
+        r"tensors, got 14",
+    ),
+    "max_exp_avg_sqs missing": (lambda a: a[3].pop(), "amsgrad needs one max_exp_avg_sqs tensor per param, got 1"),
+    "states dtype": (
+        _put_state(0, lambda t: t.to(torch.int8)),
+        "moments must be float32 or bfloat16, or uint8 q8 codes",
+    ),
     "codes numel": (_put_state(5, lambda t: t[:-1].clone()), r"exp_avg_sq_codes\[1\] has 8 elements"),
     "codes dtype": (_put_state(8, lambda t: t.to(torch.int8)), r"max_exp_avg_sq_codes\[0\] must have dtype Byte"),
     "scales length": (_put_state(3, lambda t: t[:0].clone()), r"exp_avg_scales\[1\] must be 1-D with 1 scale byte"),

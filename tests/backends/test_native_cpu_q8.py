@@ -329,23 +329,27 @@ def _bad_cases():
         "grads count": (set_("grads", []), "got 1 params but 0 grads"),
         "codes count": (
             set_("cm", []),
-            r"keeps 2 state\(s\) \(exp_avg, exp_avg_sq\), 2 list\(s\) of 1 tensors each: 4 state tensors, got 3",
+            r"keeps 2 state\(s\) \(exp_avgs, exp_avg_sqs\), 2 list\(s\) of 1 tensors each: 4 state tensors, got 3",
         ),
         "scales count": (
             set_("sv", []),
-            r"keeps 2 state\(s\) \(exp_avg, exp_avg_sq\), 2 list\(s\) of 1 tensors each: 4 state tensors, got 3",
+            r"keeps 2 state\(s\) \(exp_avgs, exp_avg_sqs\), 2 list\(s\) of 1 tensors each: 4 state tensors, got 3",
         ),
-        "masters count": (lambda a: a["masters"].append(a["masters"][0].clone()), "masters must be empty or have one"),
+        "masters count": (
+            lambda a: a["masters"].append(a["masters"][0].clone()),
+            "remainders must be empty or have one",
+        ),
         "param dtype": (
             lambda a: a.__setitem__("params", [a["params"][0].to(torch.int32)]),
-            "params[0] must be float32",
+            "params must be float32, float16 or bfloat16, got params[0] of Int",
         ),
         "grad dtype": (set_("grads", [torch.zeros(n, dtype=torch.float64)]), "grads[0] must be float32"),
         "grad numel": (set_("grads", [torch.zeros(n + 1)]), "grads[0] has 71 elements"),
         "grad strided": (set_("grads", [torch.zeros(2 * n)[::2]]), "grads[0] must be contiguous"),
         "codes dtype": (
             set_("cm", [torch.zeros(n, dtype=torch.int8)]),
-            r"states must be float32, bfloat16 or uint8 \(q8 codes and scales\), got Char",
+            r"moments must be float32 or bfloat16, or uint8 q8 codes and scales \(one state format per call\), got "
+            "exp_avgs[0] of Char",
         ),
         "sq codes dtype": (set_("cv", [torch.zeros(n, dtype=torch.int8)]), "exp_avg_sq_codes[0] must have dtype Byte"),
         "codes strided": (
@@ -369,7 +373,7 @@ def _bad_cases():
         ),
         "remainder param": (
             lambda a: a.__setitem__("params", [a["params"][0].float()]),
-            "int16 remainder masters need bfloat16 params",
+            "int16 remainders need bfloat16 params, but params[0] is Float",
         ),
         "sr without rng": (set_("rng", None), "SR_PARAM / SR_STATE need rng"),
         "sr_param without rng": (
