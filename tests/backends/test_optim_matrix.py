@@ -34,6 +34,7 @@ from _matrix import (
     F16,
     F32,
     FORMAT,
+    FORMATS,
     RULE,
     RULE_FORMATS,
     SHORT,
@@ -67,15 +68,23 @@ def _params(combos, runs_on=lambda b, combo: True):
     return out
 
 
-def _rf_params(extra=((None, ()),)):
-    """(backend, rule, format, *extra) for every supported (rule, format) of the cover (``Format.cover``)."""
+def _rf_params(extra=((None, ()),), half=None):
+    """(backend, rule, format, *extra) for every supported (rule, format) of the cover (``Format.cover``).
+
+    ``half`` (0 or 1): on the interpreted backends (Triton on the CPU, ~100x slower than the others)
+    only every other format of ``FORMATS``, from this one: the cases that take a half alternate it,
+    so each format meets half of them there and every one of them on the compiled backends.
+    """
     combos = []
     for rule, fmt in RULE_FORMATS:
         if not fmt.cover:
             continue
         for eid, e in extra:
             combos.append((f"{rule.name}-{fmt.name}" + (f"-{eid}" if eid is not None else ""), (rule, fmt, *e)))
-    return _params(combos)
+    if half is None:
+        return _params(combos)
+    mine = {f.name for i, f in enumerate(FORMATS) if i % 2 == half}
+    return _params(combos, lambda b, combo: not b.interpreted or combo[1].name in mine)
 
 
 @pytest.fixture(autouse=True)
@@ -147,9 +156,20 @@ def _family(b) -> int:
 
 def _match_cover(rule, fmt, rotation, variants=True):
     """(param dtype, grad dtype, hyperparameter case) triples: every dtype pair of the format with each
-    kernel variant (``Rule.kernel_variant``: every compiled kernel; without ``variants``, each dtype
-    pair once), every hyperparameter case at least once; ``rotation`` shifts which case meets which pair."""
+    kernel variant (``Rule.kernel_variant``: every compiled kernel), every hyperparameter case at least
+    once; ``rotation`` shifts which case meets which pair. Without ``variants`` (the interpreted
+    backends: the compiled ones run every pair, and the interpreter runs the same kernel source as
+    Triton on a GPU) each param dtype and each grad dtype once and three cases per format, the
+    rule's cases spread over its formats."""
     pairs = [(p, g) for p in fmt.param_dtypes for g in DTYPES]
+    if not variants:
+        # an interpreted backend: each param dtype and each grad dtype at least once, and three
+        # hyperparameter cases per format, rotating over the formats so that the rule's cases all run
+        n = max(len(fmt.param_dtypes), len(DTYPES))
+        pairs = [(fmt.param_dtypes[j % len(fmt.param_dtypes)], DTYPES[(j + rotation) % len(DTYPES)]) for j in range(n)]
+        names = list(rule.hypers)
+        off = 3 * FORMATS.index(fmt) + rotation
+        return [(*pairs[j % len(pairs)], names[(off + j) % len(names)]) for j in range(max(len(pairs), 3))]
     by_variant: dict = {}
     for name, h in rule.hypers.items():
         by_variant.setdefault(rule.kernel_variant(h) if variants else None, []).append(name)
@@ -222,7 +242,7 @@ def _plant_adversarial(st, rule, fmt):
     p[400:404] = torch.tensor([1e-45, -0.0, math.inf, math.nan]).to(p.dtype)
 
 
-@pytest.mark.parametrize("backend, rule, fmt", _rf_params())
+@pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=0))
 def test_adversarial_values_propagate_like_reference(backend, rule, fmt):
     """Zero, subnormal, huge and non-finite grads, state and params, on every param dtype of the format."""
     h = rule.hypers[_full_state_hyper(rule)]
@@ -244,7 +264,7 @@ def test_adversarial_values_propagate_like_reference(backend, rule, fmt):
 # ---- case: sizes, each alone in a call and all in one ---------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, rule, fmt", _rf_params())
+@pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=1))
 def test_sizes_alone_and_together(backend, rule, fmt):
     """Sizes around the vector block and the scalar tail's lengths each alone in a call
     (``Backend.alone_sizes``); then every size, 0 to more than two chunks, in one call, every other
@@ -273,7 +293,7 @@ def test_sizes_alone_and_together(backend, rule, fmt):
 # ---- case: many tiny tensors in one call ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, rule, fmt", _rf_params())
+@pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=0))
 def test_many_tiny_tensors(backend, rule, fmt):
     """Hundreds of tensors of 0 to 50 elements and one of several chunks, in one call."""
     h = rule.hypers[_full_state_hyper(rule)]
@@ -295,7 +315,7 @@ def test_many_tiny_tensors(backend, rule, fmt):
 # ---- cases: found_inf ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend, rule, fmt", _rf_params())
+@pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=1))
 def test_found_inf_skips_and_writes_nothing(backend, rule, fmt):
     """found_inf 1, NaN, -2 and inf: every tensor bit-identical, on every param dtype of the format;
     the next applied step is still the first (SGD: buf := grad)."""
@@ -314,7 +334,7 @@ def test_found_inf_skips_and_writes_nothing(backend, rule, fmt):
     _compare_steps(backend, rule, fmt, got, exp, "first applied step after a skip")
 
 
-@pytest.mark.parametrize("backend, rule, fmt", _rf_params())
+@pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=0))
 def test_found_inf_zero_runs(backend, rule, fmt):
     h = rule.hypers[_full_state_hyper(rule)]
     sizes = [5, backend.block + 3, 2]
@@ -329,7 +349,7 @@ def test_found_inf_zero_runs(backend, rule, fmt):
     assert not torch.equal(st["params"][1], start["params"][1])
 
 
-@pytest.mark.parametrize("backend, rule, fmt", _rf_params())
+@pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=1))
 def test_injected_inf_skips_all(backend, rule, fmt):
     """An inf in one grad among many, found by the backend's unscale_check_, skips the step on the device."""
     h = rule.hypers[_full_state_hyper(rule)]
