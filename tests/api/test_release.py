@@ -914,13 +914,13 @@ Q8_CASES = [  # (rule, config, clip): SGD and Lion under the scaler and the bind
     *[
         (rule, config, "binding")
         for rule in ("sgd", "lion")
-        for config in ("bf16-remainder-q8-scaler", "bf16-sr-q8-scaler", "fp16-master-q8-scaler")
+        for config in ("bf16-remainder-q8-scaler", "bf16-sr-q8-scaler", "fp16-master-q8-scaler", "fp16-ulp8-q8-scaler")
     ],
     *[(rule, "bf16-remainder-q8", "none") for rule in RULES],
 ]
 
 
-@pytest.mark.slow  # ~5 s a case, 9 cases
+@pytest.mark.slow  # ~5 s a case, 11 cases
 @pytest.mark.parametrize("rule, config, clip", Q8_CASES)
 def test_release_with_q8_moments_matches_the_ordinary_loop_bit_for_bit(rule, config, clip):
     """STEPS steps of q8 state, compared after every step: with the scaler, overflows injected and the clip binding;
