@@ -86,9 +86,9 @@ for op in ("unscale_check_", "unscale_check_stats_", "update_scale_", "optim_", 
     handle = torch._C._dispatch_find_schema_or_throw("fastamp::" + op, "")
     for key in ("CPU", "CUDA"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key("fastamp::" + op, key), (op, key)
-# on CUDA optim_ is the C++ kernel and the per-rule optimizer ops run as optim_
-assert not registry.bridged("native", "cuda")
-assert {op for op, dev in registry.AS_OPTIM if dev == "cuda"} == set(registry.PER_RULE_OPS), registry.AS_OPTIM
+# on both devices optim_ is the C++ kernel and the per-rule optimizer ops run as optim_
+for dev in ("cpu", "cuda"):
+    assert {op for op, d in registry.AS_OPTIM if d == dev} == set(registry.PER_RULE_OPS), (dev, registry.AS_OPTIM)
 print("[cuda-build tier] every op has a CPU and a CUDA kernel;", fastamp.__file__)
 ')
 
