@@ -41,7 +41,10 @@ Budget (CI runs this on 2 CPU cores): the launchers produce 2,146 distinct speci
 target, 2,096 of them the optimizer kernel's (counts, chunk counts, scalar addresses and the
 runtime flags never add one: ``test_no_specialisation_churn``), 0.5-4 s of compile each (the q8
 states' the most). By default the tier compiles a cover of 222 (197 of the optimizer kernel's,
-:func:`_optim_cover`; about 6 minutes of CPU per Triton version):
+:func:`_optim_cover`; about 6 minutes of CPU) with the installed Triton, and a smaller one with
+each second version of ``FASTAMP_AOT_TRITON`` (:func:`_light_cover`, ~20 compiles, ~30 s: what
+differs between versions is how a launch binds and compiles, which the heaviest specialisation of
+each rule and state format exercises):
 
 * for the optimizer kernel, every format combination with every param dtype it takes, at its
   heaviest flags (the most streams: states, masters, random bits), aligned, for sm_90, and the
@@ -644,14 +647,52 @@ def _summarise(analysis, ptxas):
     }
 
 
-def _subset(specs: dict, full: bool) -> list:
-    """(key, arch) pairs to compile: all of them, or the default cover (see the module docstring)."""
+def _light_cover(specs: dict, by_kernel: dict) -> list:
+    """The cover of a second Triton version (``FASTAMP_AOT_TRITON``): what differs between versions
+    is how a launch binds and compiles, not the maths, so the heaviest specialisation of each
+    (rule, state format) of the optimizer kernel and of each dtype of the others for sm_90, the
+    heaviest per rule / kernel for sm_80, and the heaviest unaligned one per rule (~20 compiles,
+    against ~220 for the installed Triton's cover)."""
+
+    def weight(key):
+        f = specs[key]["flags"]
+        return (sum(int(v) for k, v in f.items() if not k.endswith("KIND") and isinstance(v, (bool, int))), key)
+
+    chosen = set()
+    for kernel, keys in by_kernel.items():
+        groups = defaultdict(list)
+        unaligned = defaultdict(list)
+        for key in keys:
+            f = specs[key]["flags"]
+            group = (
+                (f["RULE"], f["STATE"])
+                if kernel == "_optim_kernel"
+                else tuple(sorted((k, v) for k, v in f.items() if k.endswith("KIND")))
+            )
+            (groups if f.get("ALIGNED", True) else unaligned)[group].append(key)
+        chosen.update((max(ks, key=weight), 90) for ks in groups.values())
+        per_rule = defaultdict(list)
+        for group, ks in groups.items():
+            per_rule[group[0] if kernel == "_optim_kernel" else None].extend(ks)
+        chosen.update((max(ks, key=weight), 80) for ks in per_rule.values())
+        by_rule = defaultdict(list)
+        for group, ks in unaligned.items():
+            by_rule[group[0] if kernel == "_optim_kernel" else None].extend(ks)
+        chosen.update((max(ks, key=weight), 90) for ks in by_rule.values())
+    return sorted(chosen)
+
+
+def _subset(specs: dict, full: bool, light: bool = False) -> list:
+    """(key, arch) pairs to compile: all of them, the default cover (see the module docstring), or
+    with ``light`` the cover of a second Triton version (:func:`_light_cover`)."""
     if full:
         return [(k, a) for k in specs for a in ARCHS]
     chosen = set()
     by_kernel = defaultdict(list)
     for key, spec in specs.items():
         by_kernel[spec["kernel"]].append(key)
+    if light:
+        return _light_cover(specs, by_kernel)
     for kernel, keys in by_kernel.items():
         if kernel == "_optim_kernel":
             chosen.update(_optim_cover(specs, keys))
@@ -734,6 +775,7 @@ def worker_main(argv) -> int:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--full", action="store_true")
+    ap.add_argument("--light", action="store_true")
     ap.add_argument("--out", required=True)
     ap.add_argument("--dump-ptx")
     ap.add_argument("--only", help="compile only specialisations whose key matches this regex")
@@ -798,7 +840,7 @@ def worker_main(argv) -> int:
         reps.setdefault(key, (fn, a, kw))
     out["specs"] = specs
     out["record_s"] = time.time() - t0
-    todo = _subset(specs, args.full)
+    todo = _subset(specs, args.full, args.light)
     if args.only:
         todo = [(k, a) for k, a in todo if re.search(args.only, f"{k}:sm_{a}")]
     todo = todo[args.rank :: args.workers]
@@ -899,6 +941,8 @@ def run_tier(
         cmd += ["--rank", str(rank), "--workers", str(n), "--out", str(workdir / f"worker{rank}.json")]
         if full:
             cmd.append("--full")
+        elif python or pythonpath:  # a second Triton version: its own, smaller cover
+            cmd.append("--light")
         if dump_ptx:
             cmd += ["--dump-ptx", str(dump_ptx)]
         if only:
