@@ -42,7 +42,7 @@ $(OLD_TRITON_DIR)/.stamp: $(STAMP)
 
 test: $(BUILD) $(OLD_TRITON_DIR)/.stamp
 	$(MAKE) lint
-	FASTAMP_AOT_TRITON=$(abspath $(OLD_TRITON_DIR)) $(PY) -m pytest -q -n auto --dist load tests
+	FASTAMP_AOT_TRITON=$(abspath $(OLD_TRITON_DIR)) $(PY) -m pytest -q -n auto --dist loadgroup tests
 	$(MAKE) test-cuda-build
 
 test-cuda-build:

@@ -33,7 +33,8 @@ from fastamp import reference as R
 from fastamp.reference import q8
 from fastamp.reference.optim import AMSGRAD, MAXIMIZE, NESTEROV, RULES, SR_PARAM, SR_STATE
 
-pytestmark = pytest.mark.slow  # compiles every instance of the kernel for the host (~2 min)
+# compiles every instance of the kernel for the host (~2 min), once: on one xdist worker (--dist loadgroup)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cuda_emulated")]
 
 ROOT = Path(__file__).resolve().parents[2]
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
