@@ -223,12 +223,13 @@ def _optim_table(params: list[Tensor], masters: list[Tensor], states: list[Tenso
     return None if table is NotImplemented else table
 
 
-def _run_table(table, dev, backend, grads, step_scalars, found_inf, rng, rng_base, rule, hyper, flags) -> bool:
-    """Whether ``table`` (:func:`_optim_table`) ran ``optim_`` on these arguments (False: it declined, nothing written)."""
+def _run_table(table, backend: str, grads, step_scalars, found_inf, rng, rng_base, rule, hyper, flags) -> bool:
+    """Whether ``table`` (:func:`_optim_table`) ran ``optim_`` on these arguments on the resolved ``backend``
+    (False: not native, or the table declined; nothing written)."""
     return (
-        _DIRECT.get("optim_") is _TABLE_DIRECT
+        backend == "native"
+        and _DIRECT.get("optim_") is _TABLE_DIRECT
         and not torch.compiler.is_compiling()
-        and backends.resolve("optim_", dev, backend) == "native"
         and _TABLE_RUN(table, grads, step_scalars, found_inf, rng, rng_base, rule, hyper, flags) is not NotImplemented
     )
 
@@ -242,13 +243,7 @@ def _optim_launch(args: tuple, backend: str, table=None) -> None:
     have made impossible) is answered by :mod:`fastamp.ops.validate`'s message where it has one, else by
     the kernel's error.
     """
-    if (
-        table is not None
-        and backend == "native"
-        and _DIRECT.get("optim_") is _TABLE_DIRECT
-        and not torch.compiler.is_compiling()
-        and _TABLE_RUN(table, *args[1:2], *args[4:]) is not NotImplemented
-    ):
+    if table is not None and _run_table(table, backend, args[1], *args[4:]):
         return
     if _native_fast_path("optim_", backend, args) is not _NOT_RUN:
         return
@@ -373,8 +368,8 @@ def adamw_(
     V.adam_hyper(op, beta1, beta2, eps)
     flags = (MAXIMIZE if maximize else 0) | (AMSGRAD if amsgrad else 0)
     hyper = [float(beta1), float(beta2), float(eps)]
-    if _table is not None and _run_table(_table, dev, backend, grads, step_scalars, found_inf, None, 0, "adamw", hyper,
-                                         flags):  # fmt: skip
+    if _table is not None and _run_table(_table, backends.resolve("optim_", dev, backend), grads, step_scalars, found_inf,
+                                         None, 0, "adamw", hyper, flags):  # fmt: skip
         return
     tensors = (params, grads, masters, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step_scalars, found_inf)
     args = registry.coerce(op, tensors + (beta1, beta2, eps, amsgrad, maximize))
@@ -638,8 +633,8 @@ def optim_(
         return
     dev = params[0].device
     V.optim_rule(op, rule, hyper, flags)
-    if _table is not None and _run_table(_table, dev, backend, grads, step_scalars, found_inf, rng, rng_base, rule,
-                                         hyper, flags):  # fmt: skip
+    if _table is not None and _run_table(_table, backends.resolve(op, dev, backend), grads, step_scalars, found_inf,
+                                         rng, rng_base, rule, hyper, flags):  # fmt: skip
         return
     args = registry.coerce(
         op, (params, grads, masters, states, step_scalars, found_inf, rng, rng_base, rule, hyper, flags)
