@@ -188,6 +188,34 @@ def test_fsdp2_fully_shard_with_fastamp_adamw(results, name):
     assert r0["reload_equal"] and r1["reload_equal"]
 
 
+def test_fsdp2_q8_moments_are_sharded_like_the_param_and_bit_identical_to_one_process(results):
+    """state_format="q8" (rounded to nearest) on FSDP2: each rank quantises its shard in the param's own blocks."""
+    name = "fsdp2_fastamp_q8"
+    r0, r1, ref = results["rank0"][name], results["rank1"][name], results["reference"][name]
+    assert _skips(r0) == _skips(r1) == _skips(ref) == set(worker.INJECT_AFTER_REDUCE)
+    assert r0["scales"] == r1["scales"] == ref["scales"]
+    # model[2].weight's shards (4 rows of 32 each) are blocks of the whole param: the same codes and
+    # scales as one process, so the same params and masters, bit for bit
+    assert _bits_equal(r0["params"], r1["params"]) and _bits_equal(r0["params"], ref["params"])
+    assert _bits_equal(r0["masters"], ref["masters"]) and len(r0["masters"]) == 4
+    for r in (r0, r1):
+        local, placements = r["q8_param"]
+        assert local == (4, 32) and placements == ("Shard(0)",)
+        assert r["q8_state"] == {
+            "exp_avg_q": ("DTensor", torch.uint8, (4, 32), (8, 32), placements),
+            "exp_avg_scale": ("DTensor", torch.uint8, (4, 1), (8, 1), placements),
+            "exp_avg_sq_q": ("DTensor", torch.uint8, (4, 32), (8, 32), placements),
+            "exp_avg_sq_scale": ("DTensor", torch.uint8, (4, 1), (8, 1), placements),
+            "master_param": ("DTensor", torch.float32, (4, 32), (8, 32), placements),
+        }
+        # the other params (rows of 16, 1-D) keep fp32 moments, said once
+        assert all(
+            kind == "DTensor" and dtype == torch.float32 for k, (kind, dtype, _) in r["state"].items() if k != "step"
+        )
+        assert len(r["warnings"]) == 1 and "do not start on q8's blocks of 32 elements" in r["warnings"][0]
+        assert r["reload_equal"]
+
+
 def test_fsdp2_remainder_masters_are_refused_cleanly(results):
     for rank in ("rank0", "rank1"):
         res = results[rank]["fsdp2_remainder_refused"]

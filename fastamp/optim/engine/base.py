@@ -171,8 +171,39 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
 
     @staticmethod
     def _q8(group: dict[str, Any], p: Tensor) -> bool:
-        """Whether ``p`` keeps its moments as q8 codes (the group's ``state_format``, for params of ``lowbit_min_numel`` or more)."""
-        return group["state_format"] == "q8" and p.numel() >= group["lowbit_min_numel"]
+        """Whether ``p`` keeps its moments as q8 codes (the group's ``state_format``, for params of
+        ``lowbit_min_numel`` or more; a DTensor param only where its shards start on q8 blocks,
+        :func:`fastamp.optim.formats.moments.scale_shape`)."""
+        return (
+            group["state_format"] == "q8"
+            and p.numel() >= group["lowbit_min_numel"]
+            and (not is_dtensor(p) or _formats.scale_shape(p) is not None)
+        )
+
+    def _check_dtensor(self, gi: int, i: int, p: Tensor, group: dict[str, Any], kind: str) -> None:
+        """Refuse what DTensor params (FSDP2) do not support; warn once where q8 falls back to fp32 moments."""
+        if kind in ("remainder", "ulp8"):
+            raise NotImplementedError(
+                f"{self._NAME}: {where_of(gi, i, p)} is a DTensor (FSDP2) with "
+                f"master_weights={group['master_weights']!r}, which is not supported yet; use master_weights=True "
+                "(fp32 masters, sharded like the param) or stochastic_rounding=True"
+            )
+        if (
+            group["state_format"] == "q8"
+            and p.numel() >= group["lowbit_min_numel"]
+            and not self._q8(group, p)
+            and not getattr(self, "_warned_dtensor_q8", False)
+        ):
+            import warnings
+
+            self._warned_dtensor_q8 = True
+            warnings.warn(
+                f"{self._NAME}: {where_of(gi, i, p)} is a DTensor with placements {tuple(p.placements)} and shape "
+                f"{tuple(p.shape)}: its shards do not start on q8's blocks of 32 elements (q8 shards params sharded "
+                "on dim 0 whose rows hold a multiple of 32 elements, and replicated ones), so it keeps fp32 moments; "
+                "so may other params of this optimizer (warned once)",
+                stacklevel=4,
+            )
 
     def _moment_format(self, group: dict[str, Any], p: Tensor, kind: str) -> Any:
         """The :class:`~fastamp.optim.formats.moments.MomentFormat` ``p``'s moments are kept in (q8 or fp32 here)."""
@@ -387,17 +418,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                 ):
                     check_grad(self._NAME, p, g, where_of(gi, i, p))
                 kind = self._kind(group, p)
-                if is_dtensor(p) and self._q8(group, p):
-                    raise NotImplementedError(
-                        f"{self._NAME}: state_format='q8' is not supported for DTensor params (FSDP2) yet: a shard's "
-                        "blocks of 32 need not line up with the param's; use state_format=None for the sharded groups"
-                    )
-                if is_dtensor(p) and kind == "remainder":
-                    raise NotImplementedError(
-                        f"{self._NAME}: {where_of(gi, i, p)} is a DTensor (FSDP2) with "
-                        "master_weights='remainder', which is not supported yet; use master_weights=True "
-                        "(fp32 masters, sharded like the param) or stochastic_rounding=True"
-                    )
+                if is_dtensor(p):
+                    self._check_dtensor(gi, i, p, group, kind)
                 st = state.get(p)
                 if st and self._check_state(gi, i, p, st, group, kind, moment_keys):
                     untrusted.append((gi, i, p, st["step"]))

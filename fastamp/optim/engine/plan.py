@@ -252,7 +252,12 @@ class _Run:
         for key in self.keys:
             tensors = [st[key] for st in self.states]
             self.planned[key] = tensors
-            self.launch[key] = [local_of(t) for t in tensors] if self.dtensor else tensors
+            if not self.dtensor:
+                self.launch[key] = tensors
+            elif key.endswith("_scale"):  # q8 block scales: the shard's, flat (moments.scale_shape)
+                self.launch[key] = [local_of(t).view(-1) for t in tensors]
+            else:
+                self.launch[key] = [local_of(t) for t in tensors]
         self.planned_keys = tuple(self.planned)
         self.planned_tensors = tuple(self.planned.values())
         if self.ids:

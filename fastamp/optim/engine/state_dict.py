@@ -41,8 +41,9 @@ GROUP_MASTER_STEPS = "master_steps"
 
 def _q8_entry(opt_name: str, where: str, p: Tensor, key: str, value: Any, saved: dict[str, Any]) -> Tensor:
     """A moment saved as q8 (``fastamp.optim.formats.moments``): ``<moment>_q`` uint8 shaped like the param, ``<moment>_scale``
-    uint8 ``[ceil(n / 32)]``, both present; a plain tensor copied to the param's device."""
-    from fastamp.reference.q8 import num_blocks
+    uint8 of ``moments.scale_shape(param)``, both present; a plain tensor copied to the param's device, or for
+    a DTensor param a DTensor of the same shape, copied into the param's sharding."""
+    from fastamp.optim.formats import moments
 
     codes = key.endswith(_CODES)
     base = key[: -len(_CODES)] if codes else key[: -len(_SCALE)]
@@ -56,18 +57,27 @@ def _q8_entry(opt_name: str, where: str, p: Tensor, key: str, value: Any, saved:
         raise ValueError(
             f"{opt_name}.load_state_dict: {where}: holds moment {base!r} twice, as {base!r} and as {key!r}"
         )
-    shape = tuple(p.shape) if codes else (num_blocks(p.numel()),)
+    shape = tuple(p.shape) if codes else moments.scale_shape(p)
+    kind = "torch.uint8 DTensor" if is_dtensor(p) else "plain torch.uint8 tensor"
+    if shape is None:
+        raise ValueError(
+            f"{opt_name}.load_state_dict: {where}: {key!r} is q8 state, but the param's shards do not start on q8's "
+            "blocks of 32 elements (fastamp.optim.formats.moments.scale_shape): it keeps fp32 moments; load those "
+            "(state_dict(format='fp32') exports them)"
+        )
     if (
         not isinstance(value, Tensor)
         or value.dtype != torch.uint8
         or tuple(value.shape) != shape
-        or is_dtensor(value)
-        or is_dtensor(p)
+        or is_dtensor(value) != is_dtensor(p)
     ):
         raise ValueError(
-            f"{opt_name}.load_state_dict: {where}: {key!r} must be a plain torch.uint8 tensor of shape {shape}, got "
-            f"{value.dtype if isinstance(value, Tensor) else type(value).__name__} {_fmt_shape(value)}"
+            f"{opt_name}.load_state_dict: {where}: {key!r} must be a {kind} of shape {shape}, got "
+            f"{value.dtype if isinstance(value, Tensor) else type(value).__name__} "
+            f"{'DTensor ' if is_dtensor(value) else ''}{_fmt_shape(value)}"
         )
+    if is_dtensor(p):  # into the param's sharding (torch.distributed.checkpoint may hand over another)
+        return moments.Q8.create(p, base)[key].copy_(value)
     return value.to(device=p.device, copy=True).contiguous()
 
 

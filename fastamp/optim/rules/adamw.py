@@ -217,8 +217,8 @@ class AdamW(FusedOptimizer):
             ``decode(encode(.))`` after every step. Stored as ``exp_avg_q`` / ``exp_avg_sq_q``
             (uint8, the param's shape) and ``exp_avg_scale`` / ``exp_avg_sq_scale`` (uint8,
             ``ceil(n / 32)``). Works with every master kind and param dtype, the scalers, clipping,
-            ``torch.compile``; not with ``amsgrad`` or ``state_dtype=torch.bfloat16`` (refused),
-            nor with DTensor params yet (refused at the step). Kernels: native CPU and CUDA
+            ``torch.compile``, DTensor params (see below); not with ``amsgrad`` or
+            ``state_dtype=torch.bfloat16`` (refused). Kernels: native CPU and CUDA
             where built, Triton, and the torch reference, byte for byte the same (the CUDA and
             Triton kernels have not run on a GPU yet: ``benchmarks/gpu_check.sh``).
         lowbit_min_numel (int, optional): params with fewer elements keep fp32 moments under
@@ -239,7 +239,13 @@ class AdamW(FusedOptimizer):
     in place of the two moments (params of ``lowbit_min_numel`` elements or more).
     For a DTensor param (FSDP2 ``fully_shard``) the moments and the master are DTensors
     sharded like the param and the kernels update each rank's local shard;
-    ``master_weights="remainder"`` is not supported for DTensor params yet.
+    ``master_weights="remainder"`` / ``"ulp8"`` are not supported for DTensor params yet. q8
+    moments of a DTensor param: codes sharded like it and scales of shape ``(rows, row_numel /
+    32)`` sharded like it, where its shards start on blocks of 32 (sharded on dim 0 with rows
+    of a multiple of 32 elements, or replicated: the blocks, and with ``state_rounding=
+    "nearest"`` the bits, of one process); other DTensor params keep fp32 moments, with a
+    warning (:func:`fastamp.optim.formats.moments.scale_shape`). With stochastic rounding each
+    shard draws the random bits of a tensor of its own size (its elements numbered from 0).
 
     Amp: ``_step_supports_amp_scaling`` is True, so ``torch.amp.GradScaler`` and
     :class:`fastamp.Scaler` hand ``grad_scale`` and ``found_inf`` over as attributes instead
