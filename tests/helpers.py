@@ -183,6 +183,19 @@ def native_cpu_isas() -> list:
     return [i for i in order if order.index(i) <= order.index(best)][::-1]
 
 
+def each_isa(monkeypatch):
+    """Each instruction-set path of :func:`native_cpu_isas`, set in turn as the ``isa`` fixture sets one.
+
+    For the tests whose reference costs far more than the kernel: the reference is computed once and
+    compared with every path, instead of once per ``isa`` parameter."""
+    isas = native_cpu_isas()
+    assert isas, "the native CPU kernels are not built"
+    for name in isas:
+        monkeypatch.setenv("FASTAMP_CPU_ISA", name)
+        assert torch.ops.fastamp.cpu_isa() == name
+        yield name
+
+
 # the real backends every compile test that claims eager's bits runs through (inductor's cases are long)
 COMPILE_BACKENDS = ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)]
 

@@ -16,7 +16,7 @@ import zlib
 import pytest
 import torch
 from _matrix import edge_grads, edge_masters
-from helpers import assert_bits_equal, clone_lists, num_threads, run_flushing_denormals
+from helpers import assert_bits_equal, clone_lists, each_isa, num_threads, run_flushing_denormals
 
 from fastamp import reference
 from fastamp.ops import registry
@@ -137,19 +137,24 @@ def _tensors(args):
     return args[0], args[2], args[3]
 
 
-def run_both(args, steps=2, threads=1, found_inf=None):
-    """``steps`` steps of the native kernel and of the reference on copies of ``args``; their written lists."""
-    nat, ref = clone_lists(_tensors(args)), clone_lists(_tensors(args))
+def run_one(impl, args, steps=2, threads=1, found_inf=None):
+    """``steps`` steps of ``impl`` (the native op or the reference) on copies of ``args``; its written lists."""
+    st = clone_lists(_tensors(args))
     rule, hyper, flags = args[8], args[9], args[10]
     n = len(args[0])
     rows = args[4].dim() == 2
     for step in range(steps):
         sc = _scalars(rule, hyper, step, n, rows)
         rng = None if args[6] is None else args[6] + torch.tensor([0, step])
-        for impl, st in ((OPS.optim_, nat), (reference.optim_, ref)):
-            with num_threads(threads):
-                impl(st[0], args[1], st[1], st[2], sc, found_inf, rng, args[7], rule, hyper, flags)
-    return nat, ref
+        with num_threads(threads):
+            impl(st[0], args[1], st[1], st[2], sc, found_inf, rng, args[7], rule, hyper, flags)
+    return st
+
+
+def run_both(args, steps=2, threads=1, found_inf=None):
+    """``steps`` steps of the native kernel and of the reference on copies of ``args``; their written lists."""
+    return (run_one(OPS.optim_, args, steps, threads, found_inf),
+            run_one(reference.optim_, args, steps, threads, found_inf))  # fmt: skip
 
 
 def assert_same(got, want, what):
@@ -170,29 +175,32 @@ def _cases():
 
 
 @pytest.mark.parametrize("variant,master,fmt", _cases())
-def test_every_combination_matches_the_reference(isa, variant, master, fmt):
+def test_every_combination_matches_the_reference(monkeypatch, variant, master, fmt):
     """Each rule variant x master x state format, with every param and grad dtype the master takes in
     one call (a kernel per tensor), each of the four SR flag combinations, shared and per-tensor step
-    scalars, two steps (SGD's first step, then its buffer)."""
+    scalars, two steps (SGD's first step, then its buffer); on every instruction-set path."""
     for sr_name, sr in SR.items():
         seed = _seed(variant, master, fmt, sr_name)
         args = make_call(variant, master, fmt, sr, seed, rows=seed % 2 == 1)
-        nat, ref = run_both(args)
-        assert_same(nat, ref, f"{isa} {variant} {master} {fmt} {sr_name}")
+        ref = run_one(reference.optim_, args)
+        for isa in each_isa(monkeypatch):
+            assert_same(run_one(OPS.optim_, args), ref, f"{isa} {variant} {master} {fmt} {sr_name}")
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "q8"])
 @pytest.mark.parametrize("variant", ["adamw-amsgrad-maximize", "sgd-nesterov-wd", "lion"])
-def test_thread_count_does_not_change_bits(isa, variant, fmt):
-    """Multi-chunk tensors and many tiny ones, 1 and 2 threads: the same bits, the reference's."""
+def test_thread_count_does_not_change_bits(monkeypatch, variant, fmt):
+    """Multi-chunk tensors and many tiny ones, 1 and 2 threads: the same bits, the reference's (every path)."""
     gen = torch.Generator().manual_seed(7)
     sizes = [2 * CHUNK + 3, 1, 64, 2000] + torch.randint(0, 70, (300,), generator=gen).tolist()
     specs = [(n, BF16, (F32, F16, BF16)[k % 3]) for k, n in enumerate(sizes)]
     args = make_call(variant, "ulp8", fmt, R.SR_PARAM | R.SR_STATE, 11, specs=specs, rows=True)
-    one, ref = run_both(args, threads=1)
-    two, _ = run_both(args, threads=2)
-    assert_same(one, ref, f"{isa} 1 thread")
-    assert_same(two, one, f"{isa} 2 threads vs 1")
+    ref = run_one(reference.optim_, args)
+    for isa in each_isa(monkeypatch):
+        one = run_one(OPS.optim_, args, threads=1)
+        two = run_one(OPS.optim_, args, threads=2)
+        assert_same(one, ref, f"{isa} 1 thread")
+        assert_same(two, one, f"{isa} 2 threads vs 1")
 
 
 @pytest.mark.parametrize("found", [1.0, math.inf, -math.inf, math.nan, -0.0, 0.0])

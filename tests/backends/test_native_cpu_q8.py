@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_bits_equal, clone_lists, native_optim, num_threads, run_flushing_denormals
+from helpers import assert_bits_equal, clone_lists, each_isa, native_optim, num_threads, run_flushing_denormals
 
 from fastamp import reference
 from fastamp.ops import registry
@@ -89,16 +89,24 @@ def _state(n, shape, pdtype, master, gen):
 def _run_both(state, grads_per_step, sc_per_step, rng_counter0=0, found_inf=None, sr_param=False, sr_codes=False,
               rng_base=3, maximize=False, betas=BETAS, threads=1):  # fmt: skip
     """Run both implementations for every step on copies of ``state`` ([params, masters, cm, sm, cv, sv]); return both."""
-    nat, ref = clone_lists(state), clone_lists(state)
-    rng_n = torch.tensor([11, rng_counter0], dtype=torch.int64)
-    rng_r = rng_n.clone()
+    kw = dict(rng_counter0=rng_counter0, found_inf=found_inf, sr_param=sr_param, sr_codes=sr_codes,
+              rng_base=rng_base, maximize=maximize, betas=betas, threads=threads)  # fmt: skip
+    return _run(ADAMW_Q8, state, grads_per_step, sc_per_step, **kw), _run(
+        reference.adamw_q8_, state, grads_per_step, sc_per_step, **kw
+    )
+
+
+def _run(impl, state, grads_per_step, sc_per_step, rng_counter0=0, found_inf=None, sr_param=False, sr_codes=False,
+         rng_base=3, maximize=False, betas=BETAS, threads=1):  # fmt: skip
+    """One implementation (the native op or the reference) for every step on a copy of ``state``; what it wrote."""
+    st = clone_lists(state)
+    rng = torch.tensor([11, rng_counter0], dtype=torch.int64)
     for step, (grads, sc) in enumerate(zip(grads_per_step, sc_per_step)):
-        rng_n[1] = rng_r[1] = rng_counter0 + step
-        for impl, st, rng in ((ADAMW_Q8, nat, rng_n), (reference.adamw_q8_, ref, rng_r)):
-            with num_threads(threads):
-                impl(st[0], grads, st[1], st[2], st[3], st[4], st[5], sc, found_inf, rng, rng_base, betas[0],
-                     betas[1], EPS, maximize, sr_param, sr_codes)  # fmt: skip
-    return nat, ref
+        rng[1] = rng_counter0 + step
+        with num_threads(threads):
+            impl(st[0], grads, st[1], st[2], st[3], st[4], st[5], sc, found_inf, rng, rng_base, betas[0],
+                 betas[1], EPS, maximize, sr_param, sr_codes)  # fmt: skip
+    return st
 
 
 def _assert_same(nat, ref, what=""):
@@ -157,14 +165,16 @@ def test_matches_reference_over_steps(isa, n, master, pdtype, sr_codes):
 @pytest.mark.parametrize("gdtype", DTYPES, ids=lambda d: _SHORT[d])
 @pytest.mark.parametrize("sr_param,sr_codes", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_grad_dtypes_rounding_and_threads(isa, gdtype, sr_param, sr_codes, threads):
+def test_grad_dtypes_rounding_and_threads(monkeypatch, gdtype, sr_param, sr_codes, threads):
+    """On every instruction-set path, against one reference run."""
     gen = torch.Generator().manual_seed(5)
     tensors = [_state(n, (n,), torch.bfloat16, "none", gen) for n in (CHUNK * 2 + 40, 33, 100)]
     grads = [[_grad(t[0].numel(), gen, gdtype, True) for t in tensors] for _ in range(3)]
     scs = [_scalars(s + 1, rows=3) for s in range(3)]  # [n, 4] rows
-    nat, ref = _run_both(_lists(tensors), grads, scs, sr_param=sr_param, sr_codes=sr_codes, threads=threads,
-                         maximize=gdtype == torch.float16)  # fmt: skip
-    _assert_same(nat, ref, f"{isa} threads={threads}")
+    kw = dict(sr_param=sr_param, sr_codes=sr_codes, threads=threads, maximize=gdtype == torch.float16)
+    ref = _run(reference.adamw_q8_, _lists(tensors), grads, scs, **kw)
+    for isa in each_isa(monkeypatch):
+        _assert_same(_run(ADAMW_Q8, _lists(tensors), grads, scs, **kw), ref, f"{isa} threads={threads}")
 
 
 @pytest.mark.parametrize("pdtype", [torch.bfloat16, torch.float16], ids=lambda d: _SHORT[d])

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from helpers import assert_bits_equal, clone_lists, native_optim, num_threads, run_flushing_denormals
+from helpers import assert_bits_equal, clone_lists, each_isa, native_optim, num_threads, run_flushing_denormals
 
 from fastamp import reference
 from fastamp.ops import registry
@@ -72,10 +72,12 @@ def _lists(tensors):
     return out
 
 
-def _run_both(rule, state, grads_per_step, found_inf=None, sr_param=False, sr_codes=False, threads=1, rows=False):
-    """Both implementations over the steps on copies of ``state`` ([params, masters, codes, scales]); both results."""
+def _run(native, rule, state, grads_per_step, found_inf=None, sr_param=False, sr_codes=False, threads=1, rows=False):
+    """The native op (``native``) or the reference over the steps on a copy of ``state`` ([params, masters,
+    codes, scales]); what it wrote."""
     op, hyper, scalars = RULES[rule]
-    nat, ref = clone_lists(state), clone_lists(state)
+    impl = native_optim(op) if native else getattr(reference, op)
+    st = clone_lists(state)
     n = len(state[0])
     for step, grads in enumerate(grads_per_step):
         count = torch.arange(step, step + n, dtype=torch.float32) if rows else torch.tensor(float(step))
@@ -83,10 +85,14 @@ def _run_both(rule, state, grads_per_step, found_inf=None, sr_param=False, sr_co
         if rows and sc.dim() == 1:
             sc = sc.expand(n, 3).contiguous()
         rng = torch.tensor([11, step], dtype=torch.int64)
-        for impl, st in ((native_optim(op), nat), (getattr(reference, op), ref)):
-            with num_threads(threads):
-                impl(st[0], grads, *st[1:], sc, found_inf, rng.clone(), 3, *hyper, sr_param, sr_codes)
-    return nat, ref
+        with num_threads(threads):
+            impl(st[0], grads, *st[1:], sc, found_inf, rng.clone(), 3, *hyper, sr_param, sr_codes)
+    return st
+
+
+def _run_both(rule, state, grads_per_step, **kw):
+    """Both implementations over the steps on copies of ``state``; both results."""
+    return _run(True, rule, state, grads_per_step, **kw), _run(False, rule, state, grads_per_step, **kw)
 
 
 def _assert_same(nat, ref, what=""):
@@ -110,31 +116,34 @@ MASTERS = [
 @pytest.mark.parametrize("rule", list(RULES))
 @pytest.mark.parametrize("master,pdtype", MASTERS, ids=lambda x: _SHORT.get(x, x) if isinstance(x, torch.dtype) else x)
 @pytest.mark.parametrize("sr_codes", [False, True], ids=["rne", "sr"])
-def test_matches_reference_over_steps(isa, rule, master, pdtype, sr_codes):
+def test_matches_reference_over_steps(monkeypatch, rule, master, pdtype, sr_codes):
     """Every size in one call (partial blocks, several chunks); a bf16 param without a master is also
-    rounded stochastically when the codes are."""
+    rounded stochastically when the codes are. On every instruction-set path (one reference run)."""
     gen = torch.Generator().manual_seed(len(master) * 7 + len(rule))
     tensors = [_state(n, pdtype, master, gen) for n in SIZES]
     grads = [[_grad(n, gen, torch.float32) for n in SIZES] for _ in range(3)]
     sr_param = sr_codes and master == "none" and pdtype == torch.bfloat16
-    nat, ref = _run_both(rule, _lists(tensors), grads, sr_param=sr_param, sr_codes=sr_codes)
-    _assert_same(nat, ref, f"{isa} {rule}")
-    assert not torch.equal(nat[2][-1], _lists(tensors)[2][-1]), "the step wrote no code"
+    ref = _run(False, rule, _lists(tensors), grads, sr_param=sr_param, sr_codes=sr_codes)
+    for isa in each_isa(monkeypatch):
+        nat = _run(True, rule, _lists(tensors), grads, sr_param=sr_param, sr_codes=sr_codes)
+        _assert_same(nat, ref, f"{isa} {rule}")
+        assert not torch.equal(nat[2][-1], _lists(tensors)[2][-1]), "the step wrote no code"
 
 
 @pytest.mark.parametrize("rule", ["sgd", "lion"])
 @pytest.mark.parametrize("sr_param,sr_codes", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_grad_dtypes_rounding_rows_and_threads(isa, rule, sr_param, sr_codes, threads):
-    """fp32, fp16 and bf16 grads in one call, step scalars one row per tensor, 1 and 2 threads."""
+def test_grad_dtypes_rounding_rows_and_threads(monkeypatch, rule, sr_param, sr_codes, threads):
+    """fp32, fp16 and bf16 grads in one call, step scalars one row per tensor, 1 and 2 threads (every path)."""
     gen = torch.Generator().manual_seed(5)
     sizes = (CHUNK * 2 + 40, 33, 100)
     tensors = [_state(n, torch.bfloat16, "none", gen) for n in sizes]
     gdtypes = (torch.bfloat16, torch.float16, torch.float32)
     grads = [[_grad(n, gen, gd) for n, gd in zip(sizes, gdtypes)] for _ in range(3)]
-    nat, ref = _run_both(rule, _lists(tensors), grads, sr_param=sr_param, sr_codes=sr_codes, threads=threads,
-                         rows=True)  # fmt: skip
-    _assert_same(nat, ref, f"{isa} threads={threads}")
+    kw = dict(sr_param=sr_param, sr_codes=sr_codes, threads=threads, rows=True)
+    ref = _run(False, rule, _lists(tensors), grads, **kw)
+    for isa in each_isa(monkeypatch):
+        _assert_same(_run(True, rule, _lists(tensors), grads, **kw), ref, f"{isa} threads={threads}")
 
 
 @pytest.mark.parametrize("rule", ["sgd", "lion"])

@@ -40,17 +40,17 @@ reference's rules of where random bits are drawn).
 Budget (CI runs this on 2 CPU cores): the launchers produce 2,146 distinct specialisations per
 target, 2,096 of them the optimizer kernel's (counts, chunk counts, scalar addresses and the
 runtime flags never add one: ``test_no_specialisation_churn``), 0.5-4 s of compile each (the q8
-states' the most). By default the tier compiles a cover of 222 (197 of the optimizer kernel's,
-:func:`_optim_cover`; about 6 minutes of CPU) with the installed Triton, and a smaller one with
+states' the most). By default the tier compiles a cover of 149 (124 of the optimizer kernel's,
+:func:`_optim_cover`; about 3.5 minutes of CPU) with the installed Triton, and a smaller one with
 each second version of ``FASTAMP_AOT_TRITON`` (:func:`_light_cover`, ~20 compiles, ~30 s: what
 differs between versions is how a launch binds and compiles, which the heaviest specialisation of
 each rule and state format exercises):
 
-* for the optimizer kernel, every format combination with every param dtype it takes, at its
-  heaviest flags (the most streams: states, masters, random bits), aligned, for sm_90, and the
-  heaviest of each for sm_80 too; every grad dtype per rule for both targets; every flag
-  combination, aligned or not, of one dtype and format combination per rule, for sm_90; the
-  heaviest unaligned one per rule and state format;
+* for the optimizer kernel, every format combination at its heaviest flags (the most streams:
+  states, masters, random bits), aligned, for sm_90, and every master and state format with every
+  param dtype it takes; the heaviest of each rule and state format for sm_80; every grad dtype per
+  rule for both targets; every flag combination, aligned or not, of one dtype and format
+  combination per rule, for sm_90; the heaviest unaligned one per rule and state format;
 * for the others, every dtype with its heaviest flags for sm_80 and sm_90, and every flag
   combination, aligned or not, of one dtype for sm_90.
 
@@ -716,18 +716,22 @@ def _subset(specs: dict, full: bool, light: bool = False) -> list:
 def _optim_cover(specs: dict, keys: list) -> set:
     """The default cover of the generic optimizer kernel (``keys``: its specialisations).
 
-    * every format combination (rule x master format x state format, with or without states) with
-      every param dtype it takes, at its heaviest flags (the most streams: states, masters, random
-      bits), aligned, for sm_90, each with a grad dtype that rotates over the combinations; and the
-      heaviest of each combination for sm_80 too;
+    * every format combination (rule x master format x state format, with or without states) at its
+      heaviest flags (the most streams: states, masters, random bits), aligned, for sm_90, with a
+      param dtype that rotates over the combinations;
+    * every (master format, state format, param dtype) at its heaviest, aligned, for sm_90: each
+      format's decode and encode with every param dtype it meets;
+    * the heaviest of each (rule, state format), aligned, for sm_80;
     * every grad dtype per rule at its heaviest, for sm_80 and sm_90;
     * every flag combination, aligned or not, of one dtype and format combination per rule (the one
       with the most specialisations), for sm_90;
     * the heaviest unaligned one (the scalar fallback) per rule and state format, for sm_90.
 
     So every rule's maths, every format's decode and encode with every dtype it meets, every grad
-    load and every flag are compiled for both targets. The full set when the kernel changes
-    (``FASTAMP_AOT_FULL=1``): ptxas's allocator is not monotonic in the streams.
+    load and every flag are compiled, and every rule and state format for both targets (124 of the
+    2,096; the cover until 2026-12-07 held 197, every format combination with every param dtype for
+    sm_90 and each combination for sm_80 too, ~2.5 min more CPU per run). The full set when the
+    kernel changes (``FASTAMP_AOT_FULL=1``): ptxas's allocator is not monotonic in the streams.
     """
     flags = {k: specs[k]["flags"] for k in keys}
 
@@ -739,19 +743,21 @@ def _optim_cover(specs: dict, keys: list) -> set:
         return max(ks, key=weight)
 
     chosen = set()
-    aligned = [k for k in keys if flags[k]["ALIGNED"]]
-    by_format = defaultdict(lambda: defaultdict(list))
-    by_grad = defaultdict(list)
-    for k in aligned:
+    by_format, by_dtype, by_state, by_grad = (defaultdict(list) for _ in range(4))
+    for k in keys:
         f = flags[k]
-        by_format[(f["RULE"], f["MASTER"], f["STATE"], f["N_STATE"] > 0)][f["P_KIND"]].append(k)
+        if not f["ALIGNED"]:
+            continue
+        by_format[(f["RULE"], f["MASTER"], f["STATE"], f["N_STATE"] > 0)].append(k)
+        by_dtype[(f["MASTER"], f["STATE"], f["P_KIND"])].append(k)
+        by_state[(f["RULE"], f["STATE"])].append(k)
         by_grad[(f["RULE"], f["G_KIND"])].append(k)
-    for i, (_, per_param) in enumerate(sorted(by_format.items())):
-        chosen.add((heaviest([k for ks in per_param.values() for k in ks]), 80))
-        for j, (_, ks) in enumerate(sorted(per_param.items())):
-            grads = sorted({flags[k]["G_KIND"] for k in ks})
-            g = grads[(i + j) % len(grads)]
-            chosen.add((heaviest([k for k in ks if flags[k]["G_KIND"] == g]), 90))
+    for i, (_, ks) in enumerate(sorted(by_format.items())):
+        params = sorted({flags[k]["P_KIND"] for k in ks})
+        p = params[i % len(params)]
+        chosen.add((heaviest([k for k in ks if flags[k]["P_KIND"] == p]), 90))
+    chosen.update((heaviest(ks), 90) for ks in by_dtype.values())
+    chosen.update((heaviest(ks), 80) for ks in by_state.values())
     for ks in by_grad.values():
         chosen.update((heaviest(ks), a) for a in ARCHS)
     groups = defaultdict(list)
