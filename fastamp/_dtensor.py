@@ -17,3 +17,23 @@ def is_dtensor(t: Tensor) -> bool:
 def local_of(t: Tensor) -> Tensor:
     """The local shard of a DTensor (what the kernels read and update in place), else ``t``."""
     return t._local_tensor if is_dtensor(t) else t
+
+
+def on_shards(fn, *tensors: Tensor):
+    """``fn(*tensors)`` for plain tensors; for DTensors, ``fn`` on each rank's local shards, its tensor
+    results wrapped as DTensors sharded like the first argument (same global shape and placements).
+
+    For the elementwise conversions of master formats (``fastamp.reference.split_master`` and the
+    like), whose bit views DTensor does not shard: each result is shaped like the first argument.
+    """
+    if not is_dtensor(tensors[0]):
+        return fn(*tensors)
+    like = tensors[0]
+    out = fn(*(local_of(t) for t in tensors))
+
+    def wrap(t: Tensor) -> Tensor:
+        return type(like).from_local(
+            t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
+        )
+
+    return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)

@@ -5,7 +5,8 @@ single-process references, and saves the results; the tests here compare them. S
 DDP (overflow on rank 1 only, after the all-reduce and in the input), a no-group control,
 ZeRO-style sharding (fastamp AdamW; torch SGD with an active global clip), a rank without
 grads, dyadic grads for an exact norm, and FSDP2 (``fully_shard``) with torch AdamW and with
-fastamp's AdamW (fp32 params, and bf16 params with fp32 masters sharded like them).
+fastamp's AdamW (fp32 params; bf16 params with fp32 masters, int16 remainders, or ulp8
+corrections beside q8 moments, all sharded like them).
 """
 
 import math
@@ -216,11 +217,32 @@ def test_fsdp2_q8_moments_are_sharded_like_the_param_and_bit_identical_to_one_pr
         assert r["reload_equal"]
 
 
-def test_fsdp2_remainder_masters_are_refused_cleanly(results):
-    for rank in ("rank0", "rank1"):
-        res = results[rank]["fsdp2_remainder_refused"]
-        assert res["message"] is not None and "DTensor (FSDP2) with master_weights='remainder'" in res["message"]
-        assert res["state_empty"] and res["unchanged"]
+@pytest.mark.parametrize("name", ["fsdp2_fastamp_remainder", "fsdp2_fastamp_ulp8"])
+def test_fsdp2_remainder_and_ulp8_masters_are_sharded_and_bit_identical_to_one_process(results, name):
+    """bf16 params with int16 remainders (exact masters), and with ulp8 corrections beside q8 moments (rounded
+    to nearest; the params q8 cannot shard get remainders and fp32 moments, as one process asked for)."""
+    r0, r1, ref = results["rank0"][name], results["rank1"][name], results["reference"][name]
+    assert _skips(r0) == _skips(r1) == _skips(ref) == set(worker.INJECT_AFTER_REDUCE)
+    assert r0["scales"] == r1["scales"] == ref["scales"]
+    assert _bits_equal(r0["params"], r1["params"]) and _bits_equal(r0["params"], ref["params"])
+    want = (
+        ["master_remainder"] * 4
+        if name.endswith("remainder")
+        else ["master_remainder"] * 2 + ["master_ulp8"] + ["master_remainder"]
+    )
+    for r in (r0, ref):
+        assert [k for k, _ in r["master_states"]] == want
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(r0["master_states"], ref["master_states"]))
+    # the masters moved (a remainder or correction other than 0 somewhere), and are sharded like their param
+    assert any(bool(t.ne(0).any()) for _, t in r0["master_states"])
+    local = r0["param_local_shape"]
+    kind, dtype, shape = r0["state"]["master_remainder"]
+    assert (kind, dtype, shape) == ("DTensor", torch.int16, local)
+    if name.endswith("ulp8"):
+        assert r0["q8_state"]["master_ulp8"][:3] == ("DTensor", torch.int8, (4, 32))
+    assert r0["reload_equal"] and r1["reload_equal"]
+    # the optimizer's own writes to the shards are not taken for writes from outside (no re-sync warning)
+    assert not [w for w in r0["warnings"] + r1["warnings"] if "written outside the optimizer" in w]
 
 
 # ----------------------------------------------------------------------------- in-process

@@ -180,14 +180,8 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             and (not is_dtensor(p) or _formats.scale_shape(p) is not None)
         )
 
-    def _check_dtensor(self, gi: int, i: int, p: Tensor, group: dict[str, Any], kind: str) -> None:
-        """Refuse what DTensor params (FSDP2) do not support; warn once where q8 falls back to fp32 moments."""
-        if kind in ("remainder", "ulp8"):
-            raise NotImplementedError(
-                f"{self._NAME}: {where_of(gi, i, p)} is a DTensor (FSDP2) with "
-                f"master_weights={group['master_weights']!r}, which is not supported yet; use master_weights=True "
-                "(fp32 masters, sharded like the param) or stochastic_rounding=True"
-            )
+    def _warn_dtensor_q8(self, gi: int, i: int, p: Tensor, group: dict[str, Any]) -> None:
+        """Warn once where q8 falls back to fp32 moments for a DTensor param (FSDP2)."""
         if (
             group["state_format"] == "q8"
             and p.numel() >= group["lowbit_min_numel"]
@@ -419,7 +413,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
                     check_grad(self._NAME, p, g, where_of(gi, i, p))
                 kind = self._kind(group, p)
                 if is_dtensor(p):
-                    self._check_dtensor(gi, i, p, group, kind)
+                    self._warn_dtensor_q8(gi, i, p, group)
                 st = state.get(p)
                 if st and self._check_state(gi, i, p, st, group, kind, moment_keys):
                     untrusted.append((gi, i, p, st["step"]))

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from fastamp._dtensor import is_dtensor
+from fastamp._dtensor import is_dtensor, on_shards
 from fastamp.optim.engine import rng as _rng
 from fastamp.optim.engine.checks import _fmt_shape
 from fastamp.optim.formats.masters import fp32_copy_of, state_copy
@@ -445,9 +445,9 @@ class _StateDictExport:
                 if seen is not None and params[idx]._version != seen:
                     master = fp32_copy_of(p)  # what the next step would re-sync to
                 elif rem is not None:
-                    master = reference.join_master(p, rem)
+                    master = on_shards(reference.join_master, p, rem)
                 else:
-                    master = reference.ulp8_decode(p, corr)  # the master the next step would use
+                    master = on_shards(reference.ulp8_decode, p, corr)  # the master the next step would use
                 st["master_param"] = master
                 sd["state"][idx] = st
         if master_format == moment_format == "fp32":

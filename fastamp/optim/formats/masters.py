@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastamp._dtensor import on_shards
 from fastamp.optim.engine.checks import LOW_PRECISION_DTYPES
 
 _MASTER_KEYS = ("master_param", "master_remainder", "master_ulp8")
@@ -122,16 +123,16 @@ class _MasterWeights:
             if "master_param" in st:
                 master = st["master_param"]
             elif "master_remainder" in st and p.dtype == torch.bfloat16:
-                master = reference.join_master(p.detach(), st["master_remainder"])
+                master = on_shards(reference.join_master, p.detach(), st["master_remainder"])
             elif "master_ulp8" in st and p.dtype in (torch.bfloat16, torch.float16):
-                master = reference.ulp8_decode(p.detach(), st["master_ulp8"])
+                master = on_shards(reference.ulp8_decode, p.detach(), st["master_ulp8"])
             if kind == "fp32":
                 st["master_param"] = fp32_copy_of(p) if master is None else master.contiguous()
             elif kind == "remainder":
                 if master is None:
                     st["master_remainder"] = state_zeros(p, torch.int16)
                 else:
-                    hi, rem = reference.split_master(master.contiguous())
+                    hi, rem = on_shards(reference.split_master, master.contiguous())
                     p.copy_(hi)
                     if id(p) in self._param_versions:  # our own write: not a foreign one to re-sync after
                         self._param_versions[id(p)] = p._version
@@ -140,7 +141,7 @@ class _MasterWeights:
                 if master is None:
                     st["master_ulp8"] = state_zeros(p, torch.int8)
                 else:
-                    hi, corr = reference.ulp8_encode(master.contiguous(), p.dtype)
+                    hi, corr = on_shards(lambda m: reference.ulp8_encode(m, p.dtype), master.contiguous())
                     p.copy_(hi)
                     if id(p) in self._param_versions:  # our own write: not a foreign one to re-sync after
                         self._param_versions[id(p)] = p._version

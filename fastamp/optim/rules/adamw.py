@@ -238,8 +238,8 @@ class AdamW(FusedOptimizer):
     ``state_format="q8"``, ``exp_avg_q``, ``exp_avg_scale``, ``exp_avg_sq_q``, ``exp_avg_sq_scale``
     in place of the two moments (params of ``lowbit_min_numel`` elements or more).
     For a DTensor param (FSDP2 ``fully_shard``) the moments and the master are DTensors
-    sharded like the param and the kernels update each rank's local shard;
-    ``master_weights="remainder"`` / ``"ulp8"`` are not supported for DTensor params yet. q8
+    sharded like the param (remainders and ulp8 corrections too, converted per shard) and the
+    kernels update each rank's local shard. q8
     moments of a DTensor param: codes sharded like it and scales of shape ``(rows, row_numel /
     32)`` sharded like it, where its shards start on blocks of 32 (sharded on dim 0 with rows
     of a multiple of 32 elements, or replicated: the blocks, and with ``state_rounding=

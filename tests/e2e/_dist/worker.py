@@ -253,14 +253,24 @@ def run_no_grad_rank(rank: int):
 def _fsdp2_optimizer(params, opt_kind: str):
     if opt_kind == "torch":
         return torch.optim.AdamW(params, lr=1e-2)
-    if opt_kind.startswith("fastamp_q8"):
+    if opt_kind.startswith(("fastamp_q8", "fastamp_ulp8")):
         # q8 moments rounded to nearest. model[2].weight ([8, 32]: rows of 32, 4 per rank) keeps them
         # sharded; the shards of the others (rows of 16, 1-D) do not start on q8's blocks of 32: fp32
-        # moments, with a warning (asked for as such in the one-process reference, "fastamp_q8_ref")
+        # moments, with a warning (asked for as such in the one-process reference, "..._ref"). ulp8:
+        # model[2].weight gets an ulp8 master (its correction rounded to nearest), the others (no q8)
+        # a remainder, as ulp8 gives params without q8 moments
+        ulp8, ref = opt_kind.startswith("fastamp_ulp8"), opt_kind.endswith("ref")
         params = list(params)
         rest = [p for i, p in enumerate(params) if i != 2]
-        groups = [{"params": [params[2]]}, {"params": rest, "state_format": None if opt_kind.endswith("ref") else "q8"}]
-        return fastamp.optim.AdamW(groups, lr=1e-2, state_format="q8", lowbit_min_numel=0, state_rounding="nearest")
+        second = {"params": rest, "state_format": None if ref else "q8"}
+        if ulp8 and ref:
+            second["master_weights"] = "remainder"
+        return fastamp.optim.AdamW(
+            [{"params": [params[2]]}, second], lr=1e-2, state_format="q8", lowbit_min_numel=0,
+            state_rounding="nearest", master_weights="ulp8" if ulp8 else None,
+        )  # fmt: skip
+    if opt_kind == "fastamp_remainder":
+        return fastamp.optim.AdamW(params, lr=1e-2, master_weights="remainder")
     return fastamp.optim.AdamW(params, lr=1e-2)  # fp32 params: no master; bf16: fp32 masters
 
 
@@ -291,7 +301,7 @@ def run_fsdp2(rank: int, steps: int, inject: tuple, opt_kind: str = "torch", dty
             skipped.append(scaler.last_step_skipped)
     out = {"scales": scales, "skipped": skipped, "norms": torch.stack(norms), "params": params_of(model)}
     out["warnings"] = [str(w.message) for w in warned]
-    if opt_kind.startswith("fastamp_q8"):
+    if opt_kind.startswith(("fastamp_q8", "fastamp_ulp8")):
         # model[2].weight's q8 state: (type, dtype, local shape, global shape, placements) per key
         q = list(model.parameters())[2]
         out["q8_state"] = {
@@ -310,6 +320,7 @@ def run_fsdp2(rank: int, steps: int, inject: tuple, opt_kind: str = "torch", dty
         }
         out["param_local_shape"] = tuple(first._local_tensor.shape)
         out["masters"] = _masters(opt, model, lambda t: t.full_tensor())
+        out["master_states"] = _master_states(opt, model, _full_int)
         # the state dict round-trips into a new optimizer over the same sharded params
         again = _fsdp2_optimizer(model.parameters(), opt_kind)
         again.load_state_dict(opt.state_dict())
@@ -325,26 +336,28 @@ def _placements(t) -> tuple[str, ...]:
     return tuple(f"{type(pl).__name__}({getattr(pl, 'dim', '')})" for pl in t.placements)
 
 
-def run_fsdp2_remainder_refused(rank: int):
-    """master_weights='remainder' is not supported for DTensor params: a clear error, nothing changed."""
-    from torch.distributed.fsdp import fully_shard
-
-    model = make_model().to(torch.bfloat16)
-    fully_shard(model)
-    opt = fastamp.optim.AdamW(model.parameters(), lr=1e-2, master_weights="remainder")
-    x, y = batch(0, rank)
-    loss_fn(model, x, y).backward()
-    before = params_of(model)
-    try:
-        opt.step()
-    except NotImplementedError as e:
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, params_of(model)))
-        return {"message": str(e), "state_empty": len(opt.state) == 0, "unchanged": unchanged}
-    return {"message": None}
-
-
 def _masters(opt, model, full) -> list[torch.Tensor]:
     return [full(opt.state[p]["master_param"]).clone() for p in model.parameters() if "master_param" in opt.state[p]]
+
+
+def _full_int(t):
+    """``t.full_tensor()``, gathered as int32 for int16 / int8 (gloo, like NCCL, has no int16 collectives)."""
+    if t.dtype not in (torch.int16, torch.int8):
+        return t.full_tensor()
+    wide = type(t).from_local(
+        t._local_tensor.to(torch.int32), t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
+    )
+    return wide.full_tensor().to(t.dtype)
+
+
+def _master_states(opt, model, full) -> list[tuple[str, torch.Tensor]]:
+    """Each param's master state (fp32 master, int16 remainder or int8 ulp8 correction), whole."""
+    out = []
+    for p in model.parameters():
+        for k in ("master_param", "master_remainder", "master_ulp8"):
+            if k in opt.state[p]:
+                out.append((k, full(opt.state[p][k]).clone()))
+    return out
 
 
 def run_fsdp2_reference(steps: int, inject: tuple, opt_kind: str = "torch", dtype=torch.float32):
@@ -369,6 +382,7 @@ def run_fsdp2_reference(steps: int, inject: tuple, opt_kind: str = "torch", dtyp
     out = {"scales": scales, "skipped": skipped, "norms": torch.stack(norms), "params": params_of(model)}
     if opt_kind.startswith("fastamp"):
         out["masters"] = _masters(opt, model, lambda t: t)
+        out["master_states"] = _master_states(opt, model, lambda t: t)
     return out
 
 
@@ -384,7 +398,8 @@ SCENARIOS = {
     "fsdp2": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE),
     "fsdp2_fastamp": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE, "fastamp"),
     "fsdp2_fastamp_bf16": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE, "fastamp", torch.bfloat16),
-    "fsdp2_remainder_refused": run_fsdp2_remainder_refused,
+    "fsdp2_fastamp_remainder": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE, "fastamp_remainder", torch.bfloat16),
+    "fsdp2_fastamp_ulp8": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE, "fastamp_ulp8", torch.bfloat16),
     "fsdp2_fastamp_q8": lambda r: run_fsdp2(r, STEPS, INJECT_AFTER_REDUCE, "fastamp_q8", torch.bfloat16),
 }
 
@@ -396,6 +411,10 @@ REFERENCES = {
     "fsdp2_fastamp": lambda: run_fsdp2_reference(STEPS, INJECT_AFTER_REDUCE, "fastamp"),
     "fsdp2_fastamp_bf16": lambda: run_fsdp2_reference(STEPS, INJECT_AFTER_REDUCE, "fastamp", torch.bfloat16),
     "fsdp2_fastamp_q8": lambda: run_fsdp2_reference(STEPS, INJECT_AFTER_REDUCE, "fastamp_q8_ref", torch.bfloat16),
+    "fsdp2_fastamp_remainder": lambda: run_fsdp2_reference(
+        STEPS, INJECT_AFTER_REDUCE, "fastamp_remainder", torch.bfloat16
+    ),
+    "fsdp2_fastamp_ulp8": lambda: run_fsdp2_reference(STEPS, INJECT_AFTER_REDUCE, "fastamp_ulp8_ref", torch.bfloat16),
 }
 
 

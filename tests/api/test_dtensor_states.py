@@ -1,11 +1,16 @@
-"""``state_format="q8"`` on DTensor params (FSDP2), on a one-rank mesh in this process (issue 22).
+"""The memory formats on DTensor params (FSDP2), on a one-rank mesh in this process (issue 22).
 
+``state_format="q8"``:
 Each rank's kernel quantises its local shard in blocks of 32 from the shard's first element;
 q8 keeps the moments of a DTensor param whose shards start on the param's blocks (replicated,
 or sharded on dim 0 with rows of a multiple of 32 elements) and gives the others fp32 moments
 with a warning (``fastamp.optim.formats.moments.scale_shape``). On one rank the shard is the
 whole param, so the run must equal the same optimizer over plain params bit for bit, random
 bits included; ``tests/e2e/test_distributed.py`` runs two ranks against one process.
+
+``master_weights="remainder"`` and ``"ulp8"``: the int16 remainders and int8 corrections are DTensors
+sharded like the param; their conversions (to and from fp32 masters: a changed ``master_weights``, the
+fp32 state dict) run per shard (``fastamp._dtensor.on_shards``), as their bit views do not shard.
 """
 
 import pytest
@@ -58,9 +63,12 @@ def _groups(params, q8_everywhere):
     return [{"params": on}, {"params": off, "state_format": "q8" if q8_everywhere else None}]
 
 
-def _make(cls, params, q8_everywhere, **kw):
+def _make(cls, params, q8_everywhere, second=None, **kw):
+    """``second``: settings of the second group (the params q8 cannot shard) of this run only."""
     kw = {"lr": 1e-2, "state_format": "q8", "lowbit_min_numel": 0, "seed": 5, **kw}
-    return cls(_groups(params, q8_everywhere), **kw)
+    groups = _groups(params, q8_everywhere)
+    groups[1].update(second or {})
+    return cls(groups, **kw)
 
 
 def _step(opts_params, step, mesh):
@@ -169,7 +177,7 @@ def test_state_dicts_native_and_fp32_round_trip_and_format_switch_on_dtensor(mes
     assert all(type(r2.state[q]["exp_avg"]) is DTensor and "exp_avg_q" not in r2.state[q] for q in sharded)
 
 
-def test_plain_q8_state_into_dtensor_params_and_ulp8_are_refused_before_anything_changes(mesh):
+def test_plain_q8_state_into_dtensor_params_and_q8_codes_q8_cannot_shard_are_refused(mesh):
     plain, sharded = _pair(mesh)
     o1 = _make(AdamW, plain, False, master_weights=True)
     _step([(o1, plain, False)], 0, mesh)
@@ -196,12 +204,42 @@ def test_plain_q8_state_into_dtensor_params_and_ulp8_are_refused_before_anything
         o3.step()
     assert torch.equal(q.detach().full_tensor(), before)
 
-    # ulp8 (and remainder) masters are not supported for DTensor params: refused, nothing made
-    for q in sharded:
-        q.grad = distribute_tensor(torch.ones(q.shape, dtype=q.dtype), mesh, [q.placements[0]])
-    o4 = _make(AdamW, sharded, True, master_weights="ulp8")
-    before = [q.detach().full_tensor().clone() for q in sharded]
-    with pytest.raises(NotImplementedError, match=r"DTensor \(FSDP2\) with master_weights='ulp8'"):
-        o4.step()
-    assert len(o4.state) == 0
-    assert all(torch.equal(q.detach().full_tensor(), b) for q, b in zip(sharded, before))
+
+@pytest.mark.parametrize("master", ["remainder", "ulp8"])
+def test_remainder_and_ulp8_masters_on_dtensor_equal_plain_params_through_exports_and_switches(mesh, master):
+    plain, sharded = _pair(mesh)
+    kw = {"master_weights": master}
+    # with ulp8, the params q8 cannot shard get remainders and fp32 moments: the plain run asks for those
+    second = {"master_weights": "remainder"} if master == "ulp8" else None
+    o1 = _make(AdamW, plain, False, second, **kw)
+    o2 = _make(AdamW, sharded, True, **kw)
+    with pytest.warns(UserWarning, match="keeps fp32 moments"):
+        for step in range(3):
+            _step([(o1, plain, False), (o2, sharded, True)], step, mesh)
+    _assert_states_equal(o1, plain, o2, sharded)
+    key = "master_ulp8" if master == "ulp8" else "master_remainder"
+    st = o2.state[sharded[0]]
+    assert type(st[key]) is DTensor and st[key].placements == sharded[0].placements
+    assert any(bool(_full(o2.state[q].get(key, torch.zeros(1))).ne(0).any()) for q in sharded)
+
+    # fp32 export: the exact master (join / decode per shard), a DTensor like the param
+    e1, e2 = o1.state_dict(format="fp32"), o2.state_dict(format="fp32")
+    for i, _ in enumerate(p for g in o2.param_groups for p in g["params"]):
+        m1, m2 = e1["state"][i]["master_param"], e2["state"][i]["master_param"]
+        assert type(m2) is DTensor and m2.dtype == torch.float32 and torch.equal(m2.full_tensor(), m1)
+
+    # ... loaded back into the same mode: split / encoded per shard again, and the runs go on equal
+    r1, r2 = _make(AdamW, plain, False, second, **kw), _make(AdamW, sharded, True, **kw)
+    r1.load_state_dict(e1)
+    r2.load_state_dict(e2)
+    with pytest.warns(UserWarning):
+        _step([(r1, plain, False), (r2, sharded, True)], 3, mesh)
+    _assert_states_equal(r1, plain, r2, sharded)
+
+    # the group switched to fp32 masters: the masters are joined / decoded per shard
+    for o in (r1, r2):
+        for g in o.param_groups:
+            g["master_weights"] = True
+    _step([(r1, plain, False), (r2, sharded, True)], 4, mesh)
+    _assert_states_equal(r1, plain, r2, sharded)
+    assert all(type(r2.state[q]["master_param"]) is DTensor and key not in r2.state[q] for q in sharded)
