@@ -16,124 +16,43 @@ test_cuda_ptxas.py. Run on a GPU machine after building with CUDA (benchmarks/gp
 """
 
 import math
-import re
-from pathlib import Path
 
+import cuda_optim_calls as calls
 import pytest
 import torch
+from cuda_optim_calls import CHUNK, HYPER, MASTERS, RULE_FLAGS, compiled_combos
 from helpers import assert_bits_equal, misaligned
 
 from fastamp import functional
 from fastamp import reference as R
 from fastamp.ops import registry
-from fastamp.reference import q8
 from fastamp.reference.optim import AMSGRAD, MAXIMIZE, NESTEROV, RULES, SR_PARAM, SR_STATE, to_optim
 
 pytestmark = pytest.mark.gpu(reason="needs a CUDA device (CUDA kernels are compile-checked in test_cuda_compile.py)")
 
 DEV = "cuda"
-CHUNK = 65536  # csrc/cuda/launch_plan.h kChunkSize
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # around the vector width (4), the q8 block (32), a pass of a block (1024) and the chunk; one empty
 SIZES = [1, 5, 31, 33, 0, 1023, 4100, CHUNK + 37]
-HYPER = {"adamw": (0.9, 0.999, 1e-8), "sgd": (0.9, 0.1, 1e-2), "lion": (0.9, 0.99)}
-RULE_FLAGS = {"adamw": AMSGRAD, "sgd": NESTEROV, "lion": 0}
 FORMATS = ("fp32", "bf16", "q8")
-_NAMES = {"kAdamW": "adamw", "kSgd": "sgd", "kLion": "lion", "kFloat32": "fp32", "kBFloat16": "bf16", "kQ8": "q8"}
-
-
-def compiled_combos() -> list[tuple[str, str]]:
-    """The (rule, state format) pairs the kernel is built for: csrc/cuda/optim_combos.h's rows."""
-    text = (Path(__file__).resolve().parents[2] / "csrc" / "cuda" / "optim_combos.h").read_text()
-    body = text.split("#define FASTAMP_CUDA_OPTIM_COMBOS(X)", 1)[1].split("\n\n", 1)[0]
-    return [(_NAMES[r], _NAMES[f]) for r, f in re.findall(r"X\((k\w+), (k\w+)\)", body)]
-
-
 COMBOS = compiled_combos()
-MASTERS = ("none", "fp32", "remainder", "ulp8")
-# the param dtypes each master format takes (a call mixes them, and every grad dtype)
-PARAM_DTYPES = {
-    "none": DTYPES,
-    "fp32": DTYPES,
-    "remainder": (torch.bfloat16,),
-    "ulp8": (torch.bfloat16, torch.float16),
-}
 
 
 def native_optim(*args):
     torch.ops.fastamp.optim_(*registry.coerce("optim_", args))
 
 
-def _param(n, dtype, master, gen):
-    """(param, [master]) on the device, with the master formats' edge values planted."""
-    p32 = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-6, 6, (n,), generator=gen).float()
-    if n >= 24:
-        p32[:12] = torch.tensor([0.0, -0.0, 2.0**-14, -(2.0**-14) * 0.9999, 2.0**-17, 3e-8, -1e-9, 65504.0,
-                                 -65519.0, 1e-40, 1.0 + 2.0**-8, 1.5])  # fmt: skip
-    if master == "remainder":
-        p, m = R.split_master(p32)
-        return p.to(DEV), [m.to(DEV)]
-    if master == "ulp8":
-        p, c = R.ulp8_encode(p32, dtype, R.sr_random16(3, torch.tensor(9), 0, n, "cpu"))
-        return p.to(DEV), [c.to(DEV)]
-    if master == "fp32":
-        return p32.to(dtype).to(DEV), [p32.to(DEV)]
-    return p32.to(dtype).to(DEV), []
-
-
-def _state(n, fmt, root, gen):
-    """One state of one param in ``fmt``: a tensor list (q8: codes, scales)."""
-    if fmt == "q8":
-        nb = q8.num_blocks(n)
-        codes = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
-        lo = q8.W_SCALE_MIN if root else q8.M_SCALE_MIN
-        scales = torch.randint(lo, lo + 60, (nb,), generator=gen, dtype=torch.uint8)
-        return [codes.to(DEV), scales.to(DEV)]
-    x = torch.rand(n, generator=gen) * 0.01 if root else torch.randn(n, generator=gen) * 0.1
-    return [x.to(torch.bfloat16 if fmt == "bf16" else torch.float32).to(DEV)]
-
-
-def _grad(n, dtype, gen):
-    g = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 2)
-    if n >= 40:
-        g[0:32] = 0.0  # a zero q8 block
-        g[32:36] = torch.tensor([-0.0, 1e-40, -3e-39, 6e4])
-    return g.to(dtype).to(DEV)
-
-
 def make_call(rule, fmt, master, flags, hyper=None, sizes=SIZES, seed=0, misalign=False):
-    """(params, masters, states, grads) of a call mixing every (param, grad) dtype pair ``master`` allows."""
-    gen = torch.Generator().manual_seed(seed)
-    hyper = HYPER[rule] if hyper is None else hyper
-    defs = RULES[rule].states(hyper, flags)
-    pdts = PARAM_DTYPES[master]
-    params, masters, grads = [], [], []
-    per_param = []
-    for i, n in enumerate(sizes):
-        p, m = _param(n, pdts[i % len(pdts)], master, gen)
-        g = _grad(n, DTYPES[(i // len(pdts)) % 3], gen)
-        if misalign and i % 3 == 1 and n > 1:
-            p, g = misaligned(p), misaligned(g)
-        params.append(p)
-        masters += m
-        grads.append(g)
-        per_param.append([_state(n, fmt, d.q8_code == "v", gen) for d in defs])
-    per = 2 if fmt == "q8" else 1
-    states = [per_param[i][j][k] for j in range(len(defs)) for k in range(per) for i in range(len(sizes))]
-    return params, masters, states, grads
+    """(params, masters, states, grads) on the GPU of a call mixing every (param, grad) dtype pair ``master`` allows."""
+
+    def shift(i, p, g):
+        return (misaligned(p), misaligned(g)) if misalign and i % 3 == 1 and p.numel() > 1 else (p, g)
+
+    return calls.make_call(rule, fmt, master, flags, hyper, sizes, seed, device=DEV, shift=shift)
 
 
 def step_scalars(rule, step, rows=None):
-    """The rule's step scalars for step ``step`` (1-based), shared ([k]) or one row per tensor ([rows, k])."""
-    counts = torch.tensor(float(step)) if rows is None else torch.arange(step, step + rows, dtype=torch.float32)
-    counts = counts.to(DEV)
-    gm = torch.tensor(2.0**-10 * 0.7, device=DEV)
-    if rule == "adamw":
-        return R.adamw_step_scalars(1e-2, counts, 0.9, 0.999, 0.1, gm)
-    if rule == "sgd":
-        return R.sgd_step_scalars(0.05, counts - 1, gm)
-    sc = R.lion_step_scalars(torch.tensor(0.01, device=DEV), 0.1, gm)
-    return sc if rows is None else sc.expand(rows, 3).contiguous()
+    """The rule's step scalars for step ``step`` (1-based) on the GPU, shared ([k]) or one row per tensor ([rows, k])."""
+    return calls.step_scalars(rule, step, rows, device=DEV)
 
 
 def run_both(call, rule, flags, steps=2, rows=False, found=None, rng_base=3, hyper=None):

@@ -24,34 +24,24 @@ import struct
 import subprocess
 from pathlib import Path
 
+import cuda_optim_calls as calls
 import pytest
 import torch
+from cuda_optim_calls import CHUNK, HYPER, RULE_FLAGS, compiled_combos, step_scalars
 from helpers import assert_bits_equal
-from test_cuda_compile import optim_combos
 
 from fastamp import reference as R
-from fastamp.reference import q8
-from fastamp.reference.optim import AMSGRAD, MAXIMIZE, NESTEROV, RULES, SR_PARAM, SR_STATE
+from fastamp.reference.optim import AMSGRAD, MAXIMIZE, NESTEROV, SR_PARAM, SR_STATE
 
 # compiles every instance of the kernel for the host (~2 min), once: on one xdist worker (--dist loadgroup)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cuda_emulated")]
 
 ROOT = Path(__file__).resolve().parents[2]
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-CHUNK = 65536
 RULE_IDS = {"adamw": 0, "sgd": 1, "lion": 2}
 FORMAT_IDS = {"fp32": 0, "bf16": 1, "q8": 2}
 MASTER_IDS = {"none": 0, "fp32": 1, "remainder": 2, "ulp8": 3}
 DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-HYPER = {"adamw": (0.9, 0.999, 1e-8), "sgd": (0.9, 0.1, 1e-2), "lion": (0.9, 0.99)}
-RULE_FLAGS = {"adamw": AMSGRAD, "sgd": NESTEROV, "lion": 0}
-PARAM_DTYPES = {
-    "none": DTYPES,
-    "fp32": DTYPES,
-    "remainder": (torch.bfloat16,),
-    "ulp8": (torch.bfloat16, torch.float16),
-}
 
 SHIM = r"""
 // Host emulation of the CUDA runtime names the kernels use (tests/tools/test_cuda_emulated.py).
@@ -370,66 +360,9 @@ def run_emulated(driver, tmp_path, params, grads, masters, states, step_scalars,
 # ---- the calls: every (param, grad) dtype pair a master format takes, edge values planted ----
 
 
-def _param(n, dtype, master, gen):
-    p32 = torch.randn(n, generator=gen) * 2.0 ** torch.randint(-6, 6, (n,), generator=gen).float()
-    if n >= 24:
-        p32[:12] = torch.tensor([0.0, -0.0, 2.0**-14, -(2.0**-14) * 0.9999, 2.0**-17, 3e-8, -1e-9, 65504.0,
-                                 -65519.0, 1e-40, 1.0 + 2.0**-8, 1.5])  # fmt: skip
-    if master == "remainder":
-        p, m = R.split_master(p32)
-        return p, [m]
-    if master == "ulp8":
-        p, c = R.ulp8_encode(p32, dtype, R.sr_random16(3, torch.tensor(9), 0, n, "cpu"))
-        return p, [c]
-    if master == "fp32":
-        return p32.to(dtype), [p32.clone()]
-    return p32.to(dtype), []
-
-
-def _state(n, fmt, root, gen):
-    if fmt == "q8":
-        lo = q8.W_SCALE_MIN if root else q8.M_SCALE_MIN
-        scales = torch.randint(lo, lo + 60, (q8.num_blocks(n),), generator=gen, dtype=torch.uint8)
-        if scales.numel() > 3:
-            scales[3] = q8.NONFINITE_SCALE  # a non-finite block
-        return [torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8), scales]
-    x = torch.rand(n, generator=gen) * 0.01 if root else torch.randn(n, generator=gen) * 0.1
-    return [x.to(torch.bfloat16 if fmt == "bf16" else torch.float32)]
-
-
-def _grad(n, dtype, gen):
-    g = torch.randn(n, generator=gen) * torch.exp(torch.randn(n, generator=gen) * 2)
-    if n >= 40:
-        g[0:32] = 0.0
-        g[32:37] = torch.tensor([-0.0, 1e-40, -3e-39, 6e4, float("inf") if n > 5000 else 1.0])
-    return g.to(dtype)
-
-
 def make_call(rule, fmt, master, flags, hyper, sizes, seed):
-    gen = torch.Generator().manual_seed(seed)
-    defs = RULES[rule].states(hyper, flags)
-    pdts = PARAM_DTYPES[master]
-    params, masters, grads, per_param = [], [], [], []
-    for i, n in enumerate(sizes):
-        p, m = _param(n, pdts[i % len(pdts)], master, gen)
-        params.append(p)
-        masters += m
-        grads.append(_grad(n, DTYPES[(i // len(pdts)) % 3], gen))
-        per_param.append([_state(n, fmt, d.q8_code == "v", gen) for d in defs])
-    per = 2 if fmt == "q8" else 1
-    states = [per_param[i][j][k] for j in range(len(defs)) for k in range(per) for i in range(len(sizes))]
-    return params, masters, states, grads
-
-
-def step_scalars(rule, step, rows=None):
-    counts = torch.tensor(float(step)) if rows is None else torch.arange(step, step + rows, dtype=torch.float32)
-    gm = torch.tensor(2.0**-10 * 0.7)
-    if rule == "adamw":
-        return R.adamw_step_scalars(1e-2, counts, 0.9, 0.999, 0.1, gm)
-    if rule == "sgd":
-        return R.sgd_step_scalars(0.05, counts - 1, gm)
-    sc = R.lion_step_scalars(torch.tensor(0.01), 0.1, gm)
-    return sc if rows is None else sc.expand(rows, 3).contiguous()
+    """The GPU tests' call (tests/cuda_optim_calls.py) on the host, with a non-finite q8 block and an inf grad too."""
+    return calls.make_call(rule, fmt, master, flags, hyper, sizes, seed, nonfinite=True)
 
 
 SIZES = [1, 5, 33, 0, 1023, 4100, CHUNK + 37]
@@ -454,8 +387,7 @@ def check_steps(driver, tmp_path, rule, fmt, master, flags, hyper=None, steps=2,
                 assert_bits_equal(x, y, f"{rule} {fmt} {master} flags {flags} step {step}: {name}[{i}] (n={x.numel()})")
 
 
-_NAMES = {"kAdamW": "adamw", "kSgd": "sgd", "kLion": "lion", "kFloat32": "fp32", "kBFloat16": "bf16", "kQ8": "q8"}
-COMBOS = [(_NAMES[r], _NAMES[f]) for r, f in optim_combos()]
+COMBOS = compiled_combos()
 
 
 @pytest.mark.parametrize("master", ["none", "fp32", "remainder", "ulp8"])

@@ -647,16 +647,27 @@ def _summarise(analysis, ptxas):
     }
 
 
+def _heaviness(spec: dict) -> int:
+    """How much a specialisation holds, to pick the heaviest of a set: for the optimizer kernel its
+    streams (states, a master, random bits of the param and of the states) and whether its loads are
+    vectorised; for the others the flags that switch a stream or an operation on."""
+    f = spec["flags"]
+    if spec["kernel"] == "_optim_kernel":
+        return f["N_STATE"] + (f["MASTER"] != 0) + f["SR_P"] + f["SR_S"] + f["ALIGNED"]
+    return sum(bool(v) for k, v in f.items() if not k.endswith("KIND") and k not in DERIVED)
+
+
+def _heaviest(specs: dict, keys) -> str:
+    """The heaviest of ``keys`` (:func:`_heaviness`; ties: the largest key, so the choice is stable)."""
+    return max(keys, key=lambda k: (_heaviness(specs[k]), k))
+
+
 def _light_cover(specs: dict, by_kernel: dict) -> list:
     """The cover of a second Triton version (``FASTAMP_AOT_TRITON``): what differs between versions
     is how a launch binds and compiles, not the maths, so the heaviest specialisation of each
     (rule, state format) of the optimizer kernel and of each dtype of the others for sm_90, the
     heaviest per rule / kernel for sm_80, and the heaviest unaligned one per rule (~20 compiles,
-    against ~220 for the installed Triton's cover)."""
-
-    def weight(key):
-        f = specs[key]["flags"]
-        return (sum(int(v) for k, v in f.items() if not k.endswith("KIND") and isinstance(v, (bool, int))), key)
+    against ~150 for the installed Triton's cover)."""
 
     chosen = set()
     for kernel, keys in by_kernel.items():
@@ -670,15 +681,15 @@ def _light_cover(specs: dict, by_kernel: dict) -> list:
                 else tuple(sorted((k, v) for k, v in f.items() if k.endswith("KIND")))
             )
             (groups if f.get("ALIGNED", True) else unaligned)[group].append(key)
-        chosen.update((max(ks, key=weight), 90) for ks in groups.values())
+        chosen.update((_heaviest(specs, ks), 90) for ks in groups.values())
         per_rule = defaultdict(list)
         for group, ks in groups.items():
             per_rule[group[0] if kernel == "_optim_kernel" else None].extend(ks)
-        chosen.update((max(ks, key=weight), 80) for ks in per_rule.values())
+        chosen.update((_heaviest(specs, ks), 80) for ks in per_rule.values())
         by_rule = defaultdict(list)
         for group, ks in unaligned.items():
             by_rule[group[0] if kernel == "_optim_kernel" else None].extend(ks)
-        chosen.update((max(ks, key=weight), 90) for ks in by_rule.values())
+        chosen.update((_heaviest(specs, ks), 90) for ks in by_rule.values())
     return sorted(chosen)
 
 
@@ -702,12 +713,8 @@ def _subset(specs: dict, full: bool, light: bool = False) -> list:
             flags = specs[key]["flags"]
             groups[tuple(sorted((k, v) for k, v in flags.items() if k.endswith("KIND")))].append(key)
 
-        def weight(key):
-            flags = specs[key]["flags"]
-            return (sum(bool(v) for k, v in flags.items() if not k.endswith("KIND") and k not in DERIVED), key)
-
         for members in groups.values():
-            chosen.update((max(members, key=weight), a) for a in ARCHS)
+            chosen.update((_heaviest(specs, members), a) for a in ARCHS)
         rep = max(groups, key=lambda d: (len(groups[d]), str(d)))
         chosen.update((key, 90) for key in groups[rep])
     return sorted(chosen)
@@ -735,12 +742,8 @@ def _optim_cover(specs: dict, keys: list) -> set:
     """
     flags = {k: specs[k]["flags"] for k in keys}
 
-    def weight(key):
-        f = flags[key]
-        return (f["N_STATE"] + (f["MASTER"] != 0) + f["SR_P"] + f["SR_S"] + f["ALIGNED"], key)
-
     def heaviest(ks):
-        return max(ks, key=weight)
+        return _heaviest(specs, ks)
 
     chosen = set()
     by_format, by_dtype, by_state, by_grad = (defaultdict(list) for _ in range(4))
