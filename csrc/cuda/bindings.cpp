@@ -380,9 +380,12 @@ void optim_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
   if (info->id == OptimRule::kAdamW) num_states = (flags & optim_flags::kAmsgrad) != 0 ? 3 : 2;
   if (info->id == OptimRule::kSgd) num_states = hyper[0] != 0.0 ? 1 : 0;
   TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
-  // int16 masters are the remainders of bf16 params: messages call them so
-  const char* masters_name =
-      !masters.empty() && masters[0].defined() && masters[0].scalar_type() == at::kShort ? "remainders" : "masters";
+  // int16 masters are the remainders of bf16 params: AdamW's messages call them so (adamw_bf16_'s list name),
+  // SGD's and Lion's "masters" (their per-rule ops' name), as the CPU kernel's messages do
+  const char* masters_name = info->id == OptimRule::kAdamW && !masters.empty() && masters[0].defined() &&
+                                     masters[0].scalar_type() == at::kShort
+                                 ? "remainders"
+                                 : "masters";
   TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " ", masters_name,
               ", got ", masters.size());
   TORCH_CHECK(params[0].defined() && params[0].is_cuda(), "fastamp::", op,
