@@ -6,6 +6,7 @@ without importing ``torch.distributed``.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -19,6 +20,20 @@ def local_of(t: Tensor) -> Tensor:
     return t._local_tensor if is_dtensor(t) else t
 
 
+def sharded_like(like: Tensor, local: Tensor, shape: tuple[int, ...] | None = None) -> Tensor:
+    """A DTensor on ``like``'s mesh and placements whose shard here is ``local``: of global ``shape``
+    (contiguous), or of ``like``'s shape and strides. No communication (``run_check=False``)."""
+    if shape is None:
+        size, stride = like.shape, like.stride()
+    else:
+        size, acc, rev = torch.Size(shape), 1, []
+        for n in reversed(shape):
+            rev.append(acc)
+            acc *= max(n, 1)
+        stride = tuple(reversed(rev))
+    return type(like).from_local(local, like.device_mesh, like.placements, run_check=False, shape=size, stride=stride)
+
+
 def on_shards(fn, *tensors: Tensor):
     """``fn(*tensors)`` for plain tensors; for DTensors, ``fn`` on each rank's local shards, its tensor
     results wrapped as DTensors sharded like the first argument (same global shape and placements).
@@ -30,10 +45,4 @@ def on_shards(fn, *tensors: Tensor):
         return fn(*tensors)
     like = tensors[0]
     out = fn(*(local_of(t) for t in tensors))
-
-    def wrap(t: Tensor) -> Tensor:
-        return type(like).from_local(
-            t, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride()
-        )
-
-    return tuple(map(wrap, out)) if isinstance(out, tuple) else wrap(out)
+    return tuple(sharded_like(like, t) for t in out) if isinstance(out, tuple) else sharded_like(like, out)

@@ -10,6 +10,7 @@ and :mod:`._steps`.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from typing import Any, Callable
 
@@ -188,8 +189,6 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
             and not self._q8(group, p)
             and not getattr(self, "_warned_dtensor_q8", False)
         ):
-            import warnings
-
             self._warned_dtensor_q8 = True
             warnings.warn(
                 f"{self._NAME}: {where_of(gi, i, p)} is a DTensor with placements {tuple(p.placements)} and shape "

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastamp._dtensor import is_dtensor, local_of
+from fastamp._dtensor import is_dtensor, local_of, sharded_like
 from fastamp.optim.engine.checks import where_of
 
 CODES = "_q"
@@ -62,19 +62,6 @@ def scale_shape(p: Tensor) -> tuple[int, ...] | None:
         return None
     row = p.numel() // p.shape[0]
     return (p.shape[0], row // BLOCK) if row % BLOCK == 0 else None
-
-
-def _sharded_like(p: Tensor, local: Tensor, shape: tuple[int, ...]) -> Tensor:
-    """A DTensor on ``p``'s mesh and placements with global ``shape`` whose shard here is ``local``."""
-    from torch.distributed.tensor import DTensor
-
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(n, 1)
-    return DTensor.from_local(
-        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape), stride=tuple(reversed(stride))
-    )
 
 
 def _local_scale_shape(p: Tensor, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -147,7 +134,7 @@ class Q8Format(MomentFormat):
 
             shape = scale_shape(p)
             local = torch.full(_local_scale_shape(p, shape), floor, dtype=torch.uint8, device=local_of(p).device)
-            return {key + CODES: state_zeros(p, torch.uint8), key + SCALE: _sharded_like(p, local, shape)}
+            return {key + CODES: state_zeros(p, torch.uint8), key + SCALE: sharded_like(p, local, shape)}
         return {
             key + CODES: torch.zeros(p.shape, dtype=torch.uint8, device=p.device),
             key + SCALE: torch.full((q8.num_blocks(p.numel()),), floor, dtype=torch.uint8, device=p.device),
@@ -161,7 +148,7 @@ class Q8Format(MomentFormat):
         codes, scales = st[key + CODES], st[key + SCALE]
         if is_dtensor(codes):
             out = dec(local_of(codes), local_of(scales).reshape(-1))
-            return _sharded_like(codes, out, tuple(codes.shape))
+            return sharded_like(codes, out, tuple(codes.shape))
         return dec(codes, scales)
 
     def encode(self, p: Tensor, key: str, value: Tensor) -> dict[str, Tensor]:
@@ -174,8 +161,8 @@ class Q8Format(MomentFormat):
             codes, scales = self.encode_rounded(key, local_of(value).reshape(local_of(p).shape))
             shape = scale_shape(p)
             return {
-                key + CODES: _sharded_like(p, codes.contiguous(), tuple(p.shape)),
-                key + SCALE: _sharded_like(p, scales.reshape(_local_scale_shape(p, shape)).contiguous(), shape),
+                key + CODES: sharded_like(p, codes.contiguous(), tuple(p.shape)),
+                key + SCALE: sharded_like(p, scales.reshape(_local_scale_shape(p, shape)).contiguous(), shape),
             }
         codes, scales = self.encode_rounded(key, value.detach().reshape(p.shape))
         return {key + CODES: codes.contiguous(), key + SCALE: scales.contiguous()}
