@@ -26,7 +26,7 @@ CUDA_DIR = ROOT / "csrc" / "cuda"
 CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
 TIMEOUT_S = 300
 # the compiles are shared by the session (one nvcc run under a lock): on one xdist worker (make test:
-# --dist loadgroup), the other workers run other tests meanwhile instead of waiting on the lock
+# --dist loadfile), the other workers run other tests meanwhile instead of waiting on the lock
 pytestmark = pytest.mark.xdist_group("cuda_compile")
 # optim_'s kernel template (csrc/cuda/optim.cuh) names its rules and state formats by these types.
 RULE_TYPES = {"kAdamW": "AdamWRule", "kSgd": "SgdRule", "kLion": "LionRule"}

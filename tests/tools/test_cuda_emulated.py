@@ -33,7 +33,7 @@ from helpers import assert_bits_equal
 from fastamp import reference as R
 from fastamp.reference.optim import AMSGRAD, MAXIMIZE, NESTEROV, SR_PARAM, SR_STATE
 
-# compiles every instance of the kernel for the host (~2 min), once: on one xdist worker (--dist loadgroup)
+# compiles every instance of the kernel for the host (~2 min), once: on one xdist worker (--dist loadfile)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cuda_emulated")]
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1150,7 +1150,7 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-# every test here waits for one shared compile: on one xdist worker (make test: --dist loadgroup), the
+# every test here waits for one shared compile: on one xdist worker (make test: --dist loadfile), the
 # other workers run other tests meanwhile instead of waiting on its lock
 pytestmark = pytest.mark.xdist_group("triton_aot")
 
