@@ -44,7 +44,7 @@ $(OLD_TRITON_DIR)/.stamp: $(STAMP)
 # Triton AOT and CUDA compiles, the 2-rank run, the benchmark smoke runs, the matrix's reference
 # cache) run once per run. (--dist loadgroup with xdist_group marks would do it per module, but
 # pytest-xdist 3.8.0 under pytest 9.2 ignores the marks: measured 2026-12-07, both workers ran the
-# AOT module and compiled its cover twice.)
+# AOT module, one idle ~70 s on the other's compile lock, and the smoke runs' fixtures ran twice.)
 test: $(BUILD) $(OLD_TRITON_DIR)/.stamp
 	$(MAKE) lint
 	FASTAMP_AOT_TRITON=$(abspath $(OLD_TRITON_DIR)) $(PY) -m pytest -q -n auto --dist loadfile tests
