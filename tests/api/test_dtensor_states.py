@@ -151,6 +151,22 @@ def test_state_dicts_native_and_fp32_round_trip_and_format_switch_on_dtensor(mes
             if isinstance(v, DTensor):
                 assert v.placements == w.placements and w._local_tensor.data_ptr() != v._local_tensor.data_ptr()
 
+    # a dict whose DTensors come in another sharding (as torch.distributed.checkpoint may hand them over):
+    # copied into the params' sharding, the same values
+    sd = o2.state_dict()  # (its state entries are the optimizer's own dicts, as torch's: copied before the edit)
+    sd["state"] = {
+        i: {k: v.redistribute(mesh, [Replicate()]) if isinstance(v, DTensor) else v for k, v in st.items()}
+        for i, st in sd["state"].items()
+    }
+    other = _make(AdamW, sharded, True, master_weights=True)
+    other.load_state_dict(sd)
+    for q in sharded:
+        for k, v in o2.state[q].items():
+            w = other.state[q][k]
+            assert torch.equal(_full(v), _full(w)), k
+            if isinstance(v, DTensor) and k.endswith(("_q", "_scale")):
+                assert w.placements == q.placements, k
+
     # fp32 export: torch's layout, each moment a DTensor like its param, equal to the plain run's export
     e1, e2 = o1.state_dict(format="fp32"), o2.state_dict(format="fp32")
     for i, q in enumerate(p for g in o2.param_groups for p in g["params"]):  # state dict order: group by group
