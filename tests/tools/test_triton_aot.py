@@ -668,7 +668,6 @@ def _light_cover(specs: dict, by_kernel: dict) -> list:
     (rule, state format) of the optimizer kernel and of each dtype of the others for sm_90, the
     heaviest per rule / kernel for sm_80, and the heaviest unaligned one per rule (~20 compiles,
     against ~150 for the installed Triton's cover)."""
-
     chosen = set()
     for kernel, keys in by_kernel.items():
         groups = defaultdict(list)
@@ -742,9 +741,6 @@ def _optim_cover(specs: dict, keys: list) -> set:
     """
     flags = {k: specs[k]["flags"] for k in keys}
 
-    def heaviest(ks):
-        return _heaviest(specs, ks)
-
     chosen = set()
     by_format, by_dtype, by_state, by_grad = (defaultdict(list) for _ in range(4))
     for k in keys:
@@ -758,11 +754,11 @@ def _optim_cover(specs: dict, keys: list) -> set:
     for i, (_, ks) in enumerate(sorted(by_format.items())):
         params = sorted({flags[k]["P_KIND"] for k in ks})
         p = params[i % len(params)]
-        chosen.add((heaviest([k for k in ks if flags[k]["P_KIND"] == p]), 90))
-    chosen.update((heaviest(ks), 90) for ks in by_dtype.values())
-    chosen.update((heaviest(ks), 80) for ks in by_state.values())
+        chosen.add((_heaviest(specs, [k for k in ks if flags[k]["P_KIND"] == p]), 90))
+    chosen.update((_heaviest(specs, ks), 90) for ks in by_dtype.values())
+    chosen.update((_heaviest(specs, ks), 80) for ks in by_state.values())
     for ks in by_grad.values():
-        chosen.update((heaviest(ks), a) for a in ARCHS)
+        chosen.update((_heaviest(specs, ks), a) for a in ARCHS)
     groups = defaultdict(list)
     for k in keys:
         f = flags[k]
@@ -774,7 +770,7 @@ def _optim_cover(specs: dict, keys: list) -> set:
     for k in keys:
         if not flags[k]["ALIGNED"]:
             unaligned[(flags[k]["RULE"], flags[k]["STATE"])].append(k)
-    chosen.update((heaviest(ks), 90) for ks in unaligned.values())
+    chosen.update((_heaviest(specs, ks), 90) for ks in unaligned.values())
     return chosen
 
 

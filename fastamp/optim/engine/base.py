@@ -186,7 +186,7 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         if (
             group["state_format"] == "q8"
             and p.numel() >= group["lowbit_min_numel"]
-            and not self._q8(group, p)
+            and _formats.scale_shape(p) is None
             and not getattr(self, "_warned_dtensor_q8", False)
         ):
             self._warned_dtensor_q8 = True
