@@ -10,6 +10,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("TRITON_INTERPRET") == "1":
+    # skip the interpreter's language re-patch on every @triton.jit helper call (see the module)
+    from interp_speedup import install as _install_interp_speedup  # noqa: E402
+
+    _install_interp_speedup()
+
 # Each folder is a tier; its tests get the tier's marker (declared in pyproject.toml, see tests/README.md).
 TIERS = ("spec", "backends", "api", "e2e", "tools")
 _TESTS = Path(__file__).resolve().parent
