@@ -38,12 +38,12 @@ def install() -> bool:
         from triton.runtime import interpreter as interp
     except Exception:  # no triton, or one without the interpreter: nothing to speed up
         return False
-    grid_call = getattr(getattr(interp, "GridExecutor", None), "__call__", None)
+    grid_cls = getattr(interp, "GridExecutor", None)
     fn_cls = getattr(interp, "InterpretedFunction", None)
-    fn_call = getattr(fn_cls, "__call__", None)
     error = getattr(interp, "InterpreterError", None)
-    if grid_call is None or fn_call is None or error is None or not hasattr(interp, "_patch_lang"):
+    if grid_cls is None or fn_cls is None or error is None or not hasattr(interp, "_patch_lang"):
         return False
+    grid_call, fn_call = grid_cls.__call__, fn_cls.__call__
     try:
         grid_src, fn_src = inspect.getsource(grid_call), inspect.getsource(fn_call)
     except (OSError, TypeError):
@@ -83,7 +83,7 @@ def install() -> bool:
         except Exception as e:
             raise error(repr(e)) from e
 
-    interp.GridExecutor.__call__ = launch
+    grid_cls.__call__ = launch
     fn_cls.__call__ = device_call
     _installed = True
     return True
