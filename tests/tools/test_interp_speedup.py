@@ -2,9 +2,8 @@
 
 import os
 
-import pytest
-
 import interp_speedup
+import pytest
 
 triton = pytest.importorskip("triton")
 
