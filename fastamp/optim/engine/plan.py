@@ -3,14 +3,12 @@
 :class:`_Plan` holds per param group (:class:`_GroupPlan`) the launches per device
 (:class:`_Bucket`, whose ``step`` counts are views of one buffer), each a kernel call
 (:class:`_Run`) that takes one row of step scalars per tensor, computed from that tensor's
-own count; :class:`StateTable` drops the plan when ``optimizer.state`` changes, and
-:class:`AmpInputs` carries a grad scaler's ``grad_scale``/``found_inf`` to each device
-without a host sync.
+own count; :class:`StateTable` drops the plan when ``optimizer.state`` changes. What a
+grad scaler hands a step is :mod:`fastamp.optim.engine.context`'s.
 """
 
 from __future__ import annotations
 
-import numbers
 import operator
 import weakref
 from collections import defaultdict
@@ -22,62 +20,7 @@ import torch
 from torch import Tensor
 
 from fastamp._dtensor import is_dtensor, local_of
-
-
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    # Host-to-device copies are queued (the source is a host value anyway); a copy to the
-    # CPU must be blocking because the CPU kernel reads it right away.
-    if t.device == device:
-        return t
-    return t.to(device, non_blocking=device.type != "cpu")
-
-
-class AmpInputs:
-    """``grad_scale`` and ``found_inf`` as a grad scaler handed them over, per device.
-
-    ``torch.amp.GradScaler`` (path B2 of its ``step``) and ``fastamp.Scaler`` set the
-    attributes ``optimizer.grad_scale`` / ``optimizer.found_inf`` before calling
-    ``optimizer.step()`` and delete them after. ``grad_scale`` may also fold a clipping
-    coefficient in (``scale / clip_coef``). Everything here stays on the device.
-    """
-
-    def __init__(self, opt_name: str, grad_scale: Any, found_inf: Any) -> None:
-        self.grad_scale = self._as_tensor(opt_name, "grad_scale", grad_scale)
-        self.found_inf = self._as_tensor(opt_name, "found_inf", found_inf)
-        self._per_device: dict[torch.device, tuple[Tensor | None, Tensor | None]] = {}
-
-    @staticmethod
-    def _as_tensor(opt_name: str, name: str, value: Any) -> Tensor | None:
-        if value is None:
-            return None
-        if isinstance(value, Tensor):
-            if value.numel() != 1:
-                raise ValueError(f"{opt_name}: {name} must be a 1-element tensor, got shape {tuple(value.shape)}")
-            if not value.is_floating_point():
-                raise TypeError(f"{opt_name}: {name} must be a floating point tensor, got {value.dtype}")
-            return value.detach().reshape(())
-        # torch.amp.GradScaler hands over the Python int 0 when no param of this optimizer
-        # has a grad (sum of an empty list); accept plain numbers.
-        if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            return torch.tensor(float(value), dtype=torch.float32)
-        raise TypeError(f"{opt_name}: {name} must be a Tensor or None, got {type(value).__name__}")
-
-    def on(self, device: torch.device) -> tuple[Tensor | None, Tensor | None]:
-        """``(found_inf, step_increment)`` on ``device`` (each None when not given).
-
-        ``step_increment = (found_inf == 0)``: a skipped step (any non-zero flag, NaN
-        included) does not count. ``1/grad_scale`` is the step-scalar op's (see
-        :meth:`FusedOptimizer._step_scalars <fastamp.optim.engine.base.FusedOptimizer._step_scalars>`).
-        """
-        cached = self._per_device.get(device)
-        if cached is not None:
-            return cached
-        found_inf = inc = None
-        if self.found_inf is not None:
-            found_inf = _to_device(self.found_inf.to(torch.float32), device)
-            inc = (found_inf == 0).to(torch.float32)
-        self._per_device[device] = (found_inf, inc)
-        return self._per_device[device]
+from fastamp.optim.engine.context import to_device
 
 
 class StateTable(defaultdict):
@@ -398,7 +341,7 @@ class _Bucket:
         if idx == list(range(buf.numel())):
             self.step_idx = self.ones = None
         else:
-            self.step_idx = _to_device(torch.tensor(idx, dtype=torch.int64), self.dev)
+            self.step_idx = to_device(torch.tensor(idx, dtype=torch.int64), self.dev)
             self.ones = torch.ones(len(idx), dtype=buf.dtype, device=self.dev)
         self.step_buf, self.states, self.steps = buf, states, steps
         self.known = remember(buf)

@@ -82,28 +82,7 @@ from torch import Tensor
 
 from fastamp import reference
 from fastamp.ops import backends, registry
-from fastamp.optim.engine.plan import AmpInputs
-
-
-def _amp_found_inf(found_inf: Tensor, device: torch.device) -> Tensor:
-    # as AmpInputs.on: fp32 on the launch's device
-    found_inf = found_inf.to(torch.float32)
-    if found_inf.device != device:
-        found_inf = found_inf.to(device)
-    return found_inf
-
-
-def _grad_mul(grad_scale: Tensor, device: torch.device) -> Tensor:
-    # what the kernels multiply raw grads by: the scaler's reciprocal rule (reference.inv_scale)
-    gm = reference.inv_scale(grad_scale.reshape(()))
-    return gm if gm.device == device else gm.to(device)
-
-
-def _count(step: Tensor, found_inf: Tensor | None) -> Tensor:
-    """The counts the bias corrections use: ``step + 1``, or ``step + (found_inf == 0)`` under amp (as eager)."""
-    if found_inf is None:
-        return step + 1.0
-    return step + (_amp_found_inf(found_inf, step.device) == 0).to(torch.float32)
+from fastamp.optim.engine.context import StepContext, counts_after, grad_mul
 
 
 def lr_tensor(lr: Any) -> Tensor:
@@ -139,22 +118,22 @@ def _adamw_step_scalars(
     :func:`fastamp.reference.adamw_step_scalars` over that vector. ``lr``: see :func:`lr_tensor`.
     """
     dev = step.device
-    grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
-    return reference.adamw_step_scalars(lr, _count(step, found_inf), beta1, beta2, weight_decay, grad_mul)
+    gm = None if grad_scale is None else grad_mul(grad_scale, dev)
+    return reference.adamw_step_scalars(lr, counts_after(step, found_inf), beta1, beta2, weight_decay, gm)
 
 
 def _sgd_step_scalars(step: Tensor, grad_scale: Tensor | None, lr: Tensor) -> Tensor:
     """``[lr, grad_mul, is_first]`` from applied-step counts ``step`` (1-D: one row each; 0-dim: one set), as eager."""
     dev = step.device
-    grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
-    return reference.sgd_step_scalars(lr, step, grad_mul)
+    gm = None if grad_scale is None else grad_mul(grad_scale, dev)
+    return reference.sgd_step_scalars(lr, step, gm)
 
 
 def _lion_step_scalars(anchor: Tensor, grad_scale: Tensor | None, lr: Tensor, weight_decay: float) -> Tensor:
     """``[lr, decay, grad_mul]`` on ``anchor``'s device (any tensor there: Lion has no count to carry it), as eager."""
     dev = anchor.device
-    grad_mul = None if grad_scale is None else _grad_mul(grad_scale, dev)
-    return reference.lion_step_scalars(lr, weight_decay, grad_mul, dev)
+    gm = None if grad_scale is None else grad_mul(grad_scale, dev)
+    return reference.lion_step_scalars(lr, weight_decay, gm, dev)
 
 
 # schemas and fakes: the op table (fastamp/ops/registry.py, OPTIM_OPS)
@@ -203,11 +182,10 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
         with torch.enable_grad():
             loss = closure()
     # checked as eager checks them (dynamo guards what the checks read: type, shape, dtype)
-    grad_scale = AmpInputs._as_tensor(opt._NAME, "grad_scale", getattr(opt, "grad_scale", None))
-    found_inf = AmpInputs._as_tensor(opt._NAME, "found_inf", getattr(opt, "found_inf", None))
+    ctx = StepContext.of(opt)
+    grad_scale, found_inf = ctx.grad_scale, ctx.found_inf
     plan = opt._init_group()
     state = opt.state
-    rng_delta: dict[Any, Tensor] = {}
     for gi, buckets in plan:
         group = opt.param_groups[gi]
         params = group["params"]
@@ -234,9 +212,8 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                 grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
                 launch_params = [p.contiguous() if i in strided else p for i, p in enumerate(ps)]
                 tensors = {key: [st[key] for st in sts] for key in keys}
-                fi = None if found_inf is None else _amp_found_inf(found_inf, dev)
                 rng = tensors["rng"][0] if "rng" in tensors else None
-                launch = Launch(op, backend, kind, launch_params, grads, tensors, fi, rng, rng_base)
+                launch = Launch(op, backend, kind, launch_params, grads, tensors, ctx.found_inf_on(dev), rng, rng_base)
                 backends.kernel(op, backend)(*opt._kernel_args(group, launch, scalars))
                 for i in strided:
                     ps[i].copy_(launch_params[i])
@@ -244,17 +221,12 @@ def traced_step(opt: Any, closure: Any = None) -> Any:
                     counter = rng
             if counter is not None:
                 # once per group and device, after its launches (as eager: every launch reads the same count)
-                delta = rng_delta.get(dev)
-                if delta is None:
-                    fi = None if found_inf is None else _amp_found_inf(found_inf, dev)
-                    inc = torch.ones((), dtype=torch.int64, device=dev) if fi is None else (fi == 0).to(torch.int64)
-                    delta = rng_delta[dev] = torch.stack([torch.zeros_like(inc), inc])
-                counter.add_(delta)
+                counter.add_(ctx.rng_delta_on(dev))
             if steps:
-                if found_inf is None:
+                inc = ctx.increment_on(dev)
+                if inc is None:
                     torch._foreach_add_(steps, 1.0)
                 else:
-                    inc = (_amp_found_inf(found_inf, dev) == 0).to(torch.float32)
                     torch._foreach_add_(steps, [inc] * len(steps))
     # a side effect dynamo replays after every run of the graph: the host's records are stale now
     # (a dict item: see FusedOptimizer._forget_compiled_steps)
