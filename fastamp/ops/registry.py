@@ -17,10 +17,10 @@ fake:
   calls :func:`register_triton` when it is imported (Triton is never imported here). The per-rule
   optimizer ops have no Triton op: Triton runs them as its generic ``optim_`` kernel.
 
-:data:`OPTIM_OPS`, in the same form, holds the optimizers' step-scalar ops for torch.compile
-(``fastamp_optim::<op>``, see :mod:`fastamp.optim.engine.traced`): their kernels are the eager
-Python code, registered for every device by :func:`register_optim` when that module is
-imported.
+:data:`OPTIM_OPS`, in the same form, holds the optimizers' step-scalar op for torch.compile
+(``fastamp_optim::step_scalars``, one for every rule, see :mod:`fastamp.optim.engine.traced`):
+its kernel is the eager Python code, registered for every device by :func:`register_optim`
+when that module is imported.
 
 Importing this module never fails: if ``fastamp._C`` is missing (``FASTAMP_NO_EXT=1``
 builds) or does not load against the installed torch, ``NATIVE_ERROR`` says why.
@@ -28,8 +28,8 @@ builds) or does not load against the installed torch, ``NATIVE_ERROR`` says why.
 Schema conventions: ``Tensor(a!)`` marks every argument an op writes (lists too), nothing
 aliases an output (the returned tensor of the check ops is new), and every op of
 :data:`OPS` returns either nothing or that one 0-dim fp32 tensor; the fake kernels say only
-that. The ops of :data:`OPTIM_OPS` write nothing and return a new fp32 tensor: ``[k]`` for a
-0-dim ``step``, ``[n, k]`` (one row per count) for a 1-D one.
+that. The op of :data:`OPTIM_OPS` writes nothing and returns a new fp32 tensor: ``[k]`` for
+0-dim ``counts``, ``[n, k]`` (one row per count) for a 1-D vector.
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ def _fake_in_place(args: dict):
     return None
 
 
-def _fake_step_scalars(n: int) -> Callable[[dict], object]:
-    # a 0-dim count gives one set [n], a 1-D vector of counts one row each [len, n]
-    def fake(args: dict):
-        return args["step"].new_empty((*args["step"].shape, n), dtype=torch.float32)
+def _fake_rule_step_scalars(args: dict):
+    # a 0-dim count gives one set [k], a 1-D vector of counts one row each [len, k]
+    from fastamp.reference.optim import RULES
 
-    return fake
+    width = len(RULES[args["rule"]].scalars)
+    return args["counts"].new_empty((*args["counts"].shape, width), dtype=torch.float32)
 
 
 @dataclass(frozen=True)
@@ -220,25 +220,14 @@ PER_RULE_OPS = ("adamw_", "adamw_bf16_", "adamw_q8_", "sgd_", "sgd_q8_", "lion_"
 # The step scalars of a compiled optimizer step: opaque ops, so that inductor does not
 # re-derive eager's fp64 maths with another rounding. Kernels: fastamp/optim/engine/traced.py.
 OPTIM_OPS: dict[str, OpDef] = {
-    "adamw_step_scalars": OpDef(
-        "(Tensor step, Tensor? found_inf, Tensor? grad_scale, Tensor lr, float beta1, float beta2, "
-        "float weight_decay) -> Tensor",
-        _fake_step_scalars(4),
-        "step",
-        "writes nothing; returns a new fp32 [step_size, bc2_sqrt, decay, grad_mul]",
-    ),
-    "sgd_step_scalars": OpDef(
-        "(Tensor step, Tensor? grad_scale, Tensor lr) -> Tensor",
-        _fake_step_scalars(3),
-        "step",
-        "writes nothing; returns a new fp32 [lr, grad_mul, is_first]",
-    ),
-    "lion_step_scalars": OpDef(
-        "(Tensor anchor, Tensor? grad_scale, Tensor lr, float weight_decay) -> Tensor",
-        lambda args: args["anchor"].new_empty((3,), dtype=torch.float32),
-        "anchor",
-        "writes nothing; returns a new fp32 [lr, decay, grad_mul] on anchor's device (no step count: shared by "
-        "every tensor of a launch)",
+    # one op for every update rule: the rule's own function (fastamp.optim.engine.traced.STEP_SCALARS,
+    # registered by its module in fastamp/optim/rules/) computes the row from ``args``
+    "step_scalars": OpDef(
+        "(str rule, Tensor counts, Tensor? found_inf, Tensor? grad_scale, Tensor lr, float[] args) -> Tensor",
+        _fake_rule_step_scalars,
+        "counts",
+        "writes nothing; returns a new fp32 [k] (0-dim counts: one set) or [n, k] (1-D counts: one row each), "
+        "k the width of the rule's row (fastamp.reference.optim.RULES[rule].scalars)",
     ),
 }
 

@@ -307,15 +307,15 @@ def test_forced_backend_is_kept(opt_name, backend, compiler):
 
 
 def test_step_scalar_ops_opcheck():
+    # one op for every rule (it replaced adamw_/sgd_/lion_step_scalars, which this checked the same way)
+    import fastamp.optim  # noqa: F401  (the rules register their step scalars)
     from fastamp.optim.engine import traced as _traced
 
-    step = torch.tensor(4.0)
-    for found_inf, grad_scale in ((None, None), (torch.tensor(0.0), torch.tensor(3.0))):
-        torch.library.opcheck(
-            _traced.adamw_step_scalars,
-            (step, found_inf, grad_scale, torch.tensor(1e-3, dtype=torch.float64), 0.9, 0.999, 0.01),
-        )
-        torch.library.opcheck(_traced.sgd_step_scalars, (step, grad_scale, torch.tensor(1e-2)))
+    lr = torch.tensor(1e-3, dtype=torch.float64)
+    for step in (torch.tensor(4.0), torch.tensor([0.0, 4.0, 9.0])):
+        for found_inf, grad_scale in ((None, None), (torch.tensor(0.0), torch.tensor(3.0))):
+            for rule, args in (("adamw", [0.9, 0.999, 0.01]), ("sgd", []), ("lion", [0.01])):
+                torch.library.opcheck(_traced.step_scalars, (rule, step, found_inf, grad_scale, lr, args))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

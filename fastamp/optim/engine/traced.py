@@ -22,10 +22,10 @@ guard on. Under ``torch.compiler.is_compiling()`` the step takes this path inste
   once, after the group's launches on the device, as eager advances it.
 
 Bit-identity with eager: the kernels are the same ops, and the step scalars are computed by
-``fastamp_optim::adamw_step_scalars`` / ``sgd_step_scalars`` / ``lion_step_scalars``, ops of the op table
-(:data:`fastamp.ops.registry.OPTIM_OPS`) whose kernels are the eager code
-(:func:`fastamp.reference.adamw_step_scalars`, with the grad scaler's ``1/grad_scale``
-reciprocal in fp64 and the increment ``step + (found_inf == 0)``), so inductor cannot
+``fastamp_optim::step_scalars``, the op of the op table (:data:`fastamp.ops.registry.OPTIM_OPS`)
+whose kernel is each rule's eager code (e.g. :func:`fastamp.reference.adamw_step_scalars`, with
+the grad scaler's ``1/grad_scale`` reciprocal in fp64 and the increment ``step + (found_inf ==
+0)``, :mod:`fastamp.optim.engine.context`), so inductor cannot
 re-derive the fp64 ``pow`` with another rounding. The op gets the same count vector as
 eager's for the same launches (the counts of eager's step buffer of the group and device,
 same length, same order: the trace-time plan hands their positions over) and each launch
@@ -75,14 +75,13 @@ fills it in place) never recompiles.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-from fastamp import reference
 from fastamp.ops import backends, registry
-from fastamp.optim.engine.context import StepContext, counts_after, grad_mul
+from fastamp.optim.engine.context import StepContext
 
 
 def lr_tensor(lr: Any) -> Tensor:
@@ -102,44 +101,36 @@ def lr_tensor(lr: Any) -> Tensor:
     return torch.ones((), dtype=torch.float64) * lr
 
 
-def _adamw_step_scalars(
-    step: Tensor,
-    found_inf: Tensor | None,
-    grad_scale: Tensor | None,
-    lr: Tensor,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-) -> Tensor:
-    """``[n, 4]`` rows ``[step_size, bc2_sqrt, decay, grad_mul]`` of the params whose counts are ``step`` (1-D, before this step).
+# rule name -> its step-scalar function ``(counts, found_inf, grad_scale, lr, args) -> Tensor``: the kernel of
+# the one op ``fastamp_optim::step_scalars`` for that rule (each module of fastamp/optim/rules/ registers its own
+# with :func:`rule_step_scalars`)
+STEP_SCALARS: dict[str, Callable[..., Tensor]] = {}
 
-    Exactly the eager computation: the counts ``step + (found_inf == 0)`` (``+ 1`` without a
-    scaler), the grad scaler's ``1/grad_scale`` (fp64 reciprocal rounded to fp32), then
-    :func:`fastamp.reference.adamw_step_scalars` over that vector. ``lr``: see :func:`lr_tensor`.
+
+def rule_step_scalars(rule: str) -> Callable[[Callable[..., Tensor]], Callable[..., Tensor]]:
+    """Register the decorated function as ``rule``'s step scalars (a decorator for the rule's module).
+
+    It gets ``counts`` (each param's count before this step: 1-D for one row each, 0-dim for one
+    set), the grad scaler's ``found_inf`` / ``grad_scale`` as handed over (or None), ``lr`` (see
+    :func:`lr_tensor`) and the rule's own numbers ``args``; it returns fp32 rows of the width of
+    the rule's ``RuleDef.scalars``, computed as eager code (the op is opaque to inductor).
     """
-    dev = step.device
-    gm = None if grad_scale is None else grad_mul(grad_scale, dev)
-    return reference.adamw_step_scalars(lr, counts_after(step, found_inf), beta1, beta2, weight_decay, gm)
+
+    def register(fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        STEP_SCALARS[rule] = fn
+        return fn
+
+    return register
 
 
-def _sgd_step_scalars(step: Tensor, grad_scale: Tensor | None, lr: Tensor) -> Tensor:
-    """``[lr, grad_mul, is_first]`` from applied-step counts ``step`` (1-D: one row each; 0-dim: one set), as eager."""
-    dev = step.device
-    gm = None if grad_scale is None else grad_mul(grad_scale, dev)
-    return reference.sgd_step_scalars(lr, step, gm)
+def _step_scalars(
+    rule: str, counts: Tensor, found_inf: Tensor | None, grad_scale: Tensor | None, lr: Tensor, args: list[float]
+) -> Tensor:
+    return STEP_SCALARS[rule](counts, found_inf, grad_scale, lr, list(args))
 
 
-def _lion_step_scalars(anchor: Tensor, grad_scale: Tensor | None, lr: Tensor, weight_decay: float) -> Tensor:
-    """``[lr, decay, grad_mul]`` on ``anchor``'s device (any tensor there: Lion has no count to carry it), as eager."""
-    dev = anchor.device
-    gm = None if grad_scale is None else grad_mul(grad_scale, dev)
-    return reference.lion_step_scalars(lr, weight_decay, gm, dev)
-
-
-# schemas and fakes: the op table (fastamp/ops/registry.py, OPTIM_OPS)
-adamw_step_scalars = registry.register_optim("adamw_step_scalars", _adamw_step_scalars)
-sgd_step_scalars = registry.register_optim("sgd_step_scalars", _sgd_step_scalars)
-lion_step_scalars = registry.register_optim("lion_step_scalars", _lion_step_scalars)
+# its schema and fake: the op table (fastamp/ops/registry.py, OPTIM_OPS)
+step_scalars = registry.register_optim("step_scalars", _step_scalars)
 
 
 def rng_parts(ids: list[int], n: int) -> list[tuple[int, int, int]]:

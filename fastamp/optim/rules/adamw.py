@@ -12,6 +12,7 @@ from fastamp.optim.engine import checks as _checks
 from fastamp.optim.engine import state_dict as _state_dict
 from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.base import FusedOptimizer
+from fastamp.optim.engine.context import counts_after, grad_mul
 from fastamp.optim.formats import masters as _masters
 from fastamp.optim.formats import moments as _formats
 from fastamp.reference import optim as _R
@@ -112,6 +113,21 @@ def _betas(betas: Any, where: str) -> tuple[float, float]:
     if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):
         raise ValueError(_checks.at("betas must be either both floats or both Tensors", where))
     return values[0], values[1]
+
+
+@_traced.rule_step_scalars("adamw")
+def _step_scalars_op(
+    counts: Tensor, found_inf: Tensor | None, grad_scale: Tensor | None, lr: Tensor, args: list[float]
+) -> Tensor:
+    """``[n, 4]`` rows ``[step_size, bc2_sqrt, decay, grad_mul]`` (the kernel of ``fastamp_optim::step_scalars``).
+
+    The counts ``counts + (found_inf == 0)`` (``+ 1`` without a scaler), the grad scaler's
+    ``1/grad_scale`` (:mod:`fastamp.optim.engine.context`), then
+    :func:`fastamp.reference.adamw_step_scalars` over that vector; ``args``: beta1, beta2, weight_decay.
+    """
+    beta1, beta2, weight_decay = args
+    gm = None if grad_scale is None else grad_mul(grad_scale, counts.device)
+    return _R.adamw_step_scalars(lr, counts_after(counts, found_inf), beta1, beta2, weight_decay, gm)
 
 
 class AdamW(FusedOptimizer):
@@ -432,15 +448,8 @@ class AdamW(FusedOptimizer):
         if not isinstance(lr, Tensor) and not _checks.float_lr_in_range(lr, beta1, group["weight_decay"]):
             # a guard for dynamo (see float_lr_in_range): the group's checks refused such an lr already
             raise AssertionError(f"{_NAME}: an lr out of range reached the step: {lr}")
-        return _traced.adamw_step_scalars(
-            counts,
-            found_inf,
-            grad_scale,
-            _traced.lr_tensor(lr),
-            float(beta1),
-            float(beta2),
-            float(group["weight_decay"]),
-        )
+        args = [float(beta1), float(beta2), float(group["weight_decay"])]
+        return _traced.step_scalars("adamw", counts, found_inf, grad_scale, _traced.lr_tensor(lr), args)
 
     # ---- torch.compile (see fastamp.optim.engine.traced) -----------------------------------------
     def _check_traceable(self, group: dict[str, Any], where: str) -> None:

@@ -12,8 +12,10 @@ from fastamp.optim.engine import checks as _checks
 from fastamp.optim.engine import state_dict as _state_dict
 from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.base import FusedOptimizer
+from fastamp.optim.engine.context import grad_mul
 from fastamp.optim.formats import masters as _masters
 from fastamp.optim.formats import moments as _formats
+from fastamp.reference import optim as _R
 
 __all__ = ["Lion"]
 
@@ -60,6 +62,23 @@ def _validate_group(
         raise TypeError(f"{_NAME}: maximize must be a bool, got {group['maximize']!r} in {where}")
     _checks.check_lowbit_options(_NAME, group, where)
     _checks.check_state_format(_NAME, group, where)
+
+
+@_traced.rule_step_scalars("lion")
+def _step_scalars_op(
+    counts: Tensor, found_inf: Tensor | None, grad_scale: Tensor | None, lr: Tensor, args: list[float]
+) -> Tensor:
+    """``[lr, decay, grad_mul]`` on ``counts``' device (Lion reads no count: the same row for every tensor).
+
+    The kernel of ``fastamp_optim::step_scalars`` for Lion: :func:`fastamp.reference.lion_step_scalars`
+    with the grad scaler's ``1/grad_scale`` (:mod:`fastamp.optim.engine.context`); ``args``: weight_decay.
+    """
+    (weight_decay,) = args
+    dev = counts.device
+    gm = None if grad_scale is None else grad_mul(grad_scale, dev)
+    row = _R.lion_step_scalars(lr, weight_decay, gm, dev)
+    # the op's contract: one row per count of a 1-D vector (the optimizer itself passes a 0-dim anchor)
+    return row if counts.dim() == 0 else row.expand(*counts.shape, row.numel()).clone()
 
 
 class Lion(FusedOptimizer):
@@ -196,8 +215,8 @@ class Lion(FusedOptimizer):
         if not isinstance(lr, Tensor) and not _checks.float_lr_in_range(lr, 0.0, wd):
             # a guard for dynamo (see float_lr_in_range): the group's checks refused such an lr already
             raise AssertionError(f"{_NAME}: an lr out of range reached the step: {lr}")
-        anchor = torch.empty(0, device=dev)
-        return _traced.lion_step_scalars(anchor, grad_scale, _traced.lr_tensor(lr), float(wd))
+        anchor = torch.zeros((), dtype=torch.float32, device=dev)  # no count: one set, on the launch's device
+        return _traced.step_scalars("lion", anchor, None, grad_scale, _traced.lr_tensor(lr), [float(wd)])
 
     # ---- state_dict ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from fastamp.optim.engine import checks as _checks
 from fastamp.optim.engine import state_dict as _state_dict
 from fastamp.optim.engine import traced as _traced
 from fastamp.optim.engine.base import FusedOptimizer
+from fastamp.optim.engine.context import grad_mul
 from fastamp.optim.formats import masters as _masters
 from fastamp.optim.formats import moments as _formats
 from fastamp.reference import optim as _R
@@ -47,6 +48,20 @@ def _validate_group(
         raise ValueError(_checks.at("Nesterov momentum requires a momentum and zero dampening", where))
     _checks.check_lowbit_options(_NAME, group, where)
     _checks.check_state_format(_NAME, group, where)
+
+
+@_traced.rule_step_scalars("sgd")
+def _step_scalars_op(
+    counts: Tensor, found_inf: Tensor | None, grad_scale: Tensor | None, lr: Tensor, args: list[float]
+) -> Tensor:
+    """``[lr, grad_mul, is_first]`` from applied-step counts (1-D: one row each; 0-dim: one set).
+
+    The kernel of ``fastamp_optim::step_scalars`` for SGD: :func:`fastamp.reference.sgd_step_scalars`
+    with the grad scaler's ``1/grad_scale`` (:mod:`fastamp.optim.engine.context`); ``found_inf``
+    and ``args`` are not used (``is_first`` reads the count before the step).
+    """
+    gm = None if grad_scale is None else grad_mul(grad_scale, counts.device)
+    return _R.sgd_step_scalars(lr, counts, gm)
 
 
 class SGD(FusedOptimizer):
@@ -214,7 +229,7 @@ class SGD(FusedOptimizer):
             raise AssertionError(f"{_NAME}: an lr out of range reached the step: {lr}")
         if counts is None:  # no momentum: is_first is not used
             counts = torch.zeros((), dtype=torch.float32, device=dev)
-        return _traced.sgd_step_scalars(counts, grad_scale, _traced.lr_tensor(lr))
+        return _traced.step_scalars("sgd", counts, None, grad_scale, _traced.lr_tensor(lr), [])
 
     # ---- state_dict ----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
