@@ -126,7 +126,12 @@ def rule_step_scalars(rule: str) -> Callable[[Callable[..., Tensor]], Callable[.
 def _step_scalars(
     rule: str, counts: Tensor, found_inf: Tensor | None, grad_scale: Tensor | None, lr: Tensor, args: list[float]
 ) -> Tensor:
-    return STEP_SCALARS[rule](counts, found_inf, grad_scale, lr, list(args))
+    fn = STEP_SCALARS.get(rule)
+    if fn is None:
+        raise ValueError(
+            f"fastamp_optim::step_scalars: no step scalars registered for rule {rule!r} (known: {sorted(STEP_SCALARS)})"
+        )
+    return fn(counts, found_inf, grad_scale, lr, list(args))
 
 
 # its schema and fake: the op table (fastamp/ops/registry.py, OPTIM_OPS)
