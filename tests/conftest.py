@@ -10,8 +10,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    # skip the interpreter's language re-patch on every @triton.jit helper call (see the module)
+if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("FASTAMP_TEST_INTERP_SPEEDUP", "1") != "0":
+    # skip the interpreter's language re-patch on every @triton.jit helper call (see the module;
+    # FASTAMP_TEST_INTERP_SPEEDUP=0 runs triton's interpreter as it is)
     from interp_speedup import install as _install_interp_speedup  # noqa: E402
 
     _install_interp_speedup()
