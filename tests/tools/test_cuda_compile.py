@@ -25,9 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
 CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
 TIMEOUT_S = 300
-# the compiles are shared by the session (one nvcc run under a lock): on one xdist worker (make test:
-# --dist loadfile), the other workers run other tests meanwhile instead of waiting on the lock
-pytestmark = pytest.mark.xdist_group("cuda_compile")
+# the compiles are shared by the session (one nvcc run under a lock); make test's --dist loadfile keeps
+# this file on one xdist worker, so the other workers run other tests meanwhile instead of waiting on it
 # optim_'s kernel template (csrc/cuda/optim.cuh) names its rules and state formats by these types.
 RULE_TYPES = {"kAdamW": "AdamWRule", "kSgd": "SgdRule", "kLion": "LionRule"}
 FORMAT_TYPES = {"kFloat32": "F32State", "kBFloat16": "Bf16State", "kQ8": "Q8State"}

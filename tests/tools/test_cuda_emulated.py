@@ -33,8 +33,9 @@ from helpers import assert_bits_equal
 from fastamp import reference as R
 from fastamp.reference.optim import AMSGRAD, MAXIMIZE, NESTEROV, SR_PARAM, SR_STATE
 
-# compiles every instance of the kernel for the host (~2 min), once: on one xdist worker (--dist loadfile)
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cuda_emulated")]
+# compiles every instance of the kernel for the host (~2 min), once: make test's --dist loadfile keeps this
+# file on one xdist worker
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")

@@ -1146,9 +1146,8 @@ if __name__ == "__main__":
 
 import pytest  # noqa: E402
 
-# every test here waits for one shared compile: on one xdist worker (make test: --dist loadfile), the
-# other workers run other tests meanwhile instead of waiting on its lock
-pytestmark = pytest.mark.xdist_group("triton_aot")
+# every test here waits for one shared compile; make test's --dist loadfile keeps this file on one xdist
+# worker, so the other workers run other tests meanwhile instead of waiting on its lock
 
 
 def _tritons():
