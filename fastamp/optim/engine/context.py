@@ -129,8 +129,11 @@ class StepContext:
         return t
 
 
-def grad_mul(grad_scale: Tensor, device: torch.device) -> Tensor:
-    """What the kernels multiply raw grads by: ``1/grad_scale`` by the scaler's reciprocal rule, on ``device``."""
+def grad_mul(grad_scale: Tensor | None, device: torch.device) -> Tensor | None:
+    """What the kernels multiply raw grads by: ``1/grad_scale`` by the scaler's reciprocal rule, on ``device``
+    (None without a scaler: the step-scalar functions then use 1)."""
+    if grad_scale is None:
+        return None
     gm = reference.inv_scale(grad_scale.reshape(()))
     return gm if gm.device == device else gm.to(device)
 

@@ -126,7 +126,7 @@ def _step_scalars_op(
     :func:`fastamp.reference.adamw_step_scalars` over that vector; ``args``: beta1, beta2, weight_decay.
     """
     beta1, beta2, weight_decay = args
-    gm = None if grad_scale is None else grad_mul(grad_scale, counts.device)
+    gm = grad_mul(grad_scale, counts.device)
     return _R.adamw_step_scalars(lr, counts_after(counts, found_inf), beta1, beta2, weight_decay, gm)
 
 

@@ -75,7 +75,7 @@ def _step_scalars_op(
     """
     (weight_decay,) = args
     dev = counts.device
-    gm = None if grad_scale is None else grad_mul(grad_scale, dev)
+    gm = grad_mul(grad_scale, dev)
     row = _R.lion_step_scalars(lr, weight_decay, gm, dev)
     # the op's contract: one row per count of a 1-D vector (the optimizer itself passes a 0-dim anchor)
     return row if counts.dim() == 0 else row.expand(*counts.shape, row.numel()).clone()

@@ -60,7 +60,7 @@ def _step_scalars_op(
     with the grad scaler's ``1/grad_scale`` (:mod:`fastamp.optim.engine.context`); ``found_inf``
     and ``args`` are not used (``is_first`` reads the count before the step).
     """
-    gm = None if grad_scale is None else grad_mul(grad_scale, counts.device)
+    gm = grad_mul(grad_scale, counts.device)
     return _R.sgd_step_scalars(lr, counts, gm)
 
 
