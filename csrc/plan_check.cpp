@@ -41,9 +41,12 @@ void prefetch_param_chain(PyObject* list, Py_ssize_t n, Py_ssize_t i) {
   if (const c10::TensorImpl* impl = impl_at(i + 3 * d)) prefetch_tensor_impl(impl);
   if (const c10::TensorImpl* impl = impl_at(i + 2 * d)) {
     prefetch_storage_of(impl);
+    // the AutogradMeta's vtable pointer (grad() is virtual) and its grad_, declared after a name
+    // string: its first 48 bytes
     const char* meta = reinterpret_cast<const char*>(impl->autograd_meta());
     if (meta != nullptr) {
-      for (int line = 0; line < 4; ++line) prefetch_read(meta + 64 * line);
+      prefetch_read(meta);
+      prefetch_read(meta + 47);
     }
   }
   if (const c10::TensorImpl* impl = impl_at(i + d)) {

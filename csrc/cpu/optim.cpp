@@ -543,7 +543,18 @@ bool optim_table_run(OptimTable& t, at::TensorList grads, const at::Tensor& step
   const size_t lists = t.lists;
   for (size_t i = 0; i < n; ++i) {
     prefetch_tensors_ahead(grads, i);
-    for (size_t q = 0; q < lists; ++q) prefetch_tensors_ahead<4>(t.tensors, i * lists + q);
+    {
+      // the table's tensors of the entries d and 2d ahead (counted in entries: each is `lists` tensors,
+      // so counting flat tensors, as this loop once did, asked for them barely one entry ahead)
+      constexpr size_t d = static_cast<size_t>(kHostPrefetchDistance);
+      if (i + 2 * d < n) {
+        for (size_t q = 0; q < lists; ++q)
+          prefetch_tensor_impl(t.tensors[(i + 2 * d) * lists + q].unsafeGetTensorImpl());
+      }
+      if (i + d < n) {
+        for (size_t q = 0; q < lists; ++q) prefetch_storage_of(t.tensors[(i + d) * lists + q].unsafeGetTensorImpl());
+      }
+    }
     const c10::TensorImpl* g = grads[i].unsafeGetTensorImpl();
     const at::ScalarType gdt = c10::typeMetaToScalarType(g->dtype());
     if (!g->device().is_cpu() || g->layout() != at::kStrided || !is_kernel_float(gdt) || !g->is_contiguous() ||
