@@ -27,6 +27,7 @@
 #include "cpu/multi_tensor.h"
 #include "cpu/optim.h"
 #include "cpu/optim_checks.h"
+#include "cpu/optim_scalar.h"
 #include "cpu/optim_table.h"
 #include "cpu/q8_host.h"
 #include "fastamp_math.h"
@@ -47,7 +48,7 @@ static_assert((uint64_t{1} << 32) % static_cast<uint64_t>(kChunkElems) == 0, "ch
 static_assert((1 << 16) % kChunkElems == 0 && kChunkElems % (1 << 14) == 0,
               "the q8 kernel's vector RNG needs chunks of 2^14..2^16 elements (vq8_random16)");
 
-// ---- the rules, as the host sees them ----
+// ---- the rules, as the host sees them (their table: csrc/optim_rules.h) ----
 
 struct RuleInfo {
   Rule id;
@@ -58,62 +59,72 @@ struct RuleInfo {
   int64_t flags;       // its own flags, besides MAXIMIZE, SR_PARAM, SR_STATE
   // The names its refusals give the lists, those of its per-rule op (which runs as optim_: the
   // schemas of fastamp/ops/registry.py), so a message names what the caller passed: int16 masters
-  // (adamw_bf16_'s remainders), the states as a whole, and each state's list.
+  // (adamw_bf16_'s remainders), the states as a whole, and each state's list (its key + "s"), q8
+  // codes and scales (key + "_codes", "_scales").
   const char* remainders;
   const char* states_name;
   const char* lists[kMaxStates];
-  const char* codes[kMaxStates];  // and their q8 lists
+  const char* codes[kMaxStates];
   const char* scales[kMaxStates];
+  const RuleDef* def;
   ChunkFn (*pick)(Isa, at::ScalarType, at::ScalarType, Master, Fmt);
+  void (*set_hyper)(const double*, Args&);
 };
 
-const RuleInfo kRules[] = {
-    {Rule::kAdamW,
-     "adamw",
-     3,
-     4,
-     "[step_size, bc2_sqrt, decay, grad_mul]",
-     optim_flags::kAmsgrad,
-     "remainders",
-     "moments",
-     {"exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"},
-     {"exp_avg_codes", "exp_avg_sq_codes", "max_exp_avg_sq_codes"},
-     {"exp_avg_scales", "exp_avg_sq_scales", "max_exp_avg_sq_scales"},
-     &pick_adamw},
-    {Rule::kSgd,
-     "sgd",
-     3,
-     3,
-     "[lr, grad_mul, is_first]",
-     optim_flags::kNesterov,
-     "masters",
-     "momentum_buffers",
-     {"momentum_buffers", nullptr, nullptr},
-     {"momentum_buffer_codes", nullptr, nullptr},
-     {"momentum_buffer_scales", nullptr, nullptr},
-     &pick_sgd},
-    {Rule::kLion,
-     "lion",
-     2,
-     3,
-     "[lr, decay, grad_mul]",
-     0,
-     "masters",
-     "exp_avgs",
-     {"exp_avgs", nullptr, nullptr},
-     {"exp_avg_codes", nullptr, nullptr},
-     {"exp_avg_scales", nullptr, nullptr},
-     &pick_lion},
+struct RuleTable {
+  RuleInfo rules[kNumRules];
+  std::string names[kNumRules][3][kMaxStates];  // what lists, codes and scales point at
+  RuleTable() {
+    ChunkFn (*const picks[])(Isa, at::ScalarType, at::ScalarType, Master, Fmt) = {
+#define FASTAMP_CPU_PICK_(Name, name, max_states) &pick_##name,
+        FASTAMP_OPTIM_RULES(FASTAMP_CPU_PICK_)
+#undef FASTAMP_CPU_PICK_
+    };
+    void (*const hypers[])(const double*, Args&) = {
+#define FASTAMP_CPU_HYPER_(Name, name, max_states) &Name##Rule::set_hyper,
+        FASTAMP_OPTIM_RULES(FASTAMP_CPU_HYPER_)
+#undef FASTAMP_CPU_HYPER_
+    };
+    for (int i = 0; i < kNumRules; ++i) {
+      const RuleDef& d = kRuleDefs[i];
+      RuleInfo& r = rules[i];
+      r = RuleInfo{d.id,
+                   d.name,
+                   static_cast<size_t>(d.hyper),
+                   d.scalars,
+                   d.layout,
+                   d.flags,
+                   d.int16_masters,
+                   d.states_name,
+                   {},
+                   {},
+                   {},
+                   &d,
+                   picks[i],
+                   hypers[i]};
+      for (int j = 0; j < kMaxStates; ++j) {
+        if (d.keys[j] == nullptr) continue;
+        const char* suffix[3] = {"s", "_codes", "_scales"};
+        const char** out[3] = {r.lists, r.codes, r.scales};
+        for (int q = 0; q < 3; ++q) {
+          names[i][q][j] = std::string(d.keys[j]) + suffix[q];
+          out[q][j] = names[i][q][j].c_str();
+        }
+      }
+    }
+  }
 };
+
+const RuleTable& rule_table() {
+  static const RuleTable table;
+  return table;
+}
 
 const RuleInfo& find_rule(c10::string_view name) {
-  const RuleInfo* found = nullptr;
-  for (const RuleInfo& r : kRules) {
-    if (name == r.name) found = &r;
-  }
-  TORCH_CHECK(found != nullptr, "fastamp::optim_: unknown rule '", std::string(name.data(), name.size()),
-              "'; expected one of adamw, sgd, lion");
-  return *found;
+  const RuleDef* def = find_rule_def(name.data(), name.size());
+  TORCH_CHECK(def != nullptr, "fastamp::optim_: unknown rule '", std::string(name.data(), name.size()),
+              "'; expected one of ", rule_name_list());
+  return rule_table().rules[static_cast<int>(def->id)];
 }
 
 // flags: a combination of the rule's.
@@ -127,17 +138,9 @@ void check_flags(const RuleInfo& r, int64_t flags) {
               ")");
 }
 
-// The states a call keeps: AdamW 2 (3 with AMSGRAD), SGD 1 with a momentum (0 without), Lion 1.
-int states_of(const RuleInfo& r, int64_t flags, bool momentum) {
-  switch (r.id) {
-    case Rule::kAdamW:
-      return (flags & optim_flags::kAmsgrad) ? 3 : 2;
-    case Rule::kSgd:
-      return momentum ? 1 : 0;
-    default:
-      return 1;
-  }
-}
+// The states a call keeps (csrc/optim_rules.h's states_kept): AdamW 2 (3 with AMSGRAD), SGD 1 with a
+// momentum (0 without), Lion 1.
+int states_of(const RuleInfo& r, int64_t flags, bool momentum) { return states_kept(*r.def, flags, momentum); }
 
 // A call's settings from its hyperparameters and flags (fp32 as the reference's _f32 rounds them:
 // 1 - beta in fp64, rounded once).
@@ -145,28 +148,8 @@ Args args_of(const RuleInfo& r, at::ArrayRef<double> hyper, int64_t flags) {
   TORCH_CHECK(hyper.size() == r.hyper, "fastamp::optim_: rule '", r.name, "' takes ", r.hyper, " hyperparameters, got ",
               hyper.size());
   Args a{};
-  switch (r.id) {
-    case Rule::kAdamW:
-      a.h[0] = static_cast<float>(hyper[0]);
-      a.h[1] = static_cast<float>(1.0 - hyper[0]);
-      a.h[2] = static_cast<float>(hyper[1]);
-      a.h[3] = static_cast<float>(1.0 - hyper[1]);
-      a.h[4] = static_cast<float>(hyper[2]);
-      break;
-    case Rule::kSgd:
-      a.h[0] = static_cast<float>(hyper[0]);
-      a.h[1] = static_cast<float>(1.0 - hyper[1]);
-      a.h[2] = static_cast<float>(hyper[2]);
-      a.has_wd = hyper[2] != 0.0;
-      break;
-    default:
-      a.h[0] = static_cast<float>(hyper[0]);
-      a.h[1] = static_cast<float>(1.0 - hyper[0]);
-      a.h[2] = static_cast<float>(hyper[1]);
-      a.h[3] = static_cast<float>(1.0 - hyper[1]);
-      break;
-  }
-  a.states = states_of(r, flags, r.id == Rule::kSgd && hyper[0] != 0.0);
+  r.set_hyper(hyper.data(), a);
+  a.states = states_of(r, flags, !hyper.empty() && hyper[0] != 0.0);
   a.maximize = (flags & optim_flags::kMaximize) != 0;
   a.amsgrad = (flags & optim_flags::kAmsgrad) != 0;
   a.nesterov = (flags & optim_flags::kNesterov) != 0;

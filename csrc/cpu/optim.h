@@ -15,12 +15,14 @@
 #include <cstdint>
 
 #include "cpu/isa.h"
+#include "optim_rules.h"
 
 namespace fastamp {
 namespace cpu {
 namespace optim {
 
-enum class Rule : int { kAdamW = 0, kSgd = 1, kLion = 2 };
+// The update rules: csrc/optim_rules.h.
+using Rule = RuleId;
 // The value optimised: an fp32 master (params of any float dtype), the exact master of a bf16
 // param and an int16 remainder, the ulp8 master of a bf16 / fp16 param and an int8 correction, or
 // the param itself.
@@ -45,9 +47,8 @@ struct Span {
 // A call's settings, with the chunk's tensor's row of step scalars.
 struct Args {
   float s[4];  // the step-scalar row (the rule's k <= 4 floats)
-  // the hyperparameters in fp32 (1 - beta computed in fp64, rounded once, as the reference's _f32):
-  // AdamW beta1, 1 - beta1, beta2, 1 - beta2, eps; SGD momentum, 1 - dampening, weight_decay;
-  // Lion beta1, 1 - beta1, beta2, 1 - beta2
+  // the hyperparameters in fp32 (1 - beta computed in fp64, rounded once, as the reference's _f32),
+  // as each rule's set_hyper (cpu/optim_scalar.h) writes them
   float h[5];
   int states;     // the states kept: AdamW 2 (3 with amsgrad), SGD 0 or 1, Lion 1
   bool maximize;  // MAXIMIZE
@@ -62,11 +63,13 @@ struct Args {
 using ChunkFn = void (*)(const Span&, int64_t n, const Args&);
 
 // The kernel of a rule for one tensor's dtypes and the call's formats on `isa`; nullptr for a
-// combination the checks refuse (remainders need bf16 params, ulp8 corrections bf16 or fp16 ones).
-// One per translation unit (cpu/optim_adamw.cpp, optim_sgd.cpp, optim_lion.cpp).
-ChunkFn pick_adamw(Isa isa, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt);
-ChunkFn pick_sgd(Isa isa, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt);
-ChunkFn pick_lion(Isa isa, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt);
+// combination the checks refuse (remainders need bf16 params, ulp8 corrections bf16 or fp16 ones):
+// pick_<name> for each rule of csrc/optim_rules.h, one per translation unit (cpu/optim_<name>.cpp),
+// so that the rules compile in parallel.
+#define FASTAMP_CPU_PICK_DECL_(Name, name, max_states) \
+  ChunkFn pick_##name(Isa isa, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt);
+FASTAMP_OPTIM_RULES(FASTAMP_CPU_PICK_DECL_)
+#undef FASTAMP_CPU_PICK_DECL_
 
 }  // namespace optim
 }  // namespace cpu

@@ -26,12 +26,22 @@ namespace optim {
 //
 // kMinStates / kMaxStates: the states a call keeps (Args::states lies between); kV[j]: state j is
 // stored with q8's v code (w = sqrt(v)), else with its signed m code. grad_mul is the step-scalar
-// row's kGradMul-th float.
+// row's kGradMul-th float. set_hyper: the call's hyperparameters (as many as csrc/optim_rules.h's
+// row says, checked by the caller) in fp32 into a.h, 1 - beta computed in fp64 and rounded once, as
+// the reference's _f32.
 
 struct AdamWRule {
   static constexpr Rule kId = Rule::kAdamW;
   static constexpr int kMinStates = 2, kMaxStates = 3;
   static constexpr bool kV[3] = {false, true, true};  // exp_avg, exp_avg_sq, max_exp_avg_sq
+  // beta1, 1 - beta1, beta2, 1 - beta2, eps
+  static inline void set_hyper(const double* hyper, Args& a) {
+    a.h[0] = static_cast<float>(hyper[0]);
+    a.h[1] = static_cast<float>(1.0 - hyper[0]);
+    a.h[2] = static_cast<float>(hyper[1]);
+    a.h[3] = static_cast<float>(1.0 - hyper[1]);
+    a.h[4] = static_cast<float>(hyper[2]);
+  }
   static inline void element(float* p, float* s, float g, const Args& a) {
     const math::AdamWStepScalars sc{a.s[0], a.s[1], a.s[2], a.s[3]};
     const math::AdamWHyper h{a.h[0], a.h[1], a.h[2], a.h[3], a.h[4]};
@@ -43,6 +53,13 @@ struct SgdRule {
   static constexpr Rule kId = Rule::kSgd;
   static constexpr int kMinStates = 0, kMaxStates = 1;
   static constexpr bool kV[1] = {false};  // momentum_buffer
+  // momentum, 1 - dampening, weight_decay; has_wd: weight_decay != 0 (in fp64, as the reference tests it)
+  static inline void set_hyper(const double* hyper, Args& a) {
+    a.h[0] = static_cast<float>(hyper[0]);
+    a.h[1] = static_cast<float>(1.0 - hyper[1]);
+    a.h[2] = static_cast<float>(hyper[2]);
+    a.has_wd = hyper[2] != 0.0;
+  }
   static inline void element(float* p, float* s, float g, const Args& a) {
     const math::SgdStepScalars sc{a.s[0], a.s[1], a.s[2]};
     const math::SgdHyper h{a.h[0], a.h[1], a.h[2], a.states > 0, a.has_wd, a.nesterov, a.maximize};
@@ -54,6 +71,13 @@ struct LionRule {
   static constexpr Rule kId = Rule::kLion;
   static constexpr int kMinStates = 1, kMaxStates = 1;
   static constexpr bool kV[1] = {false};  // exp_avg
+  // beta1, 1 - beta1, beta2, 1 - beta2
+  static inline void set_hyper(const double* hyper, Args& a) {
+    a.h[0] = static_cast<float>(hyper[0]);
+    a.h[1] = static_cast<float>(1.0 - hyper[0]);
+    a.h[2] = static_cast<float>(hyper[1]);
+    a.h[3] = static_cast<float>(1.0 - hyper[1]);
+  }
   static inline void element(float* p, float* s, float g, const Args& a) {
     const math::LionStepScalars sc{a.s[0], a.s[1], a.s[2]};
     const math::LionHyper h{a.h[0], a.h[1], a.h[2], a.h[3], a.maximize};

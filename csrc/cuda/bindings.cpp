@@ -284,27 +284,7 @@ const int64_t* optional_rng(const char* op, const std::optional<at::Tensor>& rng
 
 // ---- optim_: the one optimizer op (semantics: fastamp.reference.optim_) ----
 
-struct OptimRuleInfo {
-  OptimRule id;
-  const char* name;
-  size_t hyper;             // values in `hyper`
-  const char* hyper_names;  // for messages
-  int64_t flags;            // the rule's own flags, besides MAXIMIZE, SR_PARAM and SR_STATE
-  const char* flag_names;   // every flag it takes, for messages
-  int64_t scalars;          // step scalars per row
-  const char* const* keys;  // its states' keys, in the order of the states list
-};
-
-constexpr const char* kAdamWKeys[] = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-constexpr const char* kSgdKeys[] = {"momentum_buffer"};
-constexpr const char* kLionKeys[] = {"exp_avg"};
-constexpr OptimRuleInfo kOptimRules[] = {
-    {OptimRule::kAdamW, "adamw", 3, "[beta1, beta2, eps]", optim_flags::kAmsgrad,
-     "MAXIMIZE, AMSGRAD, SR_PARAM, SR_STATE", 4, kAdamWKeys},
-    {OptimRule::kSgd, "sgd", 3, "[momentum, dampening, weight_decay]", optim_flags::kNesterov,
-     "MAXIMIZE, NESTEROV, SR_PARAM, SR_STATE", 3, kSgdKeys},
-    {OptimRule::kLion, "lion", 2, "[beta1, beta2]", 0, "MAXIMIZE, SR_PARAM, SR_STATE", 3, kLionKeys},
-};
+// The rules: csrc/optim_rules.h's kRuleDefs.
 
 const char* state_format_name(StateFormat f) {
   return f == StateFormat::kQ8 ? "q8 (uint8)" : (f == StateFormat::kBFloat16 ? "bfloat16" : "float32");
@@ -318,7 +298,7 @@ std::string state_list_name(const char* key, int per, int s) {
 
 // What the states list holds, for the message of a wrong count: "expected 2 exp_avgs, 2
 // exp_avg_sqs; amsgrad needs 2 max_exp_avg_sqs (each its n tensors, in this order)".
-std::string expected_states(const OptimRuleInfo& info, int num_states, int per, size_t n, bool amsgrad) {
+std::string expected_states(const RuleDef& info, int num_states, int per, size_t n, bool amsgrad) {
   if (num_states == 0) return "expected no state tensors (momentum 0 keeps none)";
   std::string text = "expected";
   for (int j = 0; j < num_states; ++j) {
@@ -365,26 +345,20 @@ void optim_cuda(at::TensorList params, at::TensorList grads, at::TensorList mast
   const size_t n = params.size();
   if (n == 0) return;
   const std::string_view rule_name(rule.data(), rule.size());
-  const OptimRuleInfo* info = nullptr;
-  for (const OptimRuleInfo& r : kOptimRules) {
-    if (rule_name == r.name) info = &r;
-  }
-  TORCH_CHECK(info != nullptr, "fastamp::", op, ": unknown rule '", std::string(rule_name),
-              "'; expected one of adamw, sgd, lion");
-  TORCH_CHECK(hyper.size() == info->hyper, "fastamp::", op, ": rule '", info->name, "' takes hyper ", info->hyper_names,
-              ", got ", hyper.size(), " values");
+  const RuleDef* info = find_rule_def(rule_name.data(), rule_name.size());
+  TORCH_CHECK(info != nullptr, "fastamp::", op, ": unknown rule '", std::string(rule_name), "'; expected one of ",
+              rule_name_list());
+  TORCH_CHECK(hyper.size() == static_cast<size_t>(info->hyper), "fastamp::", op, ": rule '", info->name,
+              "' takes hyper ", info->hyper_names, ", got ", hyper.size(), " values");
   const int64_t allowed = optim_flags::kMaximize | optim_flags::kSrParam | optim_flags::kSrState | info->flags;
   TORCH_CHECK((flags & ~allowed) == 0, "fastamp::", op, ": flags ", flags, " are not a combination of rule '",
               info->name, "''s ", info->flag_names);
-  int num_states = 1;
-  if (info->id == OptimRule::kAdamW) num_states = (flags & optim_flags::kAmsgrad) != 0 ? 3 : 2;
-  if (info->id == OptimRule::kSgd) num_states = hyper[0] != 0.0 ? 1 : 0;
+  const int num_states = states_kept(*info, flags, !hyper.empty() && hyper[0] != 0.0);
   TORCH_CHECK(grads.size() == n, "fastamp::", op, ": expected ", n, " grads, got ", grads.size());
   // int16 masters are the remainders of bf16 params: AdamW's messages call them so (adamw_bf16_'s list name),
-  // SGD's and Lion's "masters" (their per-rule ops' name), as the CPU kernel's messages do
-  const char* masters_name = info->id == OptimRule::kAdamW && !masters.empty() && masters[0].defined() &&
-                                     masters[0].scalar_type() == at::kShort
-                                 ? "remainders"
+  // SGD's and Lion's "masters" (their per-rule ops' name), as the CPU kernel's messages do (optim_rules.h)
+  const char* masters_name = !masters.empty() && masters[0].defined() && masters[0].scalar_type() == at::kShort
+                                 ? info->int16_masters
                                  : "masters";
   TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::", op, ": expected 0 or ", n, " ", masters_name,
               ", got ", masters.size());

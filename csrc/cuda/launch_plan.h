@@ -20,6 +20,8 @@
 #include <cstring>
 #include <vector>
 
+#include "../optim_rules.h"
+
 #if defined(__CUDACC__)
 #define FASTAMP_PLAN_HD __host__ __device__ __forceinline__
 #else
@@ -53,12 +55,12 @@ constexpr int kUnscaleSlotsDepth = 2;  // grad, the grad's own partial slots (un
 // Rows: param, grad, master (or null), the rule's state tensors (one per state, two for q8:
 // codes then scales; null past the states a call keeps), and the tensor's list index, from
 // which the kernel finds its step-scalar row and its random streams (so neither takes a row).
-enum class OptimRule : int32_t { kAdamW = 0, kSgd = 1, kLion = 2 };
+using OptimRule = ::fastamp::RuleId;  // the rules of csrc/optim_rules.h
 enum class StateFormat : int32_t { kFloat32 = 0, kBFloat16 = 1, kQ8 = 2 };
 
-// The most states a rule keeps: AdamW exp_avg, exp_avg_sq and (amsgrad) max_exp_avg_sq; SGD its
-// momentum buffer (none without momentum); Lion exp_avg.
-FASTAMP_PLAN_HD constexpr int optim_max_states(OptimRule rule) { return rule == OptimRule::kAdamW ? 3 : 1; }
+// The most states a rule keeps (csrc/optim_rules.h): AdamW exp_avg, exp_avg_sq and (amsgrad)
+// max_exp_avg_sq; SGD its momentum buffer (none without momentum); Lion exp_avg.
+FASTAMP_PLAN_HD constexpr int optim_max_states(OptimRule rule) { return rule_max_states(rule); }
 // Tensors per state: q8 keeps codes and block scales.
 FASTAMP_PLAN_HD constexpr int state_streams(StateFormat format) { return format == StateFormat::kQ8 ? 2 : 1; }
 constexpr int kOptimFixedRows = 4;  // param, grad, master, list index

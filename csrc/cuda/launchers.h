@@ -142,14 +142,13 @@ cudaError_t optim(const OptimTensorRef* tensors, int64_t num_tensors, const Opti
                   cudaStream_t stream);
 
 namespace detail {
-// The rules' launchers optim() hands a call to, one translation unit each (optim_<rule>.cu), so
-// that the instances compile in parallel.
-cudaError_t optim_adamw(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
-                        cudaStream_t stream);
-cudaError_t optim_sgd(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
-                      cudaStream_t stream);
-cudaError_t optim_lion(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
-                       cudaStream_t stream);
+// The rules' launchers optim() hands a call to, one translation unit each (optim_<name>.cu, for each
+// rule of csrc/optim_rules.h), so that the instances compile in parallel.
+#define FASTAMP_CUDA_OPTIM_DECL_(Name, name, max_states)                                              \
+  cudaError_t optim_##name(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, \
+                           TableMemory& tables, cudaStream_t stream);
+FASTAMP_OPTIM_RULES(FASTAMP_CUDA_OPTIM_DECL_)
+#undef FASTAMP_CUDA_OPTIM_DECL_
 }  // namespace detail
 
 }  // namespace cuda

@@ -1,5 +1,5 @@
-// fastamp::optim_ on CUDA: the call handed to its rule's launcher (optim_adamw.cu, optim_sgd.cu,
-// optim_lion.cu, each instantiating the kernel template of optim.cuh). No torch header: the
+// fastamp::optim_ on CUDA: the call handed to its rule's launcher (optim_<name>.cu for each rule of
+// csrc/optim_rules.h, each instantiating the kernel template of optim.cuh). No torch header: the
 // binding is csrc/cuda/bindings.cpp.
 #include <cuda_runtime_api.h>
 
@@ -17,12 +17,11 @@ cudaError_t optim(const OptimTensorRef* tensors, int64_t num_tensors, const Opti
                   cudaStream_t stream) {
   if (!optim_compiled(call.rule, call.format)) return cudaErrorInvalidValue;
   switch (call.rule) {
-    case OptimRule::kAdamW:
-      return detail::optim_adamw(tensors, num_tensors, call, tables, stream);
-    case OptimRule::kSgd:
-      return detail::optim_sgd(tensors, num_tensors, call, tables, stream);
-    case OptimRule::kLion:
-      return detail::optim_lion(tensors, num_tensors, call, tables, stream);
+#define FASTAMP_CUDA_OPTIM_CASE_(Name, name, max_states) \
+  case OptimRule::k##Name:                               \
+    return detail::optim_##name(tensors, num_tensors, call, tables, stream);
+    FASTAMP_OPTIM_RULES(FASTAMP_CUDA_OPTIM_CASE_)
+#undef FASTAMP_CUDA_OPTIM_CASE_
   }
   return cudaErrorInvalidValue;
 }
