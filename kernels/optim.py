@@ -61,7 +61,7 @@ __all__ = ["optim_", "MASTERS", "STATES", "GRAD_DTYPES", "PER_RULE_OPS", "launch
 _ALL = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _F3 = (torch.float32, torch.float16, torch.bfloat16)
 
-RULE_IDS = {"adamw": R.RULE_ADAMW, "sgd": R.RULE_SGD, "lion": R.RULE_LION}
+RULE_IDS = R.RULE_IDS
 # The formats: the master kind of a ``masters`` list's dtype and the param dtypes it takes; the state
 # format (reference.optim.state_format) and the param dtypes it takes (its 16-bit and 8-bit formats
 # are for 16- and 32-bit params). Every combination of the two that both allow runs (the AOT tier
@@ -257,23 +257,10 @@ def _optim_block(
         s2 = F.load_state(c2_ptr, s2_ptr, idx, mask, bidx, bmask, STATE, True, MASKED)
     else:
         s2 = s1
-    if RULE == 0:
-        pv, n0, n1, n2, root = R.adamw(
-            p, g, s0, s1, s2, scalars_ptr, hyper0, hyper1, hyper2, hyper3, hyper4, maximize, lerp_small,
-            N_STATE > 2, RN,
-        )  # fmt: skip
-    elif RULE == 1:
-        pv, n0 = R.sgd(
-            p, g, s0, scalars_ptr, hyper0, hyper1, hyper2, maximize, nesterov, has_weight_decay, N_STATE > 0
-        )  # fmt: skip
-        n1 = n0
-        n2 = n0
-        root = n0
-    else:
-        pv, n0 = R.lion(p, g, s0, scalars_ptr, hyper0, hyper1, hyper2, hyper3, maximize)
-        n1 = n0
-        n2 = n0
-        root = n0
+    pv, n0, n1, n2, root = R.step(
+        p, g, s0, s1, s2, scalars_ptr, hyper0, hyper1, hyper2, hyper3, hyper4, maximize, lerp_small, nesterov,
+        has_weight_decay, RULE, N_STATE, RN,
+    )  # fmt: skip
     F.store_master(p_ptr, w_ptr, idx, pv, mask, key_p, off, P_KIND, MASTER, SR_P, MASKED)
     if N_STATE > 0:
         F.store_state(c0_ptr, s0_ptr, idx, mask, bidx, bmask, n0, n0, key_0, off, STATE, False, SR_S, MASKED)
@@ -294,19 +281,6 @@ def launch_flags(master: str, state: str, n_state: int, p_dtype, sr_param: bool,
     sr_p = sr_param and (master == "ulp8" or (master == "none" and p_dtype == torch.bfloat16))
     sr_s = sr_state and n_state > 0 and state in ("bf16", "q8")
     return bool(sr_p), bool(sr_s)
-
-
-def _hyper_args(rule: str, hyper) -> tuple:
-    """The rule's hyperparameters as the kernel's five fp32 numbers (rounded as the reference's ``_f32``)."""
-    f = C.to_f32
-    if rule == "adamw":
-        beta1, beta2, eps = hyper
-        return f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps)
-    if rule == "sgd":
-        momentum, dampening, weight_decay = hyper
-        return f(momentum), f(1.0 - dampening), f(weight_decay), 0.0, 0.0
-    beta1, beta2 = hyper
-    return f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), 0.0
 
 
 def _optim_impl(
@@ -376,14 +350,7 @@ def _optim_impl(
     def use_rng(gkey) -> bool:
         return any(sr(gkey))
 
-    maximize = bool(flags & ref.MAXIMIZE)
-    if rule == "adamw":
-        runtime = (int(maximize), int(C.lerp_small(hyper[0])), 0, 0)
-    elif rule == "sgd":
-        runtime = (int(maximize), 0, int(bool(flags & ref.NESTEROV) and n_state > 0), int(hyper[2] != 0))
-    else:
-        runtime = (int(maximize), 0, 0, 0)
-    hyper_args = _hyper_args(rule, hyper)
+    hyper_args, runtime = R.host_args(rule, hyper, flags, n_state, bool(flags & ref.MAXIMIZE))
     chunk, block, opts = C.launch_config("optim")
     with C.device_guard(dev):
         # a plan compares the states as one list (the columns' tensors in column order)

@@ -18,7 +18,30 @@ import triton
 import triton.language as tl
 from fastamp.kernels import _common as C
 
+from fastamp.reference.optim import NESTEROV
+
 RULE_ADAMW, RULE_SGD, RULE_LION = 0, 1, 2
+# the kernel's RULE for each name optim_ takes (the ids of csrc/optim_rules.h: one order for every backend)
+RULE_IDS = {"adamw": RULE_ADAMW, "sgd": RULE_SGD, "lion": RULE_LION}
+
+
+def host_args(rule: str, hyper, flags: int, n_state: int, maximize: bool) -> tuple:
+    """What the kernel takes for a call of ``rule``, computed on the host once per call: its five fp32
+    hyperparameters (rounded as the reference's ``_f32``) and its runtime ints ``(maximize,
+    lerp_small, nesterov, has_weight_decay)``: flags that only pick an operation (0 where the rule has
+    no such choice)."""
+    f = C.to_f32
+    if rule == "adamw":
+        beta1, beta2, eps = hyper
+        hyper5 = (f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), f(eps))
+        return hyper5, (int(maximize), int(C.lerp_small(beta1)), 0, 0)
+    if rule == "sgd":
+        momentum, dampening, weight_decay = hyper
+        nesterov = int(bool(flags & NESTEROV) and n_state > 0)
+        hyper5 = (f(momentum), f(1.0 - dampening), f(weight_decay), 0.0, 0.0)
+        return hyper5, (int(maximize), 0, nesterov, int(weight_decay != 0))
+    beta1, beta2 = hyper
+    return (f(beta1), f(1.0 - beta1), f(beta2), f(1.0 - beta2), 0.0), (int(maximize), 0, 0, 0)
 
 
 @triton.jit
@@ -97,3 +120,32 @@ def lion(p, g, m, scalars_ptr, beta1, one_minus_beta1, beta2, one_minus_beta2, m
     c = m * beta1 + g * one_minus_beta1
     pv = p * decay - lr * lion_sign(c)
     return pv, m * beta2 + g * one_minus_beta2
+
+
+@triton.jit
+def step(
+    p, g, s0, s1, s2, scalars_ptr, hyper0, hyper1, hyper2, hyper3, hyper4, maximize, lerp_small, nesterov,
+    has_weight_decay, RULE: tl.constexpr, N_STATE: tl.constexpr, RN: tl.constexpr,
+):  # fmt: skip
+    """The rule ``RULE`` (:data:`RULE_IDS`) on one block: ``(p, state 0, state 1, state 2, root)``, the
+    states a rule does not keep standing in as its first one, ``root`` the square root a q8 v code of
+    AdamW encodes (the first state for the other rules; unused). The arguments as the kernel got them
+    from :func:`host_args`; ``s0``-``s2`` the decoded states (``p`` where there are none)."""
+    if RULE == 0:
+        pv, n0, n1, n2, root = adamw(
+            p, g, s0, s1, s2, scalars_ptr, hyper0, hyper1, hyper2, hyper3, hyper4, maximize, lerp_small,
+            N_STATE > 2, RN,
+        )  # fmt: skip
+    elif RULE == 1:
+        pv, n0 = sgd(
+            p, g, s0, scalars_ptr, hyper0, hyper1, hyper2, maximize, nesterov, has_weight_decay, N_STATE > 0
+        )  # fmt: skip
+        n1 = n0
+        n2 = n0
+        root = n0
+    else:
+        pv, n0 = lion(p, g, s0, scalars_ptr, hyper0, hyper1, hyper2, hyper3, maximize)
+        n1 = n0
+        n2 = n0
+        root = n0
+    return pv, n0, n1, n2, root
