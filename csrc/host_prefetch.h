@@ -35,13 +35,12 @@ namespace detail {
 #if defined(__GNUC__) || defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Winvalid-offsetof"
-// Where the TensorImpl fields the checks read sit, from torch's own header (so a torch that moves them
-// moves the prefetches with them): storage_ near the start (autograd_meta_, private, is declared
-// right after it: the same 16 bytes); storage_offset_,
-// numel_, data_type_, device_opt_, the flag bits (is_contiguous_, sizes_strides_policy_,
-// storage_access_should_throw_, ...) and key_set_ together further on. Between them sit the sizes
-// and strides, which a check of a contiguous tensor's cached numel and flag bits does not read.
-// Never instantiated: the offsets only.
+// Where the TensorImpl fields the checks read sit, from torch's own header (so a torch that moves
+// them moves the prefetches with them): storage_ near the start (autograd_meta_, private, is
+// declared right after it: the same 16 bytes); storage_offset_, numel_, data_type_, device_opt_,
+// the flag bits (is_contiguous_, sizes_strides_policy_, storage_access_should_throw_, ...) and
+// key_set_ together further on. Between them sit the sizes and strides, which a check of a
+// contiguous tensor's cached numel and flag bits does not read. Never instantiated: the offsets only.
 struct TensorImplFields : c10::TensorImpl {
   static constexpr size_t storage_at() { return offsetof(TensorImplFields, storage_); }
   static constexpr size_t offset_at() { return offsetof(TensorImplFields, storage_offset_); }
