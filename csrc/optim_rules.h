@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "optim_flags.h"
 
@@ -124,9 +125,7 @@ constexpr const RuleDef& rule_def(RuleId rule) { return kRuleDefs[static_cast<in
 // The row named `name` (a pointer and a length: std::string_view, c10::string_view), or nullptr.
 inline const RuleDef* find_rule_def(const char* name, size_t length) {
   for (const RuleDef& r : kRuleDefs) {
-    size_t i = 0;
-    while (i < length && r.name[i] != '\0' && r.name[i] == name[i]) ++i;
-    if (i == length && r.name[i] == '\0') return &r;
+    if (std::string_view(r.name) == std::string_view(name, length)) return &r;
   }
   return nullptr;
 }

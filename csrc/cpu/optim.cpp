@@ -50,23 +50,15 @@ static_assert((1 << 16) % kChunkElems == 0 && kChunkElems % (1 << 14) == 0,
 
 // ---- the rules, as the host sees them (their table: csrc/optim_rules.h) ----
 
+// A rule's row (csrc/optim_rules.h) and what the CPU adds to it.
 struct RuleInfo {
-  Rule id;
-  const char* name;
-  size_t hyper;        // len(hyper)
-  int64_t scalars;     // k: the floats of a step-scalar row
-  const char* layout;  // their names
-  int64_t flags;       // its own flags, besides MAXIMIZE, SR_PARAM, SR_STATE
-  // The names its refusals give the lists, those of its per-rule op (which runs as optim_: the
-  // schemas of fastamp/ops/registry.py), so a message names what the caller passed: int16 masters
-  // (adamw_bf16_'s remainders), the states as a whole, and each state's list (its key + "s"), q8
-  // codes and scales (key + "_codes", "_scales").
-  const char* remainders;
-  const char* states_name;
+  const RuleDef* def;
+  // The names its refusals give each state's list, those of its per-rule op (which runs as optim_:
+  // the schemas of fastamp/ops/registry.py), so a message names what the caller passed: the key + "s"
+  // (exp_avgs), and for q8 the key + "_codes" and "_scales".
   const char* lists[kMaxStates];
   const char* codes[kMaxStates];
   const char* scales[kMaxStates];
-  const RuleDef* def;
   ChunkFn (*pick)(Isa, at::ScalarType, at::ScalarType, Master, Fmt);
   void (*set_hyper)(const double*, Args&);
 };
@@ -88,20 +80,7 @@ struct RuleTable {
     for (int i = 0; i < kNumRules; ++i) {
       const RuleDef& d = kRuleDefs[i];
       RuleInfo& r = rules[i];
-      r = RuleInfo{d.id,
-                   d.name,
-                   static_cast<size_t>(d.hyper),
-                   d.scalars,
-                   d.layout,
-                   d.flags,
-                   d.int16_masters,
-                   d.states_name,
-                   {},
-                   {},
-                   {},
-                   &d,
-                   picks[i],
-                   hypers[i]};
+      r = RuleInfo{&d, {}, {}, {}, picks[i], hypers[i]};
       for (int j = 0; j < kMaxStates; ++j) {
         if (d.keys[j] == nullptr) continue;
         const char* suffix[3] = {"s", "_codes", "_scales"};
@@ -129,27 +108,23 @@ const RuleInfo& find_rule(c10::string_view name) {
 
 // flags: a combination of the rule's.
 void check_flags(const RuleInfo& r, int64_t flags) {
-  const int64_t allowed = optim_flags::kMaximize | optim_flags::kSrParam | optim_flags::kSrState | r.flags;
-  TORCH_CHECK((flags & ~allowed) == 0, "fastamp::optim_: flags ", flags, " are not a combination of rule '", r.name,
-              "''s (MAXIMIZE 1, SR_PARAM 8, SR_STATE 16",
-              r.flags == optim_flags::kAmsgrad    ? ", AMSGRAD 2"
-              : r.flags == optim_flags::kNesterov ? ", NESTEROV 4"
-                                                  : "",
+  const int64_t allowed = optim_flags::kMaximize | optim_flags::kSrParam | optim_flags::kSrState | r.def->flags;
+  TORCH_CHECK((flags & ~allowed) == 0, "fastamp::optim_: flags ", flags, " are not a combination of rule '",
+              r.def->name, "''s (MAXIMIZE 1, SR_PARAM 8, SR_STATE 16",
+              r.def->flags == optim_flags::kAmsgrad    ? ", AMSGRAD 2"
+              : r.def->flags == optim_flags::kNesterov ? ", NESTEROV 4"
+                                                       : "",
               ")");
 }
-
-// The states a call keeps (csrc/optim_rules.h's states_kept): AdamW 2 (3 with AMSGRAD), SGD 1 with a
-// momentum (0 without), Lion 1.
-int states_of(const RuleInfo& r, int64_t flags, bool momentum) { return states_kept(*r.def, flags, momentum); }
 
 // A call's settings from its hyperparameters and flags (fp32 as the reference's _f32 rounds them:
 // 1 - beta in fp64, rounded once).
 Args args_of(const RuleInfo& r, at::ArrayRef<double> hyper, int64_t flags) {
-  TORCH_CHECK(hyper.size() == r.hyper, "fastamp::optim_: rule '", r.name, "' takes ", r.hyper, " hyperparameters, got ",
-              hyper.size());
+  TORCH_CHECK(hyper.size() == static_cast<size_t>(r.def->hyper), "fastamp::optim_: rule '", r.def->name, "' takes ",
+              r.def->hyper, " hyperparameters, got ", hyper.size());
   Args a{};
   r.set_hyper(hyper.data(), a);
-  a.states = states_of(r, flags, !hyper.empty() && hyper[0] != 0.0);
+  a.states = states_kept(*r.def, flags, !hyper.empty() && hyper[0] != 0.0);
   a.maximize = (flags & optim_flags::kMaximize) != 0;
   a.amsgrad = (flags & optim_flags::kAmsgrad) != 0;
   a.nesterov = (flags & optim_flags::kNesterov) != 0;
@@ -180,7 +155,7 @@ Layout layout_of(const RuleInfo& r, int states, size_t n, at::TensorList grads, 
   l.states = states;
   TORCH_CHECK(grads.size() == n, "fastamp::optim_: got ", n, " params but ", grads.size(), " grads");
   if (!masters.empty() && masters[0].defined() && masters[0].scalar_type() == at::kShort) {
-    l.masters_name = r.remainders;
+    l.masters_name = r.def->int16_masters;
   }
   TORCH_CHECK(masters.empty() || masters.size() == n, "fastamp::optim_: ", l.masters_name,
               " must be empty or have one tensor per param, got ", masters.size(), " ", l.masters_name, " for ", n,
@@ -220,7 +195,7 @@ Layout layout_of(const RuleInfo& r, int states, size_t n, at::TensorList grads, 
         l.per = 2;
         break;
       default:
-        TORCH_CHECK(false, "fastamp::optim_: ", r.states_name,
+        TORCH_CHECK(false, "fastamp::optim_: ", r.def->states_name,
                     " must be float32 or bfloat16, or uint8 q8 codes and scales (one state format per call), got ",
                     r.lists[0], "[0] of ", l.state_dtype);
     }
@@ -230,16 +205,17 @@ Layout layout_of(const RuleInfo& r, int states, size_t n, at::TensorList grads, 
     // the last state short, as the per-rule ops said it: AMSGRAD's max_exp_avg_sqs, SGD's momentum buffers
     const size_t before = n * static_cast<size_t>(l.per * (states - 1));
     const size_t got = state_list.size() >= before ? (state_list.size() - before) / static_cast<size_t>(l.per) : 0;
-    TORCH_CHECK(!(r.id == Rule::kAdamW && states == 3 && state_list.size() >= before && state_list.size() < want),
+    TORCH_CHECK(!(r.def->id == Rule::kAdamW && states == 3 && state_list.size() >= before && state_list.size() < want),
                 "fastamp::optim_: ", "amsgrad needs one max_exp_avg_sqs tensor per param, got ", got,
                 " (after the exp_avgs and exp_avg_sqs of ", n, " params)");
-    TORCH_CHECK(!(r.id == Rule::kSgd && states == 1 && !hyper.empty() && state_list.size() < want),
+    TORCH_CHECK(!(r.def->id == Rule::kSgd && states == 1 && !hyper.empty() && state_list.size() < want),
                 "fastamp::optim_: momentum=", hyper.empty() ? 0.0 : hyper[0],
                 " needs one momentum_buffers tensor per param, got ", got, " for ", n, " params");
     std::string lists;
     for (int j = 0; j < states; ++j) lists += std::string(j ? ", " : "") + r.lists[j];
-    TORCH_CHECK(false, "fastamp::optim_: rule '", r.name, "' with these settings keeps ", states, " state(s) (", lists,
-                "), ", l.per, " list(s) of ", n, " tensors each: ", want, " state tensors, got ", state_list.size());
+    TORCH_CHECK(false, "fastamp::optim_: rule '", r.def->name, "' with these settings keeps ", states, " state(s) (",
+                lists, "), ", l.per, " list(s) of ", n, " tensors each: ", want, " state tensors, got ",
+                state_list.size());
   }
   return l;
 }
@@ -353,7 +329,7 @@ void run_chunks(const Layout& l, const Args& args, const std::vector<Entry>& ent
                 const float* sc, int64_t stride) {
   const int64_t msize = master_size(l.master);
   const int64_t ssize = state_size(l.fmt);
-  const int64_t k = l.rule->scalars;
+  const int64_t k = l.rule->def->scalars;
   const int ns = l.states;
   const bool q8 = l.fmt == Fmt::kQ8;
   parallel_over_chunks_dynamic(chunks, [&](int64_t cb, int64_t ce) {
@@ -397,7 +373,7 @@ CallChecks check_call(size_t n, const at::Tensor& step_scalars, const std::optio
   const RuleInfo& r = find_rule(rule);
   check_flags(r, flags);
   CallChecks c{&r, args_of(r, hyper, flags), 0};
-  c.stride = check_step_scalars(kOp, step_scalars, n, r.scalars, r.layout);
+  c.stride = check_step_scalars(kOp, step_scalars, n, r.def->scalars, r.def->layout);
   check_found_inf(kOp, found_inf);
   check_rng(kOp, rng);
   TORCH_CHECK(rng.has_value() || !(c.args.srp || c.args.srs),
@@ -474,7 +450,7 @@ OptimTablePtr optim_table_new(at::TensorList params, at::TensorList masters, at:
   check_flags(r, flags);
   OptimTablePtr t(new OptimTable);
   // SGD keeps a momentum buffer where it has states
-  const int ns = states_of(r, flags, !states.empty());
+  const int ns = states_kept(*r.def, flags, !states.empty());
   t->layout = layout_of(r, ns, n, params, masters, states, {});
   const Layout& l = t->layout;
   t->flags = flags & optim_flags::kAmsgrad;
