@@ -1,4 +1,5 @@
-// Per-element maths shared by the CPU (csrc/cpu/) and CUDA (csrc/cuda/) kernels.
+// Per-element maths shared by the CPU (csrc/cpu/) and CUDA (csrc/cuda/) kernels. The update rules'
+// element maths is in their own headers, csrc/rules/<name>.h (listed by csrc/optim_rules.h).
 //
 // This header is the C++ mirror of fastamp/reference/: every function here has a
 // Python twin there, and the kernels must agree with the reference bit for bit unless a
@@ -149,45 +150,6 @@ FASTAMP_HD void update_scale(float* scale, int32_t* growth_tracker, int32_t* hys
   }
 }
 
-// ---- AdamW element update (fastamp::adamw_) ----
-//
-// Scalars that depend on the step, lr and scale are computed on the device by the
-// optimizer (no host sync) and passed as an fp32 tensor `step_scalars`:
-struct AdamWStepScalars {
-  float step_size;  // lr / (1 - beta1^step)          (computed in fp64, rounded once)
-  float bc2_sqrt;   // sqrt(1 - beta2^step)            (fp64, rounded once)
-  float decay;      // 1 - lr * weight_decay           (fp64, rounded once)
-  float grad_mul;   // 1/scale * clip_coef, or 1       (fp32)
-};
-// Hyperparameters passed as plain floats (rounded from Python doubles once):
-struct AdamWHyper {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
-};
-
-// p is the fp32 master (or the fp32 param), g the raw grad converted to fp32. Matches
-// torch's fused CPU AdamW formulas (lerp for m; decoupled decay as a multiply).
-FASTAMP_HD void adamw_element(float* p, float* m, float* v, float* vmax, float g, const AdamWStepScalars& s,
-                              const AdamWHyper& h, bool amsgrad, bool maximize) {
-  g = g * s.grad_mul;
-  if (maximize) g = -g;
-  float pv = *p * s.decay;
-  const float diff = g - *m;
-  // torch.lerp(m, g, w): w < 0.5 ? m + w*(g-m) : g - (g-m)*(1-w), with w = 1 - beta1
-  const float mv = (h.one_minus_beta1 < 0.5f) ? (*m + h.one_minus_beta1 * diff) : (g - diff * h.beta1);
-  const float vv = *v * h.beta2 + (h.one_minus_beta2 * g) * g;
-  float dv = vv;
-  if (amsgrad) {
-    const float a = *vmax;
-    *vmax = (a != a || vv != vv) ? (a + vv) : (a > vv ? a : vv);  // torch.maximum propagates NaN
-    dv = *vmax;
-  }
-  const float denom = sqrtf(dv) / s.bc2_sqrt + h.eps;
-  pv = pv - (s.step_size * mv) / denom;
-  *p = pv;
-  *m = mv;
-  *v = vv;
-}
-
 // ---- low-bit master state (fastamp::adamw_bf16_, fastamp::sgd_) ----
 //
 // Mirrors of fastamp/reference/: split_master / join_master / sr_random16 /
@@ -238,55 +200,6 @@ FASTAMP_HD void split_master(float master, uint16_t* param_bits, int16_t* remain
 
 FASTAMP_HD float join_master(uint16_t param_bits, int16_t remainder) {
   return bits_float((static_cast<uint32_t>(param_bits) << 16) + static_cast<uint32_t>(static_cast<int32_t>(remainder)));
-}
-
-// ---- SGD element update (fastamp::sgd_) ----
-struct SgdStepScalars {
-  float lr;        // learning rate (fp32)
-  float grad_mul;  // 1/scale * clip_coef, or 1
-  float first;     // 1.0 on the first applied step (momentum buffer := grad), else 0.0
-};
-struct SgdHyper {
-  float momentum, one_minus_dampening, weight_decay;
-  bool has_momentum, has_weight_decay, nesterov, maximize;
-};
-
-// p: fp32 master (or param); buf: fp32 momentum buffer (ignored without momentum).
-FASTAMP_HD void sgd_element(float* p, float* buf, float g, const SgdStepScalars& s, const SgdHyper& h) {
-  g = g * s.grad_mul;
-  if (h.maximize) g = -g;
-  if (h.has_weight_decay) g = g + h.weight_decay * *p;
-  if (h.has_momentum) {
-    const float nb = (s.first != 0.0f) ? g : (*buf * h.momentum + h.one_minus_dampening * g);
-    *buf = nb;
-    g = h.nesterov ? (g + h.momentum * nb) : nb;
-  }
-  *p = *p - s.lr * g;
-}
-
-// ---- Lion element update (fastamp::lion_) ----
-struct LionStepScalars {
-  float lr;        // learning rate (fp32)
-  float decay;     // 1 - lr * weight_decay (fp64, rounded once)
-  float grad_mul;  // 1/scale * clip_coef, or 1
-};
-struct LionHyper {
-  float beta1, one_minus_beta1, beta2, one_minus_beta2;
-  bool maximize;
-};
-
-// reference.lion_sign: +-1, or c itself for +-0 and NaN (two comparisons, in this order).
-FASTAMP_HD float lion_sign(float c) { return c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : c); }
-
-// p: fp32 master (or param); m: fp32 exp_avg. Same operations and order as reference.lion_.
-FASTAMP_HD void lion_element(float* p, float* m, float g, const LionStepScalars& s, const LionHyper& h) {
-  g = g * s.grad_mul;
-  if (h.maximize) g = -g;
-  float pv = *p * s.decay;
-  const float c = *m * h.beta1 + g * h.one_minus_beta1;
-  pv = pv - s.lr * lion_sign(c);
-  *m = *m * h.beta2 + g * h.one_minus_beta2;
-  *p = pv;
 }
 
 // ---- gradient health (fastamp::unscale_check_stats_) ----

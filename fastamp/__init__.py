@@ -6,12 +6,12 @@ that keep fp32 master weights for fp16/bf16 params. ``python -m fastamp.env`` sa
 backends are available.
 """
 
-from fastamp import backends, functional, health, reference, schedule  # noqa: F401  # noqa: E402
+from fastamp import backends, functional, health, optim, reference, schedule  # noqa: F401  # noqa: E402
 from fastamp._release import Release, release
 from fastamp.cast import DEFAULT_KEEP_FP32, cast_model
 from fastamp.health import AmpPitfallWarning, GradStats
 from fastamp.ops import registry  # noqa: F401  (loads the op table and the native library)
-from fastamp.optim import SGD, AdamW, Lion
+from fastamp.optim import *  # noqa: F403  (the optimizers: fastamp.AdamW, fastamp.SGD, ... as fastamp.optim.__all__)
 from fastamp.scaler import OptState, Scaler
 from fastamp.schedule import DeviceLR, SkipAwareLR
 
@@ -19,9 +19,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Scaler",
-    "AdamW",
-    "SGD",
-    "Lion",
     "release",
     "Release",
     "OptState",
@@ -38,3 +35,6 @@ __all__ = [
     "DeviceLR",
     "SkipAwareLR",
 ]
+# every optimizer of fastamp.optim, so that a new one is exported here without an edit (type checkers
+# read `from ... import *` and `__all__ +=` of a module's literal __all__)
+__all__ += optim.__all__

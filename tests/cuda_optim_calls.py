@@ -27,14 +27,46 @@ PARAM_DTYPES = {
     "remainder": (torch.bfloat16,),
     "ulp8": (torch.bfloat16, torch.float16),
 }
-_NAMES = {"kAdamW": "adamw", "kSgd": "sgd", "kLion": "lion", "kFloat32": "fp32", "kBFloat16": "bf16", "kQ8": "q8"}
+_FORMATS = {"kStatesFp32": "kFloat32", "kStatesBf16": "kBFloat16", "kStatesQ8": "kQ8"}
+_FORMAT_NAMES = {"kFloat32": "fp32", "kBFloat16": "bf16", "kQ8": "q8"}
+_CSRC = Path(__file__).resolve().parents[1] / "csrc"
+
+
+def rule_rows() -> list[tuple[str, str]]:
+    """csrc/optim_rules.h's FASTAMP_OPTIM_RULES rows ``X(AdamW, adamw)``: ``[(Name, name)]`` in id order."""
+    text = (_CSRC / "optim_rules.h").read_text()
+    body = text.split("#define FASTAMP_OPTIM_RULES(X)", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"X\((\w+), (\w+)\)", body)
+
+
+def rule_max_states() -> dict[str, int]:
+    """``{"kAdamW": 3, ...}``: each rule's ``kMaxStates`` (csrc/rules/<name>.h), the depth of its launch tables."""
+    out = {}
+    for name, file in rule_rows():
+        found = re.findall(r"\bkMaxStates = (\d+)", (_CSRC / "rules" / f"{file}.h").read_text())
+        assert len(found) == 1, f"csrc/rules/{file}.h: one kMaxStates, found {found}"
+        out[f"k{name}"] = int(found[0])
+    return out
+
+
+def cuda_combos() -> list[tuple[str, str]]:
+    """The (rule, state format) pairs the CUDA kernel is built for, as enumerators (``("kAdamW", "kQ8")``):
+    each rule's ``kCudaStates`` in csrc/rules/<name>.h, in rule order, then fp32, bf16, q8."""
+    out = []
+    for name, file in rule_rows():
+        text = (_CSRC / "rules" / f"{file}.h").read_text()
+        found = re.findall(r"static constexpr unsigned kCudaStates = ([\w |]+);", text)
+        assert len(found) == 1, f"csrc/rules/{file}.h: one kCudaStates line, found {found}"
+        bits = [b.strip() for b in found[0].split("|")]
+        assert set(bits) <= set(_FORMATS), f"csrc/rules/{file}.h: kCudaStates {bits}"
+        out += [(f"k{name}", fmt) for bit, fmt in _FORMATS.items() if bit in bits]
+    return out
 
 
 def compiled_combos() -> list[tuple[str, str]]:
-    """The (rule, state format) pairs the kernel is built for: csrc/cuda/optim_combos.h's ``X(kAdamW, kQ8)`` rows."""
-    text = (Path(__file__).resolve().parents[1] / "csrc" / "cuda" / "optim_combos.h").read_text()
-    body = text.split("#define FASTAMP_CUDA_OPTIM_COMBOS(X)", 1)[1].split("\n\n", 1)[0]
-    return [(_NAMES[r], _NAMES[f]) for r, f in re.findall(r"X\((k\w+), (k\w+)\)", body)]
+    """The (rule, state format) pairs the kernel is built for (:func:`cuda_combos`), by name: ``("adamw", "q8")``."""
+    names = {f"k{name}": file for name, file in rule_rows()}
+    return [(names[r], _FORMAT_NAMES[f]) for r, f in cuda_combos()]
 
 
 def _param(n, dtype, master, gen):

@@ -4,7 +4,7 @@
 // One pass over all tensors of the call, cut into the fixed chunks of cpu/multi_tensor.h (multiples
 // of 32 elements, so no q8 block crosses a chunk seam), handed to the threads in order: each chunk
 // runs the kernel of its tensor's dtypes and the call's rule and formats (cpu/optim.h; the kernels
-// are cpu/optim_kernels.inc, compiled per rule in cpu/optim_<rule>.cpp and per instruction set).
+// are cpu/optim_kernels.inc, compiled for every rule per instruction set in cpu/optim_kernels_<isa>.cpp).
 // Every tensor is checked before any is written; a non-zero (or NaN) found_inf writes nothing.
 // step_scalars is [k] (shared) or [n, k] (row i for tensor i, picked per chunk). The random bits of
 // tensor i use streams 4 * (rng_base + i) (the param) and + 1 + j (state j), the element index its
@@ -59,28 +59,22 @@ struct RuleInfo {
   const char* lists[kMaxStates];
   const char* codes[kMaxStates];
   const char* scales[kMaxStates];
-  ChunkFn (*pick)(Isa, at::ScalarType, at::ScalarType, Master, Fmt);
-  void (*set_hyper)(const double*, Args&);
+  void (*set_hyper)(const double*, int64_t flags, Args&);  // set_hyper<rules::Name> (cpu/optim.h)
 };
 
 struct RuleTable {
   RuleInfo rules[kNumRules];
   std::string names[kNumRules][3][kMaxStates];  // what lists, codes and scales point at
   RuleTable() {
-    ChunkFn (*const picks[])(Isa, at::ScalarType, at::ScalarType, Master, Fmt) = {
-#define FASTAMP_CPU_PICK_(Name, name, max_states) &pick_##name,
-        FASTAMP_OPTIM_RULES(FASTAMP_CPU_PICK_)
-#undef FASTAMP_CPU_PICK_
-    };
-    void (*const hypers[])(const double*, Args&) = {
-#define FASTAMP_CPU_HYPER_(Name, name, max_states) &Name##Rule::set_hyper,
+    void (*const hypers[])(const double*, int64_t, Args&) = {
+#define FASTAMP_CPU_HYPER_(Name, name) &set_hyper<rules::Name>,
         FASTAMP_OPTIM_RULES(FASTAMP_CPU_HYPER_)
 #undef FASTAMP_CPU_HYPER_
     };
     for (int i = 0; i < kNumRules; ++i) {
       const RuleDef& d = kRuleDefs[i];
       RuleInfo& r = rules[i];
-      r = RuleInfo{&d, {}, {}, {}, picks[i], hypers[i]};
+      r = RuleInfo{&d, {}, {}, {}, hypers[i]};
       for (int j = 0; j < kMaxStates; ++j) {
         if (d.keys[j] == nullptr) continue;
         const char* suffix[3] = {"s", "_codes", "_scales"};
@@ -123,11 +117,8 @@ Args args_of(const RuleInfo& r, at::ArrayRef<double> hyper, int64_t flags) {
   TORCH_CHECK(hyper.size() == static_cast<size_t>(r.def->hyper), "fastamp::optim_: rule '", r.def->name, "' takes ",
               r.def->hyper, " hyperparameters, got ", hyper.size());
   Args a{};
-  r.set_hyper(hyper.data(), a);
+  r.set_hyper(hyper.data(), flags, a);
   a.states = states_kept(*r.def, flags, !hyper.empty() && hyper[0] != 0.0);
-  a.maximize = (flags & optim_flags::kMaximize) != 0;
-  a.amsgrad = (flags & optim_flags::kAmsgrad) != 0;
-  a.nesterov = (flags & optim_flags::kNesterov) != 0;
   a.srp = (flags & optim_flags::kSrParam) != 0;
   a.srs = (flags & optim_flags::kSrState) != 0;
   return a;
@@ -297,7 +288,7 @@ void pick_kernels(const Layout& l, std::vector<Entry>& entries, Isa isa) {
     if (e.param_dtype != p || e.grad_dtype != g || fn == nullptr) {
       p = e.param_dtype;
       g = e.grad_dtype;
-      fn = l.rule->pick(isa, p, g, l.master, l.fmt);
+      fn = pick_kernel(l.rule->def->id, isa, p, g, l.master, l.fmt);
       TORCH_CHECK(fn != nullptr, "fastamp::optim_: no kernel for params of ", p, " and grads of ", g);
     }
     e.fn = fn;

@@ -1,7 +1,7 @@
 // The generic CPU optimizer kernel of fastamp::optim_ (semantics: fastamp.reference.optim_): what its
 // host side (cpu/optim.cpp: checks, chunks, threads, the persistent tables) and its kernels (one
-// translation unit per rule, cpu/optim_<rule>.cpp, each compiling cpu/optim_kernels.inc per
-// instruction set) share. Private to csrc/cpu/.
+// translation unit per instruction set, cpu/optim_kernels_<isa>.cpp, each compiling every rule) share. Private to
+// csrc/cpu/.
 //
 // A kernel is one update rule (AdamW, SGD, Lion) x the param dtype P x the grad dtype G x the master
 // format (fp32, int16 remainder, int8 ulp8, none) x the state format (fp32, bf16, q8 codes): a
@@ -13,6 +13,8 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 
 #include "cpu/isa.h"
 #include "optim_rules.h"
@@ -46,30 +48,52 @@ struct Span {
 
 // A call's settings, with the chunk's tensor's row of step scalars.
 struct Args {
-  float s[4];  // the step-scalar row (the rule's k <= 4 floats)
-  // the hyperparameters in fp32 (1 - beta computed in fp64, rounded once, as the reference's _f32),
-  // as each rule's set_hyper (cpu/optim_scalar.h) writes them
-  float h[5];
-  int states;     // the states kept: AdamW 2 (3 with amsgrad), SGD 0 or 1, Lion 1
-  bool maximize;  // MAXIMIZE
-  bool amsgrad;   // AdamW: AMSGRAD
-  bool nesterov;  // SGD: NESTEROV
-  bool has_wd;    // SGD: weight_decay != 0 (in fp64, as the reference tests it)
-  bool srp;       // SR_PARAM: a bf16 param without a master, or an ulp8 correction, rounded stochastically
-  bool srs;       // SR_STATE: bf16 states, or q8 codes, rounded stochastically
+  float s[4];  // the step-scalar row (the rule's k <= 4 floats; its Scalars via R::scalars)
+  // The rule's Hyper (csrc/rules/<name>.h: the hyperparameters in fp32, rounded from optim_'s fp64
+  // once as the reference's _f32, and its flags), as set_hyper<R> writes it; hyper_of<R> reads it.
+  alignas(8) unsigned char hyper[32];
+  int states;  // the states kept: AdamW 2 (3 with amsgrad), SGD 0 or 1, Lion 1
+  bool srp;    // SR_PARAM: a bf16 param without a master, or an ulp8 correction, rounded stochastically
+  bool srs;    // SR_STATE: bf16 states, or q8 codes, rounded stochastically
 };
+
+template <class R>
+inline void set_hyper(const double* hyper, int64_t flags, Args& a) {
+  using H = typename R::Hyper;
+  static_assert(sizeof(H) <= sizeof(a.hyper) && alignof(H) <= 8 && std::is_trivially_copyable_v<H>,
+                "Args::hyper holds every rule's Hyper");
+  const H h = R::make_hyper(hyper, flags);
+  std::memcpy(a.hyper, &h, sizeof(H));
+}
+
+template <class R>
+inline typename R::Hyper hyper_of(const Args& a) {
+  typename R::Hyper h;
+  std::memcpy(&h, a.hyper, sizeof(h));
+  return h;
+}
 
 // Runs the kernel on elements [0, n) of one chunk (n <= kChunkElems).
 using ChunkFn = void (*)(const Span&, int64_t n, const Args&);
 
-// The kernel of a rule for one tensor's dtypes and the call's formats on `isa`; nullptr for a
-// combination the checks refuse (remainders need bf16 params, ulp8 corrections bf16 or fp16 ones):
-// pick_<name> for each rule of csrc/optim_rules.h, one per translation unit (cpu/optim_<name>.cpp),
-// so that the rules compile in parallel.
-#define FASTAMP_CPU_PICK_DECL_(Name, name, max_states) \
-  ChunkFn pick_##name(Isa isa, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt);
-FASTAMP_OPTIM_RULES(FASTAMP_CPU_PICK_DECL_)
-#undef FASTAMP_CPU_PICK_DECL_
+// The kernel of a rule for one tensor's dtypes and the call's formats; nullptr for a combination the
+// checks refuse (remainders need bf16 params, ulp8 corrections bf16 or fp16 ones). pick_<isa> for
+// each instruction set, one translation unit each (cpu/optim_kernels_<isa>.cpp, every rule of
+// csrc/optim_rules.h), so that they compile in parallel; pick_kernel chooses by `isa`.
+ChunkFn pick_scalar(Rule rule, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt);
+#if FASTAMP_X86_SIMD
+ChunkFn pick_avx2(Rule rule, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt);
+ChunkFn pick_avx512(Rule rule, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt);
+#endif
+
+inline ChunkFn pick_kernel(Rule rule, Isa isa, at::ScalarType param, at::ScalarType grad, Master master, Fmt fmt) {
+#if FASTAMP_X86_SIMD
+  if (isa == Isa::Avx512) return pick_avx512(rule, param, grad, master, fmt);
+  if (isa == Isa::Avx2) return pick_avx2(rule, param, grad, master, fmt);
+#endif
+  (void)isa;
+  return pick_scalar(rule, param, grad, master, fmt);
+}
 
 }  // namespace optim
 }  // namespace cpu

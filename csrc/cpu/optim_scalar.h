@@ -1,9 +1,10 @@
 // The generic optimizer kernel of fastamp::optim_, scalar: the portable path and the tails of the
 // vector loops (cpu/optim_kernels.inc). Private to csrc/cpu/ (the rule translation units).
 //
-// Written once each: a rule's element maths (the math::<rule>_element of csrc/fastamp_math.h), a
-// master format's load and store, a state format's load and store (the codec of csrc/q8_math.h
-// for q8, one block of 32 at a time). Bit for bit fastamp.reference.optim_.
+// Written once each: a master format's load and store, a state format's load and store (the codec of csrc/q8_math.h
+// for q8, one block of 32 at a time). A rule's element maths is its R::element (csrc/rules/<name>.h),
+// with its Scalars from the chunk's row (R::scalars) and its Hyper from Args (hyper_of<R>). Bit for
+// bit fastamp.reference.optim_.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -16,74 +17,12 @@
 #include "cpu/optim.h"
 #include "cpu/scalar_ops.h"
 #include "fastamp_math.h"
+#include "optim_rules.h"
 #include "q8_math.h"
 
 namespace fastamp {
 namespace cpu {
 namespace optim {
-
-// ---- the rules: their element maths (scalar); their vector steps are RuleVec in optim_kernels.inc ----
-//
-// kMinStates / kMaxStates: the states a call keeps (Args::states lies between); kV[j]: state j is
-// stored with q8's v code (w = sqrt(v)), else with its signed m code. grad_mul is the step-scalar
-// row's kGradMul-th float. set_hyper: the call's hyperparameters (as many as csrc/optim_rules.h's
-// row says, checked by the caller) in fp32 into a.h, 1 - beta computed in fp64 and rounded once, as
-// the reference's _f32.
-
-struct AdamWRule {
-  static constexpr Rule kId = Rule::kAdamW;
-  static constexpr int kMinStates = 2, kMaxStates = 3;
-  static constexpr bool kV[3] = {false, true, true};  // exp_avg, exp_avg_sq, max_exp_avg_sq
-  // beta1, 1 - beta1, beta2, 1 - beta2, eps
-  static inline void set_hyper(const double* hyper, Args& a) {
-    a.h[0] = static_cast<float>(hyper[0]);
-    a.h[1] = static_cast<float>(1.0 - hyper[0]);
-    a.h[2] = static_cast<float>(hyper[1]);
-    a.h[3] = static_cast<float>(1.0 - hyper[1]);
-    a.h[4] = static_cast<float>(hyper[2]);
-  }
-  static inline void element(float* p, float* s, float g, const Args& a) {
-    const math::AdamWStepScalars sc{a.s[0], a.s[1], a.s[2], a.s[3]};
-    const math::AdamWHyper h{a.h[0], a.h[1], a.h[2], a.h[3], a.h[4]};
-    math::adamw_element(p, &s[0], &s[1], &s[2], g, sc, h, a.amsgrad, a.maximize);
-  }
-};
-
-struct SgdRule {
-  static constexpr Rule kId = Rule::kSgd;
-  static constexpr int kMinStates = 0, kMaxStates = 1;
-  static constexpr bool kV[1] = {false};  // momentum_buffer
-  // momentum, 1 - dampening, weight_decay; has_wd: weight_decay != 0 (in fp64, as the reference tests it)
-  static inline void set_hyper(const double* hyper, Args& a) {
-    a.h[0] = static_cast<float>(hyper[0]);
-    a.h[1] = static_cast<float>(1.0 - hyper[1]);
-    a.h[2] = static_cast<float>(hyper[2]);
-    a.has_wd = hyper[2] != 0.0;
-  }
-  static inline void element(float* p, float* s, float g, const Args& a) {
-    const math::SgdStepScalars sc{a.s[0], a.s[1], a.s[2]};
-    const math::SgdHyper h{a.h[0], a.h[1], a.h[2], a.states > 0, a.has_wd, a.nesterov, a.maximize};
-    math::sgd_element(p, s, g, sc, h);
-  }
-};
-
-struct LionRule {
-  static constexpr Rule kId = Rule::kLion;
-  static constexpr int kMinStates = 1, kMaxStates = 1;
-  static constexpr bool kV[1] = {false};  // exp_avg
-  // beta1, 1 - beta1, beta2, 1 - beta2
-  static inline void set_hyper(const double* hyper, Args& a) {
-    a.h[0] = static_cast<float>(hyper[0]);
-    a.h[1] = static_cast<float>(1.0 - hyper[0]);
-    a.h[2] = static_cast<float>(hyper[1]);
-    a.h[3] = static_cast<float>(1.0 - hyper[1]);
-  }
-  static inline void element(float* p, float* s, float g, const Args& a) {
-    const math::LionStepScalars sc{a.s[0], a.s[1], a.s[2]};
-    const math::LionHyper h{a.h[0], a.h[1], a.h[2], a.h[3], a.maximize};
-    math::lion_element(p, s, g, sc, h);
-  }
-};
 
 // Whether a param of dtype P in master format K is rounded stochastically under SR_PARAM (the
 // reference: the ulp8 correction of any param, a bf16 param without a master).
@@ -170,12 +109,14 @@ void dense_range(const Span& c, int64_t begin, int64_t end, const Args& a) {
   const G* grad = static_cast<const G*>(c.grad);
   const bool srp = kParamSr<P, K> && a.srp;
   const bool srs = F == Fmt::kBf16 && a.srs;
+  const typename R::Scalars sc = R::scalars(a.s);
+  const typename R::Hyper h = hyper_of<R>(a);
   for (int64_t i = begin; i < end; ++i) {
     const uint64_t index = c.index0 + static_cast<uint64_t>(i);
     float p = load_master<P, K>(c, i);
     float s[R::kMaxStates] = {};
     for (int j = 0; j < a.states; ++j) s[j] = load_state<F>(c.state[j], i);
-    R::element(&p, s, load_float(grad + i), a);
+    R::element(&p, s, load_float(grad + i), sc, h);
     for (int j = 0; j < a.states; ++j) store_state<F>(c.state[j], i, s[j], srs, c.key[1 + j], index);
     store_master<P, K>(c, i, p, srp);
   }
@@ -199,6 +140,8 @@ void q8_range(const Span& c, int64_t begin, int64_t n, const Args& a) {
   const G* grad = static_cast<const G*>(c.grad);
   const bool srp = kParamSr<P, K> && a.srp;
   const int ns = a.states;
+  const typename R::Scalars sc = R::scalars(a.s);
+  const typename R::Hyper h = hyper_of<R>(a);
   for (int64_t b0 = begin; b0 < n; b0 += kBlock) {
     const int64_t len = std::min(kBlock, n - b0);
     const int64_t blk = b0 / kBlock;
@@ -212,18 +155,18 @@ void q8_range(const Span& c, int64_t begin, int64_t n, const Args& a) {
       float s[kMax] = {};
       for (int j = 0; j < ns; ++j) {
         const uint32_t code = static_cast<const uint8_t*>(c.state[j])[i];
-        s[j] = R::kV[j] ? math::q8_decode_v(code, old_scale[j]) : math::q8_decode_m(code, old_scale[j]);
+        s[j] = R::root_coded(j) ? math::q8_decode_v(code, old_scale[j]) : math::q8_decode_m(code, old_scale[j]);
       }
-      R::element(&p, s, load_float(grad + i), a);
+      R::element(&p, s, load_float(grad + i), sc, h);
       store_master<P, K>(c, i, p, srp);
       for (int j = 0; j < ns; ++j) {
-        const float x = R::kV[j] ? sqrtf(s[j]) : s[j];  // correctly rounded, as the reference's sqrt_rn
+        const float x = R::root_coded(j) ? sqrtf(s[j]) : s[j];  // correctly rounded, as the reference's sqrt_rn
         fresh[j][e] = x;
         top[j] = std::max(top[j], math::float_bits(x) & 0x7fffffffu);
       }
     }
     for (int j = 0; j < ns; ++j) {
-      const bool v = R::kV[j];
+      const bool v = R::root_coded(j);
       const uint32_t s_new = math::q8_scale_byte(top[j], v ? math::kQ8WScaleMin : math::kQ8MScaleMin);
       c.scales[j][blk] = static_cast<uint8_t>(s_new);
       uint8_t* codes = static_cast<uint8_t*>(c.state[j]);

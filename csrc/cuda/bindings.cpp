@@ -1,6 +1,6 @@
 // CUDA registrations of fastamp's native ops: validation and the current stream here, the
 // kernels behind the torch-free interface of launchers.h (amp.cu; optim.cu and its instances
-// optim_<rule>.cu). Built only
+// optim_<format>.cu). Built only
 // when setup.py finds nvcc and a CUDA-enabled torch. Nothing here reads a device value on
 // the host; temporaries (the launch table included) come from torch's caching allocators
 // on the current stream.

@@ -1,5 +1,5 @@
 // Plain C++ interface of fastamp's CUDA kernels (csrc/cuda/amp.cu; optim.cu and the instances of
-// optim.cuh's kernel, optim_<rule>.cu).
+// optim.cuh's kernel, optim_<format>.cu).
 //
 // Raw device pointers, 64-bit sizes, a dtype enum and a stream: no torch, ATen or c10
 // header, so the kernels compile with bare nvcc (tests/tools/test_cuda_compile.py) and the torch
@@ -142,12 +142,15 @@ cudaError_t optim(const OptimTensorRef* tensors, int64_t num_tensors, const Opti
                   cudaStream_t stream);
 
 namespace detail {
-// The rules' launchers optim() hands a call to, one translation unit each (optim_<name>.cu, for each
-// rule of csrc/optim_rules.h), so that the instances compile in parallel.
-#define FASTAMP_CUDA_OPTIM_DECL_(Name, name, max_states)                                              \
-  cudaError_t optim_##name(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, \
-                           TableMemory& tables, cudaStream_t stream);
-FASTAMP_OPTIM_RULES(FASTAMP_CUDA_OPTIM_DECL_)
+// The state formats' launchers optim() hands a call to, one translation unit each (optim_fp32.cu,
+// optim_bf16.cu, optim_q8.cu: every rule whose kCudaStates lists the format), so that the instances
+// compile in parallel.
+#define FASTAMP_CUDA_OPTIM_DECL_(fmt)                                                                \
+  cudaError_t optim_##fmt(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, \
+                          TableMemory& tables, cudaStream_t stream);
+FASTAMP_CUDA_OPTIM_DECL_(fp32)
+FASTAMP_CUDA_OPTIM_DECL_(bf16)
+FASTAMP_CUDA_OPTIM_DECL_(q8)
 #undef FASTAMP_CUDA_OPTIM_DECL_
 }  // namespace detail
 

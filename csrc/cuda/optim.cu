@@ -1,5 +1,6 @@
-// fastamp::optim_ on CUDA: the call handed to its rule's launcher (optim_<name>.cu for each rule of
-// csrc/optim_rules.h, each instantiating the kernel template of optim.cuh). No torch header: the
+// fastamp::optim_ on CUDA: the call handed to its state format's launcher (optim_fp32.cu,
+// optim_bf16.cu, optim_q8.cu, each instantiating the kernel template of optim.cuh for the rules of
+// csrc/optim_rules.h that list the format). No torch header: the
 // binding is csrc/cuda/bindings.cpp.
 #include <cuda_runtime_api.h>
 
@@ -16,12 +17,13 @@ bool optim_compiled(OptimRule rule, StateFormat format) { return optim_combo_lis
 cudaError_t optim(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
                   cudaStream_t stream) {
   if (!optim_compiled(call.rule, call.format)) return cudaErrorInvalidValue;
-  switch (call.rule) {
-#define FASTAMP_CUDA_OPTIM_CASE_(Name, name, max_states) \
-  case OptimRule::k##Name:                               \
-    return detail::optim_##name(tensors, num_tensors, call, tables, stream);
-    FASTAMP_OPTIM_RULES(FASTAMP_CUDA_OPTIM_CASE_)
-#undef FASTAMP_CUDA_OPTIM_CASE_
+  switch (call.format) {
+    case StateFormat::kFloat32:
+      return detail::optim_fp32(tensors, num_tensors, call, tables, stream);
+    case StateFormat::kBFloat16:
+      return detail::optim_bf16(tensors, num_tensors, call, tables, stream);
+    case StateFormat::kQ8:
+      return detail::optim_q8(tensors, num_tensors, call, tables, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -1,8 +1,9 @@
 // The CUDA kernel of fastamp::optim_: one template, an update rule x a state format x the (param,
-// grad) dtypes (semantics: fastamp.reference.optim_; rules and formats: optim_rules.cuh; the
-// element maths: csrc/fastamp_math.h, the codecs: csrc/q8_math.h). Each optim_<rule>.cu
-// instantiates it for its rule's state formats of optim_combos.h and the 9 dtype pairs; the
-// master format, the flags and the state count are run-time branches, uniform over a launch.
+// grad) dtypes (semantics: fastamp.reference.optim_; the rules: csrc/rules/<name>.h, listed by
+// csrc/optim_rules.h; the state formats: optim_formats.cuh, the codecs: csrc/q8_math.h). Each
+// optim_<format>.cu instantiates it for the rules whose kCudaStates list its format
+// (optim_combos.h) and the 9 dtype pairs; the master format, the flags and the state count are
+// run-time branches, uniform over a launch.
 //
 // Each thread takes 4 consecutive elements per pass; a pass of the block covers kBlockSize * 4
 // elements of one chunk of its tensor (launch_plan.h: chunks of 64K elements, found by the
@@ -31,7 +32,7 @@
 #include "launchers.h"
 #include "multi_tensor.cuh"
 #include "optim_combos.h"
-#include "optim_rules.cuh"
+#include "optim_formats.cuh"
 
 namespace fastamp {
 namespace cuda {
@@ -72,7 +73,7 @@ __device__ __forceinline__ int64_t row_as_index(const void* p) {
   return static_cast<int64_t>(reinterpret_cast<uintptr_t>(p));
 }
 
-// Internal linkage, as table_fill_kernel: each optim_<rule>.cu instantiates its own rule.
+// Internal linkage, as table_fill_kernel: each optim_<format>.cu instantiates its own format.
 namespace {
 
 // The maximum of x over the 8 lanes holding one q8 block (every lane of the warp calls it).
@@ -372,28 +373,21 @@ cudaError_t run_optim_format(const OptimTensorRef* tensors, int64_t num_tensors,
   return run_plan<kDepth>(plan, numel.data(), ptrs_of, capturing, tables, stream, launch);
 }
 
-// A rule's launcher: the state formats optim_combos.h lists for it, instantiated here; any other
-// format is refused (cudaErrorInvalidValue, nothing enqueued).
-template <typename Rule>
+// A state format's launcher: the rules whose kCudaStates list it (optim_combos.h), instantiated
+// here; any other rule or format is refused (cudaErrorInvalidValue, nothing enqueued).
+template <typename SF>
 cudaError_t run_optim(const OptimTensorRef* tensors, int64_t num_tensors, const OptimCall& call, TableMemory& tables,
                       cudaStream_t stream) {
-  if (call.rule != Rule::kId) return cudaErrorInvalidValue;
-  switch (call.format) {
-    case StateFormat::kFloat32:
-      if constexpr (optim_combo_listed(Rule::kId, StateFormat::kFloat32)) {
-        return run_optim_format<Rule, F32State>(tensors, num_tensors, call, tables, stream);
-      }
-      break;
-    case StateFormat::kBFloat16:
-      if constexpr (optim_combo_listed(Rule::kId, StateFormat::kBFloat16)) {
-        return run_optim_format<Rule, Bf16State>(tensors, num_tensors, call, tables, stream);
-      }
-      break;
-    case StateFormat::kQ8:
-      if constexpr (optim_combo_listed(Rule::kId, StateFormat::kQ8)) {
-        return run_optim_format<Rule, Q8State>(tensors, num_tensors, call, tables, stream);
-      }
-      break;
+  if (call.format != SF::kId) return cudaErrorInvalidValue;
+  switch (call.rule) {
+#define FASTAMP_CUDA_OPTIM_RULE_CASE_(Name, name)                                           \
+  case OptimRule::k##Name:                                                                  \
+    if constexpr (optim_combo_listed(OptimRule::k##Name, SF::kId)) {                        \
+      return run_optim_format<rules::Name, SF>(tensors, num_tensors, call, tables, stream); \
+    }                                                                                       \
+    break;
+    FASTAMP_OPTIM_RULES(FASTAMP_CUDA_OPTIM_RULE_CASE_)
+#undef FASTAMP_CUDA_OPTIM_RULE_CASE_
   }
   return cudaErrorInvalidValue;
 }

@@ -14,7 +14,7 @@ CPU ``sqrt`` varies with the CPU vendor). Not covered: the sum of squares (a tor
 reduction, whose order follows the instruction set and thread count; within
 ``tolerances.SUMSQ_RTOL``) and the fp32 step scalars of :func:`adamw_step_scalars` (see there).
 
-The per-element C++ twin of this package is ``csrc/fastamp_math.h``.
+The per-element C++ twin of this package is ``csrc/fastamp_math.h``, and of each update rule ``csrc/rules/<name>.h``.
 
 Modules: :mod:`~fastamp.reference.amp` (the scaler's ops), :mod:`~fastamp.reference.optim`
 (the optimizers' generic op ``optim_``: update rules x master and state formats, the older

@@ -1,10 +1,10 @@
 """Tier 2 on CUDA for ``optim_``, the one optimizer op: the native CUDA kernel (csrc/cuda/optim.cuh).
 
-Every (rule, state format) pair the kernel is built for (csrc/cuda/optim_combos.h) with every master
-format (none, fp32, int16 remainder, int8 ulp8) and the flags (MAXIMIZE, AMSGRAD, NESTEROV, SR_PARAM
-and SR_STATE together and each alone), in calls mixing every (param, grad) dtype pair the master
-format allows, against ``fastamp.reference.optim_`` run on the same device, bit for bit (NaN as NaN
-whatever its payload): params, masters, dense states, q8 codes and scale bytes. Among them the
+Every (rule, state format) pair the kernel is built for (the rules' kCudaStates, csrc/rules/<name>.h)
+with every master format (none, fp32, int16 remainder, int8 ulp8) and the flags (MAXIMIZE, AMSGRAD,
+NESTEROV, SR_PARAM and SR_STATE together and each alone), in calls mixing every (param, grad) dtype
+pair the master format allows, against ``fastamp.reference.optim_`` run on the same device, bit for
+bit (NaN as NaN whatever its payload): params, masters, dense states, q8 codes and scale bytes. Among them the
 combinations the per-rule kernels never had: SGD and Lion on fused q8 states (the reference's
 ``one_state_q8`` composition, one kernel here), ulp8 masters under SGD and Lion and with fp32 or bf16
 states, AMSGRAD on q8 states, bf16 AdamW states under any master. Then what only a CUDA launch shows:

@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - not POSIX: each worker compiles for it
     fcntl = None
 
 import pytest
+from cuda_optim_calls import cuda_combos, rule_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
@@ -27,30 +28,35 @@ CU_FILES = sorted(CUDA_DIR.glob("*.cu"))
 TIMEOUT_S = 300
 # the compiles are shared by the session (one nvcc run under a lock); make test's --dist loadfile keeps
 # this file on one xdist worker, so the other workers run other tests meanwhile instead of waiting on it
-# optim_'s kernel template (csrc/cuda/optim.cuh) names its rules and state formats by these types.
-RULE_TYPES = {"kAdamW": "AdamWRule", "kSgd": "SgdRule", "kLion": "LionRule"}
+# optim_'s kernel template (csrc/cuda/optim.cuh) takes a rule (rules::<Name>, csrc/rules/<name>.h) and a
+# state format by type; the format's file instantiates it (optim_fp32.cu, optim_bf16.cu, optim_q8.cu).
 FORMAT_TYPES = {"kFloat32": "F32State", "kBFloat16": "Bf16State", "kQ8": "Q8State"}
+FORMAT_FILES = {"kFloat32": "optim_fp32.cu", "kBFloat16": "optim_bf16.cu", "kQ8": "optim_q8.cu"}
 DTYPE_PAIRS = 9  # (param, grad) in {fp32, fp16, bf16}^2, one instance each
 
 
+def rule_types() -> dict[str, str]:
+    """``{"kAdamW": "rules::AdamW", ...}``: each rule's enumerator and its struct (csrc/optim_rules.h's list)."""
+    return {f"k{name}": f"rules::{name}" for name, _ in rule_rows()}
+
+
 def optim_combos() -> list[tuple[str, str]]:
-    """The (rule, state format) pairs of csrc/cuda/optim_combos.h (``X(kAdamW, kQ8)`` rows), in its order."""
-    text = (CUDA_DIR / "optim_combos.h").read_text()
-    body = text.split("#define FASTAMP_CUDA_OPTIM_COMBOS(X)", 1)[1].split("\n\n", 1)[0]
-    return re.findall(r"X\((k\w+), (k\w+)\)", body)
-
-
-def optim_rule_file(rule: str) -> str:
-    """The file instantiating a rule's kernels: ``kAdamW`` -> ``optim_adamw.cu``."""
-    return f"optim_{rule[1:].lower()}.cu"
+    """The (rule, state format) pairs of the CUDA kernel: each rule's kCudaStates (``("kAdamW", "kQ8")``)."""
+    return cuda_combos()
 
 
 def optim_instances() -> dict[str, dict[tuple[str, str], int]]:
-    """{file: {(rule type, format type): instances}}: what each rule's file must hold, from optim_combos.h."""
+    """{file: {(rule type, format type): instances}}: what each state format's file must hold."""
+    types = rule_types()
     out: dict[str, dict[tuple[str, str], int]] = {}
     for rule, fmt in optim_combos():
-        out.setdefault(optim_rule_file(rule), {})[(RULE_TYPES[rule], FORMAT_TYPES[fmt])] = DTYPE_PAIRS
+        out.setdefault(FORMAT_FILES[fmt], {})[(types[rule], FORMAT_TYPES[fmt])] = DTYPE_PAIRS
     return out
+
+
+def instance_rule(mangled: str) -> str:
+    """The rule type (``rules::AdamW``) an optim_kernel instance's mangled arguments name, or the text itself."""
+    return next((t for t in rule_types().values() if f"5rules{len(t) - 7}{t[7:]}E" in mangled), mangled)
 
 
 def _nvcc():
@@ -200,25 +206,28 @@ def compiled(tmp_path_factory):
 def test_expected_cuda_sources_exist():
     names = {p.name for p in CU_FILES}
     assert {"amp.cu", "optim.cu", *optim_instances()} <= names, names
-    for header in ("optim.cuh", "optim_rules.cuh", "optim_combos.h", "launch_plan.h", "launchers.h"):
+    for header in ("optim.cuh", "optim_formats.cuh", "optim_combos.h", "launch_plan.h", "launchers.h"):
         assert (CUDA_DIR / header).exists(), header
     assert (CUDA_DIR / "bindings.cpp").exists()
     # the per-rule kernels optim_'s one template replaced
     assert not names & {"adamw.cu", "adamw_q8.cu", "sgd.cu", "lion.cu"}, names
+    # and the per-rule units the state formats' ones replaced: a new rule adds no file here
+    assert not names & {"optim_adamw.cu", "optim_sgd.cu", "optim_lion.cu"}, names
     assert not (CUDA_DIR / "one_state.cuh").exists()
 
 
 def test_optim_combos_cover_every_rule_once():
-    """optim_combos.h lists each (rule, format) pair once; every rule of the reference has its fp32 pair and a file."""
+    """The kCudaStates list each (rule, format) pair once; every rule of the reference has its fp32 pair and a header."""
     from fastamp.reference.optim import RULES
 
     combos = optim_combos()
     assert len(combos) == len(set(combos)) > 0, combos
-    assert {r for r, _ in combos} == set(RULE_TYPES) and {f for _, f in combos} <= set(FORMAT_TYPES)
-    assert {RULE_TYPES[r][: -len("Rule")].lower() for r, _ in combos} == set(RULES)
-    for rule in RULE_TYPES:
+    assert {r for r, _ in combos} == set(rule_types()) and {f for _, f in combos} <= set(FORMAT_TYPES)
+    assert {file for _, file in rule_rows()} == set(RULES)
+    for rule in rule_types():
         assert (rule, "kFloat32") in combos, f"{rule}: SGD without momentum and every fp32 call need it"
-        assert (CUDA_DIR / optim_rule_file(rule)).exists(), optim_rule_file(rule)
+    for fmt in FORMAT_TYPES:
+        assert (CUDA_DIR / FORMAT_FILES[fmt]).exists(), FORMAT_FILES[fmt]
 
 
 @pytest.mark.slow  # the compiled fixture: nvcc on every .cu (~45 s)
@@ -245,8 +254,8 @@ def test_objects_hold_both_archs_and_every_kernel(compiled):
     assert len(found) == 9, f"amp.cu: expected 9 instantiations, got {sorted(found)}"
     for k in (b"sumsq_finalize_kernel", b"sumsq_fold_kernel", b"update_scale_kernel"):
         assert k in data, f"amp.cu: kernel {k.decode()} missing"
-    # optim_: each rule's file holds its (rule, format) pairs of optim_combos.h, 9 dtype pairs each,
-    # and no other rule's (the master formats and flags are run-time branches, not instances)
+    # optim_: each state format's file holds its (rule, format) pairs of the rules' kCudaStates, 9 dtype
+    # pairs each, and no other format's (the master formats and flags are run-time branches, not instances)
     for name, want in optim_instances().items():
         rc, out, obj = compiled[name]
         assert rc == 0, out
@@ -256,13 +265,13 @@ def test_objects_hold_both_archs_and_every_kernel(compiled):
         got: dict[tuple[str, str], int] = {}
         for args in set(re.findall(rb"optim_kernelI(\w*?)EEv", data)):
             text = args.decode()
-            rule = next((r for r in RULE_TYPES.values() if r in text), text)
+            rule = instance_rule(text)
             fmt = next((f for f in FORMAT_TYPES.values() if f in text), text)
             got[(rule, fmt)] = got.get((rule, fmt), 0) + 1
-        assert got == want, f"{name}: optim_kernel instances {got}, optim_combos.h lists {want}"
+        assert got == want, f"{name}: optim_kernel instances {got}, the rules' kCudaStates list {want}"
     rc, out, obj = compiled["optim.cu"]
     assert rc == 0, out
-    assert b"optim_kernel" not in obj.read_bytes(), "optim.cu only hands a call to its rule's file"
+    assert b"optim_kernel" not in obj.read_bytes(), "optim.cu only hands a call to its state format's file"
 
 
 def test_binding_fills_every_field_of_the_optim_call():

@@ -6,7 +6,7 @@ stream>>>(args)`` line is rewritten to ``emu::launch(grid, block, [&] { kernel(a
 the kernel function on one host thread per CUDA thread of a block (``threadIdx``, ``blockIdx`` and
 ``gridDim`` are thread-locals), block after block, with ``__shfl_xor_sync`` exchanging values across
 the 32 threads of a warp at a barrier (the q8 block maxima). The launcher around it is the real one
-(optim.cu, optim_<rule>.cu, launch_plan.h's plan and table, multi_tensor.cuh's walker, pack and
+(optim.cu, optim_<format>.cu, launch_plan.h's plan and table, multi_tensor.cuh's walker, pack and
 upload into host "device" memory), with 1 SM so that blocks walk several chunks. Host maths is
 IEEE fp32 with ``-ffp-contract=off`` (SSE: no FMA, correctly rounded sqrt and division), what the
 device code compiles to with ``--fmad=false``.
@@ -157,9 +157,9 @@ DRIVER = r"""
 
 #include "cuda/launchers.h"
 #include "cuda/optim.cu"
-#include "cuda/optim_adamw.cu"
-#include "cuda/optim_lion.cu"
-#include "cuda/optim_sgd.cu"
+#include "cuda/optim_bf16.cu"
+#include "cuda/optim_fp32.cu"
+#include "cuda/optim_q8.cu"
 
 using namespace fastamp::cuda;
 
@@ -279,10 +279,14 @@ _LAUNCH = re.compile(r"^(\s*)(\S.*?)<<<(.+?)>>>\((.*)\);\s*$")
 
 
 def _emulated_sources(out: Path) -> None:
-    """csrc/*.h and csrc/cuda/* copied under ``out``, each ``kernel<<<...>>>(args);`` line made an emu::launch."""
+    """csrc/*.h, csrc/rules/*.h and csrc/cuda/* copied under ``out``, each ``kernel<<<...>>>(args);`` line made an
+    emu::launch."""
     (out / "cuda").mkdir(parents=True)
+    (out / "rules").mkdir()
     for path in (ROOT / "csrc").glob("*.h"):
         shutil.copy(path, out / path.name)
+    for path in (ROOT / "csrc" / "rules").glob("*.h"):
+        shutil.copy(path, out / "rules" / path.name)
     for path in (ROOT / "csrc" / "cuda").iterdir():
         if path.suffix not in (".h", ".cuh", ".cu"):
             continue
@@ -394,7 +398,7 @@ COMBOS = compiled_combos()
 @pytest.mark.parametrize("master", ["none", "fp32", "remainder", "ulp8"])
 @pytest.mark.parametrize("rule, fmt", COMBOS)
 def test_emulated_kernel_matches_reference(driver, tmp_path, rule, fmt, master):
-    """Every (rule, state format) of optim_combos.h with every master format: two steps, one flag set each in
+    """Every (rule, state format) of the rules' kCudaStates with every master format: two steps, one flag set each in
     turn (the rule's own flag with the full set), shared or per-tensor step-scalar rows, misaligned tensors,
     a non-finite grad."""
     k = (RULE_IDS[rule] * 12 + FORMAT_IDS[fmt] * 4 + MASTER_IDS[master]) % len(FLAG_SETS)

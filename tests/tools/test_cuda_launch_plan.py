@@ -18,7 +18,8 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from test_cuda_compile import optim_combos
+from cuda_optim_calls import rule_max_states, rule_rows
+from test_cuda_compile import FORMAT_FILES, optim_combos
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA_DIR = ROOT / "csrc" / "cuda"
@@ -31,10 +32,10 @@ MAX_LAUNCHES = 10
 F32, F16, BF16 = 0, 1, 2
 DTYPE_BYTES = {F32: 4, F16: 2, BF16: 2}
 # Pointer rows per tensor in each op's table (launch_plan.h's k*Depth and optim_depth). optim_'s
-# tables, one per (rule, state format) of csrc/cuda/optim_combos.h: param, grad, master, the rule's
-# most states (x2 for q8: codes and scales), the tensor's list index.
-_MAX_STATES = {"kAdamW": 3, "kSgd": 1, "kLion": 1}
-_RULE_IDS = {"kAdamW": 0, "kSgd": 1, "kLion": 2}
+# tables, one per (rule, state format) of the rules' kCudaStates (csrc/rules/<name>.h): param, grad,
+# master, the rule's most states (x2 for q8: codes and scales), the tensor's list index.
+_MAX_STATES = rule_max_states()
+_RULE_IDS = {f"k{name}": i for i, (name, _) in enumerate(rule_rows())}  # RuleId: the list's order
 _FORMAT_IDS = {"kFloat32": 0, "kBFloat16": 1, "kQ8": 2}
 OPTIM = {
     f"optim_{rule[1:].lower()}_{fmt[1:].lower()}": (rule, fmt, 4 + _MAX_STATES[rule] * (2 if fmt == "kQ8" else 1))
@@ -338,8 +339,8 @@ def test_every_launcher_runs_the_plan():
 
 def test_rules_and_formats_share_one_plan(plans):
     """optim_ plans every (rule, state format) alike, one launch per (param, grad) dtype pair: only the
-    table entry (its rows) differs. Each rule's file only instantiates optim.cuh's launcher, which alone
-    plans and launches."""
+    table entry (its rows) differs. Each state format's file only instantiates optim.cuh's launcher, which
+    alone plans and launches."""
     names = sorted(OPTIM)
     for config in (c for c in CONFIGS if c.startswith(names[0] + "-")):
         suffix = config[len(names[0]) :]
@@ -348,10 +349,10 @@ def test_rules_and_formats_share_one_plan(plans):
             got = plans[other + suffix]
             assert got["launches"] == first["launches"] and got["chunks"] == first["chunks"], other + suffix
             assert got["counts"]["entry_bytes"] == 8 * OPS[other]["depth"] + 16
-    for rule in {rule for rule, _, _ in OPTIM.values()}:
-        name = f"optim_{rule[1:].lower()}.cu"
+    for fmt in {fmt for _, fmt, _ in OPTIM.values()}:
+        name = FORMAT_FILES[fmt]
         text = (CUDA_DIR / name).read_text()
-        assert "run_optim<" in text, f"{name} does not run its rule through optim.cuh"
+        assert "run_optim<" in text, f"{name} does not run its format through optim.cuh"
         assert "run_plan<" not in text and "plan_" not in text and "<<<" not in text, f"{name} launches on its own"
     family = (CUDA_DIR / "optim.cuh").read_text()
     assert family.count("<<<") == 1 and "optim_kernel<Rule, PE, GE, SF>" in family

@@ -16,6 +16,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+if __name__ == "__main__":  # run as a script: tests/ (pytest's pythonpath) holds cuda_optim_calls
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_cuda_compile import NVCC, ROOT, compile_cu_files, optim_instances, requires_nvcc, xdist_shared
 
 pytestmark = pytest.mark.slow  # every test reads the session-wide nvcc compile (~45 s)
@@ -25,8 +28,8 @@ ARCHS = ("sm_80", "sm_90")
 
 def _expected():
     """Kernels (by name) and instantiations per file: a kernel ptxas did not report is a kernel this test
-    did not check. optim_'s come from csrc/cuda/optim_combos.h (9 dtype pairs per (rule, format) pair, in
-    its rule's file; test_cuda_compile.py tells the rules and formats apart); optim.cu holds no kernel."""
+    did not check. optim_'s come from the rules' kCudaStates (9 dtype pairs per (rule, format) pair, in its
+    format's file; test_cuda_compile.py tells the rules and formats apart); optim.cu holds no kernel."""
     expected = {
         "amp.cu": {
             "unscale_check_kernel": 9,
@@ -83,7 +86,7 @@ def readable(mangled):
         return mangled
     out = subprocess.run([filt], input=mangled, capture_output=True, text=True).stdout.strip()
     out = re.sub(r"^void ", "", out)
-    for prefix in ("fastamp::cuda::", "fastamp::math::", "(anonymous namespace)::", "detail::"):
+    for prefix in ("fastamp::cuda::", "fastamp::math::", "fastamp::rules::", "(anonymous namespace)::", "detail::"):
         out = out.replace(prefix, "")
     depth, end = 0, len(out)
     for i, ch in enumerate(out):
