@@ -154,7 +154,10 @@ class Rule:
     test_matches_reference runs every dtype pair of every format with each of its values.
     ``gpu_exact``: only + - * and integer maths, so bit-exact on a GPU too. ``states``: the state
     formats the rule is tested with. ``hyper_list(h)`` / ``flags(h)``: ``optim_``'s ``hyper`` and
-    rule flags of a hyperparameter case.
+    rule flags of a hyperparameter case. ``full_state``: the case of ``hypers`` that uses every
+    state list (AdamW's amsgrad max, SGD's momentum buffers). ``per_rule_op``: the rule has a
+    per-rule op of its own (``adamw_``, ``sgd_``, ``lion_``: the ops from before ``optim_``); a new
+    rule runs as ``optim_`` only.
     """
 
     name: str
@@ -167,6 +170,8 @@ class Rule:
     hypers: dict = field(default_factory=dict)
     gpu_exact: bool = False
     states: tuple = ("fp32", "q8")
+    full_state: str = "default"
+    per_rule_op: bool = False
 
 
 def _flag(on, bit: int) -> int:
@@ -242,6 +247,8 @@ RULES = [
             "long-memory-big-decay": _adam(1e-4, 0.999, 0.99999, 1e-6, 1.0, amsgrad=True),
         },
         states=("fp32", "bf16", "q8"),
+        full_state="amsgrad",
+        per_rule_op=True,
     ),
     Rule(
         "sgd",
@@ -261,6 +268,8 @@ RULES = [
             "nesterov-half": _sgd(0.5, 0.0, 0.01, nesterov=True),
         },
         gpu_exact=True,
+        full_state="nesterov-wd-maximize",
+        per_rule_op=True,
     ),
     Rule(
         "lion",
@@ -278,6 +287,8 @@ RULES = [
             "odd-betas": _lion(0.95, 0.98, 0.3, lr=3e-2),
         },
         gpu_exact=True,
+        full_state="wd-maximize",
+        per_rule_op=True,
     ),
 ]
 RULE = {r.name: r for r in RULES}
@@ -479,9 +490,9 @@ def op_call(rule: Rule, fmt: Format, st: dict, scalars, found_inf, rng, rng_base
     return "optim_", args
 
 
-def per_rule_covers(fmt: Format) -> bool:
-    """Whether a per-rule op (``adamw_``, ``adamw_bf16_``, ``sgd_``, ``lion_``) takes the format's lists."""
-    return fmt.state != "q8" and fmt.master != "ulp8"
+def per_rule_covers(rule: Rule, fmt: Format) -> bool:
+    """Whether a per-rule op of ``rule`` (``adamw_``, ``adamw_bf16_``, ``sgd_``, ``lion_``) takes the format's lists."""
+    return rule.per_rule_op and fmt.state != "q8" and fmt.master != "ulp8"
 
 
 def op_name(rule: Rule, fmt: Format) -> str:
@@ -511,7 +522,7 @@ def per_rule_call(rule: Rule, fmt: Format, st: dict, scalars, found_inf, rng, rn
 def functional_call(backend: Backend, rule: Rule, fmt: Format, st: dict, scalars, found_inf, rng, rng_base, h):
     """The same step through ``fastamp.functional``: its per-rule op where one covers the format (its checks
     name that op's lists), else ``fastamp.functional.optim_``."""
-    if not per_rule_covers(fmt):
+    if not per_rule_covers(rule, fmt):
         _, args = op_call(rule, fmt, st, scalars, found_inf, rng, rng_base, h)
         params, grads, master, states, scalars, found_inf, rng, rng_base, name, hyper, flags = args
         functional.optim_(params, grads, master, states, scalars, found_inf, rng, rng_base, rule=name, hyper=hyper,

@@ -182,7 +182,7 @@ def test_as_optim_runs_a_per_rule_op_as_optim():
         pytest.skip(f"fastamp._C does not load: {registry.NATIVE_ERROR}")
     done = set()
     for rule, fmt in RULE_FORMATS:
-        if not per_rule_covers(fmt):
+        if not per_rule_covers(rule, fmt):
             continue
         h = rule.hypers[sorted(rule.hypers)[0]]
         st = make_state(rule, fmt, fmt.param_dtypes[0], torch.float32, h, [5, 70], 3)

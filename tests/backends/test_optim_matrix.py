@@ -141,11 +141,6 @@ def _compare_steps(backend, rule, fmt, got, exp, what):
         assert_state_matches(backend, rule, fmt, g, e, f"{what} step {k}")
 
 
-def _full_state_hyper(rule):
-    """The hyperparameters that use every state list of the rule (amsgrad's max, momentum buffers)."""
-    return {"adamw": "amsgrad", "sgd": "nesterov-wd-maximize", "lion": "wd-maximize"}[rule.name]
-
-
 # ---- case: multi-step comparison over dtypes and hyperparameters ----------------------------------------
 
 
@@ -245,7 +240,7 @@ def _plant_adversarial(st, rule, fmt):
 @pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=0))
 def test_adversarial_values_propagate_like_reference(backend, rule, fmt):
     """Zero, subnormal, huge and non-finite grads, state and params, on every param dtype of the format."""
-    h = rule.hypers[_full_state_hyper(rule)]
+    h = rule.hypers[rule.full_state]
     sizes = [9, 33, 17, backend.chunk + 3]
     for pdt in fmt.param_dtypes:
         seed = _seed("adv", rule.name, fmt.name, pdt)
@@ -269,7 +264,7 @@ def test_sizes_alone_and_together(backend, rule, fmt):
     """Sizes around the vector block and the scalar tail's lengths each alone in a call
     (``Backend.alone_sizes``); then every size, 0 to more than two chunks, in one call, every other
     param and grad misaligned by one element (on Triton: a launch of its own, without the alignment hint)."""
-    h = rule.hypers[_full_state_hyper(rule)]
+    h = rule.hypers[rule.full_state]
     pdt = fmt.param_dtypes[-1]
     groups = [[n] for n in backend.alone_sizes()] + [backend.sizes()]
 
@@ -296,7 +291,7 @@ def test_sizes_alone_and_together(backend, rule, fmt):
 @pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=0))
 def test_many_tiny_tensors(backend, rule, fmt):
     """Hundreds of tensors of 0 to 50 elements and one of several chunks, in one call."""
-    h = rule.hypers[_full_state_hyper(rule)]
+    h = rule.hypers[rule.full_state]
     gen = torch.Generator().manual_seed(12)
     # the reference, the comparison (and the Triton interpreter) pay per tensor in Python: 120 on CPU
     # (still over a hundred chunks), more on a GPU
@@ -319,7 +314,7 @@ def test_many_tiny_tensors(backend, rule, fmt):
 def test_found_inf_skips_and_writes_nothing(backend, rule, fmt):
     """found_inf 1, NaN, -2 and inf: every tensor bit-identical, on every param dtype of the format;
     the next applied step is still the first (SGD: buf := grad)."""
-    h = rule.hypers[_full_state_hyper(rule)]
+    h = rule.hypers[rule.full_state]
     sizes = [5, backend.block + 3, backend.chunk + 1, 130]
     for pdt in fmt.param_dtypes:
         before = make_state(rule, fmt, pdt, F16, h, sizes, 11, backend.device)
@@ -336,7 +331,7 @@ def test_found_inf_skips_and_writes_nothing(backend, rule, fmt):
 
 @pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=0))
 def test_found_inf_zero_runs(backend, rule, fmt):
-    h = rule.hypers[_full_state_hyper(rule)]
+    h = rule.hypers[rule.full_state]
     sizes = [5, backend.block + 3, 2]
     pdt = fmt.param_dtypes[-1]
     seed = _seed("zero", rule.name, fmt.name)
@@ -352,7 +347,7 @@ def test_found_inf_zero_runs(backend, rule, fmt):
 @pytest.mark.parametrize("backend, rule, fmt", _rf_params(half=1))
 def test_injected_inf_skips_all(backend, rule, fmt):
     """An inf in one grad among many, found by the backend's unscale_check_, skips the step on the device."""
-    h = rule.hypers[_full_state_hyper(rule)]
+    h = rule.hypers[rule.full_state]
     st = make_state(rule, fmt, fmt.param_dtypes[-1], BF16, h, [4, 9, 300, 2], 13, backend.device)
     st["grads"][2][150] = math.inf
     before = clone_state(st)
@@ -372,7 +367,8 @@ def test_injected_inf_skips_all(backend, rule, fmt):
 
 @pytest.mark.parametrize("backend, rule, fmt", _rf_params())
 def test_through_functional(backend, rule, fmt):
-    h = rule.hypers[{"adamw": "amsgrad-maximize", "sgd": "nesterov-wd-maximize", "lion": "wd-maximize"}[rule.name]]
+    # every state list and MAXIMIZE (the other rules' full_state cases have both)
+    h = rule.hypers["amsgrad-maximize" if rule.name == "adamw" else rule.full_state]
     pdt = fmt.param_dtypes[-1]
     sizes = [7, backend.block + 2, 100]
     dev = backend.device
