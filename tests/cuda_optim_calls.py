@@ -13,12 +13,12 @@ import torch
 
 from fastamp import reference as R
 from fastamp.reference import q8
-from fastamp.reference.optim import AMSGRAD, NESTEROV, RULES
+from fastamp.reference.optim import RULES
 
 CHUNK = 65536  # csrc/cuda/launch_plan.h kChunkSize
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HYPER = {"adamw": (0.9, 0.999, 1e-8), "sgd": (0.9, 0.1, 1e-2), "lion": (0.9, 0.99)}
-RULE_FLAGS = {"adamw": AMSGRAD, "sgd": NESTEROV, "lion": 0}
+RULE_FLAGS = {name: r.flags for name, r in RULES.items()}  # each rule's own flags (AMSGRAD, NESTEROV)
 MASTERS = ("none", "fp32", "remainder", "ulp8")
 # the param dtypes each master format takes (a call mixes them, and every grad dtype)
 PARAM_DTYPES = {

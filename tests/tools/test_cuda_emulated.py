@@ -39,7 +39,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-RULE_IDS = {"adamw": 0, "sgd": 1, "lion": 2}
+RULE_IDS = {name: i for i, (_, name) in enumerate(calls.rule_rows())}  # RuleId: csrc/optim_rules.h's order
 FORMAT_IDS = {"fp32": 0, "bf16": 1, "q8": 2}
 MASTER_IDS = {"none": 0, "fp32": 1, "remainder": 2, "ulp8": 3}
 DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}

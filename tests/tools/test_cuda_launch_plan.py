@@ -98,18 +98,21 @@ static void replay_optim_as(const LaunchPlan& plan, const std::vector<int64_t>& 
   replay<kDepth>(plan, numel);
 }
 
-static void replay_optim(int rule, int format, const LaunchPlan& plan, const std::vector<int64_t>& numel) {
-  switch (rule * 3 + format) {
-    case 0: replay_optim_as<0, 0>(plan, numel); break;
-    case 1: replay_optim_as<0, 1>(plan, numel); break;
-    case 2: replay_optim_as<0, 2>(plan, numel); break;
-    case 3: replay_optim_as<1, 0>(plan, numel); break;
-    case 4: replay_optim_as<1, 1>(plan, numel); break;
-    case 5: replay_optim_as<1, 2>(plan, numel); break;
-    case 6: replay_optim_as<2, 0>(plan, numel); break;
-    case 7: replay_optim_as<2, 1>(plan, numel); break;
-    case 8: replay_optim_as<2, 2>(plan, numel); break;
+template <int R>
+static void replay_rule(int format, const LaunchPlan& plan, const std::vector<int64_t>& numel) {
+  switch (format) {
+    case 0: replay_optim_as<R, 0>(plan, numel); break;
+    case 1: replay_optim_as<R, 1>(plan, numel); break;
+    case 2: replay_optim_as<R, 2>(plan, numel); break;
   }
+}
+
+// every rule of csrc/optim_rules.h's list
+static void replay_optim(int rule, int format, const LaunchPlan& plan, const std::vector<int64_t>& numel) {
+#define REPLAY_RULE_(Name, name) \
+  if (rule == static_cast<int>(OptimRule::k##Name)) replay_rule<static_cast<int>(OptimRule::k##Name)>(format, plan, numel);
+  FASTAMP_OPTIM_RULES(REPLAY_RULE_)
+#undef REPLAY_RULE_
 }
 
 int main() {
