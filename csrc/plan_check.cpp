@@ -18,6 +18,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "host_prefetch.h"
@@ -66,6 +68,93 @@ const at::Tensor& grad_of(const at::Tensor& t) {
   if (meta == nullptr) return undefined;
   if (meta->grad_fn_ != nullptr) return t.grad();
   return meta->grad_;
+}
+
+// An int64 buffer argument (array('q'), or bytes of int64 values), read without converting Python
+// ints; `size()` -1 where `obj` offers no buffer of whole int64s.
+class Int64Buffer {
+ public:
+  explicit Int64Buffer(PyObject* obj) {
+    ok_ = PyObject_GetBuffer(obj, &view_, PyBUF_SIMPLE) == 0;
+    if (!ok_) PyErr_Clear();
+  }
+  ~Int64Buffer() {
+    if (ok_) PyBuffer_Release(&view_);
+  }
+  Int64Buffer(const Int64Buffer&) = delete;
+  Int64Buffer& operator=(const Int64Buffer&) = delete;
+  Py_ssize_t size() const { return ok_ && view_.len % 8 == 0 ? view_.len / 8 : -1; }
+  int64_t operator[](Py_ssize_t i) const {
+    int64_t v;
+    std::memcpy(&v, static_cast<const char*>(view_.buf) + 8 * i, sizeof(v));
+    return v;
+  }
+
+ private:
+  Py_buffer view_{};
+  bool ok_ = false;
+};
+
+// plan_lists(lists, ptrs, numels, dtypes) -> True | False | NotImplemented
+//
+// The Triton launch plans' check of a call's persistent lists (kernels/_common.py, _Plan.grad_ptrs:
+// the params, masters and states, the same tensors step after step), every list in one prefetched C
+// loop, read as one sequence without joining them: tensor k must sit at the planned address
+// (const_data_ptr() == ptrs[k], which does not materialise a copy-on-write tensor), have the planned
+// dtype (dtypes[k], the torch.dtype object) and element count (numels[k]), and be contiguous.
+// `ptrs` and `numels` are int64 buffers (array('q')). True: every tensor fits; False: one differs
+// (or the count does); NotImplemented: an item is not a plain torch.Tensor / nn.Parameter, a list
+// is not a list, or a tensor cannot answer (no storage): the Python passes then decide. It reads
+// no `.grad` (plan_grads does, for the optimizers' plan), so a param costs the lines of its object,
+// its TensorImpl and its StorageImpl only.
+PyObject* plan_lists(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4) {
+    PyErr_SetString(PyExc_TypeError, "plan_lists takes 4 arguments");
+    return nullptr;
+  }
+  PyObject *lists = args[0], *dtypes = args[3];
+  if (!PyList_CheckExact(lists) || !PyList_CheckExact(dtypes)) Py_RETURN_NOTIMPLEMENTED;
+  const Int64Buffer ptrs(args[1]), numels(args[2]);
+  const Py_ssize_t n = PyList_GET_SIZE(dtypes);
+  if (ptrs.size() != n || numels.size() != n) {
+    PyErr_SetString(PyExc_ValueError, "plan_lists: ptrs and numels must be int64 buffers as long as dtypes");
+    return nullptr;
+  }
+  std::vector<PyObject*> items;
+  items.reserve(static_cast<size_t>(n));
+  const Py_ssize_t nl = PyList_GET_SIZE(lists);
+  for (Py_ssize_t l = 0; l < nl; ++l) {
+    PyObject* list = PyList_GET_ITEM(lists, l);
+    if (!PyList_CheckExact(list)) Py_RETURN_NOTIMPLEMENTED;
+    const Py_ssize_t m = PyList_GET_SIZE(list);
+    if (static_cast<Py_ssize_t>(items.size()) + m > n) Py_RETURN_FALSE;
+    for (Py_ssize_t i = 0; i < m; ++i) items.push_back(PyList_GET_ITEM(list, i));
+  }
+  if (static_cast<Py_ssize_t>(items.size()) != n) Py_RETURN_FALSE;
+  auto impl_at = [&](Py_ssize_t j) -> const c10::TensorImpl* {
+    if (j >= n) return nullptr;
+    PyObject* obj = items[static_cast<size_t>(j)];
+    return THPVariable_CheckExact(obj) ? THPVariable_Unpack(obj).unsafeGetTensorImpl() : nullptr;
+  };
+  constexpr Py_ssize_t d = kHostPrefetchDistance;
+  try {
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      // one level of each tensor's chain per distance: its object, its TensorImpl, its StorageImpl
+      if (i + 3 * d < n) prefetch_read(items[static_cast<size_t>(i + 3 * d)]);
+      if (const c10::TensorImpl* impl = impl_at(i + 2 * d)) prefetch_tensor_impl(impl);
+      if (const c10::TensorImpl* impl = impl_at(i + d)) prefetch_storage_of(impl);
+      PyObject* obj = items[static_cast<size_t>(i)];
+      if (!THPVariable_CheckExact(obj)) Py_RETURN_NOTIMPLEMENTED;
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      if (reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())) != PyList_GET_ITEM(dtypes, i) ||
+          reinterpret_cast<int64_t>(t.const_data_ptr()) != ptrs[i] || t.numel() != numels[i] || !t.is_contiguous())
+        Py_RETURN_FALSE;
+    }
+  } catch (const std::exception&) {
+    // a tensor without storage and the like: the Python passes answer
+    Py_RETURN_NOTIMPLEMENTED;
+  }
+  Py_RETURN_TRUE;
 }
 
 // plan_grads(params, planned, ptrs, param_dtypes, grad_dtypes, strided[, numels])
@@ -223,24 +312,29 @@ PyObject* param_grads(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return Py_BuildValue("(NOO)", grads, plain ? Py_True : Py_False, fp16 ? Py_True : Py_False);
 }
 
-// dense_ptrs(grads, numels, dtypes, device) -> list | None | NotImplemented
+// dense_ptrs(grads, numels, dtypes, device) -> list | bytes | None | NotImplemented
 //
 // The Triton launcher's read of a call's grads (kernels/_common.py, _Plan.grad_ptrs): their
 // data_ptr() values when each grads[i] is a dense contiguous tensor on `device` of dtype
 // dtypes[i] with numels[i] elements (numels may run on past the grads), not a lazily negated
-// view, at a 16-byte aligned address; else None. In one prefetched C loop instead of a pass per
-// property. NotImplemented (nothing decided) for anything but a list of plain torch.Tensor /
-// nn.Parameter objects with plain dispatch keys: the Python passes answer those.
+// view, at a 16-byte aligned address; else None. `numels`: a list of ints, or an int64 buffer
+// (array('q'), read without converting Python ints), and then the addresses come back as the
+// int64 values of a bytes object (array('q').frombytes), not as a list of Python ints. In one
+// prefetched C loop instead of a pass per property. NotImplemented (nothing decided) for anything but
+// a list of plain torch.Tensor / nn.Parameter objects with plain dispatch keys: the Python passes
+// answer those.
 PyObject* dense_ptrs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 4) {
     PyErr_SetString(PyExc_TypeError, "dense_ptrs takes 4 arguments");
     return nullptr;
   }
   PyObject *grads = args[0], *numels = args[1], *dtypes = args[2], *device = args[3];
-  if (!PyList_CheckExact(grads) || !PyList_CheckExact(numels) || !PyList_CheckExact(dtypes) || !THPDevice_Check(device))
-    Py_RETURN_NOTIMPLEMENTED;
+  if (!PyList_CheckExact(grads) || !PyList_CheckExact(dtypes) || !THPDevice_Check(device)) Py_RETURN_NOTIMPLEMENTED;
+  const bool numel_list = PyList_CheckExact(numels);
+  const Int64Buffer numel_buf(numel_list ? Py_None : numels);
   const Py_ssize_t n = PyList_GET_SIZE(grads);
-  if (PyList_GET_SIZE(numels) < n || PyList_GET_SIZE(dtypes) < n) Py_RETURN_NOTIMPLEMENTED;
+  if ((numel_list ? PyList_GET_SIZE(numels) : numel_buf.size()) < n || PyList_GET_SIZE(dtypes) < n)
+    Py_RETURN_NOTIMPLEMENTED;
   const c10::Device dev = reinterpret_cast<THPDevice*>(device)->device;
   std::vector<void*> ptrs(static_cast<size_t>(n));
   bool fits = true;
@@ -259,7 +353,7 @@ PyObject* dense_ptrs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       const at::Tensor& g = THPVariable_Unpack(obj);
       if (!g.defined() || !has_plain_keys(g.unsafeGetTensorImpl())) Py_RETURN_NOTIMPLEMENTED;
       if (!fits) continue;  // keep reading: a later item may still need the Python passes
-      const long long want = PyLong_AsLongLong(PyList_GET_ITEM(numels, i));
+      const long long want = numel_list ? PyLong_AsLongLong(PyList_GET_ITEM(numels, i)) : numel_buf[i];
       if (want == -1 && PyErr_Occurred()) return nullptr;
       if (g.layout() != at::kStrided || g.device() != dev || g.numel() != want ||
           reinterpret_cast<PyObject*>(torch::getTHPDtype(g.scalar_type())) != PyList_GET_ITEM(dtypes, i) ||
@@ -279,6 +373,11 @@ PyObject* dense_ptrs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_RETURN_NOTIMPLEMENTED;
   }
   if (!fits) Py_RETURN_NONE;
+  if (!numel_list) {
+    static_assert(sizeof(void*) == sizeof(int64_t), "addresses as int64");
+    return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(ptrs.data()),
+                                     static_cast<Py_ssize_t>(ptrs.size() * sizeof(void*)));
+  }
   PyObject* out = PyList_New(n);
   if (out == nullptr) return nullptr;
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -332,6 +431,9 @@ PyMethodDef fastamp_plan_methods[] = {
      "NotImplemented"},
     {"param_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::param_grads)), METH_FASTCALL,
      "(the params' grads, whether each grad is exactly a torch.Tensor, whether one is float16), or NotImplemented"},
+    {"plan_lists", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::plan_lists)), METH_FASTCALL,
+     "whether the Triton launch plan's persistent lists still hold the planned addresses, dtypes and element "
+     "counts (True / False), or NotImplemented"},
     {"dense_ptrs", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&fastamp::dense_ptrs)), METH_FASTCALL,
      "the data pointers of dense contiguous grads of the planned numels and dtypes on a device, None, or "
      "NotImplemented"},

@@ -703,6 +703,13 @@ _dense_ptrs = _native_check("dense_ptrs")
 # it answers as the passes of ``data_ptr()`` and ``dtype`` would.
 _plan_grads = _native_check("plan_grads")
 
+# The same check over every persistent list at once, read as one sequence (no joined list, no block
+# slices) against the plan's addresses and element counts held as int64 buffers (no Python int
+# converted per tensor), and without reading any tensor's ``.grad``: True where everything fits
+# and every tensor is a plain torch.Tensor / nn.Parameter, False for any difference, NotImplemented
+# (the blocks above then decide) for anything else. None with an extension that lacks it.
+_plan_lists = _native_check("plan_lists")
+
 
 def _tensor_guards():
     """torch's C++ check of tensor metadata (dynamo's ``TensorGuards``), or None where torch lacks it."""
@@ -738,11 +745,14 @@ def _guard_of(block):
 class _Plan:
     """The launches of one optimizer call and what they were built from (see above)."""
 
-    __slots__ = ("ptrs", "numels", "dtypes", "grad_dtypes", "launches", "blocks", "grad_guards")
+    __slots__ = ("ptrs", "numels", "dtypes", "grad_dtypes", "launches", "blocks", "grad_guards", "ptr_buf", "numel_buf")
 
     def __init__(self, flat, grads, launches):
         self.ptrs = list(map(_data_ptr, flat))
         self.numels = list(map(_numel, flat))
+        # the same as int64 buffers, for the C checks (plan_lists, dense_ptrs)
+        self.ptr_buf = array("q", self.ptrs)
+        self.numel_buf = array("q", self.numels)
         self.dtypes = list(map(_dtype_of, flat))
         self.grad_dtypes = list(map(_dtype_of, grads))
         # (group key, tensors, table values without grads, grads positions or None (all), n_chunks, n_ptr)
@@ -785,11 +795,14 @@ class _Plan:
         n = len(grads)
         plain = True
         try:
-            flat = list(itertools.chain.from_iterable(persistent))
-            if len(flat) != len(self.ptrs):
+            whole = None if _plan_lists is None else _plan_lists(persistent, self.ptr_buf, self.numel_buf, self.dtypes)
+            if whole is False:
+                return None
+            flat = None if whole is True else list(itertools.chain.from_iterable(persistent))
+            if flat is not None and len(flat) != len(self.ptrs):
                 return None
             numels = self.numels
-            for s, e, bptrs, bdtypes, bkinds, bflags, bnumels in self.blocks:
+            for s, e, bptrs, bdtypes, bkinds, bflags, bnumels in () if flat is None else self.blocks:
                 block = flat[s:e]
                 # True: the C pass found the block fits, element counts and contiguity included
                 if bflags is None or _plan_grads(block, block, bptrs, bdtypes, bkinds, bflags, bnumels) is not True:
@@ -803,12 +816,14 @@ class _Plan:
                         return None
             gdtypes = self.grad_dtypes
             if _dense_ptrs is not None:
-                got = _dense_ptrs(grads, numels, gdtypes, device)
+                got = _dense_ptrs(grads, self.numel_buf, gdtypes, device)
                 if got is None:
                     return None
                 if got is not NotImplemented:
                     # every grad a plain tensor that fits: the passes below would answer the same
-                    return got, plain
+                    gptrs = array("q")
+                    gptrs.frombytes(got)
+                    return gptrs, plain
             gptrs = []
             guards = self.grad_guards
             unguarded = []

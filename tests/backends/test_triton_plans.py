@@ -117,16 +117,18 @@ CHECKS = [("c", 4), ("c", 1024), ("c-guards", 4), ("python", 4)] if NATIVE_CHECK
 
 @pytest.fixture(autouse=True, params=CHECKS, ids=[f"{path}-blocks-of-{b}" for path, b in CHECKS])
 def check_path(request, monkeypatch):
-    """The plan check reads the lists in blocks (``C._BLOCK``): several blocks here, and one; the
-    persistent lists' addresses and dtypes in one C loop per block (``fastamp._C.plan_grads``,
-    where the extension is built) and the grads in one C loop (``fastamp._C.dense_ptrs``: path
-    "c"), or a direct call's grads with torch's ``TensorGuards`` and Python passes ("c-guards":
-    what runs where the extension lacks dense_ptrs), or everything in Python passes ("python";
-    each path is forced here)."""
+    """The plan check reads the persistent lists' addresses, dtypes and element counts in one C loop
+    over all of them (``fastamp._C.plan_lists``) and the grads in one C loop (``fastamp._C.dense_ptrs``:
+    path "c", where the extension is built), or the persistent lists in blocks (``C._BLOCK``: several
+    blocks here, and one) of one C loop each (``fastamp._C.plan_grads``) and a direct call's grads with
+    torch's ``TensorGuards`` and Python passes ("c-guards": what runs where the extension lacks
+    plan_lists and dense_ptrs, and for a list plan_lists cannot answer), or everything in Python passes
+    ("python"; each path is forced here)."""
     path, block = request.param
     monkeypatch.setattr(C, "_BLOCK", block)
     if path != "c":
         monkeypatch.setattr(C, "_dense_ptrs", None)
+        monkeypatch.setattr(C, "_plan_lists", None)
     if path == "python":
         monkeypatch.setattr(C, "_plan_grads", None)
         monkeypatch.setattr(C, "_TensorGuards", None)
@@ -364,28 +366,76 @@ def test_the_c_pass_with_element_counts_answers_as_the_python_passes(check_path)
     assert type(got) is list and got[1] is block[1].grad, "the 6-argument form still gives the grads"
 
 
+def test_the_c_pass_over_every_list_answers_as_the_python_passes(check_path):
+    """``plan_lists(lists, ptrs, numels, dtypes)`` reads the lists as one sequence: True where every tensor
+    has its planned address, dtype and element count and is contiguous (a ``.grad`` does not matter);
+    False for any difference, in any list, or another count of tensors; NotImplemented for a subclass or
+    a list of another type (the Python passes then decide); an error naming the problem for buffers of
+    another length."""
+    from array import array
+
+    if check_path != "c":
+        pytest.skip("the C function is tested on the c path")
+    assert C._plan_lists is not None, "fastamp._C has no plan_lists (csrc/plan_check.cpp): rebuild the extension"
+    params = [torch.zeros(4, 3), torch.zeros(6).requires_grad_()]
+    params[1].grad = torch.ones(6)
+    states = [torch.zeros(4, 3), torch.zeros(6, dtype=torch.bfloat16)]
+    lists = [params, states]
+    flat = params + states
+
+    planned = (array("q", [t.data_ptr() for t in flat]), array("q", [t.numel() for t in flat]), [t.dtype for t in flat])
+
+    def ask(lists, plan=planned):
+        return C._plan_lists(lists, *plan)
+
+    assert ask(lists) is True
+    assert ask([params + states[:1], states[1:]]) is True, "the lists are one sequence"
+    assert ask(lists, (planned[0], array("q", [12, 6, 12, 7]), planned[2])) is False, "another element count"
+    assert ask([params, [states[0], torch.zeros(6, dtype=torch.bfloat16)]]) is False, "another address"
+    assert ask([params, [states[0], states[1].view(torch.float16)]]) is False, "another dtype"
+    assert ask([params, [states[0].t(), states[1]]]) is False, "not contiguous"
+    assert ask([params, states[:1]]) is False and ask([params, states + states[:1]]) is False, "another count"
+    assert ask([params, tuple(states)]) is NotImplemented
+    params[1].data = torch.zeros(6)  # `.data = x` moves no version counter: the address tells
+    assert ask(lists) is False
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = torch.zeros(3).as_subclass(Sub)
+    assert ask([[sub]], (array("q", [sub.data_ptr()]), array("q", [3]), [sub.dtype])) is NotImplemented
+    with pytest.raises(ValueError, match="int64 buffers as long as dtypes"):
+        C._plan_lists(lists, array("q", [0]), array("q", [0] * 4), [t.dtype for t in flat])
+
+
 @pytest.fixture
 def c_pass_calls(monkeypatch, check_path):
-    """The calls of the C pass and what each answered (True, or a list of grads: the block fits)."""
+    """The calls of the C passes over the persistent lists (plan_lists: all of them; plan_grads: a block)
+    and what each answered (True, or a list of grads: they fit)."""
     if check_path == "python":
-        pytest.skip("the C pass of the plan check (fastamp._C.plan_grads) is not in use")
+        pytest.skip("the C pass of the plan check (fastamp._C.plan_lists / plan_grads) is not in use")
     answers = []
-    real = C._plan_grads
 
-    def spying(*args):
-        got = real(*args)
-        answers.append(got is True or type(got) is list)
-        return got
+    def spy(real):
+        def spying(*args):
+            got = real(*args)
+            answers.append(got is True or type(got) is list)
+            return got
 
-    monkeypatch.setattr(C, "_plan_grads", spying)
+        return spying
+
+    monkeypatch.setattr(C, "_plan_grads", spy(C._plan_grads))
+    if C._plan_lists is not None:
+        monkeypatch.setattr(C, "_plan_lists", spy(C._plan_lists))
     return answers
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_repeated_call_reads_the_persistent_lists_in_the_c_pass(device, monkeypatch, c_pass_calls, check_path):
-    """A repeated plain call is answered by the C pass, one call per block, each fitting; the persistent
-    lists are then known to be plain tensors (no type pass over them) and no Python pass of their
-    addresses runs; nor of the grads' addresses where ``fastamp._C.dense_ptrs`` reads the grads."""
+    """A repeated plain call is answered by the C pass, fitting: one call over every list (plan_lists,
+    path "c") or one per block (plan_grads); the persistent lists are then known to be plain tensors (no
+    type pass over them) and no Python pass of their addresses runs; nor of the grads' addresses where
+    ``fastamp._C.dense_ptrs`` reads the grads."""
     C._PLANS.clear()
     st = _state("adamw_", device)
     _run("adamw_", st, 2)
@@ -399,7 +449,7 @@ def test_a_repeated_call_reads_the_persistent_lists_in_the_c_pass(device, monkey
     _run("adamw_", st, 1)
     n_persistent = sum(len(v) for k, v in st.items())  # params, masters, moments, max moments
     assert len(plan.blocks) == -(-n_persistent // C._BLOCK)
-    assert c_pass_calls == [True] * len(plan.blocks), c_pass_calls
+    assert c_pass_calls == ([True] if check_path == "c" else [True] * len(plan.blocks)), c_pass_calls
     assert answers[0] is not None and answers[0][1] is True
     if check_path == "c":
         assert address_passes == [], "the grads' addresses are read in C"
@@ -408,10 +458,11 @@ def test_a_repeated_call_reads_the_persistent_lists_in_the_c_pass(device, monkey
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_grad_on_a_planned_tensor_changes_nothing_but_the_pass(device, guard_calls, c_pass_calls):
-    """The C pass also compares each planned tensor's own ``.grad`` (it reads it anyway): a param that
-    gains a ``.grad`` after planning (as in an optimizer's step) makes it answer False for that block;
-    the Python passes then find the call fits: the plan is kept and the bits are the reference's."""
+def test_a_grad_on_a_planned_tensor_changes_nothing_but_the_pass(device, guard_calls, c_pass_calls, check_path):
+    """A param that gains a ``.grad`` after planning (as in an optimizer's step) keeps the plan and the
+    reference's bits. plan_lists (path "c") reads no ``.grad``: it answers True. plan_grads also
+    compares each planned tensor's own ``.grad`` (it reads it anyway) and answers False for that block;
+    the Python passes then find the call fits."""
     C._PLANS.clear()
     st = _state("adamw_", device)
     ref = _clone(st)
@@ -422,7 +473,10 @@ def test_a_grad_on_a_planned_tensor_changes_nothing_but_the_pass(device, guard_c
 
     _run("adamw_", st, 3, mutate=give_grads)
     _run("adamw_", ref, 3, fn=R.adamw_)
-    assert False in c_pass_calls, "the C pass must notice the new .grad"
+    if check_path == "c":
+        assert c_pass_calls and all(c_pass_calls), "plan_lists does not read .grad"
+    else:
+        assert False in c_pass_calls, "the C pass must notice the new .grad"
     assert guard_calls == ["optim_"], "the plan must be kept"
     for p in st["params"]:
         p.grad = None
@@ -559,9 +613,13 @@ def test_the_c_read_of_the_grads_answers_what_the_python_passes_answer(device, c
     plan, (persistent, _, device_, direct) = seen[-1]
     grads = _grads(st, 3)
     grads[4] = GRAD_CASES[change](grads[4])  # the 2-D one
-    native = plan.grad_ptrs(persistent, grads, device_, direct)
+
+    def answer(got):  # the addresses as a list (dense_ptrs gives an array('q'), the passes a list)
+        return None if got is None else (list(got[0]), got[1])
+
+    native = answer(plan.grad_ptrs(persistent, grads, device_, direct))
     monkeypatch.setattr(C, "_dense_ptrs", None)
-    python = plan.grad_ptrs(persistent, grads, device_, direct)
+    python = answer(plan.grad_ptrs(persistent, grads, device_, direct))
     assert native == python
     if change in ("plain", "requires-grad", "parameter"):
         assert native is not None and native[0] == [g.data_ptr() for g in grads]
