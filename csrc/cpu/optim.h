@@ -1,13 +1,14 @@
 // The generic CPU optimizer kernel of fastamp::optim_ (semantics: fastamp.reference.optim_): what its
 // host side (cpu/optim.cpp: checks, chunks, threads, the persistent tables) and its kernels (one
-// translation unit per instruction set, cpu/optim_kernels_<isa>.cpp, each compiling every rule) share. Private to
-// csrc/cpu/.
+// translation unit per instruction set, cpu/optim_kernels_<isa>.cpp, each compiling every rule)
+// share. Private to csrc/cpu/.
 //
 // A kernel is one update rule (AdamW, SGD, Lion) x the param dtype P x the grad dtype G x the master
 // format (fp32, int16 remainder, int8 ulp8, none) x the state format (fp32, bf16, q8 codes): a
 // ChunkFn runs it on one chunk of one tensor. What varies within one of them is read at run time
-// from Args: the rule's flags (maximize, amsgrad, nesterov), the number of states (AdamW 2 or 3, SGD
-// 0 or 1), and the stochastic rounding of the param and of the states (SR_PARAM, SR_STATE).
+// from Args: the rule's flags (maximize, amsgrad, nesterov: in its Hyper), the number of states
+// (AdamW 2 or 3, SGD 0 or 1), and the stochastic rounding of the param and of the states (SR_PARAM,
+// SR_STATE).
 #pragma once
 
 #include <ATen/ATen.h>
