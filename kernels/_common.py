@@ -9,7 +9,8 @@ int64 tensor on the device, laid out as::
      (optimizer tables) tensor -> offset of its step scalars (n_tensors)]
 
 so a launch needs one host-to-device copy, from pinned memory without blocking on CUDA (no
-host sync). See :func:`build_table` for when tables are cached and how they stay valid under
+host sync). The optimizer kernel takes its grads' addresses as a second int64 tensor (the one
+column a repeated call changes: a planned table stays on the device). See :func:`build_table` for when tables are cached and how they stay valid under
 CUDA-graph capture and across streams, and :func:`optimizer_launches` for the optimizer
 launchers' plans: a repeated call with the same params and states reuses its groups and
 tables and skips the dispatcher (:func:`call_launcher`).
@@ -560,11 +561,17 @@ def build_table(
 
 def _captured_table(ptr_columns, numels, chunk, device, rows=None):
     values, n_chunks = _table_values(ptr_columns, numels, chunk, rows)
+    return _captured_copy(values, device), n_chunks
+
+
+def _captured_copy(values, device) -> torch.Tensor:
+    """``values`` (an ``array('q')``) in a device tensor written by the graph being captured (see
+    :func:`build_table`); it and its pinned source are kept for good."""
     host = _host_table(values).pin_memory()
     table = torch.empty(host.shape, dtype=torch.int64, device=device)
     table.copy_(host, non_blocking=True)
     _CAPTURED_TABLES.append((table, host))
-    return table, n_chunks
+    return table
 
 
 def check_runnable(op: str, device: torch.device) -> None:
@@ -635,26 +642,31 @@ def _group_columns(idxs, streams, ids_base, scalar_stride: int) -> tuple:
     return columns, counts, rows
 
 
-def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scalar_stride: int) -> tuple:
-    """The :func:`build_table` table of the tensors ``idxs``: ``(table, n_chunks, n_ptr)``.
+def launch_table(idxs, streams, ids_base, chunk: int, device: torch.device, scalar_stride: int, apart=None) -> tuple:
+    """The :func:`build_table` table of the tensors ``idxs``: ``(table, n_chunks, n_ptr, column apart)``.
 
     One column of ``data_ptr()`` per tensor list of ``streams`` (params first: their numels
-    count), then, unless ``ids_base`` is None, the random stream's tensor ids ``ids_base + i``
-    (the index in the call, not in the group); last, the offsets ``i * scalar_stride`` of the
-    tensors' step scalars (:func:`scalar_row`; ``scalar_stride`` from :func:`checked_scalars`).
+    count) but ``streams[apart]``, whose addresses are returned apart (a list; None when
+    ``apart`` is None), then, unless ``ids_base`` is None, the random stream's tensor ids
+    ``ids_base + i`` (the index in the call, not in the group); last, the offsets
+    ``i * scalar_stride`` of the tensors' step scalars (:func:`scalar_row`; ``scalar_stride``
+    from :func:`checked_scalars`).
     """
     columns, counts, rows = _group_columns(idxs, streams, ids_base, scalar_stride)
+    column = None if apart is None else columns.pop(apart)
     table, n_chunks = build_table(columns, counts, chunk, device, rows)
-    return table, n_chunks, len(columns)
+    return table, n_chunks, len(columns), column
 
 
 # ---- the optimizer launchers' plans, kept across calls with the same tensors ----
 #
-# A plan holds, per launch group, its table with the grads column left empty, and what the
-# table was built from: every address, element count, dtype of the params and state lists
-# (the "persistent" lists: the same tensors step after step) and the grads' dtypes. A call
-# whose tensors match all of it reuses the groups and tables and only writes this call's grad
-# addresses into a copy of each table (grads are new tensors after every backward). The check
+# A plan holds, per launch group, its table of the persistent columns (the grads' addresses are
+# a launch argument of their own), and what the table was built from: every address, element
+# count, dtype of the params and state lists (the "persistent" lists: the same tensors step
+# after step) and the grads' dtypes. A call whose tensors match all of it reuses the groups and
+# tables and writes only this call's grad addresses, into a new small tensor per launch (grads
+# are new tensors after every backward): a planned table is never rewritten, and on CUDA it
+# stays on the device (one copy of n addresses per step, not of the whole table). The check
 # is a few C-level passes over the lists (one C loop per block where fastamp._C and torch have
 # them, else ``map`` of a tensor method: no Python code per tensor either way; see _plan_grads
 # and _TensorGuards), and it compares values, not identities: a table depends only on these values, so
@@ -857,15 +869,26 @@ class _Plan:
         return gptrs, plain
 
 
-def _with_grads(values, n: int, gptrs, sel, device: torch.device) -> torch.Tensor:
-    """A new table: ``values`` with this call's grad addresses in column 1 (``n`` tensors)."""
-    values = values[:]
-    values[n : 2 * n] = array("q", gptrs if sel is None else map(gptrs.__getitem__, sel))
-    host = torch.frombuffer(values, dtype=torch.int64) if len(values) else torch.empty(0, dtype=torch.int64)
+def _grad_table(gptrs, sel, device: torch.device, capturing: bool = False) -> torch.Tensor:
+    """A new int64 tensor of this call's grad addresses (``gptrs``, or its entries ``sel``) on ``device``.
+
+    The only part of a launch's tables written per call (the persistent columns' table is the
+    plan's, never rewritten). On CUDA a new device tensor per call, copied on the current stream
+    after every earlier launch that read the previous one (the caching host allocator keeps the
+    pinned source alive until the copy has run); while capturing a CUDA graph, the graph's own,
+    kept for good with its pinned source (:func:`build_table`).
+    """
+    if sel is not None:
+        gptrs = array("q", map(gptrs.__getitem__, sel))
+    elif not isinstance(gptrs, array):
+        gptrs = array("q", gptrs)
+    if capturing:
+        return _captured_copy(gptrs, device)
+    if not len(gptrs):
+        return torch.empty(0, dtype=torch.int64, device=device)
+    host = torch.frombuffer(gptrs, dtype=torch.int64)  # shares the array's memory and keeps it alive
     if device.type == "cpu":
-        return host  # a new tensor per call: an earlier launch's table is never rewritten
-    # a new device table per call, written on the current stream after every earlier launch
-    # that read the previous one; the caching host allocator keeps the pinned source alive
+        return host
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -924,7 +947,10 @@ def optimizer_launches(
     op: str, device: torch.device, lists, key, chunk: int, stride: int, ids_base, static, direct: bool = False,
     columns=None,
 ) -> list:  # fmt: skip
-    """The launches of an optimizer call: ``[(group key + (aligned,), n_tensors, table, n_chunks, n_ptr)]``.
+    """The launches of an optimizer call: ``[(group key + (aligned,), n_tensors, table, grad_ptrs, n_chunks, n_ptr)]``.
+
+    ``table``: :func:`launch_table`'s, without the grads' column (``n_ptr`` columns); ``grad_ptrs``:
+    the grads' addresses, an int64 tensor of ``n_tensors`` on the device.
 
     ``lists``: the :func:`_guards.guard_lists` specs ``(name, tensors, dtypes, contiguous)`` in
     table-column order, params first and grads second; ``key(i)``: tensor ``i``'s group key
@@ -955,8 +981,8 @@ def optimizer_launches(
             if _PLANS.get(cache_key) is plan:  # (another thread may have dropped it meanwhile)
                 _PLANS.move_to_end(cache_key)
             return [
-                (gkey, m, _with_grads(values, m, gptrs, sel, device), n_chunks, n_ptr)
-                for gkey, m, values, sel, n_chunks, n_ptr in plan.launches
+                (gkey, m, table, _grad_table(gptrs, sel, device), n_chunks, n_ptr)
+                for gkey, m, table, sel, n_chunks, n_ptr in plan.launches
             ]
     if direct:
         raise Declined(op)
@@ -968,29 +994,22 @@ def optimizer_launches(
     dense = contiguous(grads)
     streams = [persistent[0], dense, *persistent[1:]]
     groups = launch_groups(streams, key)
-    if capturing or any(p & 15 for p in map(_data_ptr, dense)):
-        # not cached: a captured table must be the graph's own; unaligned grads regroup
-        out = _Launches()
-        out.keep = dense
-        for gkey, idxs in groups.items():
-            table, n_chunks, n_ptr = launch_table(idxs, streams, ids_base(gkey), chunk, device, stride)
-            out.append((gkey, len(idxs), table, n_chunks, n_ptr))
-        return out
+    cache = not capturing and not any(p & 15 for p in map(_data_ptr, dense))
     launches = []
     n = len(grads)
     for gkey, idxs in groups.items():
-        columns, counts, rows = _group_columns(idxs, streams, ids_base(gkey), stride)
-        columns[1] = [0] * len(idxs)
-        values, n_chunks = _table_values(columns, counts, chunk, rows)
+        # the table of the persistent columns (a captured one is the graph's own), the grads'
+        # addresses apart: the only part of a launch that a planned call writes anew
+        table, n_chunks, n_ptr, gcol = launch_table(idxs, streams, ids_base(gkey), chunk, device, stride, apart=1)
         sel = None if len(idxs) == n else list(idxs)
-        launches.append((gkey, len(idxs), values, sel, n_chunks, len(columns)))
-    plan = _Plan(list(itertools.chain.from_iterable(persistent)), grads, launches)
-    _PLANS[cache_key] = plan
-    if len(_PLANS) > _PLANS_SIZE:
-        _PLANS.popitem(last=False)
-    gptrs = list(map(_data_ptr, dense))
-    out = _Launches((gkey, m, _with_grads(values, m, gptrs, sel, device), n_chunks, n_ptr)
-                    for gkey, m, values, sel, n_chunks, n_ptr in launches)  # fmt: skip
+        launches.append((gkey, len(idxs), table, sel, n_chunks, n_ptr, gcol))
+    if cache:  # not when capturing (the tables are the graph's) nor with unaligned grads (they regroup)
+        plan = _Plan(list(itertools.chain.from_iterable(persistent)), grads, [x[:6] for x in launches])
+        _PLANS[cache_key] = plan
+        if len(_PLANS) > _PLANS_SIZE:
+            _PLANS.popitem(last=False)
+    out = _Launches((gkey, m, table, _grad_table(gcol, None, device, capturing), n_chunks, n_ptr)
+                    for gkey, m, table, sel, n_chunks, n_ptr, gcol in launches)  # fmt: skip
     out.keep = dense
     return out
 

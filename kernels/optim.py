@@ -12,8 +12,9 @@ op, ``opcheck`` clean).
 Launches: one per (param dtype, grad dtype) group of a call covers every chunk of every tensor
 (``_common.optimizer_launches``: a launch table of ``data_ptr()`` values, cached as a plan for a
 repeated call; tensors whose data is not 16-byte aligned go to a second launch, compiled without
-the alignment hint). Table columns: param, grad, [master], each state's column (q8: its codes,
-then its scale bytes), [tensor id, where random bits are drawn]. Each program reads ``found_inf``
+the alignment hint). Table columns: param, [master], each state's column (q8: its codes, then its
+scale bytes), [tensor id, where random bits are drawn]; the grads' addresses are a tensor of their
+own (a planned call writes only that one). Each program reads ``found_inf``
 and, when it is non-zero (NaN included), treats its chunk as empty: a skipped step writes nothing,
 without a host sync. The step scalars are the rule's row (``[k]`` shared, or ``[n, k]``: the
 table's last column gives each tensor its row). Hyperparameters travel as fp32 numbers, and
@@ -85,6 +86,7 @@ _MASTER_OF_DTYPE = {dt: kind for kind, (_, dt, _) in MASTERS.items() if dt is no
 @C.jit_launched
 def _optim_kernel(
     table_ptr,
+    grad_ptrs_ptr,
     n_tensors,
     n_chunks,
     step_scalars_ptr,
@@ -114,18 +116,19 @@ def _optim_kernel(
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # table columns: param, grad, [master], state 0 [its scales], state 1 ..., [tensor id]
+    # table columns: param, [master], state 0 [its scales], state 1 ..., [tensor id]; the grads'
+    # addresses apart (grad_ptrs_ptr: the one column a planned call writes anew)
     pid = tl.program_id(0)
     t, start, numel = C.chunk_of(table_ptr, n_tensors, n_chunks, pid, N_PTR, CHUNK)
     p_ptr = C.load_ptr(table_ptr, t, P_KIND, ALIGNED)
-    g_ptr = C.load_ptr(table_ptr, n_tensors + t, G_KIND, ALIGNED)
+    g_ptr = C.load_ptr(grad_ptrs_ptr, t, G_KIND, ALIGNED)
     HAS_M: tl.constexpr = MASTER != 0
     if MASTER == 1:
-        w_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 0, ALIGNED)
+        w_ptr = C.load_ptr(table_ptr, n_tensors + t, 0, ALIGNED)
     elif MASTER == 2:
-        w_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 4, ALIGNED)
+        w_ptr = C.load_ptr(table_ptr, n_tensors + t, 4, ALIGNED)
     elif MASTER == 3:
-        w_ptr = C.load_ptr(table_ptr, 2 * n_tensors + t, 5, ALIGNED)
+        w_ptr = C.load_ptr(table_ptr, n_tensors + t, 5, ALIGNED)
     else:
         w_ptr = p_ptr
     # each state's value column (fp32, bf16 bits, or q8 codes), and a q8 state's scale bytes after it;
@@ -133,7 +136,7 @@ def _optim_kernel(
     Q8: tl.constexpr = STATE == 2
     S_KIND: tl.constexpr = 2 * (STATE == 1) + 6 * Q8
     PER: tl.constexpr = 1 + Q8
-    COL: tl.constexpr = 2 + HAS_M
+    COL: tl.constexpr = 1 + HAS_M
     if N_STATE > 0:
         c0_ptr = C.load_ptr(table_ptr, COL * n_tensors + t, S_KIND, ALIGNED)
     else:
@@ -359,11 +362,12 @@ def _optim_impl(
             chunk, stride, lambda k: rng_base if use_rng(k) else None,
             (rule, master_id, state_id, n_state, sr_param, sr_state, rng_base), direct, columns,
         )  # fmt: skip
-        for gkey, n_tensors, table, n_chunks, n_ptr in launches:
+        for gkey, n_tensors, table, grad_ptrs, n_chunks, n_ptr in launches:
             p_dtype, g_dtype, aligned = gkey
             sr_p, sr_s = sr(gkey)
             _optim_kernel[(n_chunks,)](
                 table,
+                grad_ptrs,
                 n_tensors,
                 n_chunks,
                 scalars,

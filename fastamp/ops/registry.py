@@ -266,7 +266,9 @@ def coerce(op: str, args) -> tuple:
     coercers = _COERCERS[op]
     if len(args) != len(coercers):
         raise TypeError(f"{op}: expected {len(coercers)} arguments, got {len(args)}")
-    return tuple(a if c is None else c(a) for c, a in zip(coercers, args))
+    # a list stays the same object (no op keeps or changes its lists; a copy of 20,000 tensors
+    # costs more than the rest of a planned Triton launch's Python)
+    return tuple(a if c is None or (c is list and type(a) is list) else c(a) for c, a in zip(coercers, args))
 
 
 def _make_fake(ns: str, op: str):

@@ -1,7 +1,8 @@
 """The Triton optimizer launchers' cached plans (``kernels/_common.optimizer_launches``).
 
 A repeated call with the same params and states reuses its groups and tables (only this
-call's grad addresses are written into a copy) and skips the dispatcher; these tests check
+call's grad addresses go to the kernel anew, as a tensor of their own) and skips the
+dispatcher; these tests check
 that such a call gives the bits of a launch built from scratch and of the reference, and that
 a call whose tensors changed in any way a table depends on (a replaced, rebound, resized,
 retyped or restrided tensor; grads are new tensors every step, as after a backward) never
@@ -172,6 +173,49 @@ def test_a_cached_plan_gives_the_bits_of_a_fresh_launch_and_of_the_reference(op,
     _run(op, ref, 3, fn=getattr(R, op))
     _assert_same(cached, fresh, "cached vs fresh")
     _assert_same(cached, ref, "cached vs reference")
+
+
+class _Recording:
+    """The optimizer kernel, run as it is, with each launch's table and grad-address tensor kept."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(table, grad_ptrs, *args, **kwargs):
+            self.launches.append((table, grad_ptrs, table.clone(), grad_ptrs.clone()))
+            self.kernel[grid](table, grad_ptrs, *args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+def test_a_planned_call_reuses_its_tables_and_passes_only_new_grad_addresses(op, device, monkeypatch):
+    C._PLANS.clear()
+    rec = _Recording(toptim._optim_kernel)
+    monkeypatch.setattr(toptim, "_optim_kernel", rec)
+    st = _state(op, device)
+    calls = []
+    for k in range(3):
+        grads = _grads(st, k)
+        before = len(rec.launches)
+        TRITON[op](*_args(op, st, grads))
+        calls.append((rec.launches[before:], [g.data_ptr() for g in grads if g.numel()]))
+    first, _ = calls[0]
+    assert len(first) >= 2, "the call has two launch groups at least (dtype pairs, one misaligned param)"
+    for launches, gptrs in calls[1:]:
+        assert len(launches) == len(first)
+        # the same table objects (the plan's), not rewritten since the first call
+        for (table, _, _, _), (table0, _, bits0, _) in zip(launches, first):
+            assert table is table0 and torch.equal(table.cpu(), bits0.cpu())
+        # each launch's grad addresses are this call's grads, every grad of the call once
+        got = sorted(x for _, g, _, _ in launches for x in g.tolist())
+        assert got == sorted(gptrs)
+    # an earlier call's grad addresses are never rewritten by a later call
+    for launches, _ in calls:
+        for _, grad_ptrs, _, bits in launches:
+            assert torch.equal(grad_ptrs.cpu(), bits.cpu())
 
 
 def _new_lists(st):

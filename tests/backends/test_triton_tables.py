@@ -53,15 +53,21 @@ def test_launch_table_reuses_reads_only_for_its_own_streams():
     groups = C.launch_groups(streams, lambda i: (streams[0][i].dtype,))
     ((key, idxs),) = groups.items()
     assert key == (torch.float32, True) and list(idxs) == [0, 1, 2, 3]
-    table, n_chunks, n_ptr = C.launch_table(idxs, streams, None, 4, torch.device("cpu"), 0)
-    assert n_ptr == 3 and n_chunks == 8
+    table, n_chunks, n_ptr, apart = C.launch_table(idxs, streams, None, 4, torch.device("cpu"), 0)
+    assert n_ptr == 3 and n_chunks == 8 and apart is None
     want, _ = _expected([[t.data_ptr() for t in s] for s in streams], [5] * 4, 4, [0] * 4)
     assert table.tolist() == want
     # the same indices with other tensors: read from those, not from the kept reads
     other = _streams(4, offset=1)
-    table2, _, _ = C.launch_table(idxs, other, 7, 4, torch.device("cpu"), 4)
+    table2, _, _, _ = C.launch_table(idxs, other, 7, 4, torch.device("cpu"), 4)
     want2, _ = _expected([[t.data_ptr() for t in s] for s in other] + [[7, 8, 9, 10]], [5] * 4, 4, [0, 4, 8, 12])
     assert table2.tolist() == want2
+    # a stream's column apart (the optimizer's grads): returned as a list, the table without it
+    table3, n_chunks3, n_ptr3, apart = C.launch_table(idxs, other, 7, 4, torch.device("cpu"), 4, apart=1)
+    cols = [[t.data_ptr() for t in s] for s in other]
+    assert apart == cols.pop(1) and n_ptr3 == 3 and n_chunks3 == 8
+    want3, _ = _expected([*cols, [7, 8, 9, 10]], [5] * 4, 4, [0, 4, 8, 12])
+    assert table3.tolist() == want3
 
 
 def test_launch_groups_split_by_key_and_alignment_and_skip_empty():
@@ -78,7 +84,7 @@ def test_launch_groups_split_by_key_and_alignment_and_skip_empty():
         (torch.float32, False): [2],
     }
     for idxs in groups.values():
-        table, n_chunks, _ = C.launch_table(idxs, streams, None, 4, torch.device("cpu"), 3)
+        table, n_chunks, _, _ = C.launch_table(idxs, streams, None, 4, torch.device("cpu"), 3)
         cols = [[s[i].data_ptr() for i in idxs] for s in streams]
         want, want_chunks = _expected(cols, [5] * len(idxs), 4, [3 * i for i in idxs])
         assert n_chunks == want_chunks and table.tolist() == want

@@ -98,6 +98,7 @@ KERNELS = (*STREAMING, "_stats_reduce_kernel", "_update_scale_kernel")
 # results): scalar accesses by design. Every other global access is a data stream.
 CONTROL_PTRS = {
     "table_ptr",
+    "grad_ptrs_ptr",
     "step_scalars_ptr",
     "found_inf_ptr",
     "inv_scale_ptr",
