@@ -74,9 +74,10 @@ const at::Tensor& grad_of(const at::Tensor& t) {
 // ints; `size()` -1 where `obj` offers no buffer of whole int64s.
 class Int64Buffer {
  public:
+  // obj: an object with the buffer protocol, or nullptr for none (size() is then -1, as for a non-buffer)
   explicit Int64Buffer(PyObject* obj) {
-    ok_ = PyObject_GetBuffer(obj, &view_, PyBUF_SIMPLE) == 0;
-    if (!ok_) PyErr_Clear();
+    ok_ = obj != nullptr && PyObject_GetBuffer(obj, &view_, PyBUF_SIMPLE) == 0;
+    if (!ok_ && obj != nullptr) PyErr_Clear();
   }
   ~Int64Buffer() {
     if (ok_) PyBuffer_Release(&view_);
@@ -331,7 +332,7 @@ PyObject* dense_ptrs(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   PyObject *grads = args[0], *numels = args[1], *dtypes = args[2], *device = args[3];
   if (!PyList_CheckExact(grads) || !PyList_CheckExact(dtypes) || !THPDevice_Check(device)) Py_RETURN_NOTIMPLEMENTED;
   const bool numel_list = PyList_CheckExact(numels);
-  const Int64Buffer numel_buf(numel_list ? Py_None : numels);
+  const Int64Buffer numel_buf(numel_list ? nullptr : numels);
   const Py_ssize_t n = PyList_GET_SIZE(grads);
   if ((numel_list ? PyList_GET_SIZE(numels) : numel_buf.size()) < n || PyList_GET_SIZE(dtypes) < n)
     Py_RETURN_NOTIMPLEMENTED;
