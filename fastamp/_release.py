@@ -159,13 +159,19 @@ def release(
     breaks and 50 graphs on the first step of a 5-layer model with a bucket per param), and
     ``step_bucket`` runs eagerly between them. It costs compile time and buys nothing here.
     """
+    from fastamp import optim as fused
     from fastamp.optim.engine.base import FusedOptimizer
 
     scaler, max_norm = _check_amp(scaler, max_norm, norm_type)
     if not isinstance(optimizer, FusedOptimizer):
+        names = ", ".join(
+            f"fastamp.{name}"
+            for name in fused.__all__
+            if isinstance(getattr(fused, name), type) and issubclass(getattr(fused, name), FusedOptimizer)
+        )
         raise TypeError(
-            f"fastamp.release: the optimizer must be a fastamp fused optimizer (fastamp.AdamW, fastamp.SGD, "
-            f"fastamp.Lion), got {type(optimizer).__module__}.{type(optimizer).__qualname__}; gradient release "
+            f"fastamp.release: the optimizer must be a fastamp fused optimizer ({names}), got "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}; gradient release "
             "steps buckets of params with FusedOptimizer.step_bucket"
         )
     if not isinstance(model, torch.nn.Module):
