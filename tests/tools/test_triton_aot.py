@@ -126,7 +126,9 @@ CONTROL_FILES = {"rules.py"}
 # constexprs derived from others (or fixed): not flags
 DERIVED = {"CHUNK", "BLOCK", "N_PTR", "N_COL", "HAS_RN", "RN", "RBLOCK"}
 KIND_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "f64", 4: "i16", 5: "i8", 6: "u8"}
+# seconds the workers of one tier may take (the cover; the full set, ~1 h on 2 cores, gets 4 h)
 WORKER_TIMEOUT_S = int(os.environ.get("FASTAMP_AOT_TIMEOUT", "1500"))
+FULL_TIMEOUT_S = int(os.environ.get("FASTAMP_AOT_TIMEOUT", "14400"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -956,17 +958,21 @@ def run_tier(
         log = open(workdir / f"worker{rank}.log", "w")
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(workdir)), log))
     merged = {"results": [], "workers": n}
+    limit = FULL_TIMEOUT_S if full else WORKER_TIMEOUT_S
     for rank, (proc, log) in enumerate(procs):
+        killed = False
         try:
-            proc.wait(timeout=max(1, WORKER_TIMEOUT_S - (time.time() - t0)))
+            proc.wait(timeout=max(1, limit - (time.time() - t0)))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+            killed = True
         log.close()
         path = workdir / f"worker{rank}.json"
         if proc.returncode != 0 or not path.exists():
             tail = (workdir / f"worker{rank}.log").read_text()[-4000:]
-            merged.setdefault("errors", []).append(f"worker {rank} exited with {proc.returncode}:\n{tail}")
+            why = f"killed after {limit} s (FASTAMP_AOT_TIMEOUT)" if killed else f"exited with {proc.returncode}"
+            merged.setdefault("errors", []).append(f"worker {rank} {why}:\n{tail}")
             continue
         res = json.loads(path.read_text())
         if res.get("skip"):
