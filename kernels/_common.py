@@ -10,10 +10,11 @@ int64 tensor on the device, laid out as::
 
 so a launch needs one host-to-device copy, from pinned memory without blocking on CUDA (no
 host sync). The optimizer kernel takes its grads' addresses as a second int64 tensor (the one
-column a repeated call changes: a planned table stays on the device). See :func:`build_table` for when tables are cached and how they stay valid under
-CUDA-graph capture and across streams, and :func:`optimizer_launches` for the optimizer
-launchers' plans: a repeated call with the same params and states reuses its groups and
-tables and skips the dispatcher (:func:`call_launcher`).
+column a repeated call changes: a planned table stays on the device). See :func:`build_table`
+for when tables are cached and how they stay valid under CUDA-graph capture and across
+streams, and :func:`optimizer_launches` for the optimizer launchers' plans: a repeated call
+with the same params and states reuses its groups and tables and skips the dispatcher
+(:func:`call_launcher`).
 
 Memory access: a chunk is ``CHUNK`` elements and starts at a multiple of ``CHUNK``; a program
 walks it in blocks of ``BLOCK``. Full blocks are loaded and stored without a mask, only the
