@@ -59,7 +59,7 @@ instruction the full set does. It does not prove the absence of spills everywher
 allocator is not monotonic in the streams (at 8 elements per thread, 22 of the 1,412 compiles
 of the kernels of then spilled 4-12 bytes in lighter specialisations a cover did not hold). So
 the full set is compiled whenever a kernel or its launch shape changes: ``FASTAMP_AOT_FULL=1``
-(4,292 compiles, about an hour on 2 cores), and benchmarks/results/triton_aot.md is written from
+(4,292 compiles, 22-25 minutes on 2 cores), and benchmarks/results/triton_aot.md is written from
 it (``python tests/tools/test_triton_aot.py --full --write benchmarks/results/triton_aot``).
 
 Triton versions: the one installed, and any other listed in ``FASTAMP_AOT_TRITON``
@@ -126,7 +126,7 @@ CONTROL_FILES = {"rules.py"}
 # constexprs derived from others (or fixed): not flags
 DERIVED = {"CHUNK", "BLOCK", "N_PTR", "N_COL", "HAS_RN", "RN", "RBLOCK"}
 KIND_NAMES = {0: "f32", 1: "f16", 2: "bf16", 3: "f64", 4: "i16", 5: "i8", 6: "u8"}
-# seconds the workers of one tier may take (the cover; the full set, ~1 h on 2 cores, gets 4 h)
+# seconds the workers of one tier may take (the cover; the full set, 22-25 min on 2 cores, gets 4 h)
 WORKER_TIMEOUT_S = int(os.environ.get("FASTAMP_AOT_TIMEOUT", "1500"))
 FULL_TIMEOUT_S = int(os.environ.get("FASTAMP_AOT_TIMEOUT", "14400"))
 
