@@ -768,7 +768,8 @@ class _Plan:
         self.numel_buf = array("q", self.numels)
         self.dtypes = list(map(_dtype_of, flat))
         self.grad_dtypes = list(map(_dtype_of, grads))
-        # (group key, tensors, table values without grads, grads positions or None (all), n_chunks, n_ptr)
+        # (group key, n tensors, the table of the persistent columns (never rewritten), the launch's
+        # positions among the grads or None (all), n_chunks, n_ptr)
         self.launches = launches
         # per block of the persistent lists, what plan_grads compares: addresses, dtypes, element
         # counts (each tensor contiguous), and the dtype of each tensor's own ``.grad`` (None:
