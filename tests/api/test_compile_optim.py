@@ -404,3 +404,53 @@ def test_device_lr_schedule_does_not_recompile(backend):
     _assert_same(compiled, eager)
     assert cc.frame_count == 1
     _no_graph_breaks()
+
+
+def test_the_compiled_step_reads_the_state_through_a_list():
+    """A compiled call does not walk ``opt.state``'s keys to find each param's state; a state reset traces again.
+
+    dynamo fetches a value of a dict keyed by tensors by its key's position, a walk from the
+    first key (``torch._dynamo.utils.dict_keys_getitem``): a traced step reading each param's
+    state as ``opt.state[p]`` paid that walk per param at every call, O(n^2) per call (2,000
+    params: ~7 ms of ~32; benchmarks/results/NOTES.md). It reads them through a list by
+    position (``fastamp.optim.engine.traced.traced_states``), which a state dict assigned in
+    ``opt.state`` drops: that call traces again and stays bit-identical with eager.
+    """
+    from unittest import mock
+
+    utils = torch._dynamo.utils
+    if not hasattr(utils, "dict_keys_getitem"):
+        pytest.skip("this torch's dynamo has no dict_keys_getitem to count")
+    real = utils.dict_keys_getitem
+    walks: list[int] = []
+
+    def counting(d, n):
+        walks.append(n)
+        return real(d, n)
+
+    compiled, eager = _twins("adamw", "fp32", 1e-2)
+    cc = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(compiled[1].step, fullgraph=True, backend=cc)
+    replayed = 0
+    for i in range(8):
+        _set_grads(i, (compiled[0], eager[0]))
+        for p in compiled[0] + eager[0]:
+            p.grad.nan_to_num_(posinf=1.0)
+        if i == 5:  # a layer's state reset between steps (torch: its moments start again)
+            for ps, opt in (compiled, eager):
+                opt.state[ps[2]] = {}
+        frames = cc.frame_count
+        with mock.patch.object(utils, "dict_keys_getitem", counting):
+            step()
+        if cc.frame_count == frames:  # a replay, not a trace
+            replayed += 1
+            # one walk at most: torch's OptimizerVariable realizes the state of the first param
+            # with a grad through its key's position (map_sources_and_install_guards); the old
+            # traced step walked once per param (4 here)
+            assert len(walks) <= 1, f"step {i}: the compiled call walked the state table's keys to {walks}"
+        walks.clear()
+        eager[1].step()
+    _assert_same(compiled, eager)
+    assert cc.frame_count == 2  # the first step and the reset
+    assert replayed == 6
+    _no_graph_breaks()

@@ -290,7 +290,12 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
     def _track_state(self) -> None:
         """Make ``self.state`` a :class:`StateTable` owned by this optimizer."""
         self.state = StateTable(dict, self.state, owner=self)
+        self._state_changed()
+
+    def _state_changed(self) -> None:
+        """``self.state`` was replaced, or a param's entry assigned or removed: plan again, eager and compiled."""
         self._plan = None
+        self.__dict__["_traced_states"] = None  # a compiled step's guard on it fails: it traces again
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
@@ -753,9 +758,11 @@ class FusedOptimizer(_MasterWeights, _StateValidation, _StateDictExport, _StepRe
         # effects), so the compiled step records it here, as the schedulers' wrapper would
         self._opt_called = True
         try:
-            return self._trace_time_plan()
+            plan = self._trace_time_plan()
         except Exception as e:
             raise _compile_errors.as_eager(e) from None
+        self.__dict__["_traced_states"] = _traced.traced_states(self)
+        return plan
 
     def _trace_time_plan(self) -> tuple:
         """Validate and plan the compiled step; run by dynamo eagerly at trace time, never traced.

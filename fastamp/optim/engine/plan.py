@@ -39,7 +39,7 @@ class StateTable(defaultdict):
     def _changed(self) -> None:
         owner = None if self._owner is None else self._owner()
         if owner is not None:
-            owner._plan = None
+            owner._state_changed()
 
     def __setitem__(self, key: Any, value: Any) -> None:
         super().__setitem__(key, value)
