@@ -106,6 +106,21 @@ def _run(n: int, numel: int, calls: int, provider: str, timeout_s: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def write_report(path: str, info: dict, rows: list[dict], numel: int, calls: int) -> None:
+    cols = [(k, k) for k in dict.fromkeys(k for r in rows for k in r)]
+    lines = ["# Compiled optimizer step: host time per call against the eager step", ""]
+    lines += [f"- {k}: {v}" for k, v in info.items()]
+    lines += [
+        f"- {numel} fp32 elements per param, 1 thread, medians of {calls} calls; each row its own "
+        "process and inductor cache",
+        "",
+    ]
+    lines += common.markdown_table(rows, cols).splitlines()
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", default="250,500,1000,2000", help="param counts, comma-separated")
@@ -148,18 +163,7 @@ def main(argv=None):
     info["load_avg_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     base = os.path.join(out_dir, f"bench_compiled_step-{args.tag}")
     common.write_csv(base + ".csv", rows)
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    lines = ["# Compiled optimizer step: host time per call against the eager step", ""]
-    lines += [f"- {k}: {v}" for k, v in info.items()]
-    lines += [
-        f"- {args.numel} fp32 elements per param, 1 thread, medians of {args.calls} calls; each row its own "
-        "process and inductor cache",
-        "",
-    ]
-    lines += common.markdown_table(rows, cols).splitlines()
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(base + ".md", info, rows, args.numel, args.calls)
     print(f"wrote {base}.csv and {base}.md")
     return 0 if all("error" not in r for r in rows) else 1
 
