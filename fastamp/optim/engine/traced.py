@@ -164,7 +164,7 @@ def traced_states(opt: Any) -> list[list[dict[str, Any]]]:
     Made at trace time for :func:`traced_step`, which reads the state through it rather
     than through ``opt.state[p]``: dynamo fetches a value of a dict keyed by tensors by the
     key's position (``dict_keys_getitem``, a walk from the first key), so that reading every
-    param's state costs O(n^2) per compiled call (2,000 params: ~7 ms of ~32), where a list
+    param's state costs O(n^2) per compiled call (2,000 params, cProfile: ~7 ms of ~32), where a list
     index costs O(1). The list holds the same dict objects as ``opt.state``: a tensor
     replaced or written in one of them is read by the next run, as before. A dict assigned,
     removed or cleared in ``opt.state`` drops the list (:class:`~fastamp.optim.engine.plan.StateTable`
