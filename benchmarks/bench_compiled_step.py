@@ -17,8 +17,8 @@ alias differently), params of ``--numel`` fp32 elements with grads, native CPU, 
 
 The elements are few (64 per param by default), so the times are host time, not bandwidth.
 Timing only: every compiled step's bit-identity with eager is asserted by
-``tests/api/test_compile_*.py``; here the compiled and eager params are only checked to
-agree after the run (same steps, same values).
+``tests/api/test_compile_*.py``; here the compiled and eager params are compared after the
+same 24 steps: "bit-identical", or the largest absolute difference of any element ("max abs diff").
 
 ``python benchmarks/bench_compiled_step.py [--params 250,500,1000,2000] [--torch] [--tag T]``
 """
@@ -85,9 +85,9 @@ compiled = timed(step, calls)
 # the compiled optimizer took 1 + 3 + calls steps, the eager one 2 + calls: step the eager one to match
 for _ in range(2):
     opt_e.step()
-agree = all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ps_e, ps_c))
+diff = max(float((a - b).abs().max()) for a, b in zip(ps_e, ps_c))
 exact = all(torch.equal(a, b) for a, b in zip(ps_e, ps_c))
-print(json.dumps({{"eager": eager, "compile_s": compile_s, "compiled": compiled, "agree": agree, "exact": exact}}))
+print(json.dumps({{"eager": eager, "compile_s": compile_s, "compiled": compiled, "diff": diff, "exact": exact}}))
 """
 
 
@@ -156,7 +156,7 @@ def main(argv=None):
                         "compiled spread ms": f"{min(r['compiled']) * 1e3:.2f}-{max(r['compiled']) * 1e3:.2f}",
                         "compiled us per param": round(compiled / n * 1e6, 2),
                         "compiled / eager": round(compiled / eager, 1),
-                        "compiled == eager": "bit-identical" if r["exact"] else ("close" if r["agree"] else "DIFFER"),
+                        "compiled == eager": "bit-identical" if r["exact"] else f"max abs diff {r['diff']:.3g}",
                     }
                 )
             rows.append(row)
