@@ -107,7 +107,6 @@ def _run(n: int, numel: int, calls: int, provider: str, timeout_s: int) -> dict:
 
 
 def write_report(path: str, info: dict, rows: list[dict], numel: int, calls: int) -> None:
-    cols = [(k, k) for k in dict.fromkeys(k for r in rows for k in r)]
     lines = ["# Compiled optimizer step: host time per call against the eager step", ""]
     lines += [f"- {k}: {v}" for k, v in info.items()]
     lines += [
@@ -115,7 +114,7 @@ def write_report(path: str, info: dict, rows: list[dict], numel: int, calls: int
         "process and inductor cache",
         "",
     ]
-    lines += common.markdown_table(rows, cols).splitlines()
+    lines += common.markdown_table(rows, common.columns_of(rows)).splitlines()
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

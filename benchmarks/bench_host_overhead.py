@@ -348,13 +348,6 @@ def cuda_plan_host(n: int, m: int, reps: int) -> dict:
         return {"median_s": float(med), "min_s": float(lo), "max_s": float(hi)}
 
 
-def _cols(rows):
-    keys = []
-    for r in rows:
-        keys += [k for k in r if k not in keys]
-    return [(k, k) for k in keys]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default="20000x256,1x5120000", help="NxM,NxM: the many-tensor shape, then the one")
@@ -451,10 +444,10 @@ def main(argv=None):
         "timed call (untimed). Goal (issue 21): ratio many/one <= 1.5 for fastamp.",
         "",
     ]
-    lines += common.markdown_table(rows, _cols(rows)).splitlines() if rows else ["(native rows not run)"]
+    lines += common.markdown_table(rows, common.columns_of(rows)).splitlines() if rows else ["(native rows not run)"]
     if host_rows:
         lines += ["", "## Host only: launches recorded, not run; Python calls per step", ""]
-        lines += common.markdown_table(host_rows, _cols(host_rows)).splitlines()
+        lines += common.markdown_table(host_rows, common.columns_of(host_rows)).splitlines()
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -382,6 +382,11 @@ def ratio_lines(rows: list[dict[str, object]], pairs: Sequence[tuple[str, str, s
     return [what, "", "| provider | config | this | compared with | time ratio |", "|---|---|---|---|---|"] + out
 
 
+def columns_of(rows: list[dict[str, object]]) -> list[tuple[str, str]]:
+    """``markdown_table`` columns for rows whose keys differ (error rows): every key, in first-seen order."""
+    return [(k, k) for k in dict.fromkeys(k for r in rows for k in r)]
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
